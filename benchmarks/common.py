@@ -1,0 +1,69 @@
+"""Shared helpers for benchmarks: CUDA-event timing, environment stamp, JSON results."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import subprocess
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+RESULTS_DIR = pathlib.Path(__file__).parent / "results"
+H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on the H200 (SPEC §6)
+
+
+def git_commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def stamp() -> dict[str, Any]:
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {
+        "device": device,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": git_commit(),
+        "torch": torch.__version__,
+    }
+
+
+def time_cuda(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
+    """Per-call milliseconds measured with CUDA events, after `warmup` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
+    """The bf16 matmul ceiling of this device, measured now (it varies from day to day)."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = median(time_cuda(lambda: a @ b, warmup=3, iters=iters))
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def write_result(name: str, payload: dict[str, Any]) -> pathlib.Path:
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{name}.json"
+    path.write_text(json.dumps({**stamp(), **payload}, indent=2) + "\n")
+    return path

@@ -1,0 +1,155 @@
+"""Building blocks of the drafter, written as a diff over Hugging Face's Qwen3 decoder layer.
+
+Same as Qwen3: RMSNorm (computed in fp32), per-head `q_norm`/`k_norm`, rotate-half RoPE, SwiGLU MLP.
+Different (marked `# DFlash:`): keys and values also come from the projected target context, and
+attention goes through `attend`, which takes the DFlash mask (dense or flex) instead of a causal one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.models.attention import AttentionMask, attend
+from dflash_train.models.config import DFlashConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies of RoPE for the rope types DFlash targets use (default, linear, llama3)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if rope_type == "default":
+        return inv_freq.float()
+    if rope_type == "linear":
+        return (inv_freq / scaling["factor"]).float()
+    if rope_type == "llama3":
+        # Llama-3.1: keep high frequencies, divide low ones by `factor`, blend in between.
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(mid, blended, out).float()
+    raise ValueError(f"rope type {rope_type!r} is not supported by the drafter; use default, linear or llama3")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    @torch.no_grad()
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [b, T] -> (cos, sin), each [b, T, head_dim]."""
+        freqs = positions.float()[..., None] * self.inv_freq.float()
+        emb = torch.cat([freqs, freqs], dim=-1)
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [b, heads, T, D]; cos/sin [b, T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DFlashAttention(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, d, bias = config.hidden_size, config.head_dim, config.attention_bias
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_attention_heads, config.num_key_value_heads, d
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def _split_heads(self, x: torch.Tensor, heads: int) -> torch.Tensor:
+        b, t, _ = x.shape
+        return x.view(b, t, heads, self.head_dim).transpose(1, 2)  # [b, heads, T, D]
+
+    def key_values(
+        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (k_norm + RoPE) and values of rows x [b, T, H] -> each [b, kv_heads, T, D]."""
+        k = self.k_norm(self._split_heads(self.k_proj(x), self.num_kv_heads))
+        v = self._split_heads(self.v_proj(x), self.num_kv_heads)
+        # fp32 norm weights promote k to fp32 under autocast; attention runs in the projections' dtype.
+        return apply_rope(k, cos, sin).to(v.dtype), v
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        """x: normed block rows [b, Q, H]; context_k/v [b, kv_heads, C, D] -> [b, Q, H]."""
+        k, v = self.key_values(x, cos, sin)
+        q = apply_rope(self.q_norm(self._split_heads(self.q_proj(x), self.num_heads)), cos, sin).to(v.dtype)
+        # DFlash: keys/values are [context ; block]; queries come only from the block.
+        k = torch.cat([context_k, k], dim=2)  # [b, kv_heads, C + Q, D]
+        v = torch.cat([context_v, v], dim=2)
+        out = attend(q, k, v, mask)  # [b, heads, Q, D]
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = MLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(
+        self,
+        h: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        context_k: torch.Tensor,
+        context_v: torch.Tensor,
+        mask: AttentionMask,
+    ) -> torch.Tensor:
+        # DFlash: only block rows flow through the layer; context rows enter as K/V alone.
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_k, context_v, mask)
+        return h + self.mlp(self.post_attention_layernorm(h))

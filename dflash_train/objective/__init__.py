@@ -1,0 +1,18 @@
+from dflash_train.objective.blocks import IGNORE_INDEX, Blocks, build_blocks, sample_anchors
+from dflash_train.objective.loss import chunked_weighted_cross_entropy, slot_weights
+from dflash_train.objective.masks import dense_mask, flex_mask
+from dflash_train.objective.objective import DFlashObjective, ObjectiveOutput, expected_acceptance_length
+
+__all__ = [
+    "IGNORE_INDEX",
+    "Blocks",
+    "DFlashObjective",
+    "ObjectiveOutput",
+    "build_blocks",
+    "chunked_weighted_cross_entropy",
+    "dense_mask",
+    "expected_acceptance_length",
+    "flex_mask",
+    "sample_anchors",
+    "slot_weights",
+]

@@ -1,0 +1,97 @@
+"""Anchors, block inputs and labels of the DFlash training objective.
+
+Layout (one sequence of S tokens, N anchors, block size B):
+
+    keys    = [ ctx_0 … ctx_{S-1} | block_0 (B rows) | block_1 | … | block_{N-1} ]
+    queries = [ block_0 | block_1 | … | block_{N-1} ]                       (Q = N*B rows)
+
+Block j holds `[x_{a_j}, MASK × (B-1)]` at positions `a_j … a_j+B-1`. Slot k (1..B-1) predicts
+`x_{a_j+k}` — the token at its own position, not shifted. Slot 0 is the anchor and has no loss.
+Anchors are sorted; padded anchors (a sequence with fewer than N candidates) have `valid = False`,
+sit at position S (past every real token) and neither see nor count anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Blocks:
+    anchors: torch.Tensor  # [b, N] long, sorted; padded anchors = S
+    valid: torch.Tensor  # [b, N] bool
+    input_ids: torch.Tensor  # [b, N*B] long: anchor token then MASK
+    positions: torch.Tensor  # [b, N*B] long: a_j + slot
+    labels: torch.Tensor  # [b, N*B] long: target token or IGNORE_INDEX
+    block_size: int
+
+    @property
+    def slots(self) -> torch.Tensor:
+        """Slot index (0..B-1) of each query row, [N*B]."""
+        return torch.arange(self.labels.shape[1], device=self.labels.device) % self.block_size
+
+
+def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
+    """[b, S] bool: position a is a candidate iff a and a+1 are both supervised."""
+    candidates = torch.zeros_like(loss_mask, dtype=torch.bool)
+    candidates[:, :-1] = loss_mask[:, :-1].bool() & loss_mask[:, 1:].bool()
+    return candidates
+
+
+def sample_anchors(
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw up to `num_anchors` candidate positions per row, without replacement, sorted.
+
+    Returns anchors [b, N] (padded entries = S) and valid [b, N]. Shapes are static (always N) so
+    compiled attention never recompiles.
+    """
+    b, seq_len = loss_mask.shape
+    candidates = anchor_candidates(loss_mask)
+    # Random keys in (0, 1) for candidates, -1 for the rest: top-N keys = a uniform sample.
+    keys = torch.rand(b, seq_len, generator=generator, device=loss_mask.device)
+    keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
+    take = min(num_anchors, seq_len)
+    picked = keys.topk(take, dim=1).indices
+    valid = candidates.gather(1, picked)
+    anchors = torch.where(valid, picked, torch.full_like(picked, seq_len)).sort(dim=1).values
+    valid = anchors < seq_len
+    if take < num_anchors:  # pad to a static N
+        pad = num_anchors - take
+        anchors = torch.cat([anchors, anchors.new_full((b, pad), seq_len)], dim=1)
+        valid = torch.cat([valid, valid.new_zeros((b, pad))], dim=1)
+    return anchors, valid
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    anchors: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    mask_token_id: int,
+) -> Blocks:
+    """Block inputs, positions and same-position labels for sorted anchors [b, N]."""
+    b, seq_len = input_ids.shape
+    slots = torch.arange(block_size, device=input_ids.device)
+    positions = anchors[:, :, None] + slots  # [b, N, B]
+    in_range = positions < seq_len
+    clamped = positions.clamp(max=seq_len - 1)
+    tokens = input_ids.gather(1, clamped.flatten(1)).view_as(positions)
+    supervised = loss_mask.bool().gather(1, clamped.flatten(1)).view_as(positions)
+    supervised = supervised & in_range & valid[:, :, None] & (slots > 0)
+    labels = torch.where(supervised, tokens, torch.full_like(tokens, IGNORE_INDEX))
+    block_ids = torch.full_like(tokens, mask_token_id)
+    block_ids[:, :, 0] = tokens[:, :, 0]
+    return Blocks(
+        anchors=anchors,
+        valid=valid,
+        input_ids=block_ids.flatten(1),
+        positions=positions.flatten(1),
+        labels=labels.flatten(1),
+        block_size=block_size,
+    )

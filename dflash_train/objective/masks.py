@@ -1,0 +1,51 @@
+"""The DFlash training attention mask (see blocks.py for the key/query layout).
+
+A query in block j sees context keys kv < a_j — strictly: the anchor's own target feature does not
+exist yet at inference — and all B keys of its own block (bidirectional); nothing of other blocks.
+Padded blocks see nothing. `dense_mask` is the CPU path and the reference; `flex_mask` builds the
+same predicate as a sparse flex-attention `BlockMask` for the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
+    """Bool mask [b, 1, N*B, S + N*B] (True = visible)."""
+    num_queries = anchors.shape[1] * block_size
+    device = anchors.device
+    query_block = torch.arange(num_queries, device=device) // block_size  # [Q]
+    query_anchor = anchors[:, query_block]  # [b, Q]
+    query_valid = valid[:, query_block]
+    kv = torch.arange(context_len + num_queries, device=device)
+    is_context = kv < context_len
+    sees_context = is_context & (kv[None, None, :] < query_anchor[:, :, None])
+    kv_block = torch.div(kv - context_len, block_size, rounding_mode="floor")
+    sees_block = ~is_context & (kv_block[None, :] == query_block[:, None])
+    return (query_valid[:, :, None] & (sees_context | sees_block))[:, None]
+
+
+def flex_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int, compile: bool = True
+) -> Any:
+    """The same predicate as `dense_mask`, as a flex-attention BlockMask."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = flex_mask_mod(anchors, valid, context_len, block_size)
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, context_len + n * block_size
+    return create_block_mask(mask_mod, b, None, q_len, kv_len, device=anchors.device, _compile=compile)
+
+
+def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> Any:
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        block = q_idx // block_size
+        is_context = kv_idx < context_len
+        sees_context = is_context & (kv_idx < anchors[b, block])
+        sees_block = ~is_context & ((kv_idx - context_len) // block_size == block)
+        return valid[b, block] & (sees_context | sees_block)
+
+    return mask_mod

@@ -1,0 +1,102 @@
+"""One training step's loss and metrics for a batch of sequences with target features."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from dflash_train.models.draft import DFlashDraftModel
+from dflash_train.objective.blocks import IGNORE_INDEX, Blocks, build_blocks, sample_anchors
+from dflash_train.objective.loss import chunked_weighted_cross_entropy, slot_weights
+from dflash_train.objective.masks import dense_mask, flex_mask
+
+MaskKind = Literal["auto", "dense", "flex"]
+
+
+@dataclass
+class ObjectiveOutput:
+    loss: torch.Tensor  # scalar, differentiable
+    slot_correct: torch.Tensor  # [B] float: top-1 hits per slot (slot 0 always 0)
+    slot_count: torch.Tensor  # [B] float: supervised rows per slot
+    num_supervised: int
+
+    @property
+    def slot_accuracy(self) -> torch.Tensor:
+        """Top-1 accuracy of slots 1..B-1, [B-1] (nan where a slot had no label)."""
+        return (self.slot_correct / self.slot_count)[1:]
+
+    @property
+    def expected_acceptance_length(self) -> torch.Tensor:
+        return expected_acceptance_length(self.slot_accuracy)
+
+
+def expected_acceptance_length(slot_accuracy: torch.Tensor) -> torch.Tensor:
+    """tau implied by per-slot accuracies: 1 (bonus) + sum_k prod_{i<=k} acc_i."""
+    return 1.0 + torch.cumprod(torch.nan_to_num(slot_accuracy, nan=0.0), dim=0).sum()
+
+
+@dataclass
+class DFlashObjective:
+    """Anchors -> blocks -> masked drafter forward -> decay-weighted CE over valid slots only."""
+
+    block_size: int
+    mask_token_id: int
+    num_anchors: int = 512
+    loss_decay_gamma: float | None = None  # None: paper default for the block size; inf: no decay
+    mask_kind: MaskKind = "auto"
+    chunk_rows: int | None = None
+
+    def make_blocks(
+        self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
+    ) -> Blocks:
+        anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)
+        return build_blocks(input_ids, loss_mask, anchors, valid, self.block_size, self.mask_token_id)
+
+    def attention_mask(self, blocks: Blocks, context_len: int) -> torch.Tensor | object:
+        kind = self.mask_kind
+        if kind == "auto":
+            kind = "flex" if blocks.anchors.is_cuda else "dense"
+        if kind == "flex":
+            return flex_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
+        return dense_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
+
+    def __call__(
+        self,
+        draft: DFlashDraftModel,
+        embed_tokens: nn.Module,
+        head_weight: torch.Tensor,
+        input_ids: torch.Tensor,
+        loss_mask: torch.Tensor,
+        context_features: torch.Tensor,
+        generator: torch.Generator | None = None,
+        blocks: Blocks | None = None,
+    ) -> ObjectiveOutput:
+        """input_ids/loss_mask [b, S], context_features [b, S, K*H] from the frozen target."""
+        blocks = blocks or self.make_blocks(input_ids, loss_mask, generator)
+        context_len = input_ids.shape[1]
+        context_positions = torch.arange(context_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+        with torch.no_grad():
+            block_embeds = embed_tokens(blocks.input_ids)  # [b, N*B, H], frozen
+        hidden = draft(
+            block_embeds,
+            blocks.positions,
+            context_features,
+            context_positions,
+            self.attention_mask(blocks, context_len),
+        )
+        return self.loss_from_hidden(hidden, head_weight, blocks)
+
+    def loss_from_hidden(self, hidden: torch.Tensor, head_weight: torch.Tensor, blocks: Blocks) -> ObjectiveOutput:
+        slots = blocks.slots.expand_as(blocks.labels)
+        supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
+        rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
+        labels, row_slots = blocks.labels[supervised], slots[supervised]
+        weights = slot_weights(self.block_size, self.loss_decay_gamma).to(hidden.device)[row_slots]
+        loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows)
+        zeros = torch.zeros(self.block_size, device=hidden.device)
+        slot_correct = zeros.index_add(0, row_slots, correct.float())
+        slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
+        return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()))
