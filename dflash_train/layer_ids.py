@@ -20,7 +20,9 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
     if num_draft_layers < 1:
         raise ValueError(f"num_draft_layers must be at least 1, got {num_draft_layers}.")
     if num_target_layers < 3:
-        raise ValueError(f"The target needs at least 3 decoder layers to feed a drafter, got {num_target_layers}.")
+        raise ValueError(
+            f"The target needs at least 3 decoder layers to feed a drafter, got {num_target_layers}."
+        )
     if num_draft_layers == 1:
         ids = [num_target_layers // 2]
     else:

