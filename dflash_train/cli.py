@@ -1,0 +1,35 @@
+"""The `dflash-train` console script: one entry point, one subcommand per module in `commands/`.
+
+    dflash-train inspect --target smollm2-135m-instruct
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from dflash_train.commands import inspect_target
+
+COMMANDS = {"inspect": inspect_target}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-train", description="Train and use DFlash drafters.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name, module in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return COMMANDS[args.command].run(args)
+    except ValueError as error:  # user errors: one line that says what to do, no traceback
+        print(f"dflash-train {args.command}: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

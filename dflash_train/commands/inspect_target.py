@@ -1,0 +1,49 @@
+"""Show how a drafter would attach to a target: its shape, the default target layer ids, and the
+mask token that the resolution order picks.
+
+    dflash-train inspect --target smollm2-135m-instruct
+    dflash-train inspect --target Qwen/Qwen3-8B --num-draft-layers 5 --block-size 16
+"""
+
+from __future__ import annotations
+
+import argparse
+
+HELP = "show a target's shape, default layer ids and mask token"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf file")
+    parser.add_argument("--num-draft-layers", type=int, default=5)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--mask-token", default=None, help="explicit mask token id or string")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_train.mask_token import choose_mask_token
+    from dflash_train.models import DFlashConfig
+    from dflash_train.target import load_target
+
+    target = load_target(args.target)
+    explicit = int(args.mask_token) if args.mask_token and args.mask_token.isdigit() else args.mask_token
+    choice = choose_mask_token(target.tokenizer, target.vocab_size, explicit=explicit)
+    config = DFlashConfig.from_target_config(
+        target.config, mask_token_id=choice.id, num_hidden_layers=args.num_draft_layers,
+        block_size=args.block_size,
+    )
+    rows = [
+        ("target", args.target),
+        ("architecture", type(target.model).__name__),
+        ("layers / hidden / vocab rows", f"{target.num_layers} / {target.hidden_size} / {target.vocab_size}"),
+        ("tied embeddings", str(target.embeddings_tied)),
+        ("target_layer_ids", str(config.target_layer_ids)),
+        ("mask token", f"{choice.id} {choice.token!r} (rule: {choice.rule})"),
+        ("drafter", f"{config.num_hidden_layers} layers, block {config.block_size}, "
+                    f"heads {config.num_attention_heads}/{config.num_key_value_heads}, "
+                    f"intermediate {config.intermediate_size}"),
+        ("rope", f"theta {config.rope_theta:g}, scaling {config.rope_scaling}"),
+    ]
+    width = max(len(name) for name, _ in rows)
+    for name, value in rows:
+        print(f"{name:<{width}}  {value}")
+    return 0

@@ -1,0 +1,28 @@
+"""The console script: subcommands run through `main()`, user errors are one line with exit code 2."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from dflash_train.cli import main
+from tests.tiny_models import make_tiny_target
+
+
+def test_inspect_prints_layer_ids_and_mask_token(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = make_tiny_target("qwen3", num_layers=12)
+    target.model.save_pretrained(tmp_path)
+    target.tokenizer.save_pretrained(tmp_path)
+    assert main(["inspect", "--target", str(tmp_path), "--num-draft-layers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "12 / 64 / 320" in out
+    assert "[1, 5, 9]" in out  # round(1 + i * 8 / 2)
+    # 256 tokens in a 320-row table: the first unused row is the mask token
+    assert "256" in out and "unused_embedding_row" in out
+
+
+def test_bad_target_is_one_line_error(capsys: pytest.CaptureFixture[str], tmp_path: pathlib.Path) -> None:
+    assert main(["inspect", "--target", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("dflash-train inspect: error:") and "\n" not in err
