@@ -29,21 +29,10 @@ from benchmarks.common import H200_BF16_PEAK, measure_matmul_tflops, median, tim
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.objective import DFlashObjective, dense_mask
 from dflash_train.objective.objective import ObjectiveOutput
+from dflash_train.training.flops import training_step_flops
 
 QWEN3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=12288, vocab_size=151936, num_target_layers=36)
-
-
-def model_flops(config: DFlashConfig, seq_len: int, block_rows: int, head_rows: int, visible_pairs: int) -> float:
-    """SPEC §6: P·(3·F_layers + 2·F_head) + 3·F_attn_visible + T·3·F_ctx (forward FLOPs = 2·MACs)."""
-    h, d, kv = config.hidden_size, config.head_dim, config.num_key_value_heads
-    heads, inter, layers = config.num_attention_heads, config.intermediate_size, config.num_hidden_layers
-    layer_params = h * heads * d * 2 + h * kv * d * 2 + 3 * h * inter  # q, o, k, v, mlp
-    f_layers = 2 * layer_params * layers
-    f_head = 2 * h * config.vocab_size
-    f_attn = 4 * d * heads * visible_pairs * layers  # QK^T and PV over visible (query, key) pairs
-    f_ctx = 2 * (config.num_context_features * h * h + layers * 2 * h * kv * d)  # fc + context k/v
-    return block_rows * 3 * f_layers + head_rows * 2 * f_head + 3 * f_attn + seq_len * 3 * f_ctx
 
 
 def naive_loss(objective: DFlashObjective, draft: DFlashDraftModel, embed: Any, head: torch.Tensor,
@@ -107,7 +96,7 @@ def run_variant(name: str, args: argparse.Namespace, config: DFlashConfig) -> di
     peak = torch.cuda.max_memory_allocated() / 2**30
     visible = int(dense_mask(blocks.anchors, blocks.valid, s, args.block_size).sum())
     head_rows = int((blocks.labels != -100).sum())
-    flops = model_flops(config, s, blocks.labels.shape[1], head_rows, visible)
+    flops = training_step_flops(config, s, blocks.labels.shape[1], head_rows, visible)
     ms = median(times)
     result = {"variant": name, "status": "ok", "step_ms_median": ms, "step_ms_all": times,
               "model_tflop_per_step": flops / 1e12, "mfu": flops / (ms * 1e-3) / H200_BF16_PEAK,

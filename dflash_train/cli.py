@@ -9,9 +9,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dflash_train.commands import check as check_command
+from dflash_train.commands import export as export_command
 from dflash_train.commands import inspect_target
+from dflash_train.commands import push as push_command
+from dflash_train.commands import train as train_command
 
-COMMANDS = {"inspect": inspect_target}
+COMMANDS = {"inspect": inspect_target, "train": train_command,
+            "export": export_command, "check": check_command, "push": push_command}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -95,3 +95,20 @@ def build_blocks(
         labels=labels.flatten(1),
         block_size=block_size,
     )
+
+
+def sample_anchors_seeded(
+    loss_mask: torch.Tensor, num_anchors: int, seeds: list[int], lengths: list[int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors drawn per sequence from its own seed over its own (unpadded) length: the same
+    sequence at the same step gets the same anchors whatever rank, micro-batch or padding it lands
+    in — which is what makes resumed and multi-process runs match a single uninterrupted one."""
+    padded_len = loss_mask.shape[1]
+    anchors, valid = [], []
+    for row, seed in enumerate(seeds):
+        length = padded_len if lengths is None else lengths[row]
+        gen = torch.Generator(device=loss_mask.device).manual_seed(seed)
+        a, v = sample_anchors(loss_mask[row : row + 1, :length], num_anchors, gen)
+        anchors.append(torch.where(v, a, torch.full_like(a, padded_len)))
+        valid.append(v)
+    return torch.cat(anchors), torch.cat(valid)

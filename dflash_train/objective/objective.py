@@ -38,9 +38,24 @@ def expected_acceptance_length(slot_accuracy: torch.Tensor) -> torch.Tensor:
     return 1.0 + torch.cumprod(torch.nan_to_num(slot_accuracy, nan=0.0), dim=0).sum()
 
 
+def sequence_normalised_weights(weights: torch.Tensor, sequence: torch.Tensor, num_sequences: int) -> torch.Tensor:
+    """Row weights so that the loss is the mean over sequences of each sequence's weighted mean.
+
+    Averaging per sequence (not per row) makes the loss of a batch independent of how it is split
+    into data-parallel ranks or accumulation steps, which is what makes multi-GPU runs match.
+    """
+    per_sequence = torch.zeros(num_sequences, device=weights.device).index_add(0, sequence, weights)
+    present = (per_sequence > 0).sum().clamp_min(1)
+    return weights / per_sequence[sequence] / present
+
+
 @dataclass
 class DFlashObjective:
-    """Anchors -> blocks -> masked drafter forward -> decay-weighted CE over valid slots only."""
+    """Anchors -> blocks -> masked drafter forward -> decay-weighted CE over valid slots only.
+
+    The loss is each sequence's decay-weighted mean CE over its supervised slots, averaged over the
+    sequences of the batch.
+    """
 
     block_size: int
     mask_token_id: int
@@ -94,7 +109,12 @@ class DFlashObjective:
         supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
         rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
         labels, row_slots = blocks.labels[supervised], slots[supervised]
-        weights = slot_weights(self.block_size, self.loss_decay_gamma).to(hidden.device)[row_slots]
+        sequence = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
+        weights = sequence_normalised_weights(
+            slot_weights(self.block_size, self.loss_decay_gamma).to(hidden.device)[row_slots],
+            sequence[supervised],
+            supervised.shape[0],
+        )
         loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows)
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())

@@ -1,0 +1,47 @@
+"""Train a DFlash drafter from a YAML recipe.
+
+    # one process (GPU or CPU)
+    python -m dflash_train.train --config recipes/smollm2-135m-dflash-b16.yaml
+    dflash-train train --config recipes/smollm2-135m-dflash-b16-cpu.yaml training.max_steps=20
+    # several GPUs / DeepSpeed / FSDP: the same module under accelerate
+    accelerate launch --config_file recipes/accelerate/ddp.yaml -m dflash_train.train \
+        --config recipes/qwen3-8b-dflash-b16.yaml
+
+Overrides are dotted `section.key=value` pairs (YAML values), e.g. `training.learning_rate=3e-4`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/smollm2-135m-dflash-b16.yaml")
+    parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_train.training.config import load_config
+    from dflash_train.training.trainer import run_training
+
+    result = run_training(load_config(args.config, args.overrides))
+    print(f"trained {result.steps} steps; final checkpoint: {result.final_checkpoint}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_train.train", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as error:
+        print(f"dflash-train train: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,3 @@
+from dflash_train.training.config import TrainConfig, load_config
+
+__all__ = ["TrainConfig", "load_config"]

@@ -1,0 +1,193 @@
+"""The one typed configuration of a training run: YAML recipe + dotted `key=value` overrides.
+
+    cfg = load_config("recipes/smollm2-135m-dflash-b16.yaml", ["training.lr=3e-4", "data.online=true"])
+
+Every field has a type; unknown keys and badly typed values are one-line `ValueError`s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+@dataclass
+class ModelConfig:
+    target: str = "smollm2-135m-instruct"  # alias, Hub id, local directory or .gguf
+    target_dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    num_draft_layers: int = 5
+    block_size: int = 16
+    target_layer_ids: list[int] | None = None  # None: SPEC default spread
+    mask_token_id: int | str | None = None  # None: the resolution order of mask_token.py
+    init_from: str | None = None  # start from an existing drafter (ours or z-lab layout)
+    freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen, e.g. ["layers."]
+
+
+@dataclass
+class DataConfig:
+    prepared: str | None = None  # `dflash-train prepare` output (online features)
+    features: str | None = None  # `dflash-train extract` output (offline features)
+    max_length: int = 3072
+    validation_fraction: float = 0.02
+    validation_max_samples: int = 256
+    min_supervised_tokens: int | None = None  # None: 2 * block_size
+
+
+@dataclass
+class TrainingConfig:
+    output_dir: str = "outputs/run"
+    seed: int = 0
+    deterministic: bool = False
+    epochs: float = 6.0
+    max_steps: int | None = None  # optimizer steps; overrides epochs when set
+    batch_size: int = 1  # sequences per process per micro-step
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    min_lr_ratio: float = 0.0
+    max_grad_norm: float = 1.0
+    adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    num_anchors: int = 512
+    loss_decay_gamma: float | None = None  # None: paper default for the block size
+    mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
+    attention: Literal["auto", "dense", "flex"] = "auto"
+    compile: bool = False
+    log_every: int = 10
+    eval_every: int = 500
+    save_every: int = 1000
+    keep_last: int = 3
+    resume: str = "auto"  # auto | none | path to a checkpoint directory
+
+
+@dataclass
+class TrackingConfig:
+    report_to: Literal["wandb", "none"] = "wandb"
+    project: str = "dflash-train"
+    run_name: str | None = None
+    wandb_mode: Literal["auto", "online", "offline"] = "auto"  # auto: online with a key, else offline
+
+
+@dataclass
+class ExportConfig:
+    on_finish: bool = False
+    out_dir: str | None = None  # default: <output_dir>/export
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> TrainConfig:
+        if (self.data.prepared is None) == (self.data.features is None):
+            raise ValueError("set exactly one of data.prepared (online features) or data.features (offline)")
+        positive = {
+            "model.block_size": self.model.block_size, "model.num_draft_layers": self.model.num_draft_layers,
+            "training.batch_size": self.training.batch_size, "training.num_anchors": self.training.num_anchors,
+            "training.gradient_accumulation_steps": self.training.gradient_accumulation_steps,
+            "data.max_length": self.data.max_length, "training.keep_last": self.training.keep_last,
+        }
+        for name, value in positive.items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not 0 <= self.data.validation_fraction < 1:
+            raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
+        if self.training.learning_rate <= 0:
+            raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
+        return self
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ValueError(f"config file {path} not found; pass a recipe, e.g. recipes/smollm2-135m-dflash-b16.yaml")
+        raw = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(raw, dict):
+            raise ValueError(f"{path} must hold a mapping of sections (model, data, training, ...)")
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"override {item!r} must look like section.key=value")
+        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+    return _build(TrainConfig, raw, "").validate()
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    for part in parents:
+        tree = tree.setdefault(part, {})
+        if not isinstance(tree, dict):
+            raise ValueError(f"override {dotted}: {part} is not a section")
+    tree[leaf] = value
+
+
+def _build(cls: type, values: Any, where: str) -> Any:
+    if not isinstance(values, dict):
+        raise ValueError(f"{where or 'config'} must be a mapping, got {values!r}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for key, value in values.items():
+        name = f"{where}.{key}" if where else key
+        if key not in fields:
+            close = difflib.get_close_matches(key, list(fields), n=1)
+            hint = f" (did you mean {'.'.join(filter(None, [where, close[0]]))}?)" if close else ""
+            raise ValueError(f"unknown config key {name}{hint}")
+        hint_type = hints[key]
+        if dataclasses.is_dataclass(hint_type):
+            kwargs[key] = _build(hint_type, value, name)
+        else:
+            kwargs[key] = _coerce(value, hint_type, name)
+    return cls(**kwargs)
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check `value` against a field's type; ints are accepted where floats are expected."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _coerce(value, option, name)
+            except ValueError:
+                continue
+        raise ValueError(f"{name}={value!r} does not fit {hint}")
+    if hint is type(None):
+        if value is None:
+            return None
+        raise ValueError(f"{name} must be null")
+    if origin is Literal:
+        if value is False and "no" in args:  # YAML 1.1 reads a bare `no` as false
+            value = "no"
+        if value not in args:
+            raise ValueError(f"{name}={value!r} is not one of {list(args)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ValueError(f"{name} must be a list, got {value!r}")
+        return [_coerce(v, args[0], f"{name}[{i}]") for i, v in enumerate(value)]
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, str):  # YAML 1.1 reads "6e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if isinstance(value, hint) and not (hint is int and isinstance(value, bool)):
+        return value
+    raise ValueError(f"{name}={value!r} must be of type {getattr(hint, '__name__', hint)}")

@@ -1,0 +1,134 @@
+"""Training samples, the train/validation split, the epoch order and rank sharding.
+
+The order of samples is a pure function of (seed, epoch), and each optimizer step consumes a fixed
+slice of it, so a resumed run (or a run on another number of processes with the same global batch)
+sees exactly the same sequences at the same step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+
+class TrainingSamples:
+    """Prepared token data (online features) or an offline feature store, indexed uniformly."""
+
+    def __init__(self, prepared: str | None, features: str | None, max_length: int) -> None:
+        self.max_length = max_length
+        self.offline = features is not None
+        if features is not None:
+            from dflash_train.data.features import FeatureStore
+
+            self.store: Any = FeatureStore(features)
+            self.metadata: dict[str, Any] = dict(self.store.manifest)
+        else:
+            self.store, self.metadata = load_prepared_dataset(str(prepared))
+
+    def __len__(self) -> int:
+        return len(self.store)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        row = self.store[index]
+        sample = {
+            "input_ids": torch.as_tensor(row["input_ids"], dtype=torch.long)[: self.max_length],
+            "loss_mask": torch.as_tensor(row["loss_mask"]).bool()[: self.max_length],
+        }
+        if self.offline:
+            sample["features"] = torch.as_tensor(row["features"])[: self.max_length]
+        return sample
+
+
+def load_prepared_dataset(path: str) -> tuple[Any, dict[str, Any]]:
+    try:
+        from dflash_train.data import load_prepared
+    except ImportError:  # fall back to the on-disk format itself
+        load_prepared = None
+    if load_prepared is not None:
+        dataset = load_prepared(path)
+    else:
+        import datasets
+
+        if not (Path(path) / "dataset_info.json").is_file() and not (Path(path) / "state.json").is_file():
+            raise ValueError(f"{path} is not a prepared dataset; create it with `dflash-train prepare`")
+        dataset = datasets.load_from_disk(path)
+    meta_path = Path(path) / "dflash_data.json"
+    metadata = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
+    if missing:
+        raise ValueError(f"{path} lacks columns {sorted(missing)}; re-create it with `dflash-train prepare`")
+    return dataset, metadata
+
+
+def split_indices(num_samples: int, fraction: float, max_validation: int, seed: int) -> tuple[list[int], list[int]]:
+    """A fixed random hold-out: (train indices, validation indices)."""
+    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    num_val = min(int(num_samples * fraction), max_validation) if fraction > 0 else 0
+    if num_samples - num_val < 1:
+        raise ValueError(f"only {num_samples} samples: nothing left to train on after validation")
+    return sorted(order[num_val:]), sorted(order[:num_val])
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How sequences map to optimizer steps: global batch = batch_size × processes × accumulation."""
+
+    batch_size: int
+    num_processes: int
+    accumulation: int
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.batch_size * self.num_processes * self.accumulation
+
+    def steps_per_epoch(self, num_train: int) -> int:
+        steps = num_train // self.sequences_per_step
+        if steps < 1:
+            raise ValueError(
+                f"{num_train} training samples do not fill one step of {self.sequences_per_step} sequences; "
+                "lower training.batch_size or gradient_accumulation_steps"
+            )
+        return steps
+
+    def micro_batches(
+        self, train: Sequence[int], seed: int, step: int, rank: int
+    ) -> Iterator[list[int]]:
+        """This rank's micro-batches (sample indices) of optimizer step `step` (0-based, global)."""
+        steps_per_epoch = self.steps_per_epoch(len(train))
+        epoch, within = divmod(step, steps_per_epoch)
+        order = epoch_order(train, seed, epoch)
+        chunk = order[within * self.sequences_per_step : (within + 1) * self.sequences_per_step]
+        per_micro = self.batch_size * self.num_processes
+        for micro in range(self.accumulation):
+            group = chunk[micro * per_micro : (micro + 1) * per_micro]
+            yield group[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+
+def epoch_order(train: Sequence[int], seed: int, epoch: int) -> list[int]:
+    perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return [train[i] for i in perm.tolist()]
+
+
+def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample; padding is unsupervised and masked from the target."""
+    length = max(s["input_ids"].shape[0] for s in samples)
+    batch = len(samples)
+    input_ids = torch.zeros(batch, length, dtype=torch.long)
+    loss_mask = torch.zeros(batch, length, dtype=torch.bool)
+    attention_mask = torch.zeros(batch, length, dtype=torch.long)
+    for row, sample in enumerate(samples):
+        n = sample["input_ids"].shape[0]
+        input_ids[row, :n], loss_mask[row, :n], attention_mask[row, :n] = sample["input_ids"], sample["loss_mask"], 1
+    out = {"input_ids": input_ids, "loss_mask": loss_mask, "attention_mask": attention_mask}
+    if "features" in samples[0]:
+        width = samples[0]["features"].shape[-1]
+        features = torch.zeros(batch, length, width, dtype=samples[0]["features"].dtype)
+        for row, sample in enumerate(samples):
+            features[row, : sample["features"].shape[0]] = sample["features"]
+        out["features"] = features
+    return out

@@ -1,0 +1,92 @@
+"""Building a run's pieces: the frozen target, the drafter (new or `init_from`), optimizer, schedule."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from typing import Any
+
+import torch
+
+from dflash_train.mask_token import choose_mask_token
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import TargetModel, load_target
+from dflash_train.training.config import TrainConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+def build_target(config: TrainConfig, device: torch.device) -> TargetModel:
+    return load_target(config.model.target, dtype=DTYPES[config.model.target_dtype], device=device)
+
+
+def target_fingerprint(target: TargetModel) -> str:
+    """A short hash of the target's config: checkpoints and feature stores name the target they fit."""
+    text = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
+    m = config.model
+    if m.init_from:
+        draft = _load_init(m.init_from)
+        check_draft_fits_target(draft.config, target, m.block_size)
+    else:
+        choice = choose_mask_token(target.tokenizer, target.vocab_size, explicit=m.mask_token_id)
+        draft_config = DFlashConfig.from_target_config(
+            target.config, mask_token_id=choice.id, num_hidden_layers=m.num_draft_layers,
+            block_size=m.block_size, target_layer_ids=m.target_layer_ids,
+        )
+        draft = DFlashDraftModel(draft_config)
+    for name, param in draft.named_parameters():
+        if any(name.startswith(prefix) for prefix in m.freeze):
+            param.requires_grad_(False)
+    if not any(p.requires_grad for p in draft.parameters()):
+        raise ValueError(f"model.freeze={m.freeze} freezes every parameter; nothing would train")
+    return draft
+
+
+def _load_init(path: str) -> DFlashDraftModel:
+    from dflash_train.checkpoint.io import load_draft
+
+    draft = load_draft(path, dtype=torch.float32)
+    return draft
+
+
+def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size: int) -> None:
+    problems = []
+    if draft.hidden_size != target.hidden_size:
+        problems.append(f"hidden size {draft.hidden_size} != target's {target.hidden_size}")
+    if draft.vocab_size != target.vocab_size:
+        problems.append(f"vocab {draft.vocab_size} != target's {target.vocab_size}")
+    if max(draft.target_layer_ids) >= target.num_layers:
+        problems.append(f"target_layer_ids {draft.target_layer_ids} reach past the target's {target.num_layers} layers")
+    if draft.mask_token_id >= target.vocab_size:
+        problems.append(f"mask token {draft.mask_token_id} is outside the target's {target.vocab_size} rows")
+    if draft.block_size != block_size:
+        problems.append(f"block size {draft.block_size} != model.block_size {block_size}")
+    if problems:
+        raise ValueError("model.init_from does not fit this target: " + "; ".join(problems))
+
+
+def build_optimizer(draft: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
+    t = config.training
+    params = [p for p in draft.parameters() if p.requires_grad]
+    fused = all(p.is_cuda for p in params)
+    return torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,
+                             fused=fused or None)
+
+
+def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int, config: TrainConfig) -> Any:
+    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak."""
+    warmup = max(1, int(config.training.warmup_ratio * total_steps))
+    floor = config.training.min_lr_ratio
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -1,0 +1,101 @@
+"""Where training metrics go: a JSONL file (always), wandb (optional), and a PNG at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from dflash_train.training.config import TrackingConfig
+
+
+def git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+                             cwd=Path(__file__).resolve().parent)
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def wandb_mode(config: TrackingConfig) -> str:
+    if config.wandb_mode != "auto":
+        return config.wandb_mode
+    if os.environ.get("WANDB_API_KEY"):
+        return "online"
+    netrc = Path.home() / ".netrc"
+    if netrc.is_file() and "api.wandb.ai" in netrc.read_text(errors="ignore"):
+        return "online"
+    return "offline"
+
+
+class MetricsLogger:
+    """Main-process only. JSONL lines are `{"step": n, "split": "train"|"validation", ...}`."""
+
+    def __init__(self, output_dir: Path, tracking: TrackingConfig, run_config: dict[str, Any]) -> None:
+        self.path = output_dir / "metrics.jsonl"
+        self.run = None
+        if tracking.report_to == "wandb":
+            try:
+                import wandb
+            except ImportError as error:
+                raise ValueError("tracking.report_to=wandb needs `pip install wandb` (or set report_to: none)") from error
+            self.run = wandb.init(
+                project=tracking.project, name=tracking.run_name, dir=str(output_dir),
+                config={**run_config, "git_commit": git_commit()}, mode=wandb_mode(tracking), resume="allow",
+            )
+
+    def log(self, step: int, split: str, values: dict[str, Any]) -> None:
+        with self.path.open("a") as handle:
+            handle.write(json.dumps({"step": step, "split": split, **values}) + "\n")
+        if self.run is not None:
+            flat = {f"{split}/{k}": v for k, v in values.items() if not isinstance(v, list)}
+            for key, value in values.items():
+                if isinstance(value, list):
+                    flat.update({f"{split}/{key}_{i + 1}": v for i, v in enumerate(value)})
+            self.run.log(flat, step=step)
+
+    def finish(self) -> None:
+        if self.run is not None:
+            self.run.finish()
+
+
+def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """The last record per (split, step): a resumed run re-logs the steps after its checkpoint."""
+    latest: dict[tuple[str, int], dict[str, Any]] = {}
+    for line in path.read_text().splitlines():
+        record = json.loads(line)
+        latest[(record["split"], record["step"])] = record
+    out: dict[str, list[dict[str, Any]]] = {}
+    for (split, _), record in sorted(latest.items(), key=lambda item: (item[0][0], item[0][1])):
+        out.setdefault(split, []).append(record)
+    return out
+
+
+def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    metrics = read_metrics(metrics_path)
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for split, style in (("train", "-"), ("validation", "o-")):
+        records = metrics.get(split, [])
+        if not records:
+            continue
+        steps = [r["step"] for r in records]
+        axes[0].plot(steps, [r["loss"] for r in records], style, label=split)
+        axes[1].plot(steps, [r["mean_slot_accuracy"] for r in records], style, label=split)
+        axes[2].plot(steps, [r["expected_acceptance_length"] for r in records], style, label=split)
+    for ax, title in zip(axes, ("loss", "mean per-slot top-1 accuracy", "expected acceptance length τ"), strict=True):
+        ax.set_title(title)
+        ax.set_xlabel("optimizer step")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=120)
+    plt.close(fig)
+    return out_path

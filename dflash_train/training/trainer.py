@@ -1,0 +1,254 @@
+"""The training loop: load → build → (resume) → steps with validation and checkpoints → save.
+
+Runs identically under `python -m dflash_train.train`, `dflash-train train` and `accelerate launch`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.objective import DFlashObjective, build_blocks
+from dflash_train.objective.blocks import sample_anchors_seeded
+from dflash_train.objective.objective import expected_acceptance_length
+from dflash_train.training import checkpointing as ckpt
+from dflash_train.training.config import TrainConfig
+from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
+from dflash_train.training.flops import training_step_flops, visible_pairs
+from dflash_train.training.progress import TrainProgress
+from dflash_train.training.setup import (
+    build_draft, build_optimizer, build_schedule, build_target, target_fingerprint,
+)
+from dflash_train.training.tracking import MetricsLogger, plot_metrics
+
+PEAK_FLOPS = 790e12  # H200 bf16, SPEC §6
+
+
+@dataclass
+class TrainResult:
+    output_dir: Path
+    final_checkpoint: Path
+    steps: int
+    last_metrics: dict[str, Any]
+
+
+def anchor_seed(seed: int, step: int, sample: int) -> int:
+    """One seed per (run, step, sample): anchors are re-drawn every step, reproducibly."""
+    return (seed * 1_000_003 + step * 7_919 + sample * 104_729) % (2**62)
+
+
+class Trainer:
+    def __init__(self, config: TrainConfig) -> None:
+        from accelerate import Accelerator
+
+        self.config = config
+        t = config.training
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        self.accelerator = Accelerator(
+            mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,
+            cpu=not torch.cuda.is_available(),  # several CPU processes then meet over gloo
+        )
+        torch.manual_seed(t.seed)
+        self.output_dir = Path(t.output_dir)
+        self.target = build_target(config, self.accelerator.device)
+        self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
+        self.train_ids, self.val_ids = split_indices(
+            len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
+        self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
+        steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
+        self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+        draft = build_draft(config, self.target)
+        self.draft_config = draft.config
+        self._check_offline_features()
+        optimizer = build_optimizer(draft.to(self.accelerator.device), config)
+        schedule = build_schedule(optimizer, self.total_steps, config)
+        self.model, self.optimizer, self.schedule = self.accelerator.prepare(draft, optimizer, schedule)
+        if t.compile:
+            for layer in self.accelerator.unwrap_model(self.model).layers:
+                layer.compile()
+        self.objective = DFlashObjective(
+            block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
+            num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
+        )
+        self.compat = {
+            "target": config.model.target, "target_fingerprint": target_fingerprint(self.target),
+            "target_layer_ids": self.draft_config.target_layer_ids, "block_size": self.draft_config.block_size,
+            "hidden_size": self.draft_config.hidden_size, "vocab_size": self.draft_config.vocab_size,
+            "mask_token_id": self.draft_config.mask_token_id,
+        }
+        self.step = 0
+
+    def _check_offline_features(self) -> None:
+        if not self.samples.offline:
+            return
+        self.samples.store.check_compatible(
+            self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_fingerprint(self.target))
+
+    # -- one step -------------------------------------------------------------------------------
+    def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        if "features" in batch:
+            return batch["features"]
+        with torch.no_grad():  # online: the same capture as offline extraction
+            return self.target.capture_features(
+                batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
+
+    def _forward(self, indices: list[int], seeds: list[int]) -> tuple[Any, dict[str, float]]:
+        cpu_batch = collate([self.samples[i] for i in indices])
+        lengths = cpu_batch["attention_mask"].sum(1).tolist()
+        batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
+        features = self._features(batch)
+        anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths)
+        blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, valid,
+                              self.objective.block_size, self.objective.mask_token_id)
+        out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
+                             batch["input_ids"], batch["loss_mask"], features, blocks=blocks)
+        stats = {"tokens": float(batch["attention_mask"].sum()), "flops": self._flops(batch, blocks, out)}
+        return out, stats
+
+    def _flops(self, batch: dict[str, torch.Tensor], blocks: Any, out: Any) -> float:
+        per_sequence = [(blocks.anchors[r][blocks.valid[r]].tolist(), batch["input_ids"].shape[1])
+                        for r in range(blocks.anchors.shape[0])]
+        return training_step_flops(self.draft_config, batch["input_ids"].numel(), blocks.labels.numel(),
+                                   out.num_supervised, visible_pairs(per_sequence, self.objective.block_size))
+
+    def train_step(self) -> dict[str, Any]:
+        self.model.train()
+        totals = {"loss": 0.0, "tokens": 0.0, "flops": 0.0}
+        slot_correct = slot_count = grad_norm = None
+        t = self.config.training
+        for micro, indices in enumerate(self.plan.micro_batches(self.train_ids, t.seed, self.step,
+                                                                  self.accelerator.process_index)):
+            seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
+            with self.accelerator.accumulate(self.model):
+                out, stats = self._forward(indices, seeds)
+                self.accelerator.backward(out.loss)
+                if self.accelerator.sync_gradients:
+                    grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                self.optimizer.step()
+                self.optimizer.zero_grad(set_to_none=True)
+            totals["loss"] += float(out.loss.detach()) / self.plan.accumulation
+            totals["tokens"] += stats["tokens"]
+            totals["flops"] += stats["flops"]
+            slot_correct = out.slot_correct if slot_correct is None else slot_correct + out.slot_correct
+            slot_count = out.slot_count if slot_count is None else slot_count + out.slot_count
+            assert micro < self.plan.accumulation
+        self.schedule.step()
+        self.step += 1
+        metrics = self._reduce(totals, slot_correct, slot_count)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics["lr"] = self.schedule.get_last_lr()[0]
+        return metrics
+
+    def _reduce(self, totals: dict[str, float], slot_correct: torch.Tensor, slot_count: torch.Tensor) -> dict[str, Any]:
+        device = self.accelerator.device
+        packed = torch.tensor([totals["loss"], totals["tokens"], totals["flops"]], device=device, dtype=torch.float64)
+        packed = self.accelerator.reduce(packed, reduction="sum")
+        correct = self.accelerator.reduce(slot_correct.double(), reduction="sum")
+        count = self.accelerator.reduce(slot_count.double(), reduction="sum")
+        accuracy = (correct / count)[1:]
+        return {
+            "loss": float(packed[0]) / self.accelerator.num_processes,
+            "tokens": float(packed[1]), "flops": float(packed[2]),
+            "slot_accuracy": [round(float(a), 5) for a in accuracy],
+            "mean_slot_accuracy": float(torch.nan_to_num(accuracy).mean()),
+            "expected_acceptance_length": float(expected_acceptance_length(accuracy)),
+        }
+
+    @torch.no_grad()
+    def validate(self) -> dict[str, Any] | None:
+        if not self.val_ids:
+            return None
+        self.model.eval()
+        rank, world = self.accelerator.process_index, self.accelerator.num_processes
+        mine = self.val_ids[rank::world]
+        loss_sum, correct, count = 0.0, None, None
+        for start in range(0, len(mine), self.config.training.batch_size):
+            indices = mine[start : start + self.config.training.batch_size]
+            seeds = [anchor_seed(self.config.training.seed, 0, i) for i in indices]  # fixed anchors
+            with self.accelerator.autocast():
+                out, _ = self._forward(indices, seeds)
+            loss_sum += float(out.loss) * len(indices)
+            correct = out.slot_correct if correct is None else correct + out.slot_correct
+            count = out.slot_count if count is None else count + out.slot_count
+        if correct is None:  # fewer validation samples than ranks
+            zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
+            correct, count = zeros, zeros.clone()
+        metrics = self._reduce({"loss": loss_sum, "tokens": 0.0, "flops": 0.0}, correct, count)
+        metrics["loss"] = metrics["loss"] * world / len(self.val_ids)
+        return metrics
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def save_checkpoint(self) -> Path:
+        from dflash_train.checkpoint.io import save_draft
+        from dflash_train.models import DFlashDraftModel
+
+        t = self.config.training
+        tmp, final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}.tmp", None
+        if self.accelerator.is_main_process:
+            tmp, final = ckpt.staging_dir(self.output_dir, self.step)
+        self.accelerator.wait_for_everyone()
+        self.accelerator.save_state(str(tmp / "state"))
+        state_dict = self.accelerator.get_state_dict(self.model)
+        if self.accelerator.is_main_process:
+            draft = DFlashDraftModel(self.draft_config)
+            draft.load_state_dict({k: v.detach().float().cpu() for k, v in state_dict.items()})
+            save_draft(draft, tmp / "draft", extra_config={"dflash_train": {"step": self.step, **self.compat}})
+            trainer_state = {"step": self.step, "total_steps": self.total_steps,
+                             "sequences_seen": self.step * self.plan.sequences_per_step, **self.compat}
+            ckpt.finalize(tmp, final, trainer_state, t.keep_last)
+        self.accelerator.wait_for_everyone()
+        return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
+
+    def maybe_resume(self) -> None:
+        path = ckpt.resolve_resume(self.config.training.resume, self.output_dir)
+        if path is None:
+            return
+        state = ckpt.read_trainer_state(path)
+        ckpt.check_compatible(state, self.compat, path)
+        self.accelerator.load_state(str(path / "state"))
+        self.step = int(state["step"])
+        self.accelerator.print(f"resumed from {path} at step {self.step}")
+
+    # -- the run --------------------------------------------------------------------------------
+    def fit(self) -> TrainResult:
+        t = self.config.training
+        main = self.accelerator.is_main_process
+        if main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+        self.maybe_resume()
+        logger = MetricsLogger(self.output_dir, self.config.tracking, self.config.to_dict()) if main else None
+        peak = PEAK_FLOPS * self.accelerator.num_processes if self.accelerator.device.type == "cuda" else None
+        metrics: dict[str, Any] = {}
+        with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak) as progress:
+            while self.step < self.total_steps:
+                started = time.perf_counter()
+                metrics = self.train_step()
+                progress.update(self.step, metrics, time.perf_counter() - started)
+                if logger and (self.step % t.log_every == 0 or self.step == self.total_steps):
+                    logger.log(self.step, "train", metrics)
+                if t.eval_every and (self.step % t.eval_every == 0 or self.step == self.total_steps):
+                    val = self.validate()
+                    if logger and val:
+                        logger.log(self.step, "validation", val)
+                if self.step % t.save_every == 0 or self.step == self.total_steps:
+                    self.save_checkpoint()
+        final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
+        if not final.exists() and self.step == self.total_steps:
+            final = self.save_checkpoint()  # resumed at the very end: make sure the last one exists
+        if logger:
+            logger.finish()
+            if logger.path.is_file():
+                plot_metrics(logger.path, self.output_dir / "training_curves.png")
+        return TrainResult(self.output_dir, final, self.step, metrics)
+
+
+def run_training(config: TrainConfig) -> TrainResult:
+    return Trainer(config).fit()

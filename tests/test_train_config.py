@@ -1,0 +1,59 @@
+"""The typed training config: recipes parse, overrides apply, mistakes are one-line errors."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from dflash_train.training.config import load_config
+
+RECIPES = sorted((pathlib.Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
+def test_every_recipe_parses(recipe: pathlib.Path) -> None:
+    config = load_config(recipe)
+    assert config.model.block_size in (10, 16)
+    assert config.training.num_anchors >= 64
+
+
+def test_paper_recipes_follow_the_spec() -> None:
+    for name, block in (("qwen3-8b-dflash-b16", 16), ("qwen3-4b-dflash-b16", 16), ("llama-3.1-8b-instruct-dflash-b10", 10)):
+        c = load_config(pathlib.Path("recipes") / f"{name}.yaml")
+        assert (c.model.num_draft_layers, c.model.block_size, c.training.num_anchors) == (5, block, 512)
+        assert (c.training.learning_rate, c.training.warmup_ratio, c.training.max_grad_norm) == (6e-4, 0.04, 1.0)
+        assert (c.training.epochs, c.data.max_length, c.training.weight_decay) == (6, 3072, 0.0)
+        assert c.training.mixed_precision == "bf16"
+
+
+def test_overrides_are_typed() -> None:
+    c = load_config(RECIPES[0], ["training.learning_rate=1e-4", "model.mask_token_id=16", "training.max_steps=7",
+                                 "model.target_layer_ids=[1, 2]", "training.mixed_precision=no"])
+    assert c.training.learning_rate == 1e-4 and c.model.mask_token_id == 16 and c.training.max_steps == 7
+    assert c.model.target_layer_ids == [1, 2] and c.training.mixed_precision == "no"
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("training.learning_rat=1", "unknown config key training.learning_rat (did you mean training.learning_rate?)"),
+        ("training.batch_size=two", "training.batch_size='two' must be of type int"),
+        ("training.attention=sparse", "training.attention='sparse' is not one of"),
+        ("training.batch_size=0", "training.batch_size must be >= 1"),
+        ("trainer.steps=1", "unknown config key trainer"),
+        ("training.seed", "must look like section.key=value"),
+    ],
+)
+def test_mistakes_are_clear_errors(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
+        load_config(RECIPES[0], [override])
+
+
+def test_exactly_one_data_source(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="exactly one of data.prepared"):
+        load_config(None, [])
+    with pytest.raises(ValueError, match="exactly one of data.prepared"):
+        load_config(None, ["data.prepared=a", "data.features=b"])
+    with pytest.raises(ValueError, match="not found"):
+        load_config(tmp_path / "missing.yaml")

@@ -1,0 +1,144 @@
+"""The training loop end to end on a tiny target: it learns, checkpoints, resumes exactly after a
+SIGKILL, refuses foreign checkpoints, fine-tunes from a drafter, and matches across processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import random
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from dflash_train.checkpoint.io import load_draft
+from dflash_train.training.config import load_config
+from dflash_train.training.trainer import run_training
+from dflash_train.training.tracking import read_metrics
+from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("train_assets")
+    return {"target": save_tiny_target(root / "target"), "data": save_tiny_prepared(root / "data")}
+
+
+def overrides(assets: dict[str, pathlib.Path], out: pathlib.Path, **extra: object) -> list[str]:
+    values: dict[str, object] = {
+        "model.target": assets["target"], "model.target_dtype": "float32", "model.num_draft_layers": 2,
+        "model.block_size": 4, "data.prepared": assets["data"], "data.max_length": 64,
+        "data.validation_fraction": 0.2, "training.output_dir": out, "training.max_steps": 12,
+        "training.batch_size": 2, "training.num_anchors": 8, "training.loss_decay_gamma": 4,
+        "training.mixed_precision": "no", "training.learning_rate": 3e-3, "training.log_every": 1,
+        "training.eval_every": 6, "training.save_every": 3, "training.keep_last": 2,
+        "training.deterministic": True, "tracking.report_to": "none",
+    }
+    values.update(extra)
+    return [f"{k}={v}" for k, v in values.items()]
+
+
+def train_losses(out: pathlib.Path) -> dict[int, float]:
+    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")["train"]}
+
+
+def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    result = run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 40})))
+    losses = train_losses(out)
+    assert result.steps == 40 and sorted(losses) == list(range(1, 41))
+    assert sum(losses[s] for s in range(36, 41)) < 0.8 * sum(losses[s] for s in range(1, 6)), losses
+    kept = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert kept == ["step-00000039", "step-00000040"]  # keep_last=2, no leftover *.tmp
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    assert read_metrics(out / "metrics.jsonl")["validation"][-1]["step"] == 40
+    draft = load_draft(out / "checkpoints" / "step-00000040" / "draft")
+    assert draft.config.block_size == 4 and len(draft.layers) == 2
+    state = json.loads((out / "checkpoints" / "step-00000040" / "trainer_state.json").read_text())
+    assert state["step"] == 40 and state["block_size"] == 4
+
+
+def launch(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    steps = 60
+    reference = tmp_path / "reference"
+    run_training(load_config(None, overrides(assets, reference, **{"training.max_steps": steps})))
+    expected = train_losses(reference)
+
+    killed = tmp_path / "killed"
+    args = [sys.executable, "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
+            *overrides(assets, killed, **{"training.max_steps": steps})]
+    kill_at = random.Random(os.getpid()).randint(5, 40)
+    proc = launch(args)
+    metrics = killed / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.is_file() and len(metrics.read_text().splitlines()) >= kill_at:
+            proc.send_signal(signal.SIGKILL)
+            break
+        time.sleep(0.01)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
+    resumed = launch(args)
+    output = resumed.communicate(timeout=300)[0].decode()
+    assert resumed.returncode == 0, output[-3000:]
+    assert "resumed from" in output
+    got = train_losses(killed)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), (step, kill_at)
+
+
+def test_foreign_checkpoint_is_refused(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 3})))
+    config = load_config(None, overrides(assets, out, **{"training.max_steps": 6, "model.block_size": 8}))
+    with pytest.raises(ValueError, match="block_size: checkpoint has 4, this run has 8"):
+        run_training(config)
+
+
+def test_init_from_an_existing_drafter(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    first = tmp_path / "first"
+    run_training(load_config(None, overrides(assets, first, **{"training.max_steps": 6})))
+    source = first / "checkpoints" / "step-00000006" / "draft"
+    tuned = tmp_path / "tuned"
+    config = load_config(None, overrides(assets, tuned, **{
+        "training.max_steps": 2, "model.init_from": source, "model.freeze": '["layers."]'}))
+    run_training(config)
+    before, after = load_draft(source), load_draft(tuned / "checkpoints" / "step-00000002" / "draft")
+    for name, tensor in before.state_dict().items():
+        if name.startswith("layers."):
+            assert torch.equal(tensor, after.state_dict()[name]), name  # frozen
+    assert not torch.equal(before.fc.weight, after.fc.weight)
+    wrong = load_config(None, overrides(assets, tmp_path / "wrong", **{"model.init_from": source, "model.block_size": 8}))
+    with pytest.raises(ValueError, match="block size 4 != model.block_size 8"):
+        run_training(wrong)
+
+
+def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """`accelerate launch` with 2 CPU processes (gloo, batch 1 each) == 1 process with batch 2."""
+    single, double = tmp_path / "single", tmp_path / "double"
+    run_training(load_config(None, overrides(assets, single, **{"training.max_steps": 6})))
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29500 + os.getpid() % 500),
+            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
+            *overrides(assets, double, **{"training.max_steps": 6, "training.batch_size": 1})]
+    proc = launch(args)
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 0, output[-3000:]
+    one, two = read_metrics(single / "metrics.jsonl"), read_metrics(double / "metrics.jsonl")
+    for split in ("train", "validation"):
+        assert [r["step"] for r in one[split]] == [r["step"] for r in two[split]]
+        for a, b in zip(one[split], two[split], strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (split, a["step"])
+            assert b["slot_accuracy"] == a["slot_accuracy"]
