@@ -17,8 +17,8 @@ import torch
 
 from dflash_train.checkpoint.io import load_draft
 from dflash_train.training.config import load_config
-from dflash_train.training.trainer import run_training
 from dflash_train.training.tracking import read_metrics
+from dflash_train.training.trainer import run_training
 from tests.training_fixtures import save_tiny_prepared, save_tiny_target
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -142,3 +142,18 @@ def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pa
         for a, b in zip(one[split], two[split], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (split, a["step"])
             assert b["slot_accuracy"] == a["slot_accuracy"]
+
+
+def test_wandb_offline_run_records_config_and_commit(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc login: auto mode must pick offline
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    run_training(load_config(None, overrides(assets, out, **{
+        "training.max_steps": 2, "tracking.report_to": "wandb", "tracking.run_name": "tiny"})))
+    runs = list((out / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1, list((out / "wandb").iterdir())
+    record = next(runs[0].glob("run-*.wandb")).read_bytes()  # offline runs keep config and history here
+    for expected in (b"num_anchors", b"git_commit", b"train/loss", b"validation/expected_acceptance_length"):
+        assert expected in record, expected

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
-COMPAT_KEYS = ("target", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
+COMPAT_KEYS = ("target_fingerprint", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import math
 from typing import Any
 
@@ -22,9 +20,10 @@ def build_target(config: TrainConfig, device: torch.device) -> TargetModel:
 
 
 def target_fingerprint(target: TargetModel) -> str:
-    """A short hash of the target's config: checkpoints and feature stores name the target they fit."""
-    text = json.dumps(target.config.to_dict(), sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
+    """The hash that checkpoints and offline feature stores record of the target they were made with."""
+    from dflash_train.data.features import target_fingerprint as fingerprint
+
+    return fingerprint(target.model)
 
 
 def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:

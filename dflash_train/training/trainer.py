@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,11 @@ from dflash_train.training.data import StepPlan, TrainingSamples, collate, split
 from dflash_train.training.flops import training_step_flops, visible_pairs
 from dflash_train.training.progress import TrainProgress
 from dflash_train.training.setup import (
-    build_draft, build_optimizer, build_schedule, build_target, target_fingerprint,
+    build_draft,
+    build_optimizer,
+    build_schedule,
+    build_target,
+    target_fingerprint,
 )
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
 
@@ -100,8 +105,21 @@ class Trainer:
             return self.target.capture_features(
                 batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
 
-    def _forward(self, indices: list[int], seeds: list[int]) -> tuple[Any, dict[str, float]]:
-        cpu_batch = collate([self.samples[i] for i in indices])
+    def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
+        batch = collate([self.samples[i] for i in indices])
+        if self.accelerator.device.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}  # lets the copy overlap compute
+        return batch
+
+    def _load_step(self, step: int) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        t = self.config.training
+        rank = self.accelerator.process_index
+        return [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
+
+    def _forward(
+        self, indices: list[int], seeds: list[int], cpu_batch: dict[str, torch.Tensor] | None = None
+    ) -> tuple[Any, dict[str, float]]:
+        cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
         lengths = cpu_batch["attention_mask"].sum(1).tolist()
         batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
         features = self._features(batch)
@@ -119,16 +137,16 @@ class Trainer:
         return training_step_flops(self.draft_config, batch["input_ids"].numel(), blocks.labels.numel(),
                                    out.num_supervised, visible_pairs(per_sequence, self.objective.block_size))
 
-    def train_step(self) -> dict[str, Any]:
+    def train_step(self, loaded: list[tuple[list[int], dict[str, torch.Tensor]]] | None = None) -> dict[str, Any]:
+        """One optimizer step; `loaded` is this step's micro-batches if they were prefetched."""
         self.model.train()
         totals = {"loss": 0.0, "tokens": 0.0, "flops": 0.0}
         slot_correct = slot_count = grad_norm = None
         t = self.config.training
-        for micro, indices in enumerate(self.plan.micro_batches(self.train_ids, t.seed, self.step,
-                                                                  self.accelerator.process_index)):
+        for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
             with self.accelerator.accumulate(self.model):
-                out, stats = self._forward(indices, seeds)
+                out, stats = self._forward(indices, seeds, cpu_batch)
                 self.accelerator.backward(out.loss)
                 if self.accelerator.sync_gradients:
                     grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
@@ -227,10 +245,15 @@ class Trainer:
         logger = MetricsLogger(self.output_dir, self.config.tracking, self.config.to_dict()) if main else None
         peak = PEAK_FLOPS * self.accelerator.num_processes if self.accelerator.device.type == "cuda" else None
         metrics: dict[str, Any] = {}
+        loader = ThreadPoolExecutor(max_workers=1)  # reads step n+1 from disk while step n computes
+        upcoming = loader.submit(self._load_step, self.step)
         with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak) as progress:
             while self.step < self.total_steps:
                 started = time.perf_counter()
-                metrics = self.train_step()
+                loaded = upcoming.result()
+                if self.step + 1 < self.total_steps:
+                    upcoming = loader.submit(self._load_step, self.step + 1)
+                metrics = self.train_step(loaded)
                 progress.update(self.step, metrics, time.perf_counter() - started)
                 if logger and (self.step % t.log_every == 0 or self.step == self.total_steps):
                     logger.log(self.step, "train", metrics)
@@ -240,6 +263,7 @@ class Trainer:
                         logger.log(self.step, "validation", val)
                 if self.step % t.save_every == 0 or self.step == self.total_steps:
                     self.save_checkpoint()
+        loader.shutdown(wait=True)
         final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
         if not final.exists() and self.step == self.total_steps:
             final = self.save_checkpoint()  # resumed at the very end: make sure the last one exists
