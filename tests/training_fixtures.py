@@ -8,7 +8,8 @@ from pathlib import Path
 import datasets
 import torch
 
-from tests.tiny_models import make_tiny_target
+from dflash_train.data.prepared import tokenizer_hash
+from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 
 def save_tiny_target(path: Path, arch: str = "qwen3", num_layers: int = 6, seed: int = 0) -> Path:
@@ -35,5 +36,6 @@ def save_tiny_prepared(path: Path, num_rows: int = 24, seed: int = 0, min_len: i
         rows["input_ids"].append(ids)
         rows["loss_mask"].append([0] * prompt + [1] * (length - prompt))
     datasets.Dataset.from_dict(rows).save_to_disk(str(path))
-    (path / "dflash_data.json").write_text(json.dumps({"rows": num_rows}))
+    meta = {"target": "tiny", "tokenizer_hash": tokenizer_hash(make_tiny_tokenizer()), "rows": num_rows}
+    (path / "dflash_data.json").write_text(json.dumps(meta))
     return path

@@ -49,6 +49,8 @@ class DFlashDraftModel(nn.Module):
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """Target features [b, T, K*H] -> context rows [b, T, H]."""
+        if not torch.is_autocast_enabled(features.device.type):  # e.g. bf16 stored features, fp32 drafter
+            features = features.to(self.fc.weight.dtype)
         return self.hidden_norm(self.fc(features))
 
     def forward(

@@ -65,6 +65,10 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         self.target = build_target(config, self.accelerator.device)
         self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
+        if config.data.prepared is not None:
+            from dflash_train.data.prepared import check_tokenizer
+
+            check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
         self.train_ids, self.val_ids = split_indices(
             len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
