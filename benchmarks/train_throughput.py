@@ -97,9 +97,9 @@ def main() -> None:
 
     work = Path(args.workdir or tempfile.mkdtemp(prefix="dflash_tp_"))
     target, prepared, store = work / "target", work / "prepared", work / "features"
-    if not target.exists():
+    if not (target / "tokenizer.json").exists():  # written last: a complete target directory
         save_random_target(target, args.target_layers)
-    if not prepared.exists():
+    if not (prepared / "dflash_data.json").exists():
         save_random_chats(prepared, args.rows, args.seq_len, target)
     layer_ids = ",".join(str(i) for i in range(1, 6))
     if not store.exists() and cli(["extract", "--out", str(store), "--data", str(prepared), "--target", str(target),

@@ -1,0 +1,357 @@
+"""Decode-loop speed: the fast eval loop against the memory-bound floor and the plain Hugging Face loop.
+
+    python -m benchmarks.decode                            # H200: both sections -> results/decode.{json,png}
+    python -m benchmarks.decode --section qwen3-8b
+    python -m benchmarks.decode --section smollm2 --draft runs/smollm2-b16/final
+    python -m benchmarks.decode --tiny --device cpu        # smoke test of the script on tiny shapes
+
+Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden 4096, 32/8 heads,
+intermediate 12288, vocabulary 151,936, bf16) with a random 5-layer drafter, batch 1, a 1,024-token
+context. Measured in the same run (CUDA events, median):
+- our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
+  step reads (all but the input embedding) / 4.3 TB/s (SPEC §6). Goal: <= 1.3x.
+- one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
+- the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
+  (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
+  references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
+  the run if the 10-minute limit of a command is near.
+Section smollm2: SmolLM2-135M-Instruct (bf16) with a drafter (`--draft`; default: random, so τ ~ 1 and
+the numbers show loop overhead only), batch 1, greedy, `--prompts` MT-Bench/HumanEval prompts: tokens/s of
+our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-only loop and of HF
+`generate`, and whether tokens and acceptance lengths are identical. Goal: ours >= 3x the reference loop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+from benchmarks.common import median, write_result
+from dflash_train.eval.engine import DecodeEngine, EngineConfig
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import TargetModel
+
+COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (SPEC §6)
+QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+                rope_theta=1_000_000.0, tie_word_embeddings=False)
+TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
+                  rope_theta=1_000_000.0, tie_word_embeddings=False)
+
+
+@contextlib.contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
+    """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
+    return median(times)
+
+
+def random_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    torch.manual_seed(0)
+    with torch.device(device):  # initialised in place: 8B parameters would take minutes on the CPU
+        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=dtype)
+    return TargetModel(model, tokenizer=None)
+
+
+def random_draft(target: TargetModel, layers: int, block_size: int, mask_token_id: int) -> DFlashDraftModel:
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_token_id, num_hidden_layers=layers,
+                                             block_size=block_size)
+    torch.manual_seed(1)
+    # Built in the target dtype directly: `.to(bfloat16)` would also round the RoPE frequencies.
+    with torch.device(target.device), default_dtype(target.dtype):
+        return DFlashDraftModel(config).eval()
+
+
+def weight_bytes_per_step(target: TargetModel) -> int:
+    """Bytes a decode step reads: every weight except the input embedding (one row of it is read)."""
+    embed = target.embed_tokens.weight
+    total = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    return total if target.embeddings_tied else total - embed.numel() * embed.element_size()
+
+
+def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int) -> float:
+    """One replayed cycle of `engine` with one request in flight at the prompt's end."""
+    engine.prepare()
+    engine.prefill([0], [prompt])
+    return time_ms(engine.step, engine.device, warmup, iters)
+
+
+def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) -> float:
+    """A Hugging Face decode step: dynamic cache, eager, cropped back after each step."""
+    from transformers import DynamicCache
+
+    from dflash_train.inference.target_cache import cache_kwargs, rollback
+
+    cache = DynamicCache()
+    kwargs = cache_kwargs(target.model, cache)
+    with torch.inference_mode():
+        target.model(torch.tensor([prompt], device=target.device), **kwargs)
+        token = torch.tensor([[prompt[-1]]], device=target.device)
+        position = torch.tensor([[len(prompt)]], device=target.device)
+
+        def step() -> None:
+            target.model(token, position_ids=position, **kwargs)
+            rollback(cache, len(prompt))
+
+        return time_ms(step, target.device, warmup, iters)
+
+
+def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, iters: int) -> dict[str, float]:
+    """Fused kernels against their PyTorch references, at the section's shapes (one block of 16)."""
+    from dflash_train.kernels.context_kv import context_kv_reference, context_kv_triton
+    from dflash_train.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+
+    block = 16
+    logits = torch.randn(1, block, vocab, device=device, dtype=torch.bfloat16)
+    tokens = torch.randint(0, vocab, (1, block), device=device)
+    out = torch.zeros(1, 64, dtype=torch.long, device=device)
+    n_out = torch.zeros(1, dtype=torch.long, device=device)
+    done = torch.zeros(1, dtype=torch.bool, device=device)
+    config, cache = draft.config, draft.new_cache(1, 2048)
+    kv = torch.randn(block, config.num_hidden_layers, 2, config.num_key_value_heads, config.head_dim, device=device,
+                     dtype=torch.bfloat16)
+    norm = torch.ones(config.num_hidden_layers, config.head_dim, device=device, dtype=torch.bfloat16)
+    cos = torch.randn(2048, config.head_dim, device=device)
+    positions, rows = torch.arange(1000, 1000 + block, device=device), torch.zeros(block, dtype=torch.long, device=device)
+    args = (kv, norm, 1e-6, cos, cos, positions, rows, cache.keys, cache.values)
+    verify = (logits, tokens, out, n_out, done)
+    return {
+        "greedy_verify_triton_ms": time_ms(lambda: greedy_verify_triton(*verify), device, 5, iters),
+        "greedy_verify_torch_ms": time_ms(lambda: greedy_verify_reference(*verify), device, 5, iters),
+        "context_kv_triton_ms": time_ms(lambda: context_kv_triton(*args), device, 5, iters),
+        "context_kv_torch_ms": time_ms(lambda: context_kv_reference(*args), device, 5, iters),
+    }
+
+
+def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    shape = TINY_QWEN3 if args.tiny else QWEN3_8B
+    target = random_target(shape, device, dtype)
+    draft = random_draft(target, 3 if args.tiny else 5, 16, min(151669, shape["vocab_size"] - 1))
+    context = args.context or (64 if args.tiny else 1024)
+    prompt = torch.randint(0, shape["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
+    new_tokens = args.warmup + args.iters + 4
+    length = -(-(context + new_tokens + 32) // 256) * 256
+    result: dict[str, Any] = {"shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers}
+    runner = None
+    # (suffix, CUDA graph, torch.compile): the full loop, then without the graph, then plain eager.
+    variants = (("", True, True), ("_no_graph", False, True), ("_eager", False, False))
+    for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
+        for suffix, graphs, compiled in variants:
+            config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length, cuda_graphs=graphs,
+                                  compile=compiled and device.type == "cuda")  # CPU: no compiler wait
+            engine = DecodeEngine(target, draft_model, config, runner=runner)
+            runner = engine.runner
+            result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+            if suffix == "":
+                result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
+            del engine
+            gc.collect()
+    result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
+    weight_bytes = weight_bytes_per_step(target)
+    result["weight_bytes_per_step"] = weight_bytes
+    result["floor_ms"] = weight_bytes / COPY_BANDWIDTH * 1e3
+    result["target_step_over_floor"] = result["target_step_ms"] / result["floor_ms"]
+    result["cycle_over_target_step"] = result["dflash_cycle_ms"] / result["target_step_ms"]
+    if device.type == "cuda":
+        result["kernels"] = kernel_timings(device, shape["vocab_size"], draft, args.iters)
+    del target, draft, runner
+    gc.collect()
+    return result
+
+
+def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list, list]:
+    """(target, drafter, prompts as token lists, stop ids): SmolLM2 + chat prompts, or a tiny stand-in."""
+    from dflash_train.eval.chat import prompt_ids, stop_token_ids
+    from dflash_train.eval.prompts import load_prompt_set
+    from dflash_train.mask_token import resolve_mask_token_id
+    from dflash_train.target import load_target
+
+    if args.tiny:
+        target = random_target({**TINY_QWEN3, "num_hidden_layers": 6}, device, dtype)
+        gen = torch.Generator().manual_seed(1)
+        prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (9, 14, 5)][: args.prompts]
+        return target, random_draft(target, 2, 16, 511), prompts, []
+    target = load_target("smollm2-135m-instruct", dtype=dtype, device=device)
+    if args.draft:
+        from dflash_train.checkpoint import load_draft
+
+        draft = load_draft(args.draft, device=device, dtype=dtype)
+    else:
+        draft = random_draft(target, 5, 16, resolve_mask_token_id(target.tokenizer, target.vocab_size))
+    half = (args.prompts + 1) // 2
+    sets = [load_prompt_set("mt-bench", half), load_prompt_set("humaneval", args.prompts - half)]
+    messages = [[{"role": "user", "content": c.turns[0]}] for s in sets for c in s.conversations]
+    prompts = [prompt_ids(target.tokenizer, m, thinking=False) for m in messages]
+    return target, draft, prompts, stop_token_ids(target.tokenizer, target.model.generation_config)
+
+
+def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    began = time.perf_counter()
+    value = fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return value, time.perf_counter() - began
+
+
+def section_smollm2(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    from benchmarks.reference_loop import reference_generate
+
+    target, draft, prompts, stop = smollm2_setup(args, device, dtype)
+    new, block = args.max_new_tokens, draft.config.block_size
+    length = -(-(max(map(len, prompts)) + new + 2 * block) // 256) * 256
+    config = EngineConfig(block_size=block, max_new_tokens=new, max_length=length, stop_token_ids=tuple(stop))
+    ours = DecodeEngine(target, draft, config)
+    alone = DecodeEngine(target, None, config, runner=ours.runner)
+    for engine in (ours, alone):  # warm-up: kernel compilation and graph capture are not timed
+        engine.generate(prompts[:1])
+    (outputs, _), ours_s = timed(lambda: ours.generate(prompts), device)
+    (alone_outputs, _), alone_s = timed(lambda: alone.generate(prompts), device)
+    reference_generate(target, draft, prompts[0], 8, stop, block)  # warm-up
+    references, reference_s = timed(lambda: [reference_generate(target, draft, p, new, stop, block) for p in prompts],
+                                    device)
+    generated = sum(len(o.tokens) for o in outputs)
+    result = {
+        "draft": args.draft or "random", "block_size": block, "prompts": len(prompts), "max_new_tokens": new,
+        "ours_tokens_per_s": generated / ours_s,
+        "reference_loop_tokens_per_s": sum(len(t) for t, _ in references) / reference_s,
+        "ours_target_only_tokens_per_s": sum(len(o.tokens) for o in alone_outputs) / alone_s,
+        "identical_tokens": sum(o.tokens == t for o, (t, _) in zip(outputs, references, strict=True)),
+        "identical_acceptance": sum(o.acceptance_lengths == a for o, (_, a) in zip(outputs, references, strict=True)),
+        "lossless_vs_target_only": sum(o.tokens == b.tokens for o, b in zip(outputs, alone_outputs, strict=True)),
+        "tau": sum(sum(o.acceptance_lengths) / max(len(o.acceptance_lengths), 1) for o in outputs) / len(outputs),
+        "cuda_graph": ours.uses_cuda_graph,
+    }
+    result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(target, prompts, new, stop, device)
+    result["ours_over_reference_loop"] = result["ours_tokens_per_s"] / result["reference_loop_tokens_per_s"]
+    result["speedup_over_own_target_only"] = result["ours_tokens_per_s"] / result["ours_target_only_tokens_per_s"]
+    return result
+
+
+def hf_generate_tokens_per_s(target: TargetModel, prompts: list[list[int]], new: int, stop: list[int],
+                             device: torch.device) -> float:
+    def run() -> int:
+        total = 0
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
+                                        eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
+            total += out.shape[1] - len(prompt)
+        return total
+
+    tokens, seconds = timed(run, device)
+    return tokens / seconds
+
+
+def plot(results: dict[str, Any], path: Any) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
+    if "qwen3_8b" in results:
+        q = results["qwen3_8b"]
+        names = ["floor", "ours step", "ours step, no graph", "ours step, eager", "HF step", "DFlash cycle",
+                 "cycle, no graph", "cycle, eager"]
+        values = [q["floor_ms"], q["target_step_ms"], q["target_step_no_graph_ms"], q["target_step_eager_ms"],
+                  q["hf_step_ms"], q["dflash_cycle_ms"], q["dflash_cycle_no_graph_ms"], q["dflash_cycle_eager_ms"]]
+        colors = ["grey", "tab:blue", "tab:cyan", "lightblue", "tab:red", "tab:green", "tab:olive", "palegreen"]
+        axes[0].barh(names, values, color=colors)
+        axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
+        axes[0].set_title("Qwen3-8B shapes: step times")
+    if "smollm2" in results:
+        s = results["smollm2"]
+        names = ["ours + drafter", "reference loop", "ours target only", "HF generate"]
+        values = [s["ours_tokens_per_s"], s["reference_loop_tokens_per_s"], s["ours_target_only_tokens_per_s"],
+                  s["hf_generate_tokens_per_s"]]
+        axes[1].barh(names, values, color=["tab:green", "tab:red", "tab:blue", "grey"])
+        axes[1].set_xlabel(f"tokens/s (τ = {s['tau']:.2f}, drafter: {s['draft']})")
+        axes[1].set_title("SmolLM2-135M-Instruct")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--section", choices=("all", "qwen3-8b", "smollm2"), default="all")
+    parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--draft", default=None, help="SmolLM2 drafter checkpoint (default: random)")
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--context", type=int, default=None, help="qwen3-8b context (default 1024)")
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode.json)")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    results: dict[str, Any] = {}
+    if args.section in ("all", "qwen3-8b"):
+        results["qwen3_8b"] = section_qwen3(args, device, dtype)
+    if args.section in ("all", "smollm2"):
+        results["smollm2"] = section_smollm2(args, device, dtype)
+    results["tiny"] = args.tiny
+    path = save(results, args.out)
+    plot(results, path.with_suffix(".png"))
+    print(json_dump(results))
+    return results
+
+
+def save(results: dict[str, Any], out: str | None) -> Any:
+    import json
+    import pathlib
+
+    from benchmarks.common import stamp
+
+    if out is None:
+        return write_result("decode", results)
+    path = pathlib.Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({**stamp(), **results}, indent=2) + "\n")
+    return path
+
+
+def json_dump(results: dict[str, Any]) -> str:
+    import json
+
+    return json.dumps(results, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,126 @@
+"""Offline feature extraction throughput vs the target's bare forward, SmolLM2-135M-Instruct (H200).
+
+    python -m benchmarks.extract                       # writes benchmarks/results/extract.json
+    python -m benchmarks.extract --rows 512 --out /tmp/dflash-extract-bench
+
+Data: random token rows (lengths uniform in [--min-len, --max-len]; throughput does not depend on the
+token values), loss mask on the second half. Measured in the same run, on the same rows and the same
+length-sorted, right-padded micro-batches of --token-budget padded tokens:
+- baseline: the target's decoder forward truncated after the deepest captured layer (layer 27 of 30 for
+  the default ids [1, 8, 14, 20, 27]), nothing captured, nothing copied;
+- extract-bf16 / extract-fp8: the full `extract()` (capture, pad removal, fp8 quantisation, device-to-host
+  copies, shard files written and closed), timed until the last shard is on disk.
+Goal: extraction >= 85 % of the baseline's tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import write_result
+from dflash_train.data.extract import ExtractConfig, extract, micro_batches, row_lengths
+
+LAYER_IDS = [1, 8, 14, 20, 27]
+
+
+def random_rows(n: int, min_len: int, max_len: int, vocab: int) -> Any:
+    import datasets
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(min_len, max_len + 1, (n,), generator=g).tolist()
+    ids = [torch.randint(17, vocab, (length,), generator=g, dtype=torch.int32).tolist() for length in lengths]
+    masks = [[0] * (length // 2) + [1] * (length - length // 2) for length in lengths]
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
+
+
+@torch.no_grad()
+def bare_forward_seconds(target: Any, dataset: Any, token_budget: int) -> float:
+    """The same micro-batches through the decoder layers up to the deepest captured one, nothing kept."""
+    body = target.model.model
+    all_layers = body.layers
+    body.layers = all_layers[: max(LAYER_IDS) + 1]
+    lengths = row_lengths(dataset)
+    rows = dataset["input_ids"]
+    batches = []
+    for group in micro_batches(lengths, token_budget):  # tensors built before timing: only the forward counts
+        width = lengths[group[0]]
+        ids = torch.zeros(len(group), width, dtype=torch.long)
+        mask = torch.zeros(len(group), width, dtype=torch.long)
+        for b, i in enumerate(group):
+            ids[b, : lengths[i]] = torch.tensor(rows[i])
+            mask[b, : lengths[i]] = 1
+        batches.append((ids.cuda(), mask.cuda() if not bool(mask.all()) else None))
+    try:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for ids, mask in batches:
+            body(input_ids=ids, attention_mask=mask, use_cache=False)
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+    finally:
+        body.layers = all_layers
+
+
+def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argparse.Namespace) -> tuple[float, int]:
+    shutil.rmtree(out, ignore_errors=True)
+    config = ExtractConfig(LAYER_IDS, dtype, args.rows_per_shard, args.token_budget)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    extract(target, dataset, out, config, {"target": "smollm2-135m-instruct"})  # returns once shards are written
+    seconds = time.perf_counter() - start
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, size
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--min-len", type=int, default=256)
+    parser.add_argument("--max-len", type=int, default=2048)
+    parser.add_argument("--token-budget", type=int, default=65536)
+    parser.add_argument("--rows-per-shard", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=None, help="scratch directory on the disk to measure")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/extract.py needs a CUDA device")
+    from dflash_train.target import load_target
+
+    target = load_target("smollm2-135m-instruct", dtype=torch.bfloat16, device="cuda")
+    dataset = random_rows(args.rows, args.min_len, args.max_len, target.vocab_size)
+    tokens = sum(row_lengths(dataset))
+    scratch = args.out or Path(tempfile.mkdtemp(prefix="dflash-extract-bench-"))
+    warm = dataset.select(range(min(64, len(dataset)))).flatten_indices()
+    bare_forward_seconds(target, warm, args.token_budget)
+    extract_seconds(target, warm, scratch / "warmup", "fp8", args)
+    results: dict[str, Any] = {}
+    for name, run in [("baseline", lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0)),
+                      ("extract-bf16", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)),
+                      ("extract-fp8", lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args))]:
+        runs = [run() for _ in range(args.repeats)]
+        best = min(seconds for seconds, _ in runs)
+        results[name] = {"seconds": [s for s, _ in runs], "tokens_per_s": tokens / best, "bytes_written": runs[0][1],
+                         "write_gb_per_s": runs[0][1] / best / 1e9}
+    base = results["baseline"]["tokens_per_s"]
+    print(f"\nfeature extraction, SmolLM2-135M-Instruct bf16, layers {LAYER_IDS}, {args.rows} rows, {tokens:,} tokens, "
+          f"budget {args.token_budget}")
+    print(f"{'variant':<14} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
+    for name, r in results.items():
+        r["fraction_of_baseline"] = r["tokens_per_s"] / base
+        print(f"{name:<14} {r['tokens_per_s']:>12,.0f} {100 * r['fraction_of_baseline']:>11.1f}% "
+              f"{r['bytes_written'] / 1e9:>11.2f} {r['write_gb_per_s']:>6.2f}")
+    path = write_result("extract", {"config": {k: str(v) for k, v in vars(args).items()}, "tokens": tokens,
+                                    "layer_ids": LAYER_IDS, "goal": ">= 0.85 of baseline", "results": results})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
