@@ -102,7 +102,7 @@ def main() -> None:
     if not (prepared / "dflash_data.json").exists():
         save_random_chats(prepared, args.rows, args.seq_len, target)
     layer_ids = ",".join(str(i) for i in range(1, 6))
-    if not store.exists() and cli(["extract", "--out", str(store), "--data", str(prepared), "--target", str(target),
+    if cli(["extract", "--out", str(store), "--data", str(prepared), "--target", str(target),
                                    "--layer-ids", layer_ids, "--device", "cuda"]) != 0:
         raise SystemExit("extraction failed")
 

@@ -10,13 +10,21 @@ import sys
 from collections.abc import Sequence
 
 from dflash_train.commands import check as check_command
+from dflash_train.commands import eval as eval_command
 from dflash_train.commands import export as export_command
+from dflash_train.commands import extract as extract_command
 from dflash_train.commands import inspect_target
+from dflash_train.commands import prepare as prepare_command
 from dflash_train.commands import push as push_command
+from dflash_train.commands import regenerate as regenerate_command
 from dflash_train.commands import train as train_command
 
 COMMANDS = {"inspect": inspect_target, "train": train_command,
-            "export": export_command, "check": check_command, "push": push_command}
+            "export": export_command, "check": check_command, "push": push_command,
+            "prepare": prepare_command,
+            "regenerate": regenerate_command,
+            "extract": extract_command,
+            "eval": eval_command}
 
 
 def build_parser() -> argparse.ArgumentParser:
