@@ -103,7 +103,7 @@ def main() -> None:
         save_random_chats(prepared, args.rows, args.seq_len, target)
     layer_ids = ",".join(str(i) for i in range(1, 6))
     if cli(["extract", "--out", str(store), "--data", str(prepared), "--target", str(target),
-                                   "--layer-ids", layer_ids, "--device", "cuda"]) != 0:
+                                   "--layer-ids", layer_ids, "--device", "cuda:0"]) != 0:
         raise SystemExit("extraction failed")
 
     bare_args = argparse.Namespace(seq_len=args.seq_len, num_anchors=512, block_size=16, warmup=3, iters=10,

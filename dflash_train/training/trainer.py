@@ -77,6 +77,9 @@ class Trainer:
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
         self._check_offline_features()
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
         optimizer = build_optimizer(draft.to(self.accelerator.device), config)
         schedule = build_schedule(optimizer, self.total_steps, config)
         self.model, self.optimizer, self.schedule = self.accelerator.prepare(draft, optimizer, schedule)
