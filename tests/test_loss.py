@@ -103,3 +103,20 @@ def test_expected_acceptance_length_is_cumulative_product() -> None:
     acc = torch.tensor([0.9, 0.5, 0.2])
     assert math.isclose(float(expected_acceptance_length(acc)), 1 + 0.9 + 0.45 + 0.09, rel_tol=1e-6)
     assert float(expected_acceptance_length(torch.ones(15))) == 16.0
+
+
+def test_head_matmuls_run_in_the_heads_dtype() -> None:
+    """fp32 hidden rows (an fp32 final norm under autocast) against a bf16 head: bf16 matmuls, fp32 grads."""
+    gen = torch.Generator().manual_seed(1)
+    hidden = torch.randn(19, 32, generator=gen, requires_grad=True)
+    weight = torch.randn(53, 32, generator=gen).bfloat16()
+    labels = torch.randint(0, 53, (19,), generator=gen)
+    w = torch.rand(19, generator=gen)
+    loss, _ = chunked_weighted_cross_entropy(hidden, weight, labels, w, chunk_rows=4)
+    loss.backward()
+    assert hidden.grad.dtype == torch.float32
+    bf16_rows = hidden.detach().bfloat16().float()
+    ce = F.cross_entropy((hidden.detach().bfloat16() @ weight.T).float(), labels, reduction="none")
+    torch.testing.assert_close(loss, (ce * w).sum() / w.sum(), atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(loss, naive_loss(hidden.detach(), weight.float(), labels, w), atol=1e-7, rtol=0) or \
+        torch.equal(bf16_rows, hidden.detach())

@@ -54,13 +54,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden [P, H], head_weight [V, H] (frozen), labels [P], row_weights [P] summing to 1.
         needs_grad = ctx.needs_input_grad[0]
-        weight = head_weight.to(hidden.dtype)
+        # Matmuls run in the head's dtype (bf16 for a bf16 target), whatever precision the drafter's
+        # final norm returned: casting the [V, H] head up to fp32 instead would cost a copy of the
+        # head and fp32 matmuls every step.
+        weight = head_weight
         loss = hidden.new_zeros((), dtype=torch.float32)
         correct = torch.empty_like(labels, dtype=torch.bool)
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
-            logits = (hidden[rows] @ weight.T).float()  # [chunk, V]
+            logits = (hidden[rows].to(weight.dtype) @ weight.T).float()  # [chunk, V]
             chunk_labels = labels[rows]
             log_norm = torch.logsumexp(logits, dim=-1)
             target_logit = logits.gather(1, chunk_labels[:, None]).squeeze(1)
