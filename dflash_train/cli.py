@@ -31,7 +31,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description="Train and use DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__))
+        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__,
+                                            formatter_class=argparse.RawDescriptionHelpFormatter))
     return parser
 
 

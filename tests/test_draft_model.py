@@ -134,3 +134,12 @@ def test_drafter_learns_to_read_the_injected_context() -> None:
     acc = out.slot_accuracy
     assert acc[0] > 0.9 and acc[1] > 0.9, acc
     assert acc[2] < 0.3, "slot 3's token is not in any visible feature: reading it would be a mask leak"
+
+
+def test_rope_frequencies_survive_a_bf16_cast() -> None:
+    draft = tiny_draft()
+    exact = draft.rotary_emb.inv_freq.clone()
+    draft.to(torch.bfloat16)
+    assert draft.rotary_emb.inv_freq.dtype == torch.float32
+    assert torch.equal(draft.rotary_emb.inv_freq, exact)
+    assert draft.fc.weight.dtype == torch.bfloat16

@@ -57,6 +57,14 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._exact_inv_freq = inv_freq
+
+    def _apply(self, fn, recurse=True):  # type: ignore[no-untyped-def]
+        # `.to(bfloat16)` would round the frequencies (angle error ~1 rad by position 1000): moves
+        # follow the module, dtype casts don't.
+        super()._apply(fn, recurse)
+        self.inv_freq = self._exact_inv_freq.to(self.inv_freq.device)
+        return self
 
     @torch.no_grad()
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
