@@ -108,9 +108,11 @@ class Trainer:
     def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         if "features" in batch:
             return batch["features"]
-        with torch.no_grad():  # online: the same capture as offline extraction
-            return self.target.capture_features(
-                batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
+        from dflash_train.data.features import compute_features
+
+        with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
+            return compute_features(
+                self.target, batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
 
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices])

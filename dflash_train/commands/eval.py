@@ -1,0 +1,136 @@
+"""Measure a drafter's acceptance length (τ) and speedup on prompt sets, checking that greedy speculative
+decoding reproduces the target's own output on every prompt.
+
+    dflash-train eval --target smollm2-135m-instruct --draft runs/smollm2/final --dataset mt-bench \\
+        --dataset humaneval --num-prompts 20 --max-new-tokens 256 --out eval/report.json
+    dflash-train eval --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --dataset humaneval \\
+        --block-size 16 --device cuda --dtype bfloat16 --batch-size 4
+    dflash-train eval --target smollm2-135m-instruct --draft random --dataset prompts.jsonl --device cpu
+
+Both the target alone and target + drafter run through the same fast loop (static caches, decisions on
+the device, CUDA graphs and Triton kernels on GPU). `--draft random` builds an untrained drafter: τ near
+1, useful to check the loop and the lossless property. Writes the JSON report, a PNG next to it, and a
+summary table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+HELP = "measure acceptance length, losslessness and speedup of a drafter on prompt sets"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf file")
+    parser.add_argument("--draft", required=True, help="drafter checkpoint directory or Hub id; 'random' for an "
+                                                       "untrained drafter")
+    parser.add_argument("--dataset", action="append", required=True,
+                        help="humaneval, mt-bench, alpaca-eval, ifeval, math-synthetic, or a .jsonl file; repeatable")
+    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
+    parser.add_argument("--max-new-tokens", type=int, default=256)
+    parser.add_argument("--num-prompts", type=int, default=None, help="first K conversations of each set")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
+    parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
+    parser.add_argument("--batch-size", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="auto: bfloat16 on cuda, float32 on cpu")
+    parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"))
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--random-draft-layers", type=int, default=5, help="layers of a --draft random drafter")
+    parser.add_argument("--out", default="eval_report.json", help="report JSON; the PNG goes next to it")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _validate(args: argparse.Namespace) -> None:
+    for name in ("max_new_tokens", "batch_size"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
+    if args.num_prompts is not None and args.num_prompts < 1:
+        raise ValueError("--num-prompts must be at least 1")
+    if args.temperature < 0:
+        raise ValueError("--temperature must be >= 0")
+
+
+def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda requested but no CUDA device is visible; use --device cpu")
+    name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
+    return device, getattr(torch, name)
+
+
+def _load_draft(args: argparse.Namespace, target: Any, device: Any, dtype: Any) -> Any:
+    import torch
+
+    from dflash_train.mask_token import resolve_mask_token_id
+    from dflash_train.models import DFlashConfig, DFlashDraftModel
+    from dflash_train.models.layers import RotaryEmbedding
+
+    if args.draft != "random":
+        try:
+            from dflash_train.checkpoint import load_draft
+        except ImportError as error:
+            raise ValueError(f"cannot load drafter checkpoints in this installation ({error}); update dflash-train, "
+                             f"or pass --draft random") from error
+        return load_draft(args.draft, device=device, dtype=dtype).eval()
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id,
+                                             num_hidden_layers=args.random_draft_layers,
+                                             block_size=args.block_size or 16)
+    torch.manual_seed(args.seed)
+    draft = DFlashDraftModel(config).to(device=device, dtype=dtype)
+    draft.rotary_emb = RotaryEmbedding(config).to(device)  # keep RoPE frequencies in fp32
+    return draft.eval()
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_train.eval.compat import check_compatible
+    from dflash_train.eval.console import print_summary, progress_bars
+    from dflash_train.eval.prompts import load_prompt_set
+    from dflash_train.eval.report import build_report, write_outputs
+    from dflash_train.eval.run import EvalSettings, Evaluator
+    from dflash_train.target import load_target
+
+    _validate(args)
+    prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]  # fail fast on bad names
+    device, dtype = _device_and_dtype(args)
+    target = load_target(args.target, dtype=dtype, device=device)
+    draft = _load_draft(args, target, device, dtype)
+    block_size = args.block_size or draft.config.block_size
+    check_compatible(draft, target, block_size)
+    settings = EvalSettings(block_size=block_size, max_new_tokens=args.max_new_tokens,
+                            temperature=args.temperature, thinking=args.thinking == "on",
+                            batch_size=args.batch_size, kernels=args.kernels,
+                            cuda_graphs=not args.no_cuda_graphs, ignore_eos=args.ignore_eos)
+    import torch
+
+    torch.manual_seed(args.seed)
+    with progress_bars(enabled=not args.no_progress) as progress:
+        evaluator = Evaluator(target, draft, settings, progress)
+        results: dict[str, Any] = {}
+        for prompt_set in prompt_sets:
+            name = prompt_set.name if prompt_set.name not in results else f"{prompt_set.name}#{len(results)}"
+            results[name] = evaluator.evaluate_set(prompt_set)
+    report = build_report(args, target, evaluator, results)
+    paths = write_outputs(report, Path(args.out), plot=not args.no_plot)
+    print_summary(report, [str(p) for p in paths])
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dflash_train.cli import main as cli_main
+
+    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

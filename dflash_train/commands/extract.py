@@ -1,0 +1,92 @@
+"""Run the target over a prepared dataset and store its features for offline training.
+
+    dflash-train extract --target smollm2-135m-instruct --data runs/prepared-smollm2 --out runs/features-smollm2
+    dflash-train extract --target smollm2-135m-instruct --data runs/prepared-smollm2 --dtype fp8 \\
+        --layer-ids 1,8,14,20,27 --out runs/features-smollm2-fp8
+    dflash-train extract --verify --out runs/features-smollm2 --data runs/prepared-smollm2 \\
+        --target smollm2-135m-instruct --recompute 4
+
+The size is printed before anything is written, and the run refuses to start when the disk cannot hold
+it. Shards are written atomically: rerun the same command after a kill to finish. Several processes
+split the shards (`torchrun --nproc-per-node 8 -m dflash_train.cli extract ...` or --rank/--world-size).
+--verify checks every shard (structure, counts, finite values), and with --data and --target also the
+token ids and a --recompute sample of features.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash_train.data.cli_args import TORCH_DTYPES, resolve_device, tqdm_progress
+
+HELP = "store the target's features of a prepared dataset (offline training), or --verify a store"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", required=True, type=Path, help="feature store directory (resumed if it exists)")
+    parser.add_argument("--data", type=Path, default=None, help="prepared dataset (from `dflash-train prepare`)")
+    parser.add_argument("--target", default=None, help="alias, Hub id, local model directory or .gguf")
+    parser.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the "
+                                                          "drafter's defaults for --num-draft-layers)")
+    parser.add_argument("--num-draft-layers", type=int, default=5)
+    parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="stored feature dtype")
+    parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard file (host memory holds ~3)")
+    parser.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
+    parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
+    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    parser.add_argument("--verify", action="store_true", help="check an existing store instead of writing")
+    parser.add_argument("--recompute", type=int, default=0, help="with --verify: rows to recompute and compare")
+
+
+def _layer_ids(args: argparse.Namespace, num_layers: int) -> list[int]:
+    from dflash_train.layer_ids import default_target_layer_ids, validate_target_layer_ids
+
+    if args.layer_ids:
+        try:
+            ids = [int(x) for x in args.layer_ids.split(",")]
+        except ValueError:
+            raise ValueError(f"--layer-ids {args.layer_ids!r} is not a comma-separated list of integers") from None
+        return validate_target_layer_ids(ids, num_layers)
+    return default_target_layer_ids(num_layers, args.num_draft_layers)
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from dflash_train.data.prepared import load_prepared
+    from dflash_train.data.verify import verify_store
+    from dflash_train.target import load_target
+
+    dataset = load_prepared(args.data) if args.data else None
+    target = None
+    if args.target and args.recompute:
+        target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
+    counts = verify_store(args.out, dataset, target, args.recompute, tqdm_progress("verify", "shards"))
+    print(f"verify: {args.out} OK: {counts['shards']} shards, {counts['rows']:,} rows, {counts['tokens']:,} tokens")
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.verify:
+        return _verify(args)
+    if args.data is None or args.target is None:
+        raise ValueError("extract needs --data (a prepared dataset) and --target")
+    from dflash_train.data.extract import ExtractConfig, extract
+    from dflash_train.data.features import target_fingerprint
+    from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
+    from dflash_train.data.shards import rank_and_world
+    from dflash_train.target import load_target
+
+    rank, world = rank_and_world(args.rank, args.world_size)
+    dataset = load_prepared(args.data)
+    target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
+    check_tokenizer(args.data, target.tokenizer, args.target)
+    config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget)
+    settings = {"target": args.target, "target_hash": target_fingerprint(target.model),
+                "target_dtype": args.target_dtype, "tokenizer_hash": tokenizer_hash(target.tokenizer),
+                "vocab_size": target.vocab_size, "prepared": str(args.data)}
+    extract(target, dataset, args.out, config, settings, rank, world, tqdm_progress("extract", "tok/s"))
+    print(f"extract: shards of rank {rank}/{world} written to {args.out}; check them with "
+          f"`dflash-train extract --verify --out {args.out}`")
+    return 0

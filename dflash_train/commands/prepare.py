@@ -1,0 +1,51 @@
+"""Tokenise chat data with the target's chat template and mark the assistant tokens to train on.
+
+    dflash-train prepare --target smollm2-135m-instruct --data runs/regen-smollm2 --out runs/prepared-smollm2
+    dflash-train prepare --target smollm2-135m-instruct --data sharegpt --max-samples 2000 --out runs/prepared-sharegpt
+    dflash-train prepare --target Qwen/Qwen3-8B --thinking off --data my_chats.jsonl --columns messages=chat \\
+        --max-length 3072 --out runs/prepared-qwen3
+
+The output is a `datasets` directory (`input_ids`, `loss_mask`, metadata columns) with `dflash_data.json`
+beside the data; `dflash_train.data.load_prepared(path)` reads it. Rows with fewer than 2 x --block-size
+supervised tokens are dropped; the summary lists rows read, kept and dropped by reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from dflash_train.data.cli_args import (
+    add_corpus_arguments,
+    add_thinking_argument,
+    corpus_specs,
+    thinking_value,
+)
+
+HELP = "tokenise chat data with the target's template and loss masks"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf (tokenizer only)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (replaced)")
+    add_corpus_arguments(parser)
+    add_thinking_argument(parser)
+    parser.add_argument("--max-length", type=int, default=3072, help="tokens per row; longer rows are cut")
+    parser.add_argument("--block-size", type=int, default=16, help="drafter block size B (rows need 2B supervised)")
+    parser.add_argument("--train-turns", choices=("all", "last"), default="all",
+                        help="assistant turns in the loss: all of them or only the last")
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_train.data.prepare import PrepareConfig, prepare
+    from dflash_train.data.target_tokenizer import load_target_tokenizer
+
+    start = time.perf_counter()
+    tokenizer = load_target_tokenizer(args.target)
+    config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
+                           args.train_turns, args.target)
+    report = prepare(tokenizer, config, args.out)
+    report.totals["seconds"] = round(time.perf_counter() - start)
+    report.print()
+    return 0

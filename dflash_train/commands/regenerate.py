@@ -1,0 +1,104 @@
+"""Regenerate the responses of chat prompts with the target (greedy or sampled), resumably.
+
+Built-in batched generation (static KV cache, CUDA graphs on GPU, no per-token host sync):
+
+    dflash-train regenerate --target smollm2-135m-instruct --data data/prompts/demo_prompts.jsonl \\
+        --max-new-tokens 128 --batch-size 8 --out runs/regen-smollm2
+    dflash-train regenerate --target smollm2-135m-instruct --data sharegpt --max-samples 10000 \\
+        --max-new-tokens 1024 --batch-size 128 --out runs/regen-sharegpt
+    dflash-train regenerate --target smollm2-135m-instruct --data gsm-symbolic --max-samples 2000 \\
+        --max-new-tokens 512 --batch-size 128 --device cuda --out runs/regen-gsm
+
+Any OpenAI-compatible server (vLLM, SGLang, llama.cpp) for targets too big for one process; --target
+still names the model whose tokenizer and template plan the prompts:
+
+    dflash-train regenerate --target Qwen/Qwen3-8B --thinking off --data sharegpt \\
+        --server-url http://127.0.0.1:8000/v1 --server-model Qwen/Qwen3-8B --concurrency 64 --out runs/regen-qwen3
+
+Several processes split the work (`torchrun --nproc-per-node 8 -m dflash_train.cli regenerate ...` or
+--rank/--world-size). A killed run resumes with the same command; the output directory is an OpenAI-messages
+corpus for `dflash-train prepare --data DIR`.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from dflash_train.data.cli_args import (
+    TORCH_DTYPES,
+    add_corpus_arguments,
+    add_thinking_argument,
+    corpus_specs,
+        resolve_device,
+    thinking_value,
+    tqdm_progress,
+)
+
+HELP = "regenerate responses with the target (built-in or OpenAI-compatible server)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf")
+    parser.add_argument("--out", required=True, type=Path, help="output directory (resumed if it exists)")
+    add_corpus_arguments(parser)
+    add_thinking_argument(parser)
+    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per batch and per output shard")
+    parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts are skipped")
+    parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
+    parser.add_argument("--device", default=None, help="built-in back end: cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="built-in back end weights")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
+    server = parser.add_argument_group("OpenAI-compatible server back end")
+    server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
+    server.add_argument("--server-model", default=None, help="model name the server expects (default: --target)")
+    server.add_argument("--concurrency", type=int, default=16)
+    server.add_argument("--api-key", default=None)
+    parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
+    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+
+
+def _backend(args: argparse.Namespace, tokenizer: object) -> tuple[object, dict[str, str]]:
+    from dflash_train.data.backends import LocalBackend, OpenAIBackend
+    from dflash_train.data.generation import GenerationSettings
+
+    if args.server_url:
+        backend = OpenAIBackend(args.server_url, args.server_model or args.target, args.max_new_tokens,
+                                args.temperature, thinking_value(args), args.concurrency, args.api_key)
+        return backend, {"backend": "openai"}
+    from dflash_train.target import load_target
+
+    device = resolve_device(args.device)
+    target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=device)
+    stop_ids = {target.tokenizer.eos_token_id}
+    eos = getattr(target.model.generation_config, "eos_token_id", None)
+    stop_ids.update(eos if isinstance(eos, list) else [eos])
+    stop_ids.discard(None)
+    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stop_ids)
+    settings = GenerationSettings(args.max_new_tokens, tuple(sorted(stop_ids)), pad, args.temperature,
+                                  cuda_graphs=not args.no_cuda_graphs)
+    return LocalBackend(target.model, target.tokenizer, settings, args.batch_size), {"backend": "local", "dtype": args.dtype}
+
+
+def run(args: argparse.Namespace) -> int:
+    from dflash_train.data.chat import ChatTokenizer
+    from dflash_train.data.regenerate import RegenerateConfig, regenerate
+    from dflash_train.data.shards import rank_and_world
+    from dflash_train.data.target_tokenizer import load_target_tokenizer
+
+    rank, world = rank_and_world(args.rank, args.world_size)
+    tokenizer = load_target_tokenizer(args.target)
+    chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
+    backend, recorded = _backend(args, tokenizer)
+    config = RegenerateConfig(
+        corpus_specs(args), args.max_new_tokens, args.temperature, args.seed, thinking_value(args),
+        args.batch_size, args.max_prompt_tokens, not args.keep_duplicates,
+        settings={"target": args.target, **recorded},
+    )
+    manifest = regenerate(backend, chat, config, args.out, rank, world, tqdm_progress("regenerate", "tok/s"))
+    print(f"regenerate: {manifest['units_finished']} of {manifest['num_units']} shards in {args.out}"
+          + ("" if manifest["complete"] else " (other ranks, or a rerun, finish the rest)"))
+    return 0

@@ -1,0 +1,101 @@
+"""Regeneration back ends: the built-in batched generator, and any OpenAI-compatible server.
+
+The server back end sends each prompt's messages to ``POST {base_url}/chat/completions`` (vLLM, SGLang,
+llama.cpp's ``llama-server`` and others serve it), ``concurrency`` requests at a time, and retries
+transient failures. The server applies the chat template; ``thinking`` is passed as
+``chat_template_kwargs.enable_thinking``, which vLLM and SGLang forward to the template. A reasoning
+parser's separate ``reasoning_content`` is put back in front of the answer as ``<think>...</think>``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dflash_train.data.generation import BatchGenerator, GenerationSettings
+from dflash_train.data.regenerate import Completion, PromptRow
+
+
+class LocalBackend:
+    """Generates with the target in this process; batches are padded to ``batch_size`` rows so that every
+    batch of a run has the same shape (one CUDA graph per cache length)."""
+
+    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings,
+                 batch_size: int) -> None:
+        self.generator = BatchGenerator(model, settings)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+
+    def complete(self, rows: list[PromptRow], seed: int) -> list[Completion]:
+        prompts = [row.prompt_ids for row in rows]
+        prompts += [prompts[0]] * (self.batch_size - len(prompts))
+        outputs = self.generator.generate(prompts, seed)[: len(rows)]
+        return [
+            Completion(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), out.finish_reason,
+                       len(out.token_ids))
+            for out in outputs
+        ]
+
+
+class OpenAIBackend:
+    """``window`` units are in flight at once on one pool of ``concurrency`` connections, so the server never
+    idles while the slowest rows of a unit finish."""
+
+    window = 4
+
+    def __init__(self, base_url: str, model: str, max_new_tokens: int, temperature: float = 0.0,
+                 thinking: bool | None = None, concurrency: int = 16, api_key: str | None = None,
+                 timeout_s: float = 600.0, retries: int = 3) -> None:
+        import httpx
+
+        self.url = base_url.rstrip("/") + "/chat/completions"
+        self.model = model
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.thinking = thinking
+        self.retries = retries
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.client = httpx.Client(timeout=timeout_s, headers=headers,
+                                   limits=httpx.Limits(max_connections=concurrency))
+        self.pool = ThreadPoolExecutor(concurrency, thread_name_prefix="openai-backend")
+
+    def start(self, rows: list[PromptRow], seed: int) -> Callable[[], list[Completion]]:
+        futures = [self.pool.submit(self._one, row, seed + i) for i, row in enumerate(rows)]
+        return lambda: [future.result() for future in futures]
+
+    def complete(self, rows: list[PromptRow], seed: int) -> list[Completion]:
+        return self.start(rows, seed)()
+
+    def _payload(self, row: PromptRow, seed: int) -> dict[str, Any]:
+        payload: dict[str, Any] = {"model": self.model, "messages": row.messages, "max_tokens": self.max_new_tokens,
+                                   "temperature": self.temperature, "seed": seed}
+        if self.thinking is not None:
+            payload["chat_template_kwargs"] = {"enable_thinking": self.thinking}
+        return payload
+
+    def _one(self, row: PromptRow, seed: int) -> Completion:
+        import httpx
+
+        for attempt in range(self.retries + 1):
+            try:
+                response = self.client.post(self.url, json=self._payload(row, seed))
+                if response.status_code < 500:
+                    break
+            except httpx.TransportError as error:
+                if attempt == self.retries:
+                    raise ValueError(f"{self.url}: {error}; is the server running?") from error
+            time.sleep(min(2**attempt, 30))
+        if response.status_code != 200:
+            raise ValueError(f"{self.url} answered {response.status_code}: {response.text[:200]}")
+        choice = response.json()["choices"][0]
+        message = choice["message"]
+        text = message.get("content") or ""
+        reasoning = message.get("reasoning_content") or message.get("reasoning")
+        if reasoning:
+            text = f"<think>\n{reasoning.strip()}\n</think>\n\n{text.lstrip()}"
+        tokens = (response.json().get("usage") or {}).get("completion_tokens", 0)
+        return Completion(text, "length" if choice.get("finish_reason") == "length" else "stop", int(tokens))

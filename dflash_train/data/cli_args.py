@@ -1,0 +1,78 @@
+"""Command-line pieces shared by ``prepare``, ``regenerate`` and ``extract``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import torch
+
+from dflash_train.data.corpora import CorpusSpec
+from dflash_train.data.records import FORMATS
+
+TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("input data")
+    group.add_argument("--data", action="append", required=True, metavar="SOURCE",
+                       help="built-in (sharegpt, gsm-symbolic), .jsonl/.json/.parquet/.arrow file, saved dataset "
+                            "or regenerate output directory, or Hub dataset id; repeat to mix")
+    group.add_argument("--split", default="train", help="split of Hub datasets")
+    group.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="record format")
+    group.add_argument("--columns", default="", metavar="OURS=THEIRS,...",
+                       help="column mapping, e.g. messages=chat or prompt=question")
+    group.add_argument("--max-samples", type=int, default=None, help="rows per source (after shuffling)")
+    group.add_argument("--shuffle-seed", type=int, default=None, help="shuffle each source with this seed")
+
+
+def corpus_specs(args: argparse.Namespace) -> list[CorpusSpec]:
+    mapping = {}
+    for item in filter(None, args.columns.split(",")):
+        if "=" not in item:
+            raise ValueError(f"--columns item {item!r} is not OURS=THEIRS")
+        ours, theirs = item.split("=", 1)
+        mapping[ours.strip()] = theirs.strip()
+    return [CorpusSpec(source, args.split, args.format, mapping, args.max_samples, args.shuffle_seed)
+            for source in args.data]
+
+
+def add_thinking_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--thinking", choices=("on", "off"), default=None,
+                        help="enable_thinking for templates that have it (Qwen3); default: the template's own")
+
+
+def thinking_value(args: argparse.Namespace) -> bool | None:
+    return None if args.thinking is None else args.thinking == "on"
+
+
+def resolve_device(requested: str | None) -> str:
+    """``--device``, else ``cuda:$LOCAL_RANK`` (one GPU per process under torchrun/accelerate), else ``cpu``;
+    a CUDA device also becomes the current one, which CUDA streams and graphs use."""
+    if requested is None:
+        if not torch.cuda.is_available():
+            return "cpu"
+        requested = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+    device = torch.device(requested)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return str(device)
+
+
+def tqdm_progress(description: str, unit: str) -> Callable[..., None]:
+    """A progress callback ``(done, total, ..., rate)`` drawing one tqdm bar with the last rate."""
+    from tqdm import tqdm
+
+    bar: list[tqdm] = []
+
+    def update(done: int, total: int, *rest: float) -> None:
+        if not bar:
+            bar.append(tqdm(total=total, desc=description, unit="shard"))
+        bar[0].update(done - bar[0].n)
+        if rest and done:
+            bar[0].set_postfix_str(f"{rest[-1]:,.0f} {unit}")
+        if done == total:
+            bar[0].close()
+
+    return update

@@ -1,0 +1,222 @@
+"""Offline feature extraction: prepared dataset -> feature store (layout in ``features.py``).
+
+Shard ``k`` = dataset rows ``[k*R, (k+1)*R)``; rank ``r`` of ``w`` writes shards ``k % w == r``; a shard is
+written atomically, so a killed run resumes by skipping the shards that exist. Inside a shard, rows are
+sorted by length and grouped into right-padded micro-batches of at most ``token_budget`` padded tokens.
+The host never waits for the GPU: while the target runs micro-batch ``j+1``, micro-batch ``j``'s features
+are copied to pinned host memory on a side stream, and a writer thread waits for a shard's copies and
+writes it straight from those buffers.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from dflash_train.data.features import MANIFEST, compute_features, quantize_fp8, shard_path
+from dflash_train.data.safetensors_writer import write_safetensors
+from dflash_train.data.shards import check_same_settings, write_atomically, write_json_atomically
+
+
+@dataclass
+class ExtractConfig:
+    layer_ids: list[int]
+    dtype: str = "bf16"  # or "fp8"
+    rows_per_shard: int = 256
+    token_budget: int = 16384
+    disk_margin: float = 1.02
+
+
+def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
+    feature = num_layers * hidden * (2 if dtype == "bf16" else 1) + (4 * num_layers if dtype == "fp8" else 0)
+    return feature + 4 + 1  # + input id (int32) + loss mask (uint8)
+
+
+def row_lengths(dataset: Any) -> list[int]:
+    """Token count of every row, read from the Arrow column without materialising the lists."""
+    import pyarrow.compute as pc
+
+    return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+
+
+def micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
+    """Indices grouped longest first, each group's ``len * max_len`` within the budget (at least one row)."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= token_budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+def check_disk(out_dir: Path, needed: int) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(out_dir).free
+    if free < needed:
+        raise ValueError(f"{out_dir}: the features need {needed / 2**30:.2f} GiB but only {free / 2**30:.2f} GiB "
+                         f"is free; free space, pick another --out, or use --dtype fp8 (half the size)")
+
+
+@dataclass
+class ShardRows:
+    """One shard's rows straight from Arrow: flat values and row offsets (numpy, no Python lists)."""
+
+    input_ids: np.ndarray  # [T] int32
+    loss_mask: np.ndarray  # [T] uint8
+    offsets: np.ndarray  # [rows + 1] int64, from 0
+
+    @property
+    def lengths(self) -> list[int]:
+        return np.diff(self.offsets).tolist()
+
+
+def shard_rows(dataset: Any, start: int, stop: int) -> ShardRows:
+    table = dataset.flatten_indices().data if dataset._indices is not None else dataset.data
+    columns = []
+    for name in ("input_ids", "loss_mask"):
+        column = table.column(name).slice(start, stop - start).combine_chunks()
+        offsets = column.offsets.to_numpy().astype(np.int64)
+        columns.append((column.values.to_numpy(zero_copy_only=False)[offsets[0]:offsets[-1]], offsets - offsets[0]))
+    (ids, offsets), (mask, _) = columns
+    return ShardRows(ids.astype(np.int32), mask.astype(np.uint8), offsets)
+
+
+@dataclass
+class ShardParts:
+    """What a shard file holds, as parts in dataset row order, and the event after which they are on the host."""
+
+    tensors: dict[str, list[Tensor]]
+    ready: Any = None  # torch.cuda.Event, or None on the CPU
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class _ShardBuilder:
+    """Runs the target over one shard's rows; device-to-host copies go on a side stream so that the next
+    micro-batch's forward overlaps them."""
+
+    def __init__(self, target: Any, config: ExtractConfig) -> None:
+        self.target, self.config = target, config
+        self.device = target.device
+        self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def run(self, rows: ShardRows) -> ShardParts:
+        lengths = rows.lengths
+        features: list[Tensor | None] = [None] * len(lengths)
+        scales: list[Tensor | None] = [None] * len(lengths)
+        for group in micro_batches(lengths, self.config.token_budget):
+            packed, scale = self._forward(group, rows, lengths)  # [sum len, K*H] on the host
+            splits = [lengths[i] for i in group]
+            for i, part in zip(group, packed.split(splits), strict=True):
+                features[i] = part
+            for i, part in zip(group, scale.split(splits) if scale is not None else [], strict=False):
+                scales[i] = part
+        tensors = {
+            "input_ids": [torch.from_numpy(rows.input_ids)],
+            "loss_mask": [torch.from_numpy(rows.loss_mask)],
+            "offsets": [torch.from_numpy(rows.offsets)],
+            "features": features,
+        }
+        if self.config.dtype == "fp8":
+            tensors["scales"] = scales
+        ready = None
+        if self.copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record(self.copy_stream)
+        return ShardParts(tensors, ready)  # type: ignore[arg-type]
+
+    def _forward(self, group: list[int], rows: ShardRows, lengths: list[int]) -> tuple[Tensor, Tensor | None]:
+        width = lengths[group[0]]
+        ids = np.zeros((len(group), width), dtype=np.int64)
+        for b, i in enumerate(group):
+            ids[b, : lengths[i]] = rows.input_ids[rows.offsets[i]:rows.offsets[i + 1]]
+        padded = any(lengths[i] < width for i in group)
+        mask = None
+        if padded:
+            mask = (np.arange(width)[None] < np.array([lengths[i] for i in group])[:, None]).astype(np.int64)
+            mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
+        feats = compute_features(self.target, torch.from_numpy(ids).to(self.device, non_blocking=True),
+                                 self.config.layer_ids, mask)  # [b, width, K*H] bf16
+        # Real tokens only, gathered with a host-built index (boolean indexing would wait for the GPU).
+        keep = torch.from_numpy(np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(group)]))
+        packed = feats.reshape(-1, feats.shape[-1]).index_select(0, keep.to(self.device, non_blocking=True))
+        scale = None
+        if self.config.dtype == "fp8":
+            packed, scale = quantize_fp8(packed, len(self.config.layer_ids))
+        return self._to_host(packed), (self._to_host(scale) if scale is not None else None)
+
+    def _to_host(self, tensor: Tensor) -> Tensor:
+        if self.copy_stream is None:
+            return tensor.cpu()
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.copy_stream):
+            host.copy_(tensor, non_blocking=True)
+        tensor.record_stream(self.copy_stream)  # keep the source alive until the copy has run
+        return host
+
+
+def _save_shard(path: Path, parts: ShardParts, unit: int) -> None:
+    parts.wait()
+    tensors = parts.tensors
+    metadata = {"unit": str(unit), "rows": str(len(tensors["offsets"][0]) - 1),
+                "tokens": str(len(tensors["input_ids"][0]))}
+    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+def extract(
+    target: Any, dataset: Any, out_dir: Path, config: ExtractConfig, settings: dict[str, Any],
+    rank: int = 0, world: int = 1, progress: Callable[[int, int, int, float], None] | None = None,
+) -> dict[str, Any]:
+    """Write this rank's missing shards; ``settings`` (target, hashes, ...) go into the manifest."""
+    lengths = row_lengths(dataset)
+    per_token = bytes_per_token(len(config.layer_ids), target.hidden_size, config.dtype)
+    units = -(-len(lengths) // config.rows_per_shard)
+    manifest = {**settings, "format": "dflash-features-v1", "target_layer_ids": list(config.layer_ids),
+                "hidden_size": target.hidden_size, "dtype": config.dtype, "num_rows": len(lengths),
+                "num_tokens": sum(lengths), "rows_per_shard": config.rows_per_shard, "num_units": units,
+                "bytes_per_token": per_token}
+    check_same_settings(out_dir / MANIFEST, manifest, "a feature store")
+    todo = [k for k in range(units) if k % world == rank and not shard_path(out_dir, k).exists()]
+    todo_tokens = sum(sum(lengths[k * config.rows_per_shard:(k + 1) * config.rows_per_shard]) for k in todo)
+    needed = int(todo_tokens * per_token * config.disk_margin)
+    print(f"extract: {sum(lengths):,} tokens in {units} shards, {per_token:,} bytes/token ({config.dtype}): "
+          f"{sum(lengths) * per_token / 2**30:.2f} GiB in all; this run (rank {rank}/{world}) writes "
+          f"{len(todo)} shards, {todo_tokens * per_token / 2**30:.2f} GiB to {out_dir}", flush=True)
+    check_disk(out_dir, needed)
+    if rank == 0:
+        write_json_atomically(out_dir / MANIFEST, manifest)
+    builder = _ShardBuilder(target, config)
+    if progress:
+        progress(0, len(todo), 0, 0.0)
+    with ThreadPoolExecutor(1) as writer:
+        pending: list[Future[None]] = []
+        for done, k in enumerate(todo, start=1):
+            start = time.perf_counter()
+            rows = shard_rows(dataset, k * config.rows_per_shard, min((k + 1) * config.rows_per_shard, len(lengths)))
+            parts = builder.run(rows)
+            for future in [f for f in pending if f.done()]:
+                future.result()  # a failed write stops the run here, with its error
+                pending.remove(future)
+            if len(pending) >= 2:  # bound host memory: at most two shards waiting for the disk
+                pending.pop(0).result()
+            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
+            if progress:
+                tokens = len(rows.input_ids)
+                progress(done, len(todo), tokens, tokens / max(time.perf_counter() - start, 1e-9))
+        for future in pending:
+            future.result()
+    return manifest

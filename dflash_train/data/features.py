@@ -1,0 +1,172 @@
+"""Target features for training: the one capture call shared by online and offline training, and the
+offline feature store.
+
+Store layout (``dflash-train extract`` writes it): ``manifest.json`` plus shards
+``features-<k>.safetensors``, shard ``k`` holding dataset rows ``[k*R, (k+1)*R)`` packed without padding:
+
+    input_ids  int32   [T]          T = tokens of the shard's rows
+    loss_mask  uint8   [T]
+    offsets    int64   [rows + 1]   row j is tokens offsets[j]:offsets[j+1]
+    features   bf16 or float8_e4m3fn [T, K*H]
+    scales     float32 [T, K]       fp8 only: one scale per token and captured layer (amax / 448)
+
+Reading maps a shard lazily (safetensors) and slices one row, so memory stays bounded by one row.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+MANIFEST = "manifest.json"
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FEATURE_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+
+
+def shard_path(store_dir: Path, unit: int) -> Path:
+    return store_dir / f"features-{unit:06d}.safetensors"
+
+
+def compute_features(target: Any, input_ids: Tensor, layer_ids: Sequence[int],
+                     attention_mask: Tensor | None = None) -> Tensor:
+    """``[B, S, K*H]`` bf16 features: the only capture call of both online training and extraction, so
+    the two see bit-identical features for the same batch."""
+    return target.capture_features(input_ids, layer_ids, attention_mask).to(torch.bfloat16)
+
+
+def quantize_fp8(features: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:
+    """``[T, K*H]`` -> (``[T, K*H]`` float8_e4m3fn, ``[T, K]`` float32 scales). Per token and layer, values
+    are scaled so the largest magnitude maps to 448; each element then keeps 3 mantissa bits."""
+    tokens = features.shape[0]
+    grouped = features.float().view(tokens, num_layers, -1)  # [T, K, H]
+    scales = (grouped.abs().amax(dim=-1) / FP8_MAX).clamp(min=1e-12)  # [T, K]
+    quantized = (grouped / scales[..., None]).to(torch.float8_e4m3fn)
+    return quantized.view(tokens, -1), scales
+
+
+def dequantize_fp8(quantized: Tensor, scales: Tensor) -> Tensor:
+    tokens, num_layers = scales.shape
+    grouped = quantized.float().view(tokens, num_layers, -1) * scales[..., None]
+    return grouped.view(tokens, -1).to(torch.bfloat16)
+
+
+def target_fingerprint(model: torch.nn.Module) -> str:
+    """A hash of the target's config and weights, cheap enough for 8B models: every tensor's name, shape
+    and dtype, and up to 1024 evenly strided values of each."""
+    config = model.config.to_dict()
+    for volatile in ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype"):
+        config.pop(volatile, None)
+    digest = hashlib.sha256(json.dumps(config, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().reshape(-1)
+        sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
+        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+        digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def read_manifest(store_dir: Path) -> dict[str, Any]:
+    path = store_dir / MANIFEST
+    if not path.is_file():
+        raise ValueError(f"{store_dir} is not a feature store ({MANIFEST} missing); run `dflash-train extract`")
+    try:
+        return json.loads(path.read_text())
+    except ValueError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); run `dflash-train extract` again") from error
+
+
+def open_shard(path: Path) -> Any:
+    from safetensors import safe_open
+
+    try:
+        return safe_open(str(path), framework="pt")
+    except Exception as error:  # safetensors raises its own error types for corrupt headers
+        raise ValueError(
+            f"{path}: unreadable feature shard ({error}); delete it and run `dflash-train extract` again "
+            f"(it resumes and rewrites only that shard)"
+        ) from error
+
+
+class FeatureStore:
+    """Random access to an offline store: ``store[i]`` is row ``i`` of the prepared dataset it was made from."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.manifest = read_manifest(self.path)
+        rows, per_shard = self.manifest["num_rows"], self.manifest["rows_per_shard"]
+        self.num_units = self.manifest["num_units"]
+        missing = [k for k in range(self.num_units) if not shard_path(self.path, k).is_file()]
+        if missing:
+            raise ValueError(
+                f"{self.path}: feature store incomplete ({len(missing)} of {self.num_units} shards missing, "
+                f"first {shard_path(self.path, missing[0]).name}); run `dflash-train extract` again to finish"
+            )
+        self._starts = list(range(0, rows, per_shard))
+        self._rows = rows
+        self._handles: OrderedDict[int, tuple[Any, list[int]]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._rows
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Open shard handles stay in their process: data-loader workers reopen what they read.
+        return {**self.__dict__, "_handles": OrderedDict()}
+
+    def _open(self, unit: int) -> tuple[Any, list[int]]:
+        """The shard's handle and row offsets; at most two shards are kept open (memory-mapped)."""
+        if unit not in self._handles:
+            handle = open_shard(shard_path(self.path, unit))
+            self._handles[unit] = (handle, handle.get_tensor("offsets").tolist())
+            if len(self._handles) > 2:
+                self._handles.popitem(last=False)
+        self._handles.move_to_end(unit)
+        return self._handles[unit]
+
+    def __getitem__(self, i: int) -> dict[str, Tensor]:
+        if not 0 <= i < self._rows:
+            raise IndexError(f"row {i} outside the store's {self._rows} rows")
+        unit = bisect.bisect_right(self._starts, i) - 1
+        handle, offsets = self._open(unit)
+        j = i - self._starts[unit]
+        start, end = offsets[j], offsets[j + 1]
+        try:
+            features = handle.get_slice("features")[start:end]
+            if self.manifest["dtype"] == "fp8":
+                features = dequantize_fp8(features, handle.get_slice("scales")[start:end])
+            return {
+                "input_ids": handle.get_slice("input_ids")[start:end].long(),
+                "loss_mask": handle.get_slice("loss_mask")[start:end].bool(),
+                "features": features,
+            }
+        except Exception as error:
+            raise ValueError(f"{shard_path(self.path, unit)}: unreadable feature shard ({error}); delete it and "
+                             f"run `dflash-train extract` again") from error
+
+    def __iter__(self) -> Iterator[dict[str, Tensor]]:
+        return (self[i] for i in range(len(self)))
+
+    def check_compatible(self, target_layer_ids: Sequence[int], hidden_size: int,
+                         target_hash: str | None = None, *, tokenizer_hash: str | None = None) -> None:
+        """Refuse a store made for other layer ids, another hidden size, or (given their hashes) another
+        target or tokenizer."""
+        m = self.manifest
+        if list(target_layer_ids) != list(m["target_layer_ids"]):
+            raise ValueError(f"{self.path}: features of layers {m['target_layer_ids']}, the drafter wants "
+                             f"{list(target_layer_ids)}; extract again with --layer-ids or use matching layers")
+        if hidden_size != m["hidden_size"]:
+            raise ValueError(f"{self.path}: hidden size {m['hidden_size']} != the drafter's {hidden_size}; "
+                             f"this store was made for another target")
+        if target_hash is not None and target_hash != m["target_hash"]:
+            raise ValueError(f"{self.path}: made with target {m['target']!r} (hash {m['target_hash']}), not the "
+                             f"loaded target (hash {target_hash}); extract again with this target")
+        if tokenizer_hash is not None and tokenizer_hash != m.get("tokenizer_hash"):
+            raise ValueError(f"{self.path}: tokenised with another vocabulary than the loaded target's; prepare "
+                             f"and extract again with this target")

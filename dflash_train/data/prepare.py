@@ -1,0 +1,183 @@
+"""Corpora -> tokenised chats with loss masks, saved as a prepared dataset (see ``prepared.py``).
+
+Rows are validated (``records.py``), rendered and masked with the target's chat template (``chat.py``),
+cut to ``max_length`` keeping whole assistant spans where possible, and dropped when fewer than
+``min_supervised`` (``2 * block_size``) tokens remain supervised. Every drop is counted by reason.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dflash_train.data.chat import ChatTokenizer, fit_length, template_hash
+from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
+from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
+from dflash_train.data.quality import DataReport
+from dflash_train.data.records import BadRecord, detect_format, rename_columns, to_messages
+from dflash_train.data.shards import REGEN_MANIFEST, write_json_atomically
+
+
+@dataclass
+class PrepareConfig:
+    sources: list[CorpusSpec]
+    max_length: int = 3072
+    block_size: int = 16
+    thinking: bool | None = None
+    train_turns: str = "all"
+    target_name: str = "target"
+    extra_metadata: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def min_supervised(self) -> int:
+        return 2 * self.block_size
+
+
+def settings_of_regenerated(sources: list[CorpusSpec], tokenizer: PreTrainedTokenizerBase,
+                            thinking: bool | None) -> bool | None:
+    """The thinking setting to tokenise with: regenerated responses must be rendered with the template and
+    thinking setting they were generated with (their manifest records both)."""
+    for spec in sources:
+        manifest_path = Path(spec.source) / REGEN_MANIFEST
+        if not manifest_path.is_file():
+            continue
+        manifest = json.loads(manifest_path.read_text())
+        if manifest.get("chat_template_hash") != template_hash(tokenizer):
+            raise ValueError(f"{manifest_path}: responses generated with another chat template than this target's; "
+                             f"prepare them with the target that generated them")
+        if thinking is None:
+            thinking = manifest.get("thinking")
+        elif manifest.get("thinking") is not None and manifest["thinking"] != thinking:
+            raise ValueError(f"{manifest_path}: generated with thinking {'on' if manifest['thinking'] else 'off'}; "
+                             f"prepare with the same --thinking")
+    return thinking
+
+
+def iter_messages(
+    corpus: Corpus, spec: CorpusSpec, report: DataReport, prompt_only: bool = False
+) -> Iterator[tuple[int, dict[str, Any], list]]:
+    """(index, record, messages) for every usable record; the others are counted in ``report``."""
+    fmt = None if spec.fmt == "auto" else spec.fmt
+    if corpus.truncated:
+        report.dropped["truncated_file_tail"] += corpus.truncated
+    for index, record in enumerate(corpus):
+        report.read += 1
+        try:
+            if isinstance(record, BadRecord):
+                raise record
+            record = rename_columns(record, spec.column_map)
+            fmt = fmt or detect_format(list(record))
+            yield index, record, to_messages(record, fmt, prompt_only)
+        except BadRecord as bad:
+            report.drop(bad.reason)
+
+
+def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataReport) -> Iterator[dict[str, Any]]:
+    for spec in config.sources:
+        corpus = open_corpus(spec)
+        for index, record, messages in iter_messages(corpus, spec, report):
+            try:
+                tokenized = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
+            except BadRecord as bad:
+                report.drop(bad.reason)
+                continue
+            report.totals["turns not reproducible by the template"] += tokenized.turns_not_reproducible
+            tokenized = fit_length(tokenized, config.max_length)
+            if tokenized.num_supervised < config.min_supervised:
+                report.drop("too_long" if tokenized.truncated else "too_few_supervised_tokens")
+                continue
+            report.kept += 1
+            report.totals["rows truncated"] += tokenized.truncated
+            report.totals["tokens"] += len(tokenized.input_ids)
+            report.totals["supervised tokens"] += tokenized.num_supervised
+            yield {
+                "input_ids": tokenized.input_ids,
+                "loss_mask": tokenized.loss_mask,
+                "num_supervised": tokenized.num_supervised,
+                "source": corpus.name,
+                "source_index": index,
+            }
+
+
+def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: Path) -> DataReport:
+    """Write the prepared dataset to ``out_dir`` (replaced atomically) and return the report."""
+    import datasets
+
+    config.thinking = settings_of_regenerated(config.sources, tokenizer, config.thinking)
+    chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)
+    report = DataReport(f"prepare -> {out_dir}")
+    features = datasets.Features({
+        "input_ids": datasets.Sequence(datasets.Value("int32")),
+        "loss_mask": datasets.Sequence(datasets.Value("int8")),
+        "num_supervised": datasets.Value("int32"),
+        "source": datasets.Value("string"),
+        "source_index": datasets.Value("int64"),
+    })
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    datasets.disable_progress_bars()  # the report says what happened
+    try:
+        with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as work:
+            dataset = _build(chat, config, report, features, Path(work) / "cache")
+            staging = Path(work) / "dataset"
+            dataset.save_to_disk(str(staging))
+            write_json_atomically(staging / METADATA_FILE, _metadata(tokenizer, config, report))
+            if out_dir.exists():
+                shutil.rmtree(out_dir)
+            staging.rename(out_dir)
+    finally:
+        datasets.enable_progress_bars()
+    return report
+
+
+def _build(chat: ChatTokenizer, config: PrepareConfig, report: DataReport, features: Any, cache_dir: Path) -> Any:
+    """The tokenised rows as an Arrow-backed dataset, written incrementally under ``cache_dir``."""
+    import datasets
+
+    failure: list[ValueError] = []
+    try:
+        dataset = datasets.Dataset.from_generator(
+            _generate, gen_kwargs={"chat": chat, "config": config, "report": report, "failure": failure},
+            features=features, cache_dir=str(cache_dir),
+        )
+    except Exception:
+        if report.kept and not failure:
+            raise
+        dataset = None  # datasets refuses an empty generator; a user error is raised below
+    if failure:  # a user error inside the generator, which datasets would otherwise wrap
+        raise failure[0]
+    if dataset is None or report.kept == 0:
+        raise ValueError(f"no usable rows in {[s.source for s in config.sources]}: {report.as_dict()['dropped']}")
+    return dataset
+
+
+def _generate(
+    chat: ChatTokenizer, config: PrepareConfig, report: DataReport, failure: list[ValueError]
+) -> Iterator[dict[str, Any]]:
+    try:
+        yield from tokenized_rows(chat, config, report)
+    except ValueError as error:
+        failure.append(error)
+
+
+def _metadata(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, report: DataReport) -> dict[str, Any]:
+    return {
+        "format": "dflash-prepared-v1",
+        "target": config.target_name,
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "chat_template_hash": template_hash(tokenizer),
+        "thinking": config.thinking,
+        "train_turns": config.train_turns,
+        "max_length": config.max_length,
+        "block_size": config.block_size,
+        "min_supervised_tokens": config.min_supervised,
+        "sources": [spec.source for spec in config.sources],
+        "counts": report.as_dict(),
+        **config.extra_metadata,
+    }

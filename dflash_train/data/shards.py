@@ -1,0 +1,71 @@
+"""Append-only shard directories: atomic writes, rank/world discovery, and the shard names of each step.
+
+A shard is written to a temporary name in the same directory and renamed into place, so a file with a
+final name is always complete: a killed run leaves at most a temporary file, which the next run ignores
+and overwrites. Work is planned as numbered units from the input alone, so every rank and every resumed
+run agrees on what unit ``k`` contains; rank ``r`` of ``w`` owns units ``k % w == r``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+REGEN_MANIFEST = "regenerate.json"
+REGEN_SHARD_GLOB = "part-*.jsonl"
+
+
+def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tuple[int, int]:
+    """Explicit values, else ``RANK``/``WORLD_SIZE`` as set by torchrun and accelerate, else (0, 1)."""
+    rank = int(os.environ.get("RANK", 0)) if rank is None else rank
+    world_size = int(os.environ.get("WORLD_SIZE", 1)) if world_size is None else world_size
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside world size {world_size}; pass 0 <= --rank < --world-size")
+    return rank, world_size
+
+
+def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
+    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        write(tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
+
+
+def regenerated_shard_path(out_dir: Path, unit: int) -> Path:
+    return out_dir / f"part-{unit:06d}.jsonl"
+
+
+def regenerated_files(out_dir: Path) -> list[Path]:
+    """Finished regeneration shards in unit order (temporary files never match the pattern)."""
+    return sorted(out_dir.glob(REGEN_SHARD_GLOB))
+
+
+def check_same_settings(path: Path, expected: dict[str, Any], what: str) -> None:
+    """Refuse to resume into ``path``'s directory when it was started with other settings."""
+    if not path.is_file():
+        return
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path} is unreadable ({error}); remove it or pick another --out directory") from error
+    changed = sorted(key for key in expected if found.get(key) != expected[key])
+    if changed:
+        raise ValueError(
+            f"{path.parent} holds {what} made with other settings ({', '.join(changed)}); "
+            f"use the same settings to resume, or another --out directory"
+        )

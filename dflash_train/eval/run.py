@@ -1,0 +1,203 @@
+"""An evaluation run: every prompt set through the target alone and through target + drafter, both in the
+same fast loop, in the same process; lossless check, acceptance statistics and speed per set.
+
+Per prompt set, turn by turn (turn k of every conversation is one request; turn k+1 is asked after the
+target's own answer to turn k):
+1. the target alone (block 1, no drafter): its answers are the reference output and the turn history;
+2. target + drafter (block B): greedy output must equal (1) token for token (`lossless`), and its cycles give
+   the acceptance lengths.
+Decode tokens/s exclude prefill; both engines are warmed up (and their CUDA graphs captured) before timing.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from rich.progress import Progress
+
+from dflash_train.eval.chat import prompt_ids, stop_token_ids, supports_thinking
+from dflash_train.eval.console import PassProgress
+from dflash_train.eval.engine import DecodeEngine, EngineConfig, RunStats
+from dflash_train.eval.metrics import acceptance_metrics
+from dflash_train.eval.prompts import PromptSet
+from dflash_train.eval.state import RequestOutput
+from dflash_train.models import DFlashDraftModel
+from dflash_train.target import TargetModel
+
+logger = logging.getLogger(__name__)
+MAX_LISTED_MISMATCHES = 10
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    block_size: int
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    thinking: bool = False
+    batch_size: int = 1
+    kernels: str = "auto"
+    cuda_graphs: bool = True
+    ignore_eos: bool = False
+
+
+@dataclass
+class Request:
+    conversation: int
+    turn: int
+    messages: list[dict[str, str]]
+    ids: list[int]
+
+
+@dataclass
+class PassTotals:
+    tokens: int = 0
+    decode_s: float = 0.0
+    cycles: int = 0
+
+    def add(self, stats: RunStats) -> None:
+        self.tokens += stats.new_tokens
+        self.decode_s += stats.wall_s - stats.prefill_s
+        self.cycles += stats.cycles
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        return self.tokens / self.decode_s if self.decode_s > 0 else None
+
+
+class Evaluator:
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel, settings: EvalSettings,
+                 progress: Progress | None = None) -> None:
+        self.target, self.draft, self.settings, self.progress = target, draft, settings, progress
+        self.stop_ids = [] if settings.ignore_eos else stop_token_ids(target.tokenizer, target.model.generation_config)
+        self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
+        self.engines: tuple[DecodeEngine, DecodeEngine] | None = None
+        self.runner_check: dict[str, float] | None = None
+        self.thinking_switch = supports_thinking(target.tokenizer) if target.tokenizer is not None else False
+        if settings.thinking and not self.thinking_switch:
+            logger.warning("--thinking on has no effect: the target's chat template has no thinking switch")
+
+    def _engine_config(self, block_size: int, max_length: int) -> EngineConfig:
+        s = self.settings
+        return EngineConfig(batch_size=s.batch_size, block_size=block_size, max_new_tokens=s.max_new_tokens,
+                            max_length=max_length, temperature=s.temperature, stop_token_ids=tuple(self.stop_ids),
+                            kernels=s.kernels, cuda_graphs=s.cuda_graphs)
+
+    def _get_engines(self, first: Request, need: int) -> tuple[DecodeEngine, DecodeEngine]:
+        """Engines whose static caches hold `need` positions; rebuilt (and recaptured) only to grow."""
+        if self.engines is not None and self.engines[0].runner.max_length >= need:
+            return self.engines
+        self.engines = None  # free the old caches first
+        max_length = -(-need // 256) * 256
+        baseline = DecodeEngine(self.target, None, self._engine_config(1, max_length))
+        dflash = DecodeEngine(self.target, self.draft, self._engine_config(self.settings.block_size, max_length),
+                              runner=baseline.runner)
+        if self.runner_check is None:
+            self.runner_check = baseline.runner.compare_with_hf(first.ids)
+        for engine in (baseline, dflash):  # untimed warm-up: kernel compilation, graph capture, allocator
+            engine.prepare()
+            engine.generate([first.ids])
+        self.engines = (baseline, dflash)
+        return self.engines
+
+    def _requests(self, prompt_set: PromptSet, histories: list[list[dict[str, str]]], alive: list[int],
+                  turn: int) -> tuple[list[Request], int]:
+        requests, too_long = [], 0
+        budget = self.settings.max_new_tokens + self.settings.block_size
+        for index in alive:
+            turns = prompt_set.conversations[index].turns
+            if turn >= len(turns):
+                continue
+            messages = histories[index] + [{"role": "user", "content": turns[turn]}]
+            ids = prompt_ids(self.target.tokenizer, messages, self.settings.thinking)
+            if len(ids) + budget > self.context_limit:
+                too_long += 1
+                continue
+            requests.append(Request(index, turn, messages, ids))
+        return requests, too_long
+
+    def _pass(self, engine: DecodeEngine, requests: list[Request], label: str) -> tuple[list[RequestOutput], RunStats]:
+        progress = PassProgress(self.progress, label, len(requests))
+        return engine.generate([r.ids for r in requests], on_finish=progress.finished)
+
+    @torch.no_grad()
+    def evaluate_set(self, prompt_set: PromptSet) -> dict[str, Any]:
+        histories = [list(c.prefix) for c in prompt_set.conversations]
+        alive = list(range(len(prompt_set.conversations)))
+        requests_done: list[tuple[Request, RequestOutput, RequestOutput]] = []
+        totals = {"target": PassTotals(), "dflash": PassTotals()}
+        too_long, turn = 0, 0
+        while alive:
+            requests, skipped = self._requests(prompt_set, histories, alive, turn)
+            too_long += skipped
+            if not requests:
+                break
+            need = max(len(r.ids) for r in requests) + self.settings.max_new_tokens + self.settings.block_size
+            baseline, dflash = self._get_engines(requests[0], need)
+            suffix = f" turn {turn + 1}" if turn else ""
+            reference, stats = self._pass(baseline, requests, f"{prompt_set.name}{suffix} target only")
+            totals["target"].add(stats)
+            drafted, stats = self._pass(dflash, requests, f"{prompt_set.name}{suffix} dflash")
+            totals["dflash"].add(stats)
+            for request, ref, out in zip(requests, reference, drafted, strict=True):
+                answer = self.target.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+                histories[request.conversation] = request.messages + [{"role": "assistant", "content": answer}]
+                requests_done.append((request, ref, out))
+            alive, turn = [r.conversation for r in requests], turn + 1
+        return self._summarise(prompt_set, requests_done, totals, too_long)
+
+    def _summarise(self, prompt_set: PromptSet, done: list[tuple[Request, RequestOutput, RequestOutput]],
+                   totals: dict[str, PassTotals], too_long: int) -> dict[str, Any]:
+        if not done:
+            raise ValueError(f"no prompt of {prompt_set.name} fits the target's context of {self.context_limit} "
+                             f"tokens with --max-new-tokens {self.settings.max_new_tokens}; lower it")
+        greedy = self.settings.temperature == 0
+        diverged = [(request, ref, out) for request, ref, out in done if ref.tokens != out.tokens]
+        mismatches = [_mismatch(*d) for d in diverged]
+        for d, row in zip(diverged[:MAX_LISTED_MISMATCHES], mismatches, strict=False):
+            row["logit_gap"] = self._logit_gap(*d, row["first_divergence"])
+        with_draft, alone = totals["dflash"].tokens_per_s, totals["target"].tokens_per_s
+        return {
+            "source": prompt_set.source,
+            **({"note": prompt_set.note} if prompt_set.note else {}),
+            "conversations": len({request.conversation for request, _, _ in done}),
+            "requests": len(done),
+            "skipped_rows": prompt_set.skipped_rows,
+            "skipped_too_long": too_long,
+            **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
+            "lossless": (not mismatches) if greedy else None,
+            "lossless_requests": len(done) - len(mismatches) if greedy else None,
+            "mismatches": mismatches[:MAX_LISTED_MISMATCHES] if greedy else [],
+            "new_tokens_with_draft": totals["dflash"].tokens,
+            "new_tokens_target_only": totals["target"].tokens,
+            "decode_seconds_with_draft": totals["dflash"].decode_s,
+            "decode_seconds_target_only": totals["target"].decode_s,
+            "tokens_per_s_with_draft": with_draft,
+            "tokens_per_s_target_only": alone,
+            "speedup": with_draft / alone if with_draft and alone else None,
+            "skipped": _skipped_text(prompt_set.skipped_rows, too_long),
+        }
+
+    def _logit_gap(self, request: Request, reference: RequestOutput, drafted: RequestOutput, index: int) -> float | None:
+        """At the first divergence, the target's own logit of its token minus that of the drafted run's token,
+        from a plain forward: near zero means a floating-point tie between two equally likely tokens."""
+        if index >= min(len(reference.tokens), len(drafted.tokens)):
+            return None  # one output is a prefix of the other: a stop or length difference, not a token
+        ids = torch.tensor([request.ids + reference.tokens[:index]], device=self.target.device)
+        logits = self.target.model(ids).logits[0, -1].float()
+        return float(logits[reference.tokens[index]] - logits[drafted.tokens[index]])
+
+
+def _mismatch(request: Request, reference: RequestOutput, drafted: RequestOutput) -> dict[str, int]:
+    pairs = zip(reference.tokens, drafted.tokens, strict=False)
+    first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(reference.tokens), len(drafted.tokens)))
+    return {"conversation": request.conversation, "turn": request.turn, "first_divergence": first,
+            "target_tokens": len(reference.tokens), "dflash_tokens": len(drafted.tokens)}
+
+
+def _skipped_text(malformed: int, too_long: int) -> str:
+    parts = [f"{malformed} malformed rows"] * bool(malformed) + [f"{too_long} prompts longer than the context"] * bool(
+        too_long)
+    return ", ".join(parts)

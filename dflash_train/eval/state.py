@@ -1,0 +1,79 @@
+"""Per-row decoding state of the fast loop, kept on the device and updated in place (CUDA-graph safe).
+
+Row r holds one request: `start[r]` is the position of its last committed token (the next block's anchor,
+not yet seen by the target), `out[r, :n_out[r]]` its generated tokens, `accept_log[r, :n_cycles[r]]` the
+a+1 of each of its cycles. A row that is `done` (finished, or idle) is carried through every cycle
+unchanged, so the batch keeps a static shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RequestOutput:
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    num_prompt_tokens: int
+
+
+class DecodeState:
+    def __init__(self, batch_size: int, block_size: int, max_new_tokens: int, stop_token_ids: list[int],
+                 device: torch.device) -> None:
+        def zeros(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.long, device=device)
+
+        self.max_new_tokens = max_new_tokens
+        self.start = zeros(batch_size)
+        self.last_token = zeros(batch_size)
+        self.out = zeros(batch_size, max_new_tokens + block_size + 1)  # last column: write sink
+        self.n_out = zeros(batch_size)
+        self.accept_log = zeros(batch_size, max_new_tokens + 1)  # last column: write sink
+        self.n_cycles = zeros(batch_size)
+        self.block = zeros(batch_size, block_size)  # the block of the current cycle
+        self.done = torch.ones(batch_size, dtype=torch.bool, device=device)  # rows start idle
+        self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
+        self.slots = torch.arange(block_size, device=device)
+
+    def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
+        return (tokens[..., None] == self.stop_ids).any(dim=-1)
+
+    def reset_rows(self, row_index: torch.Tensor, first_tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
+        """Start requests in rows row_index [n]: prompts of prompt_lengths [n] whose first token was sampled."""
+        self.start[row_index] = prompt_lengths
+        self.last_token[row_index] = first_tokens
+        self.out[row_index, 0] = first_tokens
+        self.n_out[row_index] = 1
+        self.n_cycles[row_index] = 0
+        self.done[row_index] = self._is_stop(first_tokens) | (self.max_new_tokens <= 1)
+
+    def advance(self, accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
+        """After a cycle committed accept_len [b] tokens into `out` (the last being bonus [b])."""
+        width = self.slots.shape[0]
+        sink = self.out.shape[1] - 1
+        index = (self.n_out[:, None] + self.slots).clamp(max=sink)
+        committed = self.out.gather(1, index)  # [b, B], valid where slot < accept_len
+        stops = self._is_stop(committed) & (self.slots < accept_len[:, None])
+        hit = stops.any(dim=-1)
+        first_stop = torch.where(stops, self.slots, width).amin(dim=-1)
+        kept = torch.where(hit, first_stop + 1, accept_len)  # tokens after a stop token are dropped
+        active = ~self.done
+        step = active.long()
+        log_index = torch.where(active, self.n_cycles, self.accept_log.shape[1] - 1)
+        self.accept_log.scatter_(1, log_index[:, None], accept_len[:, None])
+        self.n_cycles += step
+        self.n_out += kept * step
+        self.start += accept_len * step
+        self.last_token.copy_(torch.where(active, bonus, self.last_token))
+        self.done |= active & (hit | (self.n_out >= self.max_new_tokens))
+
+    def harvest(self, row: int, num_prompt_tokens: int) -> RequestOutput:
+        n_out = min(int(self.n_out[row]), self.max_new_tokens)
+        return RequestOutput(
+            tokens=self.out[row, :n_out].tolist(),
+            acceptance_lengths=self.accept_log[row, : int(self.n_cycles[row])].tolist(),
+            num_prompt_tokens=num_prompt_tokens,
+        )

@@ -1,0 +1,90 @@
+"""The drafter over a static context cache, for the fast loop.
+
+Cache: the drafter's `DraftKVCache` storage, keys/values [L, b, kv_heads, max_len, D], slot == position.
+Row r's valid context is slots < start[r] (committed tokens before the block's anchor); after each verify
+the K/V of all B block positions are written (static shapes), and those past the accepted prefix are
+overwritten by the next cycle before the mask ever shows them.
+
+Context materialisation: `fuse_context` (fc + hidden_norm), then either the drafter's own `key_values`
+per layer ("torch") or one GEMM over all layers' [k_proj; v_proj] plus the fused Triton kernel for
+k_norm + RoPE + cache write ("triton").
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.models import DFlashDraftModel
+
+
+class StaticDrafter:
+    def __init__(self, draft: DFlashDraftModel, batch_size: int, block_size: int, max_length: int,
+                 kernels: str = "torch") -> None:
+        self.draft = draft
+        self.cache = draft.new_cache(batch_size, max_length)  # keys/values [L, b, kv, max_len, D]
+        device = draft.fc.weight.device
+        self.dtype = draft.fc.weight.dtype
+        self.slots = torch.arange(max_length, device=device)
+        self.block_visible = torch.ones(batch_size, 1, block_size, block_size, dtype=torch.bool, device=device)
+        self.use_triton = kernels == "triton"
+        self._compiled_hidden: Any = None
+        if self.use_triton:
+            self._prepare_fused(max_length)
+
+    def _prepare_fused(self, max_length: int) -> None:
+        attns = [layer.self_attn for layer in self.draft.layers]
+        # [L * 2 * kv_heads * D, H]: for each layer its k_proj rows, then its v_proj rows.
+        self.kv_weight = torch.cat([torch.cat([a.k_proj.weight, a.v_proj.weight]) for a in attns])
+        biases = [torch.cat([a.k_proj.bias, a.v_proj.bias]) for a in attns if a.k_proj.bias is not None]
+        self.kv_bias = torch.cat(biases) if biases else None
+        self.k_norm_weight = torch.stack([a.k_norm.weight for a in attns])  # [L, D]
+        positions = torch.arange(max_length, device=self.slots.device)[None]
+        cos, sin = self.draft.rotary_emb(positions, torch.float32)  # [1, max_len, D]
+        self.cos, self.sin = cos[0].contiguous(), sin[0].contiguous()
+
+    @torch.no_grad()
+    def write_context(self, features: torch.Tensor, positions: torch.Tensor,
+                      row_index: torch.Tensor | None = None) -> None:
+        """Context K/V of target features [n, T, K*H] at positions [n, T] into cache rows row_index [n]."""
+        context = self.draft.fuse_context(features.to(self.dtype))  # [n, T, H]
+        n, t = positions.shape
+        rows = torch.arange(n, device=positions.device) if row_index is None else row_index
+        if self.use_triton:
+            from dflash_train.kernels.context_kv import context_kv_triton
+
+            attn = self.draft.layers[0].self_attn
+            kv = F.linear(context, self.kv_weight, self.kv_bias)
+            kv = kv.view(n * t, len(self.draft.layers), 2, attn.num_kv_heads, attn.head_dim)
+            context_kv_triton(kv, self.k_norm_weight, self.draft.config.rms_norm_eps, self.cos, self.sin,
+                              positions.reshape(-1), rows[:, None].expand(n, t).reshape(-1),
+                              self.cache.keys, self.cache.values)
+            return
+        cos, sin = self.draft.rotary_emb(positions, context.dtype)
+        for index, layer in enumerate(self.draft.layers):
+            k, v = layer.self_attn.key_values(context, cos, sin)  # [n, kv, T, D]
+            self.cache.keys[index][rows[:, None], :, positions] = k.transpose(1, 2)
+            self.cache.values[index][rows[:, None], :, positions] = v.transpose(1, 2)
+
+    @torch.no_grad()
+    def hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
+               compiled: bool = False) -> torch.Tensor:
+        """Final-normed hidden states [b, B, H] of the block embeds [b, B, H] at positions [b, B]; the block
+        attends to context slots < start[r] and to all of itself. `compiled`: through torch.compile."""
+        if compiled:
+            if self._compiled_hidden is None:
+                self._compiled_hidden = torch.compile(self._hidden, dynamic=False)
+            return self._compiled_hidden(block_embeds, positions, start)
+        return self._hidden(block_embeds, positions, start)
+
+    def _hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+        b, width = positions.shape
+        context_visible = (self.slots[None, :] < start[:, None])[:, None, None, :]  # [b, 1, 1, max_len]
+        mask = torch.cat([context_visible.expand(b, 1, width, -1), self.block_visible], dim=-1)
+        h = block_embeds.to(self.dtype)
+        cos, sin = self.draft.rotary_emb(positions, h.dtype)
+        for index, layer in enumerate(self.draft.layers):
+            h = layer(h, cos, sin, self.cache.keys[index], self.cache.values[index], mask)
+        return self.draft.norm(h)

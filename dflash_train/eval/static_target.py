@@ -1,0 +1,207 @@
+"""The target, run layer by layer over a static KV cache: fixed shapes, per-row positions, no host sync.
+
+Supported layouts: Llama, Mistral, Qwen2, Qwen3 in transformers (embed_tokens -> decoder layers with
+rotary position embeddings -> norm -> lm_head). Each Hugging Face decoder layer runs unchanged; only its
+KV cache and its attention function are ours:
+
+- Cache: keys/values [b, kv_heads, max_len, D] per layer. A forward writes each token's K/V at the slot
+  equal to its position, so rolling back after a rejection costs nothing: the next verify block starts at
+  the first uncommitted position and overwrites the stale slots before any query can see them (a query at
+  position p sees only slots <= p).
+- Attention: SDPA with each KV head's query heads folded into the query axis (no copy of K/V per query
+  head), under a boolean mask built from positions (causal, plus the sliding window where the layer has one).
+
+Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
+layer loop: no hooks.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.layer_ids import validate_target_layer_ids
+from dflash_train.target import TargetModel
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTENTION_NAME = "dflash_static"
+
+
+def static_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None)."""
+    b, heads, t, d = query.shape
+    kv_heads, keys = key.shape[1], key.shape[2]
+    groups = heads // kv_heads
+    # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
+    q = query.reshape(b, kv_heads, groups * t, d)
+    mask = attention_mask[:, :, None].expand(b, 1, groups, t, keys).reshape(b, 1, groups * t, keys)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, D]
+    return out.reshape(b, heads, t, d).transpose(1, 2), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, static_attention)
+
+
+class _WriteCache:
+    """The cache object handed to Hugging Face layers: `update` writes K/V at the tokens' positions."""
+
+    def __init__(self, runner: StaticTarget, row_index: torch.Tensor | None, positions: torch.Tensor,
+                 kv_len: int) -> None:
+        self.runner, self.row_index, self.positions, self.kv_len = runner, row_index, positions, kv_len
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        keys, values = self.runner.keys[layer_idx], self.runner.values[layer_idx]  # [b, kv, max_len, D]
+        rows = self.runner.all_rows[:, None] if self.row_index is None else self.row_index[:, None]
+        keys[rows, :, self.positions] = key_states.transpose(1, 2)  # [n, T, kv, D] at (row, position)
+        values[rows, :, self.positions] = value_states.transpose(1, 2)
+        if self.row_index is None:
+            return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
+        return keys[self.row_index, :, : self.kv_len], values[self.row_index, :, : self.kv_len]
+
+
+@dataclass
+class TargetOutput:
+    logits: torch.Tensor  # [n, T or 1, V]
+    features: torch.Tensor | None  # [n, T, K*H]
+
+
+class StaticTarget:
+    def __init__(self, target: TargetModel, batch_size: int, max_length: int) -> None:
+        model_type = getattr(target.config.get_text_config(), "model_type", type(target.model).__name__)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"the fast eval loop supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not {model_type!r}; "
+                f"use the plain loop `dflash_train.inference.generate_greedy` for other architectures"
+            )
+        _register_attention()
+        self.target, self.base = target, target.model.get_decoder()
+        self.layers = target.decoder_layers
+        attn = self.layers[0].self_attn
+        kv_heads = attn.k_proj.out_features // attn.head_dim
+        shape = (batch_size, kv_heads, max_length, attn.head_dim)
+        device, dtype = target.device, target.dtype
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # [b, kv, max_len, D]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
+        self.batch_size, self.max_length = batch_size, max_length
+        self.all_rows = torch.arange(batch_size, device=device)
+        self.slots = torch.arange(max_length, device=device)
+        self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
+        params = inspect.signature(self.layers[0].forward).parameters
+        self.cache_arg = "cache" if "cache" in params else "past_key_values"
+        self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
+        self._compiled_forward: Any = None
+
+    def cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    @contextmanager
+    def _our_attention(self) -> Iterator[None]:
+        saved = [config._attn_implementation for config in self._configs]
+        for config in self._configs:
+            config._attn_implementation = ATTENTION_NAME
+        try:
+            yield
+        finally:
+            for config, name in zip(self._configs, saved, strict=True):
+                config._attn_implementation = name
+
+    def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
+        """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal)."""
+        slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
+        masks = {}
+        for window in dict.fromkeys(self.windows):  # ordered, so compiled graphs trace the same way each time
+            visible = slots <= query
+            if window is not None:  # transformers' sliding window: key > query - window
+                visible = visible & (slots > query - window)
+            masks[window] = visible[:, None]
+        return masks
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        row_index: torch.Tensor | None = None,
+        kv_len: int | None = None,
+        logit_index: torch.Tensor | None = None,
+        feature_layer_ids: Sequence[int] = (),
+        compiled: bool = False,
+    ) -> TargetOutput:
+        """input_ids/positions [n, T] for cache rows `row_index` [n] (None: all rows, n = batch).
+
+        kv_len limits attention to the first slots (prefill); logit_index [n] picks one position per row
+        for the logits (else all T); features [n, T, K*H] are the outputs of `feature_layer_ids`, in order.
+        Writes K/V of every token at its position. `compiled` runs the layers through torch.compile
+        (fixed shapes only: the decode cycle).
+        """
+        ids = tuple(validate_target_layer_ids(feature_layer_ids, len(self.layers))) if feature_layer_ids else ()
+        run = self._compiled() if compiled else self._forward
+        with self._our_attention():
+            logits, features = run(input_ids, positions, row_index, kv_len or self.max_length, logit_index, ids)
+        return TargetOutput(logits, features)
+
+    def _compiled(self) -> Any:
+        if self._compiled_forward is None:
+            self._compiled_forward = torch.compile(self._forward, dynamic=False)
+        return self._compiled_forward
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor | None,
+                 kv_len: int, logit_index: torch.Tensor | None,
+                 feature_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        cache = _WriteCache(self, row_index, positions, kv_len)
+        masks = self._masks(positions, kv_len)
+        captured: dict[int, torch.Tensor] = {}
+        h = self.base.embed_tokens(input_ids)
+        position_embeddings = self.base.rotary_emb(h, positions)
+        for index, layer in enumerate(self.layers):
+            out = layer(h, attention_mask=masks[self.windows[index]], position_ids=positions,
+                        position_embeddings=position_embeddings, use_cache=True, **{self.cache_arg: cache})
+            h = out[0] if isinstance(out, tuple) else out
+            if index in feature_layer_ids:
+                captured[index] = h
+        if logit_index is not None:
+            h = h.gather(1, logit_index[:, None, None].expand(-1, 1, h.shape[-1]))  # [n, 1, H]
+        logits = self.target.lm_head(self.base.norm(h))
+        features = torch.cat([captured[i] for i in feature_layer_ids], dim=-1) if feature_layer_ids else None
+        return logits, features
+
+    @torch.no_grad()
+    def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:
+        """This runner's logits against the model's own forward on one prompt (overwrites cache row 0):
+        guards against a transformers version whose layers behave differently from the ones tested."""
+        input_ids = torch.tensor([list(ids)], device=self.target.device)
+        reference = self.target.model(input_ids).logits[0].float()  # [P, V]
+        positions = torch.arange(len(ids), device=self.target.device)[None]
+        ours = self.forward(input_ids, positions, row_index=self.all_rows[:1], kv_len=len(ids)).logits[0].float()
+        agreement = (reference.argmax(-1) == ours.argmax(-1)).float().mean()
+        return {"max_abs_logit_diff": float((reference - ours).abs().max()), "argmax_agreement": float(agreement)}
+
+
+def _sliding_window(layer: nn.Module, config: Any) -> int | None:
+    """The layer's sliding window as transformers applies it (per-layer attribute, else Mistral's config)."""
+    attn = layer.self_attn
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    if getattr(config, "layer_types", None) is None:
+        return getattr(config, "sliding_window", None)
+    return None

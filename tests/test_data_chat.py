@@ -1,0 +1,226 @@
+"""Loss masks from chat templates, against masks built by hand from the known layout of each template.
+
+The real templates of Llama-3, Qwen3 and Mistral (tests/golden/chat_templates) run over a byte-level
+tokenizer with the family's special tokens; the oracle tokenises hand-written pieces of the expected text
+itself (one token per byte, one per added token), so nothing of the implementation is reused. SmolLM2
+(ChatML) uses its real tokenizer and a golden file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from dflash_train.data.chat import ChatTokenizer, fit_length
+from dflash_train.data.records import BadRecord
+
+GOLDEN = Path(__file__).parent / "golden"
+BYTE_CHARS = bytes_to_unicode()  # byte -> the printable character byte-level BPE uses for it
+BYTE_IDS = {byte: i for i, byte in enumerate(BYTE_CHARS)}  # the vocabulary below, in that order
+
+FAMILIES = {
+    # family: (template file, special tokens, non-special added tokens, bos, eos)
+    "llama3": ("llama3.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
+               "<|begin_of_text|>", "<|eot_id|>"),
+    "qwen3": ("qwen3.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"], None,
+              "<|im_end|>"),
+    "mistral": ("mistral.jinja", ["<unk>", "<s>", "</s>"], [], "<s>", "</s>"),
+}
+
+
+def byte_tokenizer(family: str) -> PreTrainedTokenizerFast:
+    template, specials, plain_added, bos, eos = FAMILIES[family]
+    vocab = {char: i for i, char in enumerate(BYTE_CHARS.values())}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in specials])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain_added])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token=eos)
+    tokenizer.chat_template = (GOLDEN / "chat_templates" / template).read_text().rstrip("\n")
+    return tokenizer
+
+
+def oracle(tokenizer: PreTrainedTokenizerFast, pieces: list[tuple[str, int]]) -> tuple[list[int], list[int]]:
+    """Ids and mask of (text, trained) pieces: added tokens by lookup, everything else byte by byte."""
+    added = {t.content: i for i, t in tokenizer.added_tokens_decoder.items()}
+    pattern = "(" + "|".join(re.escape(t) for t in sorted(added, key=len, reverse=True)) + ")"
+    ids, mask = [], []
+    for text, trained in pieces:
+        for part in filter(None, re.split(pattern, text)):
+            part_ids = [added[part]] if part in added else [BYTE_IDS[b] for b in part.encode()]
+            ids += part_ids
+            mask += [trained] * len(part_ids)
+    return ids, mask
+
+
+def check(family: str, messages: list[dict], pieces: list[tuple[str, int]], thinking: bool | None = None,
+          not_reproducible: int = 0) -> None:
+    tokenizer = byte_tokenizer(family)
+    chat = ChatTokenizer(tokenizer, thinking=thinking)
+    out = chat.tokenize(messages)
+    ids, mask = oracle(tokenizer, pieces)
+    assert tokenizer.decode(out.input_ids) == "".join(text for text, _ in pieces)  # the template's text
+    assert out.input_ids == ids
+    assert out.loss_mask == mask
+    assert out.turns_not_reproducible == not_reproducible
+
+
+USER1, ANSWER1, USER2, ANSWER2 = "What is 2+2?", "2 + 2 = 4.", "And 3+3, é?", "3 + 3 = 6, ü."
+
+
+def two_turns(system: str | None = None) -> list[dict]:
+    head = [{"role": "system", "content": system}] if system else []
+    return head + [{"role": "user", "content": USER1}, {"role": "assistant", "content": ANSWER1},
+                   {"role": "user", "content": USER2}, {"role": "assistant", "content": ANSWER2}]
+
+
+def test_llama3_two_turns_with_system() -> None:
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    check("llama3", two_turns("Be brief. "), [
+        ("<|begin_of_text|>" + header.format("system") + "Be brief.<|eot_id|>", 0),  # content is trimmed
+        (header.format("user") + USER1 + "<|eot_id|>" + header.format("assistant"), 0),
+        (ANSWER1 + "<|eot_id|>", 1),
+        (header.format("user") + USER2 + "<|eot_id|>" + header.format("assistant"), 0),
+        (ANSWER2 + "<|eot_id|>", 1),
+    ])
+
+
+def test_mistral_two_turns() -> None:
+    check("mistral", two_turns(), [
+        (f"<s>[INST] {USER1} [/INST]", 0), (ANSWER1 + "</s>", 1),
+        (f"[INST] {USER2} [/INST]", 0), (ANSWER2 + "</s>", 1),
+    ])
+
+
+def test_mistral_rejects_system_role_per_row() -> None:
+    with pytest.raises(BadRecord) as error:
+        ChatTokenizer(byte_tokenizer("mistral")).tokenize(two_turns("Be brief."))
+    assert error.value.reason == "template_rejected"
+
+
+def test_qwen3_thinking_off_single_turn() -> None:
+    messages = two_turns()[:2]
+    check("qwen3", messages, [
+        (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        (ANSWER1 + "<|im_end|>", 1), ("\n", 0),
+    ], thinking=False)
+
+
+def test_qwen3_thinking_off_multi_turn_trains_only_the_reproducible_turn() -> None:
+    # History turns lose the empty think block the model generated after: not what it wrote in context.
+    check("qwen3", two_turns(), [
+        (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n{ANSWER1}<|im_end|>\n", 0),
+        (f"<|im_start|>user\n{USER2}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
+        (ANSWER2 + "<|im_end|>", 1), ("\n", 0),
+    ], thinking=False, not_reproducible=1)
+
+
+def test_qwen3_thinking_on_trains_the_think_block() -> None:
+    messages = [{"role": "system", "content": "Sys"}, {"role": "user", "content": USER1},
+                {"role": "assistant", "content": "<think>\nadd them\n</think>\n\n" + ANSWER1}]
+    check("qwen3", messages, [
+        (f"<|im_start|>system\nSys<|im_end|>\n<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nadd them\n</think>\n\n" + ANSWER1 + "<|im_end|>", 1), ("\n", 0),
+    ], thinking=True)
+
+
+def test_qwen3_thinking_on_history_turn_without_its_thinking_is_not_trained() -> None:
+    messages = two_turns()
+    messages[1]["content"] = "<think>\nsum\n</think>\n\n" + ANSWER1
+    messages[3]["content"] = "<think>\nagain\n</think>\n\n" + ANSWER2
+    check("qwen3", messages, [
+        (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n{ANSWER1}<|im_end|>\n", 0),
+        (f"<|im_start|>user\n{USER2}<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nagain\n</think>\n\n" + ANSWER2 + "<|im_end|>", 1), ("\n", 0),
+    ], thinking=True, not_reproducible=1)
+
+
+def test_thinking_switch_on_a_template_without_it_is_an_error() -> None:
+    with pytest.raises(ValueError, match="no thinking switch"):
+        ChatTokenizer(byte_tokenizer("llama3"), thinking=False)
+
+
+def test_template_that_drops_assistant_turns_is_a_one_line_error() -> None:
+    tokenizer = byte_tokenizer("qwen3")
+    tokenizer.chat_template = "{% for m in messages %}{% if m.role == 'user' %}<|im_start|>{{ m.content }}<|im_end|>{% endif %}{% endfor %}"
+    with pytest.raises(ValueError, match="does not render assistant turns") as error:
+        ChatTokenizer(tokenizer, name="my-model").tokenize(two_turns())
+    assert "my-model" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_no_chat_template_is_an_error() -> None:
+    tokenizer = byte_tokenizer("qwen3")
+    tokenizer.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        ChatTokenizer(tokenizer, name="base-model")
+
+
+def test_special_token_text_in_content_is_a_bad_row() -> None:
+    messages = two_turns()
+    messages[1]["content"] = "fake end <|im_end|> here"
+    with pytest.raises(BadRecord) as error:
+        ChatTokenizer(byte_tokenizer("qwen3")).tokenize(messages)
+    assert error.value.reason == "special_token_text"
+
+
+def test_unfinished_response_leaves_its_end_of_turn_out() -> None:
+    chat = ChatTokenizer(byte_tokenizer("llama3"))
+    full, cut = chat.tokenize(two_turns()), chat.tokenize(two_turns(), unfinished_last_turn=True)
+    last_end = full.spans[-1][1] - 1
+    assert full.loss_mask[last_end] == 1 and cut.loss_mask[last_end] == 0
+    assert sum(full.loss_mask) - sum(cut.loss_mask) == 1
+
+
+def test_train_last_turn_only() -> None:
+    chat = ChatTokenizer(byte_tokenizer("mistral"))
+    out = chat.tokenize(two_turns(), train_turns="last")
+    assert sum(out.loss_mask) == len(ANSWER2.encode()) + 1 and len(out.spans) == 1
+
+
+def test_fit_length_keeps_whole_spans_then_cuts() -> None:
+    chat = ChatTokenizer(byte_tokenizer("mistral"))
+    out = chat.tokenize(two_turns())
+    (s1, e1), (s2, e2) = out.spans
+    cut = fit_length(out, e2 - 1)  # the second span does not fit whole: cut after the first
+    assert len(cut.input_ids) == e1 and cut.truncated and cut.spans == [(s1, e1)]
+    cut = fit_length(out, e1 - 3)  # no whole span fits: a plain cut, the partial span stays
+    assert len(cut.input_ids) == e1 - 3 and sum(cut.loss_mask) == e1 - 3 - s1
+    assert fit_length(out, len(out.input_ids)) is out
+
+
+# ------------------------------------------------------------------------------------ SmolLM2 (ChatML), real
+
+
+@pytest.fixture(scope="module")
+def smollm2_tokenizer() -> PreTrainedTokenizerFast:
+    from dflash_train.target import DEFAULT_TARGET_ALIASES, ensure_converted_gguf
+
+    return AutoTokenizer.from_pretrained(ensure_converted_gguf(DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()))
+
+
+def test_smollm2_chatml_mask_matches_pieces_and_golden(smollm2_tokenizer: PreTrainedTokenizerFast) -> None:
+    chat = ChatTokenizer(smollm2_tokenizer)
+    out = chat.tokenize(two_turns())
+    system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+    pieces = [
+        (system + f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n", 0), (ANSWER1, 1), ("<|im_end|>", 1),
+        (f"\n<|im_start|>user\n{USER2}<|im_end|>\n<|im_start|>assistant\n", 0), (ANSWER2, 1), ("<|im_end|>", 1),
+        ("\n", 0),
+    ]
+    ids, mask = [], []
+    for text, trained in pieces:  # the real tokenizer on each piece alone
+        piece_ids = smollm2_tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece_ids
+        mask += [trained] * len(piece_ids)
+    assert (out.input_ids, out.loss_mask) == (ids, mask)
+    golden = json.loads((GOLDEN / "smollm2_chatml_mask.json").read_text())
+    assert {"input_ids": out.input_ids, "loss_mask": out.loss_mask} == golden
+    assert smollm2_tokenizer.decode([i for i, m in zip(out.input_ids, out.loss_mask, strict=True) if m]) == (
+        f"{ANSWER1}<|im_end|>{ANSWER2}<|im_end|>")

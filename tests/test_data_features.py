@@ -1,0 +1,236 @@
+"""Offline feature store: equal to the online capture, fp8 error bound, resume after a kill, ranks,
+verification, disk check, compatibility checks and the `extract` command."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+from pathlib import Path
+
+import datasets
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches
+from dflash_train.data.features import (
+    FeatureStore,
+    compute_features,
+    dequantize_fp8,
+    quantize_fp8,
+    shard_path,
+    target_fingerprint,
+)
+from dflash_train.data.prepared import tokenizer_hash
+from dflash_train.data.verify import verify_store
+from dflash_train.target import TargetModel
+from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
+
+LAYERS = [0, 2, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetModel:
+    return make_tiny_target("qwen3", num_layers=6)
+
+
+def rows_dataset(n: int = 9, seed: int = 0) -> datasets.Dataset:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(3, 20, (n,), generator=g)]
+    ids = [torch.randint(7, 256, (length,), generator=g).tolist() for length in lengths]
+    masks = [[0] * (length // 2) + [1] * (length - length // 2) for length in lengths]
+    return datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks})
+
+
+def run_extract(target: TargetModel, data: datasets.Dataset, out: Path, dtype: str = "bf16", budget: int = 1,
+                rank: int = 0, world: int = 1, kill_after: int | None = None, shards_run: list[int] | None = None) -> dict:
+    def progress(done: int, total: int, tokens: int, rate: float) -> None:
+        if shards_run is not None and done == 0:
+            shards_run.append(total)
+        if kill_after is not None and done == kill_after:
+            raise KeyboardInterrupt
+
+    config = ExtractConfig(LAYERS, dtype, rows_per_shard=2, token_budget=budget)
+    settings = {"target": "tiny", "target_hash": target_fingerprint(target.model),
+                "tokenizer_hash": tokenizer_hash(target.tokenizer)}
+    return extract(target, data, out, config, settings, rank, world, progress)
+
+
+def shard_bytes(out: Path) -> dict[str, tuple]:
+    """Each shard's metadata and tensor bytes (safetensors does not fix the order of metadata keys)."""
+    from safetensors import safe_open
+
+    shards = {}
+    for path in sorted(out.glob("features-*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            names = f.keys()  # safe_open is not iterable
+            tensors = {k: (f.get_tensor(k).dtype, f.get_tensor(k).view(torch.uint8).numpy().tobytes()) for k in names}
+            shards[path.name] = (f.metadata(), tensors)
+    return shards
+
+
+def test_offline_features_equal_online_capture_bit_for_bit(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "store")  # budget 1: one row per forward, as online with batch 1
+    store = FeatureStore(tmp_path / "store")
+    assert len(store) == len(data)
+    for i in range(len(data)):
+        ids = torch.tensor(data[i]["input_ids"])
+        online = compute_features(tiny, ids[None], LAYERS)[0]
+        row = store[i]
+        assert row["features"].dtype == torch.bfloat16 and row["features"].shape == (len(ids), 3 * 64)
+        assert torch.equal(row["features"], online)
+        assert torch.equal(row["input_ids"], ids) and row["loss_mask"].tolist() == [bool(m) for m in data[i]["loss_mask"]]
+    # the online capture itself is the contract's: outputs of layers 0, 2, 4 = hidden_states[1, 3, 5]
+    with torch.no_grad():
+        hidden = tiny.model(ids[None], output_hidden_states=True).hidden_states
+    torch.testing.assert_close(online.float(), torch.cat([hidden[k + 1] for k in LAYERS], -1)[0].bfloat16().float())
+
+
+def test_padded_micro_batches_match_single_rows(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "one", budget=1)
+    run_extract(tiny, data, tmp_path / "batched", budget=64)  # right-padded groups of several rows
+    one, batched = FeatureStore(tmp_path / "one"), FeatureStore(tmp_path / "batched")
+    for i in range(len(data)):
+        torch.testing.assert_close(batched[i]["features"].float(), one[i]["features"].float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_micro_batches_respect_the_budget() -> None:
+    lengths = [5, 17, 3, 17, 9, 1, 30]
+    groups = micro_batches(lengths, 40)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for group in groups:
+        assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= 40
+
+
+def test_fp8_round_trip_error_bound() -> None:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3 * 128, generator=g) * torch.logspace(-3, 2, 64)[:, None]
+    x[:, 7] *= 300  # an outlier channel, as real hidden states have
+    x = x.bfloat16()
+    q, scales = quantize_fp8(x, 3)
+    assert q.dtype == torch.float8_e4m3fn and scales.shape == (64, 3)
+    back = dequantize_fp8(q, scales).float()
+    # e4m3 keeps 3 mantissa bits (relative rounding <= 2^-4), values under the normal range round to
+    # multiples of scale * 2^-9, and the bf16 output adds 2^-8 relative.
+    bound = x.float().abs() * (2**-4 + 2**-8) + scales.repeat_interleave(128, dim=1) * 2**-10
+    assert bool(((back - x.float()).abs() <= bound * 1.0001).all())
+    assert float((back - x.float()).norm() / x.float().norm()) < 0.05
+
+
+def test_fp8_store_is_within_the_bound_of_bf16(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset(5)
+    run_extract(tiny, data, tmp_path / "bf16")
+    run_extract(tiny, data, tmp_path / "fp8", dtype="fp8")
+    for a, b in zip(FeatureStore(tmp_path / "bf16"), FeatureStore(tmp_path / "fp8"), strict=True):
+        exact, approx = a["features"].float(), b["features"].float()
+        assert float((approx - exact).norm() / exact.norm()) < 0.05
+    assert bytes_per_token(3, 64, "fp8") == 3 * 64 + 12 + 5 and bytes_per_token(3, 64, "bf16") == 3 * 128 + 5
+
+
+def test_resume_after_kill_equals_uninterrupted(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "full", "fp8", budget=40)
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(tiny, data, tmp_path / "resumed", "fp8", budget=40, kill_after=2)
+    assert len(shard_bytes(tmp_path / "resumed")) == 2
+    with pytest.raises(ValueError, match="incomplete.*run `dflash-train extract` again"):
+        FeatureStore(tmp_path / "resumed")
+    (tmp_path / "resumed" / ".features-000002.safetensors.x.tmp").write_bytes(b"partial")
+    shards_run: list[int] = []
+    run_extract(tiny, data, tmp_path / "resumed", "fp8", budget=40, shards_run=shards_run)
+    assert shards_run == [3]  # only the missing shards were computed again
+    assert shard_bytes(tmp_path / "resumed") == shard_bytes(tmp_path / "full")
+    assert len(shard_bytes(tmp_path / "full")) == 5
+
+
+def test_ranks_split_the_shards(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "full")
+    run_extract(tiny, data, tmp_path / "split", rank=1, world=2)
+    assert sorted(shard_bytes(tmp_path / "split")) == ["features-000001.safetensors", "features-000003.safetensors"]
+    run_extract(tiny, data, tmp_path / "split", rank=0, world=2)
+    assert shard_bytes(tmp_path / "split") == shard_bytes(tmp_path / "full")
+
+
+def test_verify_and_unreadable_shard(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "s")
+    counts = verify_store(tmp_path / "s", data, tiny, recompute=3)
+    assert counts == {"shards": 5, "rows": 9, "tokens": sum(len(r) for r in data["input_ids"])}
+    with pytest.raises(ValueError, match="features-000000.safetensors: token ids or loss masks differ"):
+        verify_store(tmp_path / "s", rows_dataset(seed=1))
+    bad = shard_path(tmp_path / "s", 3)
+    bad.write_bytes(bad.read_bytes()[:100])
+    for check in (lambda: verify_store(tmp_path / "s"), lambda: FeatureStore(tmp_path / "s")[7]):
+        with pytest.raises(ValueError, match=rf"{bad}: unreadable feature shard.*extract` again") as error:
+            check()
+        assert "\n" not in str(error.value)
+
+
+def test_disk_too_small_is_refused_after_printing_the_size(tiny: TargetModel, tmp_path: Path,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 1000))
+    with pytest.raises(ValueError, match=r"need 0\.00 GiB but only 0\.00 GiB is free.*fp8"):
+        run_extract(tiny, rows_dataset(), tmp_path / "s")
+    tokens = sum(len(r) for r in rows_dataset()["input_ids"])
+    assert f"{tokens:,} tokens in 5 shards, 389 bytes/token (bf16)" in capsys.readouterr().out
+    assert not list((tmp_path / "s").glob("*.safetensors"))
+
+
+def test_check_compatible(tiny: TargetModel, tmp_path: Path) -> None:
+    run_extract(tiny, rows_dataset(3), tmp_path / "s")
+    store = FeatureStore(tmp_path / "s")
+    store.check_compatible(LAYERS, 64, target_fingerprint(tiny.model))
+    with pytest.raises(ValueError, match="features of layers"):
+        store.check_compatible([0, 2], 64)
+    with pytest.raises(ValueError, match="hidden size"):
+        store.check_compatible(LAYERS, 128)
+    other = make_tiny_target("qwen3", num_layers=6, seed=1)
+    with pytest.raises(ValueError, match="not the loaded target"):
+        store.check_compatible(LAYERS, 64, target_fingerprint(other.model))
+    store.check_compatible(LAYERS, 64, tokenizer_hash=tokenizer_hash(tiny.tokenizer))
+    with pytest.raises(ValueError, match="another vocabulary"):
+        store.check_compatible(LAYERS, 64, tokenizer_hash=tokenizer_hash(make_tiny_tokenizer(vocab_size=200)))
+    assert store.manifest["target_layer_ids"] == LAYERS and store.manifest["hidden_size"] == 64
+
+
+def test_extract_cli_end_to_end_and_tokenizer_mismatch(tiny: TargetModel, tmp_path: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    tiny.model.save_pretrained(tmp_path / "model")
+    tiny.tokenizer.save_pretrained(tmp_path / "model")
+    chats = [{"messages": [{"role": "user", "content": "who are you ?"},
+                           {"role": "assistant", "content": "i am a helpful assistant ."}]}] * 3
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    model = str(tmp_path / "model")
+    assert main(["prepare", "--target", model, "--data", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "p"),
+                 "--block-size", "2"]) == 0
+    args = ["extract", "--target", model, "--data", str(tmp_path / "p"), "--out", str(tmp_path / "f"),
+            "--layer-ids", "0,2,4", "--target-dtype", "fp32", "--device", "cpu"]
+    assert main(args) == 0
+    assert main(["extract", "--verify", "--out", str(tmp_path / "f"), "--data", str(tmp_path / "p"),
+                 "--target", model, "--recompute", "2", "--target-dtype", "fp32", "--device", "cpu"]) == 0
+    assert "OK: 1 shards, 3 rows" in capsys.readouterr().out
+    other = make_tiny_target("qwen3", num_layers=6)
+    other.tokenizer.add_tokens(["zebra"])
+    other.model.save_pretrained(tmp_path / "other")
+    other.tokenizer.save_pretrained(tmp_path / "other")
+    args[2] = str(tmp_path / "other")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert "dflash_data.json" in err and "prepare --target" in err
+
+
+def test_store_pickles_for_data_loader_workers(tiny: TargetModel, tmp_path: Path) -> None:
+    import pickle
+
+    data = rows_dataset(5)
+    run_extract(tiny, data, tmp_path / "s")
+    store = FeatureStore(tmp_path / "s")
+    first = store[4]
+    copy = pickle.loads(pickle.dumps(store))
+    assert torch.equal(copy[4]["features"], first["features"]) and len(copy) == 5

@@ -1,0 +1,224 @@
+"""Regeneration: the built-in generator against Hugging Face `generate`, resume after a kill, rank split,
+and the OpenAI-compatible back end against a real HTTP server on loopback (a tiny chat-completions server
+backed by a tiny transformers model, in this process)."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.data.backends import LocalBackend, OpenAIBackend
+from dflash_train.data.chat import ChatTokenizer
+from dflash_train.data.corpora import CorpusSpec
+from dflash_train.data.generation import BatchGenerator, GenerationSettings, hf_generate
+from dflash_train.data.regenerate import RegenerateConfig, regenerate
+from dflash_train.data.shards import regenerated_files
+from dflash_train.target import TargetModel
+from tests.tiny_models import TINY_ARCHS, make_tiny_target
+
+WORDS = ["hello", "who", "are", "you", "the", "capital", "of", "france", "paris", "is", "what", "yes", "no", "brief"]
+
+
+def settings(temperature: float = 0.0, max_new: int = 12) -> GenerationSettings:
+    return GenerationSettings(max_new, stop_ids=(2,), pad_id=0, temperature=temperature, sync_every=4)
+
+
+@pytest.fixture(scope="module")
+def tiny() -> TargetModel:
+    return make_tiny_target("llama", num_layers=3)
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_batched_static_generation_equals_hf_generate_per_row(arch: str) -> None:
+    target = make_tiny_target(arch, num_layers=3)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(7, 256, (n,), generator=g).tolist() for n in (3, 11, 7, 1)]
+    batched = BatchGenerator(target.model, settings(max_new=24)).generate(prompts)
+    for prompt, out in zip(prompts, batched, strict=True):
+        (alone,) = hf_generate(target.model, [prompt], settings(max_new=24))  # unpadded, HF's own loop
+        assert out == alone
+
+
+def test_unsupported_architecture_falls_back_to_hf_generate(tiny: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    import dflash_train.data.generation as generation
+
+    prompts = [[10, 20, 30], [40, 50]]
+    expected = BatchGenerator(tiny.model, settings()).generate(prompts)
+    monkeypatch.setattr(generation, "supports_static_decoding", lambda model, cache_len: False)
+    monkeypatch.setattr(generation.StaticDecoder, "prefill", None)  # must not be reached
+    assert BatchGenerator(tiny.model, settings()).generate(prompts) == expected
+
+
+def test_generation_stops_on_device_and_reports_finish_reason(tiny: TargetModel) -> None:
+    prompt = [10, 20, 30]
+    (free,) = BatchGenerator(tiny.model, GenerationSettings(16, (-1,), 0)).generate([prompt])  # never stops
+    stop = free.token_ids[3]  # make the 4th generated token a stop token
+    stopped = BatchGenerator(tiny.model, GenerationSettings(16, (stop,), 0)).generate([prompt])[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop)]
+    assert free.finish_reason == "length" and len(free.token_ids) == 16
+
+
+def test_sampling_is_seeded(tiny: TargetModel) -> None:
+    gen = BatchGenerator(tiny.model, settings(temperature=1.0, max_new=16))
+    prompts = [[10, 20, 30], [40, 50]]
+    a, b, c = gen.generate(prompts, seed=1), gen.generate(prompts, seed=1), gen.generate(prompts, seed=2)
+    assert a == b and a != c
+
+
+# ------------------------------------------------------------------------------------------ resumable runs
+
+
+def write_prompts(path: Path, n: int = 10) -> Path:
+    rows = [{"prompt": " ".join(WORDS[(i * 3 + k) % len(WORDS)] for k in range(1 + i % 5)) + " ?"} for i in range(n)]
+    rows.append({"prompt": rows[0]["prompt"]})  # a duplicate, dropped
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+class Killed(Exception):
+    pass
+
+
+def run_regen(target: TargetModel, source: Path, out: Path, temperature: float = 0.0, rank: int = 0,
+              world: int = 1, kill_after: int | None = None, units_run: list[int] | None = None) -> dict:
+    config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=10, temperature=temperature, seed=5,
+                              batch_size=3)
+    backend = LocalBackend(target.model, target.tokenizer, settings(temperature, 10), config.batch_size)
+
+    def progress(done: int, total: int, rate: float) -> None:
+        if units_run is not None and done == 0:
+            units_run.append(total)
+        if kill_after is not None and done == kill_after:
+            raise Killed
+
+    return regenerate(backend, ChatTokenizer(target.tokenizer), config, out, rank, world, progress)
+
+
+def shard_texts(out: Path) -> dict[str, str]:
+    return {path.name: path.read_text() for path in regenerated_files(out)}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_resume_after_kill_equals_uninterrupted_run(tiny: TargetModel, tmp_path: Path, temperature: float) -> None:
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    full = run_regen(tiny, source, tmp_path / "full", temperature)
+    assert full["complete"] and full["num_rows"] == 10 and full["num_units"] == 4
+    with pytest.raises(Killed):
+        run_regen(tiny, source, tmp_path / "resumed", temperature, kill_after=2)
+    assert len(regenerated_files(tmp_path / "resumed")) == 2
+    (tmp_path / "resumed" / ".part-000002.jsonl.half.tmp").write_text('{"row_id": ')  # a write cut by the kill
+    units_run: list[int] = []
+    resumed = run_regen(tiny, source, tmp_path / "resumed", temperature, units_run=units_run)
+    assert units_run == [2]  # only the two unfinished units ran again
+    assert resumed["complete"] and shard_texts(tmp_path / "resumed") == shard_texts(tmp_path / "full")
+    rows = [json.loads(line) for text in shard_texts(tmp_path / "full").values() for line in text.splitlines()]
+    assert sorted(r["row_id"] for r in rows) == list(range(10))  # every row once
+    assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def test_ranks_split_the_units(tiny: TargetModel, tmp_path: Path) -> None:
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    run_regen(tiny, source, tmp_path / "full")
+    first = run_regen(tiny, source, tmp_path / "split", rank=1, world=2)
+    assert not first["complete"] and sorted(shard_texts(tmp_path / "split")) == ["part-000001.jsonl", "part-000003.jsonl"]
+    assert run_regen(tiny, source, tmp_path / "split", rank=0, world=2)["complete"]
+    assert shard_texts(tmp_path / "split") == shard_texts(tmp_path / "full")
+
+
+def test_resume_with_other_settings_is_refused(tiny: TargetModel, tmp_path: Path) -> None:
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    run_regen(tiny, source, tmp_path / "out")
+    with pytest.raises(ValueError, match="other settings.*temperature"):
+        run_regen(tiny, source, tmp_path / "out", temperature=0.5)
+
+
+# ------------------------------------------------------------------ OpenAI-compatible server on loopback
+
+
+class ChatCompletionsServer(ThreadingHTTPServer):
+    """``POST /v1/chat/completions`` answered by a transformers model with its own chat template."""
+
+    def __init__(self, target: TargetModel) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.target, self.lock, self.requests = target, threading.Lock(), []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}/v1"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: ChatCompletionsServer
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        self.server.requests.append(body)
+        if self.path != "/v1/chat/completions":
+            self.send_error(404)
+            return
+        tokenizer = self.server.target.tokenizer
+        ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
+        with self.server.lock:
+            (out,) = hf_generate(self.server.target.model, [list(ids)],
+                                 GenerationSettings(body["max_tokens"], (tokenizer.eos_token_id,), 0))
+        reply = {"choices": [{"index": 0, "finish_reason": out.finish_reason,
+                              "message": {"role": "assistant", "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)}}],
+                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}}
+        data = json.dumps(reply).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture()
+def server(tiny: TargetModel) -> Iterator[ChatCompletionsServer]:
+    server = ChatCompletionsServer(tiny)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+
+
+def test_openai_backend_matches_the_builtin_backend(tiny: TargetModel, server: ChatCompletionsServer,
+                                                    tmp_path: Path) -> None:
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    run_regen(tiny, source, tmp_path / "local")
+    config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=10, seed=5, batch_size=3)
+    backend = OpenAIBackend(server.url, "tiny", max_new_tokens=10, concurrency=3)
+    manifest = regenerate(backend, ChatTokenizer(tiny.tokenizer), config, tmp_path / "http")
+    assert manifest["complete"] and len(server.requests) == 10
+    assert {r["max_tokens"] for r in server.requests} == {10} and server.requests[0]["temperature"] == 0.0
+
+    def answers(out: Path) -> dict[int, tuple[str, str]]:
+        rows = [json.loads(line) for p in regenerated_files(out) for line in p.read_text().splitlines()]
+        return {r["row_id"]: (r["messages"][-1]["content"], r["finish_reason"]) for r in rows}
+
+    assert answers(tmp_path / "http") == answers(tmp_path / "local")
+
+
+def test_openai_backend_sends_thinking_and_rebuilds_reasoning(server: ChatCompletionsServer) -> None:
+    from dflash_train.data.regenerate import PromptRow
+
+    backend = OpenAIBackend(server.url, "tiny", max_new_tokens=4, thinking=False)
+    backend.complete([PromptRow(0, [{"role": "user", "content": "hello"}], [1], "s", 0)], seed=0)
+    assert server.requests[-1]["chat_template_kwargs"] == {"enable_thinking": False}
+
+
+def test_openai_backend_unreachable_is_one_line(tmp_path: Path) -> None:
+    from dflash_train.data.regenerate import PromptRow
+
+    backend = OpenAIBackend("http://127.0.0.1:9/v1", "x", max_new_tokens=4, retries=0)
+    with pytest.raises(ValueError, match="is the server running"):
+        backend.complete([PromptRow(0, [{"role": "user", "content": "hello"}], [1], "s", 0)], seed=0)

@@ -1,0 +1,37 @@
+"""`benchmarks/decode.py` runs end to end on tiny CPU shapes (its GPU numbers come from the H200), and the
+reference loop it compares against gives the fast loop's tokens and acceptance lengths."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.decode import main
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    main(["--tiny", "--device", "cpu", "--iters", "3", "--warmup", "1", "--max-new-tokens", "12", "--prompts", "2",
+          "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert out.with_suffix(".png").is_file() and result["tiny"] is True
+    qwen = result["qwen3_8b"]
+    for key in ("target_step_ms", "target_step_no_graph_ms", "target_step_eager_ms", "dflash_cycle_ms", "hf_step_ms"):
+        assert qwen[key] > 0
+    assert qwen["weight_bytes_per_step"] == 4 * (8 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64 + 2 * 16)
+                                                 + 64 + 512 * 64)  # layers + final norm + lm_head, fp32
+    smol = result["smollm2"]
+    assert smol["prompts"] == 2 and smol["identical_tokens"] == 2 and smol["identical_acceptance"] == 2
+    assert smol["lossless_vs_target_only"] == 2 and smol["ours_tokens_per_s"] > 0

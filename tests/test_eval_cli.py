@@ -1,0 +1,106 @@
+"""`dflash-train eval` end to end on a tiny target saved to disk: the report's fields, the figure, the
+lossless check, MT-Bench's second turn, and user errors as one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from tests.tiny_models import make_tiny_target
+
+DATASET_FIELDS = {
+    "source", "conversations", "requests", "skipped_rows", "skipped_too_long", "acceptance_length",
+    "acceptance_length_cycle_weighted", "histogram", "per_slot_acceptance", "per_slot_conditional_acceptance",
+    "requests_with_cycles", "cycles", "lossless", "lossless_requests", "mismatches", "new_tokens_with_draft",
+    "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
+    "tokens_per_s_target_only", "speedup", "skipped",
+}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("target")
+    target = make_tiny_target("qwen3", num_layers=6, seed=1)
+    target.model.config.max_position_embeddings = 96  # some MT-Bench second turns will not fit
+    target.model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return path
+
+
+def run_eval(target_dir: Path, out: Path, *extra: str) -> int:
+    return main(["eval", "--target", str(target_dir), "--draft", "random", "--random-draft-layers", "2",
+                 "--block-size", "4", "--max-new-tokens", "12", "--no-progress", "--out", str(out), *extra])
+
+
+def test_report_fields_figure_and_lossless(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text('{"prompt": "hello who are you"}\n{"oops": 1}\n{"turns": ["what is the capital", "why"]}\n')
+    out = tmp_path / "out" / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "mt-bench", "--dataset", str(prompts), "--num-prompts", "3",
+                    "--batch-size", "2") == 0
+    report = json.loads(out.read_text())
+    assert out.with_suffix(".png").stat().st_size > 10_000
+    assert set(report) >= {"target", "draft", "settings", "environment", "runner_check", "datasets", "definitions"}
+    assert report["runner_check"]["argmax_agreement"] == 1.0
+    assert list(report["datasets"]) == ["mt-bench", "mine"]
+    for row in report["datasets"].values():
+        assert set(row) >= DATASET_FIELDS
+        assert row["lossless"] is True and row["lossless_requests"] == row["requests"]
+        assert len(row["histogram"]) == 4 and sum(row["histogram"]) == row["cycles"]
+        assert 1.0 <= row["acceptance_length"] <= 4.0
+        assert row["new_tokens_with_draft"] == row["new_tokens_target_only"] > 0
+        assert row["speedup"] == pytest.approx(row["tokens_per_s_with_draft"] / row["tokens_per_s_target_only"])
+    mt_bench, mine = report["datasets"]["mt-bench"], report["datasets"]["mine"]
+    # Three conversations, two turns each: second turns that outgrow the 96-token context are counted.
+    assert mt_bench["requests"] + mt_bench["skipped_too_long"] == 6 and mt_bench["conversations"] == 3
+    assert mine["requests"] == 3 and mine["skipped_rows"] == 1
+    assert "mt-bench" in capsys.readouterr().out
+
+
+def test_sampling_report_has_no_lossless_claim(target_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "2", "--temperature", "0.7",
+                    "--no-plot") == 0
+    row = json.loads(out.read_text())["datasets"]["math-synthetic"]
+    assert row["lossless"] is None and row["requests"] == 2 and "GSM8K" in row["note"]
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--dataset", "nope"], "unknown dataset 'nope'"),
+    (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--dataset", "humaneval", "--num-prompts", "1", "--max-new-tokens", "500"], "no prompt of humaneval fits"),
+])
+def test_user_errors_are_one_line(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                  extra: list[str], message: str) -> None:
+    assert main(["eval", "--target", str(target_dir), "--draft", "random", "--random-draft-layers", "2",
+                 "--no-progress", "--out", str(tmp_path / "r.json"), *extra]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # earlier lines: the model-loading progress bar
+    assert last.startswith("dflash-train eval: error:") and message in last
+
+
+def test_drafter_checkpoint_is_loaded_and_checked(target_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    checkpoint = pytest.importorskip("dflash_train.checkpoint", reason="drafter checkpoints not available")
+    from dflash_train.models import DFlashConfig, DFlashDraftModel
+
+    target = make_tiny_target("qwen3", num_layers=6, seed=1)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=256, num_hidden_layers=2, block_size=4)
+    config.hidden_size = 32  # does not fit the target
+    checkpoint.save_draft(DFlashDraftModel(config), tmp_path / "draft")
+    code = main(["eval", "--target", str(target_dir), "--draft", str(tmp_path / "draft"), "--dataset", "humaneval",
+                 "--no-progress", "--out", str(tmp_path / "r.json")])
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("dflash-train eval: error:") and "hidden size 32 != target hidden size 64" in last

@@ -1,0 +1,188 @@
+"""The fast loop (static caches, device-side decisions, batched rows) against two independent references:
+the target's own greedy decoding by full recomputation (lossless) and the plain verify loop
+`generate_greedy` (same drafts, so the same acceptance lengths, cycle by cycle)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dflash_train.eval.engine import DecodeEngine, EngineConfig
+from dflash_train.inference import generate_greedy
+from dflash_train.mask_token import resolve_mask_token_id
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import TargetModel
+from tests.tiny_models import make_tiny_target
+
+PROMPT_LENGTHS = (11, 6, 15, 9, 4)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits make
+    # them ten times slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    torch.manual_seed(0)
+    return make_tiny_target("qwen3", num_layers=6, seed=1)
+
+
+def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=2,
+                                             block_size=block_size)
+    return DFlashDraftModel(config).eval()
+
+
+def prompts(count: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(10, 200, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS[:count]]
+
+
+def own_greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
+    """The target's greedy decoding by full recomputation: no cache, nothing shared with either loop."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(count):
+            ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
+
+
+def engine(target: TargetModel, draft: DFlashDraftModel | None, block_size: int, batch_size: int = 1,
+           max_new_tokens: int = 24, stop: tuple[int, ...] = (), cls: type[DecodeEngine] = DecodeEngine) -> DecodeEngine:
+    config = EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=max_new_tokens,
+                          max_length=64, stop_token_ids=stop, kernels="torch")
+    return cls(target, draft, config)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16])
+def test_lossless_with_the_same_acceptance_as_the_plain_loop(target: TargetModel, block_size: int) -> None:
+    draft = make_draft(target)
+    outputs, stats = engine(target, draft, block_size).generate(prompts(2))
+    for prompt, output in zip(prompts(2), outputs, strict=True):
+        plain, _ = generate_greedy(target, draft, torch.tensor([prompt]), max_new_tokens=24, block_size=block_size)
+        assert output.tokens == own_greedy(target, prompt, 24)
+        assert output.acceptance_lengths == plain.acceptance_lengths
+    assert stats.new_tokens == 48 and stats.cycles > 0
+
+
+@pytest.mark.parametrize("batch_size", [2, 3])
+def test_batched_rows_and_refills_are_lossless_per_row(target: TargetModel, batch_size: int) -> None:
+    """Five prompts of different lengths through 2 or 3 rows: rows finish and are refilled mid-run."""
+    draft = make_draft(target, seed=3)
+    outputs, _ = engine(target, draft, 8, batch_size=batch_size).generate(prompts(5))
+    assert len(outputs) == 5
+    for prompt, output in zip(prompts(5), outputs, strict=True):
+        plain, _ = generate_greedy(target, draft, torch.tensor([prompt]), max_new_tokens=24, block_size=8)
+        assert output.tokens == own_greedy(target, prompt, 24)
+        assert output.acceptance_lengths == plain.acceptance_lengths
+        assert output.num_prompt_tokens == len(prompt)
+
+
+def corrupt(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Deterministic draft errors at some positions, so acceptance lengths vary from 1 to B."""
+    return torch.where(positions % 7 == 3, (tokens + 1) % 300, tokens)
+
+
+class OracleEngine(DecodeEngine):
+    """Drafts copied from the target's own greedy continuation (with deterministic errors), row r = prompt r."""
+
+    continuation: torch.Tensor  # [b, W] greedy tokens after each prompt
+    prompt_lengths: torch.Tensor  # [b]
+
+    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        index = (positions[:, 1:] - self.prompt_lengths[:, None]).clamp(0, self.continuation.shape[1] - 1)
+        return corrupt(self.continuation.gather(1, index), positions[:, 1:]), None
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_multi_token_acceptance_matches_the_plain_loop(target: TargetModel, batch_size: int) -> None:
+    block, new = 6, 30
+    batch = prompts(batch_size)
+    continuations = [own_greedy(target, p, new + block) for p in batch]
+    eng = engine(target, make_draft(target), block, batch_size=batch_size, max_new_tokens=new, cls=OracleEngine)
+    eng.continuation = torch.tensor(continuations)
+    eng.prompt_lengths = torch.tensor([len(p) for p in batch])
+    outputs, _ = eng.generate(batch)
+    for prompt, reference, output in zip(batch, continuations, outputs, strict=True):
+        def oracle(block_ids: torch.Tensor, positions: torch.Tensor, ref: list[int] = reference,
+                   length: int = len(prompt)) -> torch.Tensor:
+            drafts = torch.tensor([ref[int(p) - length] for p in positions[0, 1:]])[None]
+            return corrupt(drafts, positions[:, 1:])
+
+        plain, _ = generate_greedy(target, eng.drafter.draft, torch.tensor([prompt]), max_new_tokens=new,
+                                   block_size=block, proposer=oracle)
+        assert output.tokens == reference[:new]
+        assert output.acceptance_lengths == plain.acceptance_lengths
+        assert max(output.acceptance_lengths) == block and min(output.acceptance_lengths) == 1
+
+
+def test_stop_token_inside_an_accepted_block(target: TargetModel) -> None:
+    block, new = 6, 30
+    batch = prompts(1)
+    reference = own_greedy(target, batch[0], new + block)
+    stop = reference[13]
+    eng = engine(target, make_draft(target), block, max_new_tokens=new, stop=(stop,), cls=OracleEngine)
+    eng.continuation, eng.prompt_lengths = torch.tensor([reference]), torch.tensor([len(batch[0])])
+    (output,), _ = eng.generate(batch)
+    assert output.tokens == reference[: reference.index(stop) + 1]
+
+    def oracle(block_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        drafts = torch.tensor([reference[int(p) - len(batch[0])] for p in positions[0, 1:]])[None]
+        return corrupt(drafts, positions[:, 1:])
+
+    plain, _ = generate_greedy(target, eng.drafter.draft, torch.tensor(batch), max_new_tokens=new, block_size=block,
+                               stop_token_ids=[stop], proposer=oracle)
+    assert output.acceptance_lengths == plain.acceptance_lengths
+
+
+def test_one_new_token_and_stop_as_first_token(target: TargetModel) -> None:
+    batch = prompts(2)
+    outputs, stats = engine(target, make_draft(target), 4, batch_size=2, max_new_tokens=1).generate(batch)
+    assert [o.tokens for o in outputs] == [own_greedy(target, p, 1) for p in batch]
+    assert all(o.acceptance_lengths == [] for o in outputs) and stats.cycles == 0
+    first = own_greedy(target, batch[0], 1)[0]
+    (output,), _ = engine(target, make_draft(target), 4, stop=(first,)).generate(batch[:1])
+    assert output.tokens == [first] and output.acceptance_lengths == []
+
+
+def test_target_only_engine_is_plain_greedy(target: TargetModel) -> None:
+    outputs, stats = engine(target, None, 16, batch_size=2).generate(prompts(3))
+    assert [o.tokens for o in outputs] == [own_greedy(target, p, 24) for p in prompts(3)]
+    assert all(set(o.acceptance_lengths) == {1} for o in outputs)
+
+
+def test_prompt_longer_than_the_cache_is_a_clear_error(target: TargetModel) -> None:
+    with pytest.raises(ValueError, match="raise max_length"):
+        engine(target, None, 1).generate([[5] * 50])
+
+
+def test_unsupported_architecture_is_a_clear_error(target: TargetModel) -> None:
+    other = make_tiny_target("llama", num_layers=4)
+    other.model.config.model_type = "gpt_neox"
+    with pytest.raises(ValueError, match="fast eval loop supports"):
+        engine(other, None, 1)
+
+
+@pytest.mark.slow
+def test_compiled_cycle_gives_the_same_tokens(target: TargetModel) -> None:
+    """torch.compile of the target and drafter forwards (on by default on CUDA) changes nothing."""
+    draft = make_draft(target, seed=4)
+    results = []
+    for compiled in (False, True):
+        config = EngineConfig(batch_size=2, block_size=8, max_new_tokens=24, max_length=64, kernels="torch",
+                              compile=compiled)
+        eng = DecodeEngine(target, draft, config)
+        outputs, _ = eng.generate(prompts(3))
+        assert eng.uses_compile == compiled and eng.compile_error is None
+        results.append([(o.tokens, o.acceptance_lengths) for o in outputs])
+    assert results[0] == results[1]

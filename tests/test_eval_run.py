@@ -1,0 +1,39 @@
+"""The evaluator's per-dataset summary when outputs diverge: counted, located, and diagnosed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.eval.prompts import Conversation, PromptSet
+from dflash_train.eval.run import EvalSettings, Evaluator, PassTotals, Request
+from dflash_train.eval.state import RequestOutput
+from tests.test_eval_engine import make_draft, own_greedy
+from tests.tiny_models import make_tiny_target
+
+
+def test_divergent_outputs_are_counted_located_and_diagnosed() -> None:
+    target = make_tiny_target("qwen3", num_layers=6, seed=1)
+    evaluator = Evaluator(target, make_draft(target), EvalSettings(block_size=4, max_new_tokens=8))
+    prompt = [20, 31, 42, 53]
+    reference = own_greedy(target, prompt, 8)
+    wrong = reference[:5] + [(reference[5] + 1) % 300] + reference[6:]
+    done = [
+        (Request(0, 0, [], prompt), RequestOutput(reference, [1] * 8, 4), RequestOutput(reference, [2, 2, 2, 1], 4)),
+        (Request(1, 0, [], prompt), RequestOutput(reference, [1] * 8, 4), RequestOutput(wrong, [1] * 8, 4)),
+        (Request(2, 0, [], prompt), RequestOutput(reference, [1] * 8, 4), RequestOutput(reference[:6], [3, 3], 4)),
+    ]
+    totals = {"target": PassTotals(24, 2.0, 24), "dflash": PassTotals(22, 1.0, 14)}
+    prompt_set = PromptSet("x", [Conversation(["a"])] * 3, "test")
+    row = evaluator._summarise(prompt_set, done, totals, too_long=1)
+    assert row["lossless"] is False and row["lossless_requests"] == 1 and row["requests"] == 3
+    first, second = row["mismatches"]
+    assert (first["conversation"], first["first_divergence"]) == (1, 5)
+    with torch.no_grad():
+        logits = target.model(torch.tensor([prompt + reference[:5]])).logits[0, -1]
+    assert first["logit_gap"] == pytest.approx(float(logits[reference[5]] - logits[wrong[5]]), abs=1e-5)
+    assert first["logit_gap"] > 0  # the reference token is the target's argmax
+    assert second["first_divergence"] == 6 and second["logit_gap"] is None  # a truncated output, not a token
+    assert row["acceptance_length"] == pytest.approx((1.75 + 1 + 3) / 3)
+    assert row["speedup"] == pytest.approx((22 / 1.0) / (24 / 2.0))
+    assert row["skipped"] == "1 prompts longer than the context"

@@ -1,0 +1,72 @@
+"""The static-cache target runner against the model's own Hugging Face forward (no cache), per
+architecture: prefill of some rows, then per-row verify blocks at different positions."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from dflash_train.eval.static_target import StaticTarget
+from tests.tiny_models import make_tiny_target
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+def test_prefill_and_verify_match_the_full_forward(arch: str) -> None:
+    target = make_tiny_target(arch, num_layers=4, seed=1)
+    if arch == "mistral":
+        target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
+    ids = torch.randint(10, 200, (2, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = target.model(ids).logits
+    features = target.capture_features(ids, [1, 2])
+    runner = StaticTarget(target, batch_size=3, max_length=32)
+    # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
+    prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long)])])
+    out = runner.forward(prompt, torch.arange(9).expand(2, 9), row_index=torch.tensor([2, 0]), kv_len=9,
+                         logit_index=torch.tensor([8, 5]), feature_layer_ids=[1, 2])
+    torch.testing.assert_close(out.logits[:, 0], torch.stack([reference[0, 8], reference[1, 5]]), atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.features[0], features[0, :9], atol=1e-5, rtol=1e-4)
+    # One verify over all rows: row 0 continues at position 6, row 2 at 9 (row 1 is idle garbage).
+    block = torch.stack([ids[1, 6:11], ids[0, 3:8], ids[0, 9:14]])
+    positions = torch.stack([torch.arange(6, 11), torch.arange(3, 8), torch.arange(9, 14)])
+    out = runner.forward(block, positions, feature_layer_ids=[1, 2])
+    torch.testing.assert_close(out.logits[0], reference[1, 6:11], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits[2], reference[0, 9:14], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.features[2], features[0, 9:14], atol=1e-5, rtol=1e-4)
+
+
+def test_sliding_window_is_applied() -> None:
+    """The window changes the logits, and the runner follows it (else the test above could pass vacuously)."""
+    target = make_tiny_target("mistral", num_layers=2, seed=1)
+    ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(0))
+    target.model.config.sliding_window = None
+    runner = StaticTarget(target, batch_size=1, max_length=16)
+    full = runner.forward(ids, torch.arange(14)[None]).logits
+    target.model.config.sliding_window = 4
+    windowed = StaticTarget(target, batch_size=1, max_length=16).forward(ids, torch.arange(14)[None]).logits
+    with torch.no_grad():
+        torch.testing.assert_close(windowed, target.model(ids).logits, atol=1e-5, rtol=1e-4)
+    assert not torch.allclose(full[0, -1], windowed[0, -1], atol=1e-4)
+
+
+def test_compare_with_hf_reports_agreement() -> None:
+    target = make_tiny_target("qwen3", num_layers=2, seed=2)
+    check = StaticTarget(target, batch_size=1, max_length=16).compare_with_hf(list(range(20, 32)))
+    assert check["argmax_agreement"] == 1.0 and check["max_abs_logit_diff"] < 1e-4
+
+
+def test_attention_implementation_is_restored() -> None:
+    target = make_tiny_target("llama", num_layers=2)
+    before = target.model.config._attn_implementation
+    StaticTarget(target, batch_size=1, max_length=8).forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]))
+    assert target.model.config._attn_implementation == before
