@@ -4,11 +4,9 @@ lossless check, MT-Bench's second turn, and user errors as one line with exit co
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_train.cli import main
 from tests.tiny_models import make_tiny_target
@@ -20,14 +18,6 @@ DATASET_FIELDS = {
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
     "tokens_per_s_target_only", "speedup", "skipped",
 }
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ the target's own greedy decoding by full recomputation (lossless) and the plain 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -17,16 +15,6 @@ from dflash_train.target import TargetModel
 from tests.tiny_models import make_tiny_target
 
 PROMPT_LENGTHS = (11, 6, 15, 9, 4)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits make
-    # them ten times slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ deliberately wrong sampler (accepting every draft) must fail the same test.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -23,14 +22,6 @@ from dflash_train.target import TargetModel
 from tests.tiny_models import make_tiny_model
 
 VOCAB, PROMPT, TEMPERATURE, SAMPLES, NEW = 12, [3, 7, 1, 4], 0.8, 6000, 3
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
