@@ -1,0 +1,8 @@
+"""Checkpoints in the published DFlash layout (SPEC §4): save/load, export, check, import, push."""
+
+from dflash_train.checkpoint.check import check_checkpoint
+from dflash_train.checkpoint.export import export_checkpoint
+from dflash_train.checkpoint.io import load_draft, read_checkpoint, save_draft
+from dflash_train.checkpoint.push import push_checkpoint
+
+__all__ = ["check_checkpoint", "export_checkpoint", "load_draft", "push_checkpoint", "read_checkpoint", "save_draft"]

@@ -1,0 +1,52 @@
+"""The few facts about a target that a drafter checkpoint must agree with, read from its config only."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class TargetFacts:
+    hidden_size: int
+    vocab_size: int  # embedding rows
+    num_layers: int
+    max_position_embeddings: int | None
+
+
+def target_facts(target_config: Any) -> TargetFacts:
+    """From a transformers config (multimodal ones via their text config) or a config.json dict."""
+    if isinstance(target_config, Mapping):
+        values = dict(target_config.get("text_config") or target_config)
+    else:
+        text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
+        values = text.to_dict() if hasattr(text, "to_dict") else vars(text)
+    try:
+        return TargetFacts(
+            hidden_size=int(values["hidden_size"]),
+            vocab_size=int(values["vocab_size"]),
+            num_layers=int(values["num_hidden_layers"]),
+            max_position_embeddings=values.get("max_position_embeddings"),
+        )
+    except KeyError as error:
+        raise ValueError(f"the target config has no {error}; pass a causal LM's config") from error
+
+
+def load_target_config(name_or_path: str) -> Any:
+    """A target's config from an alias, a local directory, a .gguf file or a Hub id (no weights loaded)."""
+    from transformers import AutoConfig
+
+    from dflash_train.target import resolve_target_source
+
+    source = resolve_target_source(name_or_path)
+    try:
+        if source.endswith(".gguf"):
+            path = Path(source)
+            return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        return AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(f"Could not read the config of target {name_or_path!r} ({first}); pass a local model "
+                         f"directory, a .gguf file, an alias or a reachable Hub id") from error
