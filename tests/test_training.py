@@ -175,3 +175,25 @@ def test_offline_features_train_exactly_like_online(assets: dict[str, pathlib.Pa
     # which leaves at most float rounding in the loss.
     expected = train_losses(online)
     assert train_losses(offline) == pytest.approx(expected, rel=1e-6)
+
+
+def test_init_from_for_a_new_target_relearns_the_context_fusion(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    first = tmp_path / "first"
+    run_training(load_config(None, overrides(assets, first, **{"training.max_steps": 3})))
+    source = first / "checkpoints" / "step-00000003" / "draft"
+    other_target = save_tiny_target(tmp_path / "other", num_layers=4, seed=5)  # 4 layers: ids [1, 3] don't fit
+    base = {"model.target": other_target, "model.init_from": source, "training.max_steps": 1}
+    with pytest.raises(ValueError, match="reach past layer 2 of the target's 4 layers"):
+        run_training(load_config(None, overrides(assets, tmp_path / "a", **base)))
+    tuned = tmp_path / "b"
+    run_training(load_config(None, overrides(assets, tuned, **{
+        **base, "model.target_layer_ids": "[0, 2]", "model.reinit": '["fc.", "hidden_norm."]',
+        "model.freeze": '["layers.", "norm."]', "training.learning_rate": 1e-9})))
+    after = load_draft(tuned / "checkpoints" / "step-00000001" / "draft")
+    before = load_draft(source)
+    assert after.config.target_layer_ids == [0, 2] and after.config.num_target_layers == 4
+    assert torch.equal(after.layers[0].mlp.up_proj.weight, before.layers[0].mlp.up_proj.weight)
+    assert not torch.allclose(after.fc.weight.float(), before.fc.weight.float(), atol=1e-3)
+    assert abs(float(after.fc.weight.float().std()) - 0.02) < 0.005  # freshly initialised, barely trained
+    with pytest.raises(ValueError, match="reads 2 layers; give 2 ids"):
+        run_training(load_config(None, overrides(assets, tmp_path / "c", **{**base, "model.target_layer_ids": "[0, 1, 2]"})))

@@ -28,6 +28,7 @@ class ModelConfig:
     mask_token_id: int | str | None = None  # None: the resolution order of mask_token.py
     init_from: str | None = None  # start from an existing drafter (ours or z-lab layout)
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen, e.g. ["layers."]
+    reinit: list[str] = field(default_factory=list)  # with init_from: re-learn these, e.g. ["fc.", "hidden_norm."]
 
 
 @dataclass

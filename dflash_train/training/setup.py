@@ -30,7 +30,17 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
     m = config.model
     if m.init_from:
         draft = _load_init(m.init_from)
+        if m.target_layer_ids is not None:  # a new target: read other layers through the same fc width
+            if len(m.target_layer_ids) != draft.config.num_context_features:
+                raise ValueError(
+                    f"model.target_layer_ids has {len(m.target_layer_ids)} ids but the drafter's fc reads "
+                    f"{draft.config.num_context_features} layers; give {draft.config.num_context_features} ids")
+            draft.config.target_layer_ids = list(m.target_layer_ids)
+            draft.config.num_target_layers = target.num_layers
         check_draft_fits_target(draft.config, target, m.block_size)
+        reinitialize(draft, m.reinit)
+    elif m.reinit:
+        raise ValueError("model.reinit only applies with model.init_from")
     else:
         choice = choose_mask_token(target.tokenizer, target.vocab_size, explicit=m.mask_token_id)
         draft_config = DFlashConfig.from_target_config(
@@ -46,6 +56,24 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
     return draft
 
 
+def reinitialize(draft: DFlashDraftModel, prefixes: list[str]) -> None:
+    """Fresh initial values for the modules under `prefixes` (e.g. the context fusion for a new target)."""
+    matched = False
+    for name, module in draft.named_modules():
+        if name and any(f"{name}.".startswith(prefix) for prefix in prefixes):
+            for param_name, param in module.named_parameters(recurse=False):
+                with torch.no_grad():
+                    if param_name == "weight" and param.dim() == 1:
+                        param.fill_(1.0)  # norms
+                    elif param.dim() > 1:
+                        param.normal_(0.0, 0.02)
+                    else:
+                        param.zero_()
+                matched = True
+    if prefixes and not matched:
+        raise ValueError(f"model.reinit={prefixes} matches no module; use names like 'fc.' or 'layers.0.'")
+
+
 def _load_init(path: str) -> DFlashDraftModel:
     from dflash_train.checkpoint.io import load_draft
 
@@ -59,14 +87,18 @@ def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size
         problems.append(f"hidden size {draft.hidden_size} != target's {target.hidden_size}")
     if draft.vocab_size != target.vocab_size:
         problems.append(f"vocab {draft.vocab_size} != target's {target.vocab_size}")
-    if max(draft.target_layer_ids) >= target.num_layers:
-        problems.append(f"target_layer_ids {draft.target_layer_ids} reach past the target's {target.num_layers} layers")
+    if max(draft.target_layer_ids) > target.num_layers - 2:  # SPEC: ids <= L-2
+        problems.append(f"target_layer_ids {draft.target_layer_ids} reach past layer {target.num_layers - 2} "
+                        f"of the target's {target.num_layers} layers")
     if draft.mask_token_id >= target.vocab_size:
         problems.append(f"mask token {draft.mask_token_id} is outside the target's {target.vocab_size} rows")
     if draft.block_size != block_size:
         problems.append(f"block size {draft.block_size} != model.block_size {block_size}")
     if problems:
-        raise ValueError("model.init_from does not fit this target: " + "; ".join(problems))
+        raise ValueError(
+            "model.init_from does not fit this target: " + "; ".join(problems)
+            + " (for a target with other layers: set model.target_layer_ids and model.reinit: [fc., hidden_norm.])"
+        )
 
 
 def build_optimizer(draft: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
