@@ -8,6 +8,7 @@ import os
 import pathlib
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -40,17 +41,28 @@ def stamp() -> dict[str, Any]:
 
 def time_cuda(fn: Callable[[], Any], warmup: int, iters: int) -> list[float]:
     """Per-call milliseconds measured with CUDA events, after `warmup` untimed calls."""
+    return time_calls(fn, torch.device("cuda"), warmup, iters)
+
+
+def time_calls(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> list[float]:
+    """Per-call milliseconds: CUDA events on a GPU, the wall clock on a CPU."""
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     times = []
     for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            began = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - began) * 1e3)
     return times
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import median, write_result
+from benchmarks.common import median, time_calls, write_result
 from dflash_train.eval.engine import DecodeEngine, EngineConfig
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel
@@ -58,22 +58,7 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 
 def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
     """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    return median(times)
+    return median(time_calls(fn, device, warmup, iters))
 
 
 def random_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
