@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_FLAGS ?= -q
 
-.PHONY: install test test-slow test-gpu test-all lint bench clean
+.PHONY: install test test-slow test-gpu test-all lint bench demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ test-all: install
 
 lint: install
 	$(VENV)/bin/ruff check dflash_train tests benchmarks
+
+demo: install  ## the whole job on SmolLM2-135M-Instruct: regenerate, prepare, train, eval, export, check
+	$(PY) -m dflash_train.demo
 
 bench:  ## on a CUDA machine: writes benchmarks/results/*.json
 	$(PYTHON) -m benchmarks.train_step

@@ -1,0 +1,308 @@
+"""`make demo`: the whole job on the default target (SmolLM2-135M-Instruct), on this machine.
+
+    make demo                                    # installs, then runs this module
+    python -m dflash_train.demo                  # CPU sizes on a CPU machine, GPU sizes when CUDA is visible
+    python -m dflash_train.demo --device cpu --out outputs/demo-cpu
+
+Six stages, each an ordinary `dflash-train` command (printed before it runs, so the demo doubles as a
+walkthrough): regenerate the bundled prompts' responses with the target → prepare (tokenise, loss masks) →
+train a 5-layer block-16 drafter with the default recipe → eval on HumanEval and MT-Bench (τ, lossless
+check, speedup) → export → check. Everything lands under --out (regen/, prepared/, train/, eval/, export/).
+
+Re-running skips finished stages and resumes an interrupted one (regeneration by shard, training from its
+last checkpoint); a stage whose command changed, and every stage after it, starts over. `demo_state.json`
+records each stage's command and time. Start afresh with `rm -rf outputs/demo`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET = "smollm2-135m-instruct"
+DEMO_PROMPTS = "data/prompts/demo_prompts.jsonl"
+STATE_FILE = "demo_state.json"
+
+
+@dataclass(frozen=True)
+class DemoSizes:
+    """How much work each stage does; `train_overrides` are dotted recipe overrides."""
+
+    recipe: str
+    regen_dtype: str  # the target's dtype when it writes the training data (the eval uses the same)
+    sources: tuple[str, ...] = (DEMO_PROMPTS,)
+    max_samples: int | None = None  # per source
+    max_new_tokens: int = 256
+    regen_batch_size: int = 20
+    max_length: int = 512
+    train_overrides: tuple[str, ...] = ()
+    eval_datasets: tuple[str, ...] = ("humaneval", "mt-bench")
+    eval_prompts: int = 3
+    eval_max_new_tokens: int = 128
+
+
+# ≤ 20 minutes on 2 CPU cores, the install included (the stage times are printed at the end).
+CPU_SIZES = DemoSizes(
+    recipe="recipes/smollm2-135m-dflash-b16-cpu.yaml", regen_dtype="fp32",
+    max_new_tokens=256, regen_batch_size=20, max_length=512,
+    train_overrides=("training.max_steps=120", "training.batch_size=2", "training.num_anchors=48",
+                     "training.learning_rate=1e-3", "training.save_every=20", "training.eval_every=0",
+                     "training.log_every=5"),
+    eval_prompts=3, eval_max_new_tokens=128,
+)
+# One GPU: the bundled prompts plus 2,000 ShareGPT prompts (from the installed package), 3 epochs.
+GPU_SIZES = DemoSizes(
+    recipe="recipes/smollm2-135m-dflash-b16.yaml", regen_dtype="bf16",
+    sources=(DEMO_PROMPTS, "sharegpt"), max_samples=2000,
+    max_new_tokens=512, regen_batch_size=128, max_length=2048,
+    train_overrides=("training.epochs=3", "training.save_every=200", "training.eval_every=200"),
+    eval_prompts=20, eval_max_new_tokens=256,
+)
+
+
+@dataclass
+class Stage:
+    name: str
+    argv: list[str]  # `dflash-train` arguments
+    output: Path | None  # cleared when the stage starts over
+    resumable: bool = False  # an interrupted run continues with the same command
+    always: bool = False  # cheap and read-only: run every time
+
+
+@dataclass
+class DemoResult:
+    out_dir: Path
+    report: dict[str, Any]
+    report_path: Path
+    checkpoint: Path
+    export: Path
+    train_samples: int
+    train_steps: int
+    seconds: dict[str, float] = field(default_factory=dict)
+    skipped: list[str] = field(default_factory=list)
+
+
+def plan_stages(out: Path, sizes: DemoSizes, device: str) -> list[Stage]:
+    target = ["--target", TARGET]
+    sources = [arg for source in sizes.sources for arg in ("--data", source)]
+    limit = ["--max-samples", str(sizes.max_samples), "--shuffle-seed", "0"] if sizes.max_samples else []
+    paths = {name: out / name for name in ("regen", "prepared", "train", "eval", "export")}
+    train = ["data.prepared=" + str(paths["prepared"]), "training.output_dir=" + str(paths["train"]),
+             f"data.max_length={sizes.max_length}", "tracking.report_to=none", *sizes.train_overrides]
+    return [
+        Stage("regenerate", ["regenerate", *target, *sources, *limit, "--max-new-tokens", str(sizes.max_new_tokens),
+                             "--batch-size", str(sizes.regen_batch_size), "--max-prompt-tokens", "1024",
+                             "--dtype", sizes.regen_dtype, "--device", device, "--out", str(paths["regen"])],
+              paths["regen"], resumable=True),
+        Stage("prepare", ["prepare", *target, "--data", str(paths["regen"]), "--max-length", str(sizes.max_length),
+                          "--block-size", "16", "--out", str(paths["prepared"])], paths["prepared"]),
+        Stage("train", ["train", "--config", sizes.recipe, *train], paths["train"], resumable=True),
+        Stage("eval", ["eval", *target, "--draft", "<final checkpoint>",
+                       *[arg for name in sizes.eval_datasets for arg in ("--dataset", name)],
+                       "--num-prompts", str(sizes.eval_prompts), "--max-new-tokens", str(sizes.eval_max_new_tokens),
+                       "--device", device, "--out", str(paths["eval"] / "report.json")], paths["eval"]),
+        Stage("export", ["export", "<final checkpoint>", *target, "--eval-report", str(paths["eval"] / "report.json"),
+                         "--overwrite", "--out", str(paths["export"])], paths["export"]),
+        Stage("check", ["check", str(paths["export"]), *target], None, always=True),
+    ]
+
+
+def final_checkpoint(train_dir: Path) -> Path | None:
+    """The newest checkpoint if training reached its last step, else None."""
+    from dflash_train.training.checkpointing import list_checkpoints, read_trainer_state
+
+    found = list_checkpoints(train_dir)
+    if not found:
+        return None
+    state = read_trainer_state(found[-1])
+    return found[-1] if state["step"] == state["total_steps"] else None
+
+
+def is_done(stage: Stage, out: Path) -> bool:
+    """Whether the stage's output on disk is complete (the state file alone could outlive it)."""
+    if stage.name == "regenerate":
+        manifest = out / "regen" / "regenerate.json"
+        return manifest.is_file() and json.loads(manifest.read_text()).get("complete", False)
+    if stage.name == "train":
+        return final_checkpoint(out / "train") is not None
+    marker = {"prepare": "dflash_data.json", "eval": "report.json", "export": "config.json"}[stage.name]
+    return stage.output is not None and (stage.output / marker).is_file()
+
+
+class StageRunner:
+    """Runs stages in order, skipping finished ones; a stage that runs makes every later one run too."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.path = out / STATE_FILE
+        self.state: dict[str, Any] = json.loads(self.path.read_text()) if self.path.is_file() else {}
+        self.upstream_ran = False
+        self.seconds: dict[str, float] = {}
+        self.skipped: list[str] = []
+
+    def _save(self) -> None:
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state, indent=2) + "\n")
+        os.replace(tmp, self.path)
+
+    def run(self, stage: Stage, index: int, total: int) -> None:
+        from rich.console import Console
+
+        from dflash_train.cli import main as cli_main
+
+        console, record = Console(), self.state.get(stage.name, {})
+        same = record.get("argv") == stage.argv and not self.upstream_ran
+        header = f"[{index}/{total}] {stage.name}"
+        if same and record.get("done") and not stage.always and is_done(stage, self.out):
+            console.print(f"[bold]{header}[/]: done earlier ({record['seconds']:.0f} s), skipped")
+            self.seconds[stage.name] = record["seconds"]
+            self.skipped.append(stage.name)
+            return
+        resume = same and stage.resumable and not record.get("done")
+        if stage.output is not None and stage.output.exists() and not resume:
+            shutil.rmtree(stage.output)  # stale: made by another command or from other inputs
+        self.state[stage.name] = {"argv": stage.argv, "done": False}
+        self._save()
+        console.rule(header + (" (resuming)" if resume else ""))
+        console.print("$ dflash-train " + shlex.join(stage.argv), highlight=False, soft_wrap=True)
+        started = time.perf_counter()
+        code = cli_main(stage.argv)
+        if code != 0:
+            raise DemoError(f"stage {stage.name} failed (exit {code}); fix the error above and re-run `make demo` "
+                            f"(finished stages are kept)")
+        self.seconds[stage.name] = time.perf_counter() - started
+        self.state[stage.name] = {"argv": stage.argv, "done": True, "seconds": round(self.seconds[stage.name], 1)}
+        self._save()
+        self.upstream_ran = True
+
+
+class DemoError(RuntimeError):
+    """A stage failed; the message says which and what to do."""
+
+
+def run_demo(out: str | Path, sizes: DemoSizes, device: str) -> DemoResult:
+    """All stages under `out` (CWD-independent: relative data paths are the repository's)."""
+    out = Path(out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    stages = plan_stages(out, _in_repo(sizes), device)
+    runner = StageRunner(out)
+    checkpoint: Path | None = None
+    for index, stage in enumerate(stages, 1):
+        if checkpoint is not None:  # the trained drafter is known only once training has finished
+            stage.argv = [str(checkpoint / "draft") if a == "<final checkpoint>" else a for a in stage.argv]
+        runner.run(stage, index, len(stages))
+        if stage.name == "train":
+            checkpoint = final_checkpoint(out / "train")
+            assert checkpoint is not None, "training finished without its final checkpoint"
+    from dflash_train.data.prepared import read_metadata
+
+    report_path = out / "eval" / "report.json"
+    return DemoResult(out, json.loads(report_path.read_text()), report_path, checkpoint, out / "export",
+                      int(read_metadata(out / "prepared")["counts"]["kept"]),
+                      int(checkpoint.name.removeprefix("step-")), runner.seconds, runner.skipped)
+
+
+def _in_repo(sizes: DemoSizes) -> DemoSizes:
+    """Relative recipe and prompt paths resolved against the repository, so any working directory works."""
+    from dataclasses import replace
+
+    def resolve(path: str) -> str:
+        return str(REPO / path) if (REPO / path).exists() else path
+
+    return replace(sizes, recipe=resolve(sizes.recipe), sources=tuple(resolve(s) for s in sizes.sources))
+
+
+def summary_tables(result: DemoResult, device: str) -> list[Any]:
+    """The result per dataset, then where the time went."""
+    from rich.table import Table
+
+    draft = result.report.get("settings", {})
+    results = Table(title=f"DFlash demo: {TARGET} + 5-layer drafter, block {draft.get('block_size', 16)}",
+                    caption=f"trained {result.train_steps} steps on {result.train_samples} target-regenerated chats "
+                            f"({device}); τ counts the bonus token: 1.00 = no draft accepted")
+    for column in ("dataset", "requests", "τ", "lossless", "tok/s with drafter", "tok/s target alone", "speedup"):
+        results.add_column(column, justify="left" if column == "dataset" else "right")
+    for name, row in result.report["datasets"].items():
+        lossless = "yes" if row["lossless"] else f"NO ({row['lossless_requests']}/{row['requests']})"
+        results.add_row(name, str(row["requests"]), f"{row['acceptance_length']:.2f}", lossless,
+                        _number(row["tokens_per_s_with_draft"], ".1f"), _number(row["tokens_per_s_target_only"], ".1f"),
+                        _number(row["speedup"], ".2f", "×"))
+    times = Table(title="stage times")
+    times.add_column("stage")
+    times.add_column("seconds", justify="right")
+    for name, seconds in result.seconds.items():
+        times.add_row(name + (" (done earlier)" if name in result.skipped else ""), f"{seconds:.0f}")
+    times.add_row("total", f"{sum(result.seconds.values()):.0f}", style="bold")
+    return [results, times]
+
+
+def _number(value: float | None, spec: str, suffix: str = "") -> str:
+    return "—" if value is None else format(value, spec) + suffix
+
+
+def print_summary(result: DemoResult, device: str, load: tuple[tuple[float, ...], tuple[float, ...]]) -> None:
+    from rich.console import Console
+
+    console = Console()
+    console.rule("demo finished")
+    for table in summary_tables(result, device):
+        console.print(table)
+    cwd = Path.cwd()
+
+    def show(path: Path) -> str:
+        return str(path.relative_to(cwd)) if path.is_relative_to(cwd) else str(path)
+
+    console.print(f"checkpoint  {show(result.checkpoint)}\n"
+                  f"export      {show(result.export)}  (dflash-train check: OK; serve it with SGLang or vLLM, "
+                  f"see its README.md)\n"
+                  f"report      {show(result.report_path)}  (+ report.png: acceptance histogram)\n"
+                  f"load avg    {_load(load[0])} at start, {_load(load[1])} at the end, {os.cpu_count()} CPUs",
+                  highlight=False, soft_wrap=True)
+
+
+def _load(values: tuple[float, ...]) -> str:
+    return "/".join(f"{v:.1f}" for v in values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m dflash_train.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="outputs/demo", help="where every stage writes (default: outputs/demo)")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda when a GPU is visible (GPU sizes), else cpu (CPU sizes)")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo uses only what is installed, never the Hub
+    if args.device == "cpu":
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch loads: training must stay on the CPU too
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("make demo: error: --device cuda but no CUDA device is visible; use --device cpu", file=sys.stderr)
+        return 2
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    load_start = os.getloadavg()
+    try:
+        result = run_demo(args.out, GPU_SIZES if device == "cuda" else CPU_SIZES, device)
+    except DemoError as error:
+        print(f"make demo: error: {error}", file=sys.stderr)
+        return 1
+    print_summary(result, device, (load_start, os.getloadavg()))
+    if not all(row["lossless"] for row in result.report["datasets"].values()):
+        print("make demo: error: speculative decoding changed the target's output (lossless: NO); "
+              f"see 'mismatches' in {result.report_path} and report it", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
