@@ -228,10 +228,10 @@ def summary_tables(result: DemoResult, device: str) -> list[Any]:
 
     draft = result.report.get("settings", {})
     results = Table(title=f"DFlash demo: {TARGET} + 5-layer drafter, block {draft.get('block_size', 16)}",
-                    caption=f"trained {result.train_steps} steps on {result.train_samples} target-regenerated chats "
-                            f"({device}); τ counts the bonus token: 1.00 = no draft accepted")
-    for column in ("dataset", "requests", "τ", "lossless", "tok/s with drafter", "tok/s target alone", "speedup"):
-        results.add_column(column, justify="left" if column == "dataset" else "right")
+                    caption=f"drafter trained {result.train_steps} steps on {result.train_samples} target-regenerated "
+                            f"chats ({device}); τ counts the bonus token: 1.00 = no draft accepted")
+    for column in ("dataset", "requests", "τ", "lossless", "tok/s drafted", "tok/s target", "speedup"):
+        results.add_column(column, justify="left" if column == "dataset" else "right", no_wrap=True)
     for name, row in result.report["datasets"].items():
         lossless = "yes" if row["lossless"] else f"NO ({row['lossless_requests']}/{row['requests']})"
         results.add_row(name, str(row["requests"]), f"{row['acceptance_length']:.2f}", lossless,
