@@ -2,7 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# The CPU build by default; on a CUDA machine use e.g. TORCH_SPEC='torch==2.13.0' with the CUDA index.
+# torch 2.13.0: these machines serve the CPU build from a local wheel; plain PyPI gives the CUDA build on Linux
+# (for CPU elsewhere: make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_FLAGS ?= -q
 
