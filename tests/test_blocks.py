@@ -59,3 +59,33 @@ def test_block_inputs_and_labels_match_loops() -> None:
                 expected_label = int(input_ids[b, p]) if supervised else IGNORE_INDEX
                 assert blocks.labels[b, row] == expected_label, (b, j, k)
     assert (blocks.labels[:, ::block] == IGNORE_INDEX).all(), "slot 0 never has a loss"
+
+
+def brute_force_partition(mask: list[int], block_size: int) -> set[int]:
+    """Start of each supervised span, then every block_size-th position while a and a+1 are supervised."""
+    grid, start = set(), None
+    for a, bit in enumerate(mask):
+        if bit and (a == 0 or not mask[a - 1]):
+            start = a
+        if bit and a + 1 < len(mask) and mask[a + 1] and (a - start) % block_size == 0:
+            grid.add(a)
+    return grid
+
+
+def test_partition_anchors_sit_on_each_spans_block_grid() -> None:
+    from dflash_train.objective.blocks import partition_candidates
+
+    g = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        mask = (torch.rand(2, 57, generator=g) < 0.8).long()
+        mask[:, :5] = 0
+        for block_size in (3, 4, 16):
+            grid = partition_candidates(mask, block_size)
+            for row in range(2):
+                expected = brute_force_partition(mask[row].tolist(), block_size)
+                assert set(grid[row].nonzero().flatten().tolist()) == expected
+                anchors, valid = sample_anchors(mask[row : row + 1], 64, g, partition_block=block_size)
+                assert set(anchors[valid].tolist()) == expected  # N exceeds the grid: every grid point
+            few, few_valid = sample_anchors(mask, 2, g, partition_block=block_size)
+            for row in range(2):
+                assert set(few[row][few_valid[row]].tolist()) <= brute_force_partition(mask[row].tolist(), block_size)

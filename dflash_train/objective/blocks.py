@@ -42,16 +42,33 @@ def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
     return candidates
 
 
+def partition_candidates(loss_mask: torch.Tensor, block_size: int) -> torch.Tensor:
+    """[b, S] bool: candidates on a fixed grid that cuts every supervised span into consecutive blocks
+    of `block_size`, starting at the span's first token (the ablation of random anchors)."""
+    supervised = loss_mask.bool()
+    starts = supervised.clone()
+    starts[:, 1:] &= ~supervised[:, :-1]
+    positions = torch.arange(loss_mask.shape[1], device=loss_mask.device).expand_as(supervised)
+    span_start = torch.where(starts, positions, torch.zeros_like(positions)).cummax(dim=1).values
+    on_grid = (positions - span_start) % block_size == 0
+    return anchor_candidates(loss_mask) & on_grid
+
+
 def sample_anchors(
-    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None
+    loss_mask: torch.Tensor, num_anchors: int, generator: torch.Generator | None = None,
+    partition_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw up to `num_anchors` candidate positions per row, without replacement, sorted.
 
+    With `partition_block`, only the positions of a fixed block partition are candidates.
     Returns anchors [b, N] (padded entries = S) and valid [b, N]. Shapes are static (always N) so
     compiled attention never recompiles.
     """
     b, seq_len = loss_mask.shape
-    candidates = anchor_candidates(loss_mask)
+    if partition_block is None:
+        candidates = anchor_candidates(loss_mask)
+    else:
+        candidates = partition_candidates(loss_mask, partition_block)
     # Random keys in (0, 1) for candidates, -1 for the rest: top-N keys = a uniform sample.
     keys = torch.rand(b, seq_len, generator=generator, device=loss_mask.device)
     keys = torch.where(candidates, keys, torch.full_like(keys, -1.0))
@@ -98,7 +115,8 @@ def build_blocks(
 
 
 def sample_anchors_seeded(
-    loss_mask: torch.Tensor, num_anchors: int, seeds: list[int], lengths: list[int] | None = None
+    loss_mask: torch.Tensor, num_anchors: int, seeds: list[int], lengths: list[int] | None = None,
+    partition_block: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Anchors drawn per sequence from its own seed over its own (unpadded) length: the same
     sequence at the same step gets the same anchors whatever rank, micro-batch or padding it lands
@@ -108,7 +126,7 @@ def sample_anchors_seeded(
     for row, seed in enumerate(seeds):
         length = padded_len if lengths is None else lengths[row]
         gen = torch.Generator(device=loss_mask.device).manual_seed(seed)
-        a, v = sample_anchors(loss_mask[row : row + 1, :length], num_anchors, gen)
+        a, v = sample_anchors(loss_mask[row : row + 1, :length], num_anchors, gen, partition_block)
         anchors.append(torch.where(v, a, torch.full_like(a, padded_len)))
         valid.append(v)
     return torch.cat(anchors), torch.cat(valid)

@@ -57,6 +57,7 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     num_anchors: int = 512
+    anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
     loss_decay_gamma: float | None = None  # None: paper default for the block size
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
@@ -66,6 +67,8 @@ class TrainingConfig:
     save_every: int = 1000
     keep_last: int = 3
     resume: str = "auto"  # auto | none | path to a checkpoint directory
+    time_budget_minutes: float | None = None  # fit the whole run (schedule included) into this wall time
+    stop_after_minutes: float | None = None  # save and stop after this long; a re-launch resumes
 
 
 @dataclass
@@ -107,6 +110,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
+        for name in ("time_budget_minutes", "stop_after_minutes"):
+            value = getattr(self.training, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"training.{name} must be > 0 minutes, got {value}")
         if self.training.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
         return self

@@ -29,3 +29,6 @@ class TrainProgress:
         if self.peak_flops:
             stats += f"  MFU {100 * metrics['flops'] / seconds / self.peak_flops:.1f}%"
         self.progress.update(self.task, completed=step, stats=stats)
+
+    def set_total(self, total: int) -> None:
+        self.progress.update(self.task, total=total)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,15 +110,17 @@ def build_optimizer(draft: torch.nn.Module, config: TrainConfig) -> torch.optim.
                              fused=fused or None)
 
 
-def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int, config: TrainConfig) -> Any:
-    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak."""
-    warmup = max(1, int(config.training.warmup_ratio * total_steps))
+def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int | Callable[[], int], config: TrainConfig) -> Any:
+    """Linear warmup, then cosine decay to `min_lr_ratio` of the peak. `total_steps` may be a callable:
+    a time-budgeted run learns its length after a few steps, and the schedule follows."""
+    total = total_steps if callable(total_steps) else (lambda: total_steps)
     floor = config.training.min_lr_ratio
 
     def factor(step: int) -> float:
+        warmup = max(1, int(config.training.warmup_ratio * total()))
         if step < warmup:
             return (step + 1) / warmup
-        progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+        progress = min(1.0, (step - warmup) / max(1, total() - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

@@ -18,6 +18,7 @@ from dflash_train.objective import DFlashObjective, build_blocks
 from dflash_train.objective.blocks import sample_anchors_seeded
 from dflash_train.objective.objective import expected_acceptance_length
 from dflash_train.training import checkpointing as ckpt
+from dflash_train.training.budget import TimeBudget
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import training_step_flops, visible_pairs
@@ -81,7 +82,7 @@ class Trainer:
         if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
             deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
         optimizer = build_optimizer(draft.to(self.accelerator.device), config)
-        schedule = build_schedule(optimizer, self.total_steps, config)
+        schedule = build_schedule(optimizer, lambda: self.total_steps, config)
         self.model, self.optimizer, self.schedule = self.accelerator.prepare(draft, optimizer, schedule)
         if t.compile:
             for layer in self.accelerator.unwrap_model(self.model).layers:
@@ -97,6 +98,7 @@ class Trainer:
             "mask_token_id": self.draft_config.mask_token_id,
         }
         self.step = 0
+        self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes)
 
     def _check_offline_features(self) -> None:
         if not self.samples.offline:
@@ -132,7 +134,9 @@ class Trainer:
         lengths = cpu_batch["attention_mask"].sum(1).tolist()
         batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
         features = self._features(batch)
-        anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths)
+        partition = self.objective.block_size if self.config.training.anchors == "partition" else None
+        anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths,
+                                               partition)
         blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, valid,
                               self.objective.block_size, self.objective.mask_token_id)
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
@@ -229,7 +233,9 @@ class Trainer:
             draft.load_state_dict({k: v.detach().float().cpu() for k, v in state_dict.items()})
             save_draft(draft, tmp / "draft", extra_config={"dflash_train": {"step": self.step, **self.compat}})
             trainer_state = {"step": self.step, "total_steps": self.total_steps,
-                             "sequences_seen": self.step * self.plan.sequences_per_step, **self.compat}
+                             "sequences_seen": self.step * self.plan.sequences_per_step,
+                             "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
+                             **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
         return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
@@ -242,7 +248,33 @@ class Trainer:
         ckpt.check_compatible(state, self.compat, path)
         self.accelerator.load_state(str(path / "state"))
         self.step = int(state["step"])
+        self.budget.resume(float(state.get("train_seconds", 0.0)), bool(state.get("budget_sized", False)))
+        if self.budget.sized or self.budget.total_minutes is None:
+            self.total_steps = int(state["total_steps"])  # a budgeted run keeps the length it settled on
         self.accelerator.print(f"resumed from {path} at step {self.step}")
+
+    def _agree(self, value: int, op: str) -> int:
+        """One value for all ranks (a rank acting alone on its own clock would deadlock the others)."""
+        if self.accelerator.num_processes == 1:
+            return value
+        tensor = torch.tensor([value], device=self.accelerator.device)
+        reduce_op = torch.distributed.ReduceOp.MIN if op == "min" else torch.distributed.ReduceOp.MAX
+        torch.distributed.all_reduce(tensor, op=reduce_op)
+        return int(tensor.item())
+
+    def _stop_requested(self) -> bool:
+        return self.budget.stop_after_minutes is not None and bool(self._agree(int(self.budget.should_stop()), "max"))
+
+    def _fit_budget(self, step_seconds: float, progress: TrainProgress) -> None:
+        """Once the step time is known, shorten the run (and so its schedule) to the time budget."""
+        new_total = self.budget.observe(step_seconds, self.step, self.total_steps)
+        if new_total is not None:  # every rank settles on the same step; they take the shortest length
+            new_total = self._agree(new_total, "min")
+        if new_total is not None and new_total != self.total_steps:
+            self.accelerator.print(f"time budget {self.budget.total_minutes} min: {new_total} steps "
+                                   f"(was {self.total_steps})")
+            self.total_steps = new_total
+            progress.set_total(new_total)
 
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
@@ -256,6 +288,7 @@ class Trainer:
         metrics: dict[str, Any] = {}
         loader = ThreadPoolExecutor(max_workers=1)  # reads step n+1 from disk while step n computes
         upcoming = loader.submit(self._load_step, self.step)
+        self.budget.start()
         with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak) as progress:
             while self.step < self.total_steps:
                 started = time.perf_counter()
@@ -263,6 +296,7 @@ class Trainer:
                 if self.step + 1 < self.total_steps:
                     upcoming = loader.submit(self._load_step, self.step + 1)
                 metrics = self.train_step(loaded)
+                self._fit_budget(time.perf_counter() - started, progress)
                 progress.update(self.step, metrics, time.perf_counter() - started)
                 if logger and (self.step % t.log_every == 0 or self.step == self.total_steps):
                     logger.log(self.step, "train", metrics)
@@ -270,8 +304,15 @@ class Trainer:
                     val = self.validate()
                     if logger and val:
                         logger.log(self.step, "validation", val)
-                if self.step % t.save_every == 0 or self.step == self.total_steps:
+                saved = self.step % t.save_every == 0 or self.step == self.total_steps
+                if saved:
                     self.save_checkpoint()
+                if self.step < self.total_steps and self._stop_requested():
+                    if not saved:
+                        self.save_checkpoint()
+                    self.accelerator.print(f"stopped after {t.stop_after_minutes} min at step {self.step} of "
+                                           f"{self.total_steps}; run the same command again to resume")
+                    break
         loader.shutdown(wait=True)
         final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
         if not final.exists() and self.step == self.total_steps:

@@ -1,0 +1,69 @@
+"""Time limits of a run: a budget the schedule is fitted into, and stop-then-resume."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from dflash_train.training import budget as budget_module
+from dflash_train.training.budget import TimeBudget
+from dflash_train.training.config import load_config
+from dflash_train.training.trainer import run_training
+from tests.test_training import assets, overrides, train_losses  # noqa: F401  (assets is a fixture)
+
+
+def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(budget_module.time, "monotonic", lambda: clock[0])
+    budget = TimeBudget(total_minutes=10, stop_after_minutes=None)
+    budget.start()
+    steps = [30.0, 20.0, 10.0] + [2.0] * (budget_module.PROBE_STEPS - 3)  # compile steps first
+    settled = None
+    for step, seconds in enumerate(steps, 1):
+        clock[0] += seconds
+        settled = budget.observe(seconds, step, total_steps=10_000)
+        assert (settled is None) == (step < budget_module.PROBE_STEPS)
+    spent = sum(steps)
+    expected = budget_module.PROBE_STEPS + int(budget_module.MARGIN * (600 - spent) / 2.0)
+    assert settled == expected
+    assert budget.observe(2.0, 13, expected) is None  # settled once
+
+
+def test_budget_never_lengthens_a_run() -> None:
+    budget = TimeBudget(total_minutes=1e6, stop_after_minutes=None)
+    budget.start()
+    results = [budget.observe(0.001, step, total_steps=50) for step in range(1, budget_module.PROBE_STEPS + 1)]
+    assert results[-1] == 50
+
+
+def test_stop_after_then_resume_equals_the_uninterrupted_run(assets: dict[str, pathlib.Path],  # noqa: F811
+                                                             tmp_path: pathlib.Path) -> None:
+    steps = 16
+    reference = tmp_path / "reference"
+    run_training(load_config(None, overrides(assets, reference, **{"training.max_steps": steps})))
+    out = tmp_path / "stopped"
+    first = run_training(load_config(None, overrides(assets, out, **{
+        "training.max_steps": steps, "training.stop_after_minutes": 1e-9})))
+    assert first.steps == 1  # stopped after its first step, with a checkpoint to resume from
+    state = json.loads((out / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
+    assert state["step"] == 1 and state["train_seconds"] > 0
+    second = run_training(load_config(None, overrides(assets, out, **{"training.max_steps": steps})))
+    assert second.steps == steps
+    expected, got = train_losses(reference), train_losses(out)
+    assert sorted(got) == list(range(1, steps + 1))
+    for step in range(1, steps + 1):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+
+
+def test_budgeted_run_keeps_its_settled_length_on_resume(assets: dict[str, pathlib.Path],  # noqa: F811
+                                                         tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "budgeted"
+    tiny_budget = {"training.max_steps": 400, "training.time_budget_minutes": 1e-6}
+    first = run_training(load_config(None, overrides(assets, out, **tiny_budget)))
+    assert first.steps == budget_module.PROBE_STEPS  # the probe steps alone overrun a 60 µs budget
+    state = json.loads((out / "checkpoints" / f"step-{first.steps:08d}" / "trainer_state.json").read_text())
+    assert state["total_steps"] == first.steps and state["budget_sized"]
+    again = run_training(load_config(None, overrides(assets, out, **tiny_budget)))
+    assert again.steps == first.steps  # resumed at its end: nothing more to do
