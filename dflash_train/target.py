@@ -339,10 +339,26 @@ def ensure_converted_gguf(
     marker = _source_marker(gguf_path, dtype)
     if _is_converted(out_dir, marker):
         return out_dir
-    logger.info("Converting %s to %s once; later loads read the converted copy.", gguf_path, out_dir)
-    model, tokenizer = load_gguf(gguf_path, dtype)
-    _save_atomically(_dense_copy(model, dtype), tokenizer, out_dir, marker)
+    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):  # processes started together convert once
+        if _is_converted(out_dir, marker):
+            return out_dir
+        logger.info("Converting %s to %s once; later loads read the converted copy.", gguf_path, out_dir)
+        model, tokenizer = load_gguf(gguf_path, dtype)
+        _save_atomically(_dense_copy(model, dtype), tokenizer, out_dir, marker)
     return out_dir
+
+
+@contextmanager
+def _exclusive(lock_path: Path) -> Iterator[None]:
+    import fcntl
+
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def load_gguf(

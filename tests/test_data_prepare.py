@@ -120,3 +120,5 @@ def test_regenerated_data_must_use_its_template(tmp_path: Path) -> None:
     (regen / "regenerate.json").write_text(json.dumps({**manifest, "num_units": 2}))
     with pytest.raises(ValueError, match="regeneration unfinished .1 of 2 shards"):
         prepare(tokenizer, config, tmp_path / "unfinished")
+    partial = PrepareConfig([CorpusSpec(str(regen), allow_unfinished=True)], block_size=2, target_name="tiny")
+    assert prepare(tokenizer, partial, tmp_path / "partial").kept == 1  # the one finished shard, on request

@@ -25,6 +25,8 @@ def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
                        help="column mapping, e.g. messages=chat or prompt=question")
     group.add_argument("--max-samples", type=int, default=None, help="rows per source (after shuffling)")
     group.add_argument("--shuffle-seed", type=int, default=None, help="shuffle each source with this seed")
+    group.add_argument("--allow-unfinished", action="store_true",
+                       help="read only the finished shards of a `regenerate` output that is still incomplete")
 
 
 def corpus_specs(args: argparse.Namespace) -> list[CorpusSpec]:
@@ -34,8 +36,8 @@ def corpus_specs(args: argparse.Namespace) -> list[CorpusSpec]:
             raise ValueError(f"--columns item {item!r} is not OURS=THEIRS")
         ours, theirs = item.split("=", 1)
         mapping[ours.strip()] = theirs.strip()
-    return [CorpusSpec(source, args.split, args.format, mapping, args.max_samples, args.shuffle_seed)
-            for source in args.data]
+    return [CorpusSpec(source, args.split, args.format, mapping, args.max_samples, args.shuffle_seed,
+                       getattr(args, "allow_unfinished", False)) for source in args.data]
 
 
 def add_thinking_argument(parser: argparse.ArgumentParser) -> None:

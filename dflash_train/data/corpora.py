@@ -39,6 +39,7 @@ class CorpusSpec:
     column_map: dict[str, str] = field(default_factory=dict)
     max_samples: int | None = None
     shuffle_seed: int | None = None
+    allow_unfinished: bool = False  # read the finished shards of a regeneration still under way
 
 
 @dataclass
@@ -80,7 +81,7 @@ def _open_source(spec: CorpusSpec) -> Corpus:
         return _gsm_symbolic(spec.max_samples or GSM_SYMBOLIC_DEFAULT_SIZE, spec.shuffle_seed or 0)
     path = Path(spec.source).expanduser()
     if path.is_dir():
-        return _directory_corpus(path)
+        return _directory_corpus(path, spec.allow_unfinished)
     if path.is_file():
         suffix = path.suffix.lower()
         if suffix in (".jsonl", ".json"):
@@ -109,16 +110,17 @@ def _datasets_corpus(name: str, dataset: Any) -> Corpus:
     return Corpus(name, len(dataset), lambda i: dict(dataset[i]))
 
 
-def _directory_corpus(path: Path) -> Corpus:
+def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
     from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
 
     if (path / REGEN_MANIFEST).is_file():
         manifest = json.loads((path / REGEN_MANIFEST).read_text())
         shards = regenerated_files(path)
-        if len(shards) != manifest.get("num_units"):
+        if len(shards) != manifest.get("num_units") and not allow_unfinished:
             raise ValueError(
                 f"{path}: regeneration unfinished ({len(shards)} of {manifest.get('num_units')} shards); "
-                f"run the same `dflash-train regenerate` command again to finish it"
+                f"run the same `dflash-train regenerate` command again to finish it, or pass --allow-unfinished "
+                f"to use the finished shards only"
             )
         lines: list[bytes] = []
         for shard in shards:

@@ -1,0 +1,79 @@
+"""One table for a recipe run directory: each eval report with the training run behind it.
+
+    python -m dflash_train.eval.summary outputs/smollm2-h200     # prints Markdown, writes summary.json/.md
+
+Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
+trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+COLUMNS = ("run", "block", "dataset", "requests", "τ", "lossless", "speedup", "steps", "sequences", "train min")
+
+
+def training_state(train_dir: Path) -> dict[str, Any]:
+    states = sorted(train_dir.glob("checkpoints/step-*/trainer_state.json"))
+    return json.loads(states[-1].read_text()) if states else {}
+
+
+def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for report_path in sorted((run_dir / "eval").glob("*.json")):
+        report = json.loads(report_path.read_text())
+        if "datasets" not in report:
+            continue
+        name = report_path.stem.removesuffix("-b8").removesuffix("-b16")
+        state = training_state(run_dir / "train" / name)
+        for dataset, result in report["datasets"].items():
+            rows.append({
+                "run": name, "block": report["settings"]["block_size"], "dataset": dataset,
+                "requests": result["requests"], "tau": result["acceptance_length"], "lossless": result["lossless"],
+                "speedup": result.get("speedup"), "steps": state.get("step"),
+                "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
+                "histogram": result.get("histogram"), "report": str(report_path),
+            })
+    return rows
+
+
+def _minutes(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds / 60, 1)
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any, spec: str = "") -> str:
+        return "—" if value is None else format(value, spec)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["run"], str(r["block"]), r["dataset"], str(r["requests"]), cell(r["tau"], ".2f"),
+            "yes" if r["lossless"] else "NO", cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
+            cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m dflash_train.eval.summary RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    rows = summary_rows(run_dir)
+    if not rows:
+        print(f"summary: no eval reports under {run_dir / 'eval'}; run the eval stage first", file=sys.stderr)
+        return 1
+    table = markdown(rows)
+    (run_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (run_dir / "summary.md").write_text(table)
+    print(table, end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

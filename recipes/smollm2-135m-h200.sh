@@ -1,0 +1,121 @@
+#!/usr/bin/env bash
+# The SmolLM2-135M-Instruct drafter of the README's results table, on one GPU, stage by stage.
+#
+#   bash recipes/smollm2-135m-h200.sh data        # regenerate ShareGPT + generated-math responses, tokenise
+#   bash recipes/smollm2-135m-h200.sh train       # the recipe, plus the three ablation runs, side by side
+#   bash recipes/smollm2-135m-h200.sh eval        # τ / lossless / speedup on HumanEval and MT-Bench, export
+#   bash recipes/smollm2-135m-h200.sh all
+#
+# Every stage resumes: re-running a stage after a kill continues where it stopped (regeneration by shard,
+# training from the last checkpoint, with the run length it settled on). Settings (environment):
+#   TARGET          alias, local directory or .gguf of the target (default: smollm2-135m-instruct)
+#   PROMPTS         regenerate's input arguments (default: 8,000 ShareGPT + 2,000 generated math prompts;
+#                   `python -m dflash_train.data.pack` writes the same as one file for an offline node)
+#   OUT             where everything goes (default: outputs/smollm2-h200)
+#   TRAIN_MINUTES   wall-time budget of the main run; its cosine schedule is fitted to it (default: 12)
+#   ABLATION_STEPS  optimizer steps of each ablation run (default: 800)
+#   EVAL_PROMPTS    prompts per eval set (default: 80)
+#   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
+#   TRACKING        wandb | none (default: wandb; offline without a key)
+#   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
+#   MAX_NEW_TOKENS, MAX_LENGTH, TRAIN_EXTRA   response cap (512), sequence cap (2048), extra train overrides
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STAGE=${1:?usage: bash recipes/smollm2-135m-h200.sh data|train|eval|all}
+TARGET=${TARGET:-smollm2-135m-instruct}
+OUT=${OUT:-outputs/smollm2-h200}
+PROMPTS=${PROMPTS:---data $OUT/prompts.jsonl}
+TRAIN_MINUTES=${TRAIN_MINUTES:-12}
+ABLATION_STEPS=${ABLATION_STEPS:-800}
+EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+TRACKING=${TRACKING:-wandb}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
+MAX_LENGTH=${MAX_LENGTH:-2048}
+TRAIN_EXTRA=${TRAIN_EXTRA:-}
+RECIPE=recipes/smollm2-135m-dflash-b16.yaml
+DFLASH="python3 -m dflash_train.cli"
+
+stop_after() {  # minutes left before DEADLINE, as a training override (nothing without a DEADLINE)
+  [[ -n "${DEADLINE:-}" ]] && python3 -c "import time; print(f'training.stop_after_minutes={max(0.1, (${DEADLINE} - 30 - time.time()) / 60):.2f}')"
+  return 0
+}
+
+data() {
+  if [[ "$PROMPTS" == "--data $OUT/prompts.jsonl" && ! -f "$OUT/prompts.jsonl" ]]; then
+    python3 -m dflash_train.data.pack --source sharegpt=8000 --source gsm-symbolic=2000 --out "$OUT/prompts.jsonl"
+  fi
+  local limit=() partial=()
+  [[ -n "${REGEN_MINUTES:-}" ]] && limit=(timeout "${REGEN_MINUTES}m")
+  # shellcheck disable=SC2086  # PROMPTS is a list of arguments
+  "${limit[@]}" $DFLASH regenerate --target "$TARGET" $PROMPTS --max-new-tokens "$MAX_NEW_TOKENS" --batch-size 256 \
+    --max-prompt-tokens 1024 --dtype bf16 --out "$OUT/regen" || {
+    local code=$?
+    [[ $code == 124 ]] || return $code
+    echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES; training on its finished shards" >&2
+    partial=(--allow-unfinished)
+  }
+  [[ -f "$OUT/prepared/dflash_data.json" ]] ||
+    $DFLASH prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
+      --block-size 16 --out "$OUT/prepared"
+}
+
+train_run() {  # name, then overrides
+  local name=$1; shift
+  $DFLASH train --config "$RECIPE" "model.target=$TARGET" "data.prepared=$OUT/prepared" \
+    "training.output_dir=$OUT/train/$name" "tracking.report_to=$TRACKING" "tracking.run_name=$name" \
+    "data.max_length=$MAX_LENGTH" "training.save_every=200" "training.eval_every=400" $(stop_after) "$@" \
+    $TRAIN_EXTRA > "$OUT/train/$name.log" 2>&1
+}
+
+train() {
+  mkdir -p "$OUT/train"
+  # The main run and the ablations share the GPU (a 135M target leaves most of it idle). The ablations
+  # see the same sequences for the same number of steps and differ in one choice each.
+  train_run main "training.time_budget_minutes=$TRAIN_MINUTES" &
+  train_run ablation-random-anchors "training.max_steps=$ABLATION_STEPS" &
+  train_run ablation-partition-anchors "training.max_steps=$ABLATION_STEPS" "training.anchors=partition" &
+  train_run ablation-no-decay "training.max_steps=$ABLATION_STEPS" "training.loss_decay_gamma=.inf" &
+  local failed=0
+  for job in $(jobs -p); do wait "$job" || failed=1; done
+  tail -n 3 "$OUT"/train/*.log
+  return $failed
+}
+
+final_draft() {  # the newest checkpoint's drafter, only if that run reached its last step
+  python3 - "$1" <<'EOF'
+import sys
+from pathlib import Path
+from dflash_train.demo import final_checkpoint
+found = final_checkpoint(Path(sys.argv[1]))
+print(found / "draft" if found else "")
+EOF
+}
+
+evaluate() {  # run name, report name, extra eval arguments
+  local draft; draft=$(final_draft "$OUT/train/$1")
+  [[ -n "$draft" ]] || { echo "$1 has not finished training: run the train stage again" >&2; return 1; }
+  $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
+    --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:3}"
+}
+
+eval_all() {
+  mkdir -p "$OUT/eval"
+  evaluate main main-b16  # alone on the GPU: its speedup is a wall-clock measurement
+  evaluate main main-b8 --block-size 8
+  for run in random-anchors partition-anchors no-decay; do
+    evaluate "ablation-$run" "ablation-$run"
+  done
+  $DFLASH export "$(final_draft "$OUT/train/main")" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" \
+    --overwrite --out "$OUT/export"
+  $DFLASH check "$OUT/export" --target "$TARGET"
+  python3 -m dflash_train.eval.summary "$OUT"
+}
+
+case "$STAGE" in
+  data) data ;;
+  train) train ;;
+  eval) eval_all ;;
+  all) data && train && eval_all ;;
+  *) echo "unknown stage $STAGE: use data, train, eval or all" >&2; exit 2 ;;
+esac
