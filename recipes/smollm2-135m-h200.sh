@@ -12,9 +12,10 @@
 #   PROMPTS         regenerate's input arguments (default: 8,000 ShareGPT + 2,000 generated math prompts;
 #                   `python -m dflash_train.data.pack` writes the same as one file for an offline node)
 #   OUT             where everything goes (default: outputs/smollm2-h200)
-#   TRAIN_MINUTES   wall-time budget of the main run; its cosine schedule is fitted to it (default: 12)
-#   ABLATION_STEPS  optimizer steps of each ablation run (default: 800)
-#   EVAL_PROMPTS    prompts per eval set (default: 80)
+#   TRAIN_MINUTES   wall-time budget of the main run; its cosine schedule is fitted to it (default: 7)
+#   ABLATION_STEPS  optimizer steps of each ablation run (default: 600)
+#   EVAL_PROMPTS    prompts per eval set for the main drafter at block 16 (default: 80)
+#   ABLATION_EVAL_PROMPTS   the same for the ablations and block 8 (default: 40)
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
 #   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
@@ -26,9 +27,10 @@ STAGE=${1:?usage: bash recipes/smollm2-135m-h200.sh data|train|eval|all}
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/smollm2-h200}
 PROMPTS=${PROMPTS:---data $OUT/prompts.jsonl}
-TRAIN_MINUTES=${TRAIN_MINUTES:-12}
-ABLATION_STEPS=${ABLATION_STEPS:-800}
+TRAIN_MINUTES=${TRAIN_MINUTES:-7}
+ABLATION_STEPS=${ABLATION_STEPS:-600}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-40}
 TRACKING=${TRACKING:-wandb}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
@@ -92,24 +94,27 @@ print(found / "draft" if found else "")
 EOF
 }
 
-evaluate() {  # run name, report name, extra eval arguments
+evaluate() {  # run name, report name, prompts per set, extra eval arguments
   local draft; draft=$(final_draft "$OUT/train/$1")
   [[ -n "$draft" ]] || { echo "$1 has not finished training: run the train stage again" >&2; return 1; }
+  [[ -f "$OUT/eval/$2.json" ]] && { echo "$2: evaluated earlier ($OUT/eval/$2.json)"; return 0; }
   $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
-    --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:3}"
+    --num-prompts "$3" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:4}"
 }
 
 eval_all() {
   mkdir -p "$OUT/eval"
-  evaluate main main-b16  # alone on the GPU: its speedup is a wall-clock measurement
-  evaluate main main-b8 --block-size 8
-  for run in random-anchors partition-anchors no-decay; do
-    evaluate "ablation-$run" "ablation-$run"
-  done
+  evaluate main main-b16 "$EVAL_PROMPTS"  # alone on the GPU: its speedup is a wall-clock measurement
   $DFLASH export "$(final_draft "$OUT/train/main")" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" \
     --overwrite --out "$OUT/export"
   $DFLASH check "$OUT/export" --target "$TARGET"
+  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8
+  local failed=0
+  for run in random-anchors partition-anchors no-decay; do
+    evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" || failed=1
+  done
   python3 -m dflash_train.eval.summary "$OUT"
+  return $failed
 }
 
 case "$STAGE" in
