@@ -339,7 +339,7 @@ def ensure_converted_gguf(
     marker = _source_marker(gguf_path, dtype)
     if _is_converted(out_dir, marker):
         return out_dir
-    with _exclusive(out_dir.parent / f".{out_dir.name}.lock"):  # processes started together convert once
+    with _exclusive(out_dir.parent):  # processes started together convert once
         if _is_converted(out_dir, marker):
             return out_dir
         logger.info("Converting %s to %s once; later loads read the converted copy.", gguf_path, out_dir)
@@ -349,16 +349,17 @@ def ensure_converted_gguf(
 
 
 @contextmanager
-def _exclusive(lock_path: Path) -> Iterator[None]:
+def _exclusive(directory: Path) -> Iterator[None]:
+    """An exclusive lock on a directory (flock on its descriptor: no lock file to leave behind)."""
     import fcntl
 
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+    directory.mkdir(parents=True, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def load_gguf(

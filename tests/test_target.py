@@ -365,3 +365,33 @@ def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
     from_gguf = gguf_model.generate(input_ids, **kwargs)
     assert torch.equal(from_cache, from_gguf)
     assert "Paris" in smollm2.tokenizer.decode(from_cache[0, input_ids.shape[1] :])
+
+
+@needs_smollm2
+def test_processes_started_together_convert_the_gguf_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import threading
+
+    gguf = target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+    real_load, loads = target_module.load_gguf, []
+
+    def counted_load(*args: object, **kwargs: object) -> object:
+        loads.append(1)
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(target_module, "load_gguf", counted_load)
+    results, errors = [], []
+
+    def convert() -> None:  # each thread opens its own lock descriptor, as separate processes would
+        try:
+            results.append(target_module.ensure_converted_gguf(gguf, torch.bfloat16, str(tmp_path)))
+        except Exception as error:  # noqa: BLE001  (reported below)
+            errors.append(error)
+
+    threads = [threading.Thread(target=convert) for _ in range(3)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors and len(loads) == 1 and len(set(results)) == 1
+    assert (results[0] / "model.safetensors").is_file()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]

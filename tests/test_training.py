@@ -197,3 +197,15 @@ def test_init_from_for_a_new_target_relearns_the_context_fusion(assets: dict[str
     assert abs(float(after.fc.weight.float().std()) - 0.02) < 0.005  # freshly initialised, barely trained
     with pytest.raises(ValueError, match="reads 2 layers; give 2 ids"):
         run_training(load_config(None, overrides(assets, tmp_path / "c", **{**base, "model.target_layer_ids": "[0, 1, 2]"})))
+
+
+def test_padding_to_a_fixed_shape_leaves_the_run_unchanged(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    runs = {}
+    for multiple in (1, 64):
+        out = tmp_path / f"pad{multiple}"
+        run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 6,
+                                                                 "data.pad_to_multiple": multiple})))
+        runs[multiple] = (train_losses(out), read_metrics(out / "metrics.jsonl")["validation"][-1]["loss"])
+    for step, loss in runs[1][0].items():
+        assert runs[64][0][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
+    assert runs[64][1] == pytest.approx(runs[1][1], rel=1e-5, abs=1e-6)

@@ -56,7 +56,7 @@ def summary_table(report: dict[str, Any]) -> Table:
         table.add_column(column, justify="right", no_wrap=True)
     for name, row in report["datasets"].items():
         lossless = row["lossless"]
-        mark = "n/a" if lossless is None else ("yes" if lossless else f"NO ({row['lossless_requests']}/{row['requests']})")
+        mark = "n/a" if lossless is None else lossless_mark(row)
         table.add_row(name, str(row["requests"]), _fmt(row["acceptance_length"], ".2f"),
                       _fmt(row["acceptance_length_cycle_weighted"], ".2f"), mark,
                       _fmt(row["tokens_per_s_with_draft"], ",.1f"), _fmt(row["tokens_per_s_target_only"], ",.1f"),
@@ -64,10 +64,26 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
-def print_summary(report: dict[str, Any], paths: list[str]) -> None:
+def wide_console() -> Console:
+    """A terminal's own width; 200 columns where output goes to a file or pipe (rich would assume 80 and cut
+    table cells short, leaving a job log without its numbers)."""
     console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def print_summary(report: dict[str, Any], paths: list[str]) -> None:
+    console = wide_console()
     console.print(summary_table(report))
     for name, row in report["datasets"].items():
         if row.get("skipped"):
             console.print(f"{name}: skipped {row['skipped']}")
     console.print("written: " + ", ".join(paths))
+
+
+def lossless_mark(row: dict[str, Any]) -> str:
+    """yes; ties (k): k outputs diverged only at floating-point ties of the target's logits; else NO (m/n)."""
+    if row["lossless"]:
+        return "yes"
+    if row.get("lossless_up_to_ties"):
+        return f"ties ({row['divergences_at_ties']})"
+    return f"NO ({row['lossless_requests']}/{row['requests']})"

@@ -53,6 +53,9 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "per_slot_conditional_acceptance": "P(slot k accepted | slot k-1 accepted)",
             "lossless": "greedy output with the drafter equals the target-only output of the same loop, on every "
                         "request",
+            "lossless_up_to_ties": "every divergence starts at a floating-point tie of the target's logits (|gap| "
+                                   "<= 2 ulp of its dtype): block verification and one-token decoding round "
+                                   "differently in bf16; run with --dtype float32 for an exact check",
             "tokens_per_s": "new tokens per second of decoding (prefill excluded), same prompts, same run",
         },
         "datasets": results,

@@ -156,8 +156,9 @@ class Evaluator:
         greedy = self.settings.temperature == 0
         diverged = [(request, ref, out) for request, ref, out in done if ref.tokens != out.tokens]
         mismatches = [_mismatch(*d) for d in diverged]
-        for d, row in zip(diverged[:MAX_LISTED_MISMATCHES], mismatches, strict=False):
-            row["logit_gap"] = self._logit_gap(*d, row["first_divergence"])
+        for d, row in zip(diverged, mismatches, strict=True):
+            row["logit_gap"], row["tie"] = self._logit_gap(*d, row["first_divergence"])
+        ties = sum(bool(row["tie"]) for row in mismatches)
         with_draft, alone = totals["dflash"].tokens_per_s, totals["target"].tokens_per_s
         return {
             "source": prompt_set.source,
@@ -169,6 +170,8 @@ class Evaluator:
             **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
             "lossless": (not mismatches) if greedy else None,
             "lossless_requests": len(done) - len(mismatches) if greedy else None,
+            "divergences_at_ties": ties if greedy else None,
+            "lossless_up_to_ties": (ties == len(mismatches)) if greedy else None,
             "mismatches": mismatches[:MAX_LISTED_MISMATCHES] if greedy else [],
             "new_tokens_with_draft": totals["dflash"].tokens,
             "new_tokens_target_only": totals["target"].tokens,
@@ -180,14 +183,21 @@ class Evaluator:
             "skipped": _skipped_text(prompt_set.skipped_rows, too_long),
         }
 
-    def _logit_gap(self, request: Request, reference: RequestOutput, drafted: RequestOutput, index: int) -> float | None:
+    def _logit_gap(self, request: Request, reference: RequestOutput, drafted: RequestOutput,
+                   index: int) -> tuple[float | None, bool]:
         """At the first divergence, the target's own logit of its token minus that of the drafted run's token,
-        from a plain forward: near zero means a floating-point tie between two equally likely tokens."""
+        from a plain forward, and whether that is a floating-point tie: within 2 units in the last place of
+        the target's dtype at the logits' magnitude (verifying a block and decoding one token round
+        differently in bf16; a float32 target breaks such ties the same way in both runs)."""
         if index >= min(len(reference.tokens), len(drafted.tokens)):
-            return None  # one output is a prefix of the other: a stop or length difference, not a token
+            return None, False  # one output is a prefix of the other: a stop or length difference, not a token
         ids = torch.tensor([request.ids + reference.tokens[:index]], device=self.target.device)
-        logits = self.target.model(ids).logits[0, -1].float()
-        return float(logits[reference.tokens[index]] - logits[drafted.tokens[index]])
+        with torch.no_grad():
+            logits = self.target.model(ids).logits[0, -1]
+        pair = logits[[reference.tokens[index], drafted.tokens[index]]].float()
+        gap = float(pair[0] - pair[1])
+        ulp = torch.finfo(logits.dtype).eps * float(pair.abs().max())
+        return gap, abs(gap) <= 2 * ulp
 
 
 def _mismatch(request: Request, reference: RequestOutput, drafted: RequestOutput) -> dict[str, int]:

@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_train.eval.console import lossless_mark
+
 COLUMNS = ("run", "block", "dataset", "requests", "τ", "lossless", "speedup", "steps", "sequences", "train min")
 
 
@@ -32,7 +34,7 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
         for dataset, result in report["datasets"].items():
             rows.append({
                 "run": name, "block": report["settings"]["block_size"], "dataset": dataset,
-                "requests": result["requests"], "tau": result["acceptance_length"], "lossless": result["lossless"],
+                "requests": result["requests"], "tau": result["acceptance_length"], "lossless": lossless_mark(result),
                 "speedup": result.get("speedup"), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
                 "histogram": result.get("histogram"), "report": str(report_path),
@@ -52,7 +54,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r["run"], str(r["block"]), r["dataset"], str(r["requests"]), cell(r["tau"], ".2f"),
-            "yes" if r["lossless"] else "NO", cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
+            r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")
     return "\n".join(lines) + "\n"

@@ -39,6 +39,9 @@ class DataConfig:
     validation_fraction: float = 0.02
     validation_max_samples: int = 256
     min_supervised_tokens: int | None = None  # None: 2 * block_size
+    # Batches are right-padded to a multiple of this. None: to max_length where attention is compiled flex
+    # (CUDA), so it compiles for one shape only, else to the longest sample. Never changes the loss.
+    pad_to_multiple: int | None = None
 
 
 @dataclass
@@ -104,6 +107,7 @@ class TrainConfig:
             "training.batch_size": self.training.batch_size, "training.num_anchors": self.training.num_anchors,
             "training.gradient_accumulation_steps": self.training.gradient_accumulation_steps,
             "data.max_length": self.data.max_length, "training.keep_last": self.training.keep_last,
+            "data.pad_to_multiple": self.data.pad_to_multiple or 1,
         }
         for name, value in positive.items():
             if value < 1:

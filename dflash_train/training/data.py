@@ -114,9 +114,11 @@ def epoch_order(train: Sequence[int], seed: int, epoch: int) -> list[int]:
     return [train[i] for i in perm.tolist()]
 
 
-def collate(samples: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest sample; padding is unsupervised and masked from the target."""
-    length = max(s["input_ids"].shape[0] for s in samples)
+def collate(samples: list[dict[str, torch.Tensor]], pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:
+    """Right-pad to the longest sample, rounded up to `pad_to_multiple`; padding is unsupervised and masked
+    from the target (compiled attention sees few distinct shapes instead of one per batch)."""
+    longest = max(s["input_ids"].shape[0] for s in samples)
+    length = -(-longest // pad_to_multiple) * pad_to_multiple
     batch = len(samples)
     input_ids = torch.zeros(batch, length, dtype=torch.long)
     loss_mask = torch.zeros(batch, length, dtype=torch.bool)

@@ -48,6 +48,15 @@ def anchor_seed(seed: int, step: int, sample: int) -> int:
     return (seed * 1_000_003 + step * 7_919 + sample * 104_729) % (2**62)
 
 
+def padding_multiple(config: TrainConfig, device: torch.device) -> int:
+    """Compiled flex attention specialises on the sequence length: one padded shape means one compile (a new
+    length per batch would recompile every step until dynamo gives up and runs flex attention eagerly)."""
+    if config.data.pad_to_multiple is not None:
+        return config.data.pad_to_multiple
+    flex = device.type == "cuda" and config.training.attention in ("auto", "flex")
+    return config.data.max_length if flex else 1
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         from accelerate import Accelerator
@@ -97,6 +106,7 @@ class Trainer:
             "hidden_size": self.draft_config.hidden_size, "vocab_size": self.draft_config.vocab_size,
             "mask_token_id": self.draft_config.mask_token_id,
         }
+        self.pad_to = padding_multiple(config, self.accelerator.device)
         self.step = 0
         self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes)
 
@@ -117,7 +127,7 @@ class Trainer:
                 self.target, batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
 
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        batch = collate([self.samples[i] for i in indices])
+        batch = collate([self.samples[i] for i in indices], self.pad_to)
         if self.accelerator.device.type == "cuda":
             batch = {k: v.pin_memory() for k, v in batch.items()}  # lets the copy overlap compute
         return batch
@@ -289,7 +299,7 @@ class Trainer:
         loader = ThreadPoolExecutor(max_workers=1)  # reads step n+1 from disk while step n computes
         upcoming = loader.submit(self._load_step, self.step)
         self.budget.start()
-        with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak) as progress:
+        with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak, log_every=t.log_every) as progress:
             while self.step < self.total_steps:
                 started = time.perf_counter()
                 loaded = upcoming.result()

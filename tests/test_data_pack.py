@@ -1,0 +1,35 @@
+"""Packing prompts for an offline machine: first turns, deduplicated across sources, capped, readable back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.data.corpora import CorpusSpec, open_corpus
+from dflash_train.data.pack import main
+
+
+def test_pack_takes_unique_first_turns_up_to_the_count(tmp_path: Path) -> None:
+    convo = [{"from": "human", "value": "q{}"}, {"from": "gpt", "value": "a"}, {"from": "human", "value": "again"}]
+    rows = [{"conversations": [{**convo[0], "value": f"q{i % 5}"}, *convo[1:]]} for i in range(12)]
+    sharegpt = tmp_path / "a.jsonl"
+    sharegpt.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    alpaca = tmp_path / "b.jsonl"
+    alpaca.write_text(json.dumps({"instruction": "q1", "input": "", "output": "x"}) + "\n"
+                      + json.dumps({"instruction": "new", "input": "", "output": "y"}) + "\n")
+    out = tmp_path / "packed.jsonl"
+    assert main(["--source", f"{sharegpt}=4", "--source", f"{alpaca}=10", "--out", str(out)]) == 0
+    packed = [json.loads(line) for line in out.read_text().splitlines()]
+    prompts = [row["messages"] for row in packed]
+    assert all(len(p) == 1 and p[0]["role"] == "user" for p in prompts)  # the first user turn only
+    texts = [p[0]["content"] for p in prompts]
+    assert len(texts) == len(set(texts)) == 5 and texts[-1] == "new"  # 4 from a; q1 again in b is a duplicate
+    corpus = open_corpus(CorpusSpec(str(out)))
+    assert len(corpus) == 5 and corpus.record(0)["messages"] == prompts[0]
+
+
+def test_bad_source_argument_is_a_usage_error(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit):
+        main(["--source", "sharegpt", "--out", str(tmp_path / "x.jsonl")])

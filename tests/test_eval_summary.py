@@ -1,0 +1,41 @@
+"""The recipe run summary joins each eval report with the training run it belongs to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_train.eval.summary import main, summary_rows
+
+
+def write_report(path: Path, block: int, rows: dict[str, dict]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"settings": {"block_size": block}, "datasets": rows}))
+
+
+def result(tau: float, lossless: bool, ties: bool = False, speedup: float | None = 2.0) -> dict:
+    return {"requests": 4, "acceptance_length": tau, "lossless": lossless, "lossless_requests": 4 if lossless else 3,
+            "lossless_up_to_ties": lossless or ties, "divergences_at_ties": 1 if ties else 0, "speedup": speedup,
+            "histogram": [1, 2]}
+
+
+def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000300"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"step": 300, "sequences_seen": 4800, "train_seconds": 600}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(3.2, False, ties=True)})
+    write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)})
+    rows = {(r["run"], r["block"]): r for r in summary_rows(tmp_path)}
+    assert rows[("main", 16)]["steps"] == 300 and rows[("main", 16)]["train_minutes"] == 10.0
+    assert rows[("main", 8)]["lossless"] == "ties (1)" and rows[("main", 16)]["lossless"] == "yes"
+    assert rows[("ablation-x", 16)]["steps"] is None and rows[("ablation-x", 16)]["lossless"] == "NO (3/4)"
+    assert main([str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| main | 16 | humaneval | 4 | 5.50 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
+    assert (tmp_path / "summary.md").read_text() == table
+
+
+def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    assert main([str(tmp_path)]) == 1
+    assert "run the eval stage first" in capsys.readouterr().err
