@@ -306,8 +306,9 @@ class Trainer:
                 if self.step + 1 < self.total_steps:
                     upcoming = loader.submit(self._load_step, self.step + 1)
                 metrics = self.train_step(loaded)
-                self._fit_budget(time.perf_counter() - started, progress)
-                progress.update(self.step, metrics, time.perf_counter() - started)
+                metrics["step_seconds"] = time.perf_counter() - started
+                self._fit_budget(metrics["step_seconds"], progress)
+                progress.update(self.step, metrics, metrics["step_seconds"])
                 if logger and (self.step % t.log_every == 0 or self.step == self.total_steps):
                     logger.log(self.step, "train", metrics)
                 if t.eval_every and (self.step % t.eval_every == 0 or self.step == self.total_steps):
