@@ -16,6 +16,7 @@
 #   ABLATION_STEPS  optimizer steps of each ablation run (default: 600)
 #   EVAL_PROMPTS    prompts per eval set for the main drafter at block 16 (default: 80)
 #   ABLATION_EVAL_PROMPTS   the same for the ablations and block 8 (default: 40)
+#   ALLOW_UNFINISHED=1   evaluate a run's newest checkpoint even if it has not reached its last step
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
 #   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
@@ -91,12 +92,15 @@ train() {
   return $failed
 }
 
-final_draft() {  # the newest checkpoint's drafter, only if that run reached its last step
-  python3 - "$1" <<'EOF'
+final_draft() {  # the newest checkpoint's drafter if that run reached its last step (or ALLOW_UNFINISHED=1)
+  python3 - "$1" "${ALLOW_UNFINISHED:-0}" <<'EOF'
 import sys
 from pathlib import Path
 from dflash_train.demo import final_checkpoint
+from dflash_train.training.checkpointing import list_checkpoints
 found = final_checkpoint(Path(sys.argv[1]))
+if found is None and sys.argv[2] == "1":
+    found = (list_checkpoints(Path(sys.argv[1])) or [None])[-1]
 print(found / "draft" if found else "")
 EOF
 }
