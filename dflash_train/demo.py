@@ -66,7 +66,10 @@ GPU_SIZES = DemoSizes(
     recipe="recipes/smollm2-135m-dflash-b16.yaml", regen_dtype="bf16",
     sources=(DEMO_PROMPTS, "sharegpt"), max_samples=2000,
     max_new_tokens=512, regen_batch_size=128, max_length=2048,
-    train_overrides=("training.epochs=3", "training.save_every=200", "training.eval_every=200"),
+    # Responses of <= 512 tokens: 256 anchors cover them; 16 chats per step keep the GPU busy (as in
+    # recipes/smollm2-135m-h200.sh).
+    train_overrides=("training.epochs=3", "training.save_every=200", "training.eval_every=200",
+                     "training.num_anchors=256", "training.batch_size=16", "training.learning_rate=1e-3"),
     eval_prompts=20, eval_max_new_tokens=256,
 )
 
