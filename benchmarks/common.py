@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
+# DFLASH_BENCH_RESULTS writes the JSON files elsewhere (e.g. a scratch folder on a remote machine).
 H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on the H200 (SPEC §6)
 
 
@@ -79,7 +80,8 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
 
 
 def write_result(name: str, payload: dict[str, Any]) -> pathlib.Path:
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
-    path = RESULTS_DIR / f"{name}.json"
+    directory = pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR))
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     path.write_text(json.dumps({**stamp(), **payload}, indent=2) + "\n")
     return path
