@@ -119,14 +119,14 @@ eval_all() {
   $DFLASH export "$(final_draft "$OUT/train/main")" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" \
     --overwrite --out "$OUT/export"
   $DFLASH check "$OUT/export" --target "$TARGET"
-  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8
-  # bf16 verification of a block and one-token decoding may round a near-tie differently; in float32 the
-  # lossless check is exact.
-  evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32
   local failed=0
   for run in random-anchors partition-anchors no-decay; do
     evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" || failed=1
   done
+  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8
+  # bf16 verification of a block and one-token decoding may round a near-tie differently; in float32 the
+  # lossless check is exact.
+  evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32
   python3 -m dflash_train.eval.summary "$OUT"
   return $failed
 }
