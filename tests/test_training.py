@@ -209,3 +209,22 @@ def test_padding_to_a_fixed_shape_leaves_the_run_unchanged(assets: dict[str, pat
     for step, loss in runs[1][0].items():
         assert runs[64][0][step] == pytest.approx(loss, rel=1e-5, abs=1e-6), step
     assert runs[64][1] == pytest.approx(runs[1][1], rel=1e-5, abs=1e-6)
+
+
+def test_compiled_flex_attention_sees_one_padded_shape() -> None:
+    """On CUDA with flex attention every batch is padded to max_length (a new length per batch would
+    recompile flex attention every step); elsewhere to the longest sample, unless set explicitly."""
+    from dflash_train.training.data import collate
+    from dflash_train.training.trainer import padding_multiple
+
+    config = load_config(None, ["data.prepared=x", "data.max_length=96", "training.attention=auto"])
+    assert padding_multiple(config, torch.device("cuda")) == 96
+    assert padding_multiple(config, torch.device("cpu")) == 1
+    dense = load_config(None, ["data.prepared=x", "data.max_length=96", "training.attention=dense"])
+    assert padding_multiple(dense, torch.device("cuda")) == 1
+    explicit = load_config(None, ["data.prepared=x", "data.max_length=96", "data.pad_to_multiple=32"])
+    assert padding_multiple(explicit, torch.device("cuda")) == 32
+    samples = [{"input_ids": torch.arange(n), "loss_mask": torch.ones(n, dtype=torch.bool)} for n in (5, 40, 71)]
+    shapes = {collate(samples[i : i + 1], 96)["input_ids"].shape for i in range(3)}
+    assert shapes == {torch.Size([1, 96])}
+    assert collate(samples, 32)["input_ids"].shape == (3, 96) and collate(samples)["input_ids"].shape == (3, 71)
