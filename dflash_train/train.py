@@ -27,7 +27,11 @@ def run(args: argparse.Namespace) -> int:
     from dflash_train.training.trainer import run_training
 
     result = run_training(load_config(args.config, args.overrides))
-    print(f"trained {result.steps} steps; final checkpoint: {result.final_checkpoint}")
+    if result.finished:
+        print(f"trained {result.steps} steps; final checkpoint: {result.final_checkpoint}")
+    else:
+        print(f"stopped at step {result.steps} of {result.total_steps}; checkpoint: {result.final_checkpoint} "
+              f"(the same command resumes)")
     return 0
 
 

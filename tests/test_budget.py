@@ -46,11 +46,11 @@ def test_stop_after_then_resume_equals_the_uninterrupted_run(assets: dict[str, p
     out = tmp_path / "stopped"
     first = run_training(load_config(None, overrides(assets, out, **{
         "training.max_steps": steps, "training.stop_after_minutes": 1e-9})))
-    assert first.steps == 1  # stopped after its first step, with a checkpoint to resume from
+    assert first.steps == 1 and not first.finished  # stopped after its first step, with a checkpoint
     state = json.loads((out / "checkpoints" / "step-00000001" / "trainer_state.json").read_text())
     assert state["step"] == 1 and state["train_seconds"] > 0
     second = run_training(load_config(None, overrides(assets, out, **{"training.max_steps": steps})))
-    assert second.steps == steps
+    assert second.steps == steps and second.finished
     expected, got = train_losses(reference), train_losses(out)
     assert sorted(got) == list(range(1, steps + 1))
     for step in range(1, steps + 1):

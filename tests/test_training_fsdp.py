@@ -27,7 +27,7 @@ def test_fsdp2_two_processes_stop_resume_and_match_one(assets: dict[str, pathlib
             "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
             *overrides(assets, sharded, **{"training.max_steps": steps, "training.batch_size": 1})]
     first = launch([*args, "training.stop_after_minutes=1e-9"]).communicate(timeout=300)[0].decode()
-    assert "stopped after" in first and "at step 1 of 6" in first, first[-3000:]
+    assert "stopped at step 1 of 6" in first, first[-3000:]
     resumed = launch(args)
     output = resumed.communicate(timeout=300)[0].decode()
     assert resumed.returncode == 0 and "resumed from" in output, output[-3000:]

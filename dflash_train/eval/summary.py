@@ -15,7 +15,8 @@ from typing import Any
 
 from dflash_train.eval.console import lossless_mark
 
-COLUMNS = ("run", "block", "dataset", "requests", "τ", "lossless", "speedup", "steps", "sequences", "train min")
+SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
+COLUMNS = ("run", "block", "dtype", "dataset", "requests", "τ", "lossless", "speedup", "steps", "sequences", "train min")
 
 
 def training_state(train_dir: Path) -> dict[str, Any]:
@@ -29,11 +30,13 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
         report = json.loads(report_path.read_text())
         if "datasets" not in report:
             continue
-        name = report_path.stem.removesuffix("-b8").removesuffix("-b16")
+        name = next((report_path.stem.removesuffix(x) for x in SUFFIXES if report_path.stem.endswith(x)),
+                    report_path.stem)
         state = training_state(run_dir / "train" / name)
         for dataset, result in report["datasets"].items():
             rows.append({
-                "run": name, "block": report["settings"]["block_size"], "dataset": dataset,
+                "run": name, "block": report["settings"]["block_size"],
+                "dtype": report["settings"].get("dtype", "—"), "dataset": dataset,
                 "requests": result["requests"], "tau": result["acceptance_length"], "lossless": lossless_mark(result),
                 "speedup": result.get("speedup"), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
@@ -53,7 +56,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["run"], str(r["block"]), r["dataset"], str(r["requests"]), cell(r["tau"], ".2f"),
+            r["run"], str(r["block"]), r["dtype"], r["dataset"], str(r["requests"]), cell(r["tau"], ".2f"),
             r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")

@@ -41,6 +41,11 @@ class TrainResult:
     final_checkpoint: Path
     steps: int
     last_metrics: dict[str, Any]
+    total_steps: int | None = None  # the run's length; more than `steps` when it stopped early
+
+    @property
+    def finished(self) -> bool:
+        return self.total_steps is None or self.steps >= self.total_steps
 
 
 def anchor_seed(seed: int, step: int, sample: int) -> int:
@@ -321,8 +326,6 @@ class Trainer:
                 if self.step < self.total_steps and self._stop_requested():
                     if not saved:
                         self.save_checkpoint()
-                    self.accelerator.print(f"stopped after {t.stop_after_minutes} min at step {self.step} of "
-                                           f"{self.total_steps}; run the same command again to resume")
                     break
         loader.shutdown(wait=True)
         final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
@@ -332,7 +335,7 @@ class Trainer:
             logger.finish()
             if logger.path.is_file():
                 plot_metrics(logger.path, self.output_dir / "training_curves.png")
-        return TrainResult(self.output_dir, final, self.step, metrics)
+        return TrainResult(self.output_dir, final, self.step, metrics, self.total_steps)
 
 
 def run_training(config: TrainConfig) -> TrainResult:
