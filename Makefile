@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_FLAGS ?= -q
 
-.PHONY: install test test-slow test-gpu test-all lint bench demo clean
+.PHONY: install test test-slow test-gpu test-all lint bench bench-multi-gpu demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,8 +40,15 @@ lint: install
 demo: install  ## the whole job on SmolLM2-135M-Instruct: regenerate, prepare, train, eval, export, check
 	$(PY) -m dflash_train.demo
 
-bench:  ## on a CUDA machine: writes benchmarks/results/*.json
+bench:  ## on a CUDA machine: writes benchmarks/results/*.json (multi_gpu needs two GPUs, `make bench-multi-gpu`)
 	$(PYTHON) -m benchmarks.train_step
+	$(PYTHON) -m benchmarks.train_throughput
+	$(PYTHON) -m benchmarks.extract
+	$(PYTHON) -m benchmarks.regenerate
+	$(PYTHON) -m benchmarks.decode
+
+bench-multi-gpu:  ## on a machine with two CUDA devices
+	$(PYTHON) -m benchmarks.multi_gpu
 
 clean:
 	rm -rf $(VENV) *.egg-info
