@@ -159,15 +159,19 @@ def test_wandb_offline_run_records_config_and_commit(assets: dict[str, pathlib.P
         assert expected in record, expected
 
 
-def test_offline_features_train_exactly_like_online(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    """`dflash-train extract` then training on the store == training with features computed online."""
+@pytest.mark.parametrize("pad_to", [1, 96])
+def test_offline_features_train_exactly_like_online(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                    pad_to: int) -> None:
+    """`dflash-train extract` then training on the store == training with features computed online, also
+    when batches are padded to one shape (online, the target then runs on the real length only)."""
     from dflash_train.cli import main as cli
 
     store = tmp_path / "features"
     assert cli(["extract", "--out", str(store), "--data", str(assets["data"]), "--target", str(assets["target"]),
                 "--layer-ids", "1,3", "--target-dtype", "bf16", "--device", "cpu", "--rows-per-shard", "7"]) == 0
     online, offline = tmp_path / "online", tmp_path / "offline"
-    extra = {"training.max_steps": 5, "model.target_layer_ids": "[1, 3]", "model.target_dtype": "bfloat16"}
+    extra = {"training.max_steps": 5, "model.target_layer_ids": "[1, 3]", "model.target_dtype": "bfloat16",
+             "data.pad_to_multiple": pad_to, "data.max_length": 96}
     run_training(load_config(None, overrides(assets, online, **extra)))
     offline_args = [o for o in overrides(assets, offline, **extra) if not o.startswith("data.prepared=")]
     run_training(load_config(None, [*offline_args, f"data.features={store}"]))

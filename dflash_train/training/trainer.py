@@ -127,9 +127,14 @@ class Trainer:
             return batch["features"]
         from dflash_train.data.features import compute_features
 
+        # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
+        # attention would otherwise push mostly padding through it. Its features are padded back with zeros.
+        real = int(batch["attention_mask"].sum(1).max()) if self.pad_to > 1 else batch["input_ids"].shape[1]
         with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
-            return compute_features(
-                self.target, batch["input_ids"], self.draft_config.target_layer_ids, batch["attention_mask"])
+            features = compute_features(self.target, batch["input_ids"][:, :real], self.draft_config.target_layer_ids,
+                                        batch["attention_mask"][:, :real])
+        padding = batch["input_ids"].shape[1] - real
+        return torch.nn.functional.pad(features, (0, 0, 0, padding)) if padding else features
 
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices], self.pad_to)
