@@ -87,6 +87,10 @@ class Trainer:
         self.train_ids, self.val_ids = split_indices(
             len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
+        # Whole validation batches only: a short last batch is one more shape for compiled attention.
+        full = t.batch_size * self.accelerator.num_processes
+        if len(self.val_ids) >= full:
+            self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
         steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
         self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
         draft = build_draft(config, self.target)
