@@ -171,7 +171,7 @@ class Trainer:
     def _flops(self, batch: dict[str, torch.Tensor], blocks: Any, out: Any) -> float:
         per_sequence = [(blocks.anchors[r][blocks.valid[r]].tolist(), batch["input_ids"].shape[1])
                         for r in range(blocks.anchors.shape[0])]
-        return training_step_flops(self.draft_config, batch["input_ids"].numel(), blocks.labels.numel(),
+        return training_step_flops(self.draft_config, int(batch["attention_mask"].sum()), blocks.labels.numel(),
                                    out.num_supervised, visible_pairs(per_sequence, self.objective.block_size))
 
     def train_step(self, loaded: list[tuple[list[int], dict[str, torch.Tensor]]] | None = None) -> dict[str, Any]:
