@@ -67,3 +67,11 @@ def test_budgeted_run_keeps_its_settled_length_on_resume(assets: dict[str, pathl
     assert state["total_steps"] == first.steps and state["budget_sized"]
     again = run_training(load_config(None, overrides(assets, out, **tiny_budget)))
     assert again.steps == first.steps  # resumed at its end: nothing more to do
+
+
+def test_a_finished_run_can_be_extended_by_a_larger_max_steps(assets: dict[str, pathlib.Path],  # noqa: F811
+                                                              tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "extended"
+    assert run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 4}))).steps == 4
+    longer = run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 8})))
+    assert longer.steps == 8 and longer.finished and sorted(train_losses(out)) == list(range(1, 9))

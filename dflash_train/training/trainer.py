@@ -273,8 +273,8 @@ class Trainer:
         self.accelerator.load_state(str(path / "state"))
         self.step = int(state["step"])
         self.budget.resume(float(state.get("train_seconds", 0.0)), bool(state.get("budget_sized", False)))
-        if self.budget.sized or self.budget.total_minutes is None:
-            self.total_steps = int(state["total_steps"])  # a budgeted run keeps the length it settled on
+        if self.budget.sized:  # a budgeted run keeps the length it settled on (others follow their config)
+            self.total_steps = int(state["total_steps"])
         self.accelerator.print(f"resumed from {path} at step {self.step}")
 
     def _agree(self, value: int, op: str) -> int:
