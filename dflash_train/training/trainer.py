@@ -300,6 +300,25 @@ class Trainer:
             self.total_steps = new_total
             progress.set_total(new_total)
 
+    def _after_step(self, metrics: dict[str, Any], logger: MetricsLogger | None) -> bool:
+        """Log, validate and checkpoint as scheduled; True when the run stops early (a checkpoint is saved)."""
+        t = self.config.training
+        last = self.step == self.total_steps
+        if logger and (self.step % t.log_every == 0 or last):
+            logger.log(self.step, "train", metrics)
+        if t.eval_every and (self.step % t.eval_every == 0 or last):
+            val = self.validate()
+            if logger and val:
+                logger.log(self.step, "validation", val)
+        saved = self.step % t.save_every == 0 or last
+        if saved:
+            self.save_checkpoint()
+        if last or not self._stop_requested():
+            return False
+        if not saved:
+            self.save_checkpoint()
+        return True
+
     # -- the run --------------------------------------------------------------------------------
     def fit(self) -> TrainResult:
         t = self.config.training
@@ -323,18 +342,7 @@ class Trainer:
                 metrics["step_seconds"] = time.perf_counter() - started
                 self._fit_budget(metrics["step_seconds"], progress)
                 progress.update(self.step, metrics, metrics["step_seconds"])
-                if logger and (self.step % t.log_every == 0 or self.step == self.total_steps):
-                    logger.log(self.step, "train", metrics)
-                if t.eval_every and (self.step % t.eval_every == 0 or self.step == self.total_steps):
-                    val = self.validate()
-                    if logger and val:
-                        logger.log(self.step, "validation", val)
-                saved = self.step % t.save_every == 0 or self.step == self.total_steps
-                if saved:
-                    self.save_checkpoint()
-                if self.step < self.total_steps and self._stop_requested():
-                    if not saved:
-                        self.save_checkpoint()
+                if self._after_step(metrics, logger):
                     break
         loader.shutdown(wait=True)
         final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
