@@ -235,6 +235,16 @@ class TargetModel:
             _remove_hooks(handles)
         return store.features()
 
+    @torch.no_grad()
+    def capture_features_and_final_states(
+        self, input_ids: Tensor, layer_ids: Sequence[int], attention_mask: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The features of ``capture_features`` and ``[B, S, H]`` final hidden states (after the final norm,
+        what the lm_head reads), from one full pass of the decoder body: the soft targets of distillation."""
+        with self.feature_hooks(layer_ids) as store:
+            out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            return store.features(), out.last_hidden_state
+
     @contextmanager
     def feature_hooks(self, layer_ids: Sequence[int]) -> Iterator[FeatureStore]:
         """Record the outputs of ``layer_ids`` during full forward passes (e.g. with a KV cache) run inside.

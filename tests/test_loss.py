@@ -117,3 +117,52 @@ def test_head_matmuls_run_in_the_heads_dtype() -> None:
     assert hidden.grad.dtype == torch.float32
     ce = F.cross_entropy((hidden.detach().bfloat16() @ weight.T).float(), labels, reduction="none")
     torch.testing.assert_close(loss, (ce * w).sum() / w.sum(), atol=1e-5, rtol=1e-5)
+
+
+def test_soft_targets_chunked_equals_naive_distillation_loss() -> None:
+    gen = torch.Generator().manual_seed(11)
+    hidden = torch.randn(37, 16, generator=gen, requires_grad=True)
+    teacher = torch.randn(37, 16, generator=gen)
+    weight, labels = torch.randn(50, 16, generator=gen), torch.randint(0, 50, (37,), generator=gen)
+    w = torch.rand(37, generator=gen)
+    loss, correct = chunked_weighted_cross_entropy(hidden, weight, labels, w, chunk_rows=8, teacher_hidden=teacher)
+    loss.backward()
+    grad = hidden.grad.clone()
+    hidden.grad = None
+    soft = (teacher @ weight.T).softmax(-1)
+    ref = ((-(soft * (hidden @ weight.T).log_softmax(-1)).sum(-1)) * w).sum() / w.sum()
+    ref.backward()
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(grad, hidden.grad, atol=1e-6, rtol=1e-4)
+    assert torch.equal(correct, (hidden @ weight.T).argmax(-1) == labels)  # accuracy stays against the tokens
+
+
+def test_objective_soft_targets_read_the_target_state_one_position_earlier() -> None:
+    """Slot k of anchor a is taught by the target's state at a+k-1 (the one that predicts token a+k)."""
+    draft = tiny_draft(block_size=4)
+    config = draft.config
+    embed, head = frozen_embed_and_head(config)
+    gen = torch.Generator().manual_seed(5)
+    input_ids = torch.randint(0, 50, (2, 30), generator=gen)
+    loss_mask = torch.rand(2, 30, generator=gen) < 0.8
+    features = torch.randn(2, 30, config.num_context_features * config.hidden_size, generator=gen)
+    teacher_states = torch.randn(2, 30, config.hidden_size, generator=gen)
+    objective = DFlashObjective(block_size=4, mask_token_id=config.mask_token_id, num_anchors=6,
+                                loss_decay_gamma=3.0, mask_kind="dense", chunk_rows=7)
+    blocks = objective.make_blocks(input_ids, loss_mask, gen)
+    out = objective(draft, embed, head, input_ids, loss_mask, features, blocks=blocks, teacher_states=teacher_states)
+    hidden = draft(embed(blocks.input_ids), blocks.positions, features,
+                   torch.arange(30).expand(2, -1), objective.attention_mask(blocks, 30))
+    total = torch.zeros(())
+    for b in range(2):
+        num, den = torch.zeros(()), torch.zeros(())
+        for row in range(blocks.labels.shape[1]):
+            if blocks.labels[b, row] == -100:
+                continue
+            k, position = row % 4, int(blocks.positions[b, row])
+            soft = (teacher_states[b, position - 1] @ head.T).softmax(-1)
+            ce = -(soft * (hidden[b, row] @ head.T).log_softmax(-1)).sum()
+            weight = math.exp(-(k - 1) / 3.0)
+            num, den = num + weight * ce, den + weight
+        total = total + num / den
+    torch.testing.assert_close(out.loss, total / 2, atol=1e-5, rtol=1e-5)

@@ -395,3 +395,16 @@ def test_processes_started_together_convert_the_gguf_once(tmp_path: Path, monkey
     assert not errors and len(loads) == 1 and len(set(results)) == 1
     assert (results[0] / "model.safetensors").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_final_states_give_the_targets_own_logits_and_the_same_features(arch: str) -> None:
+    target = make_tiny_target(arch, num_layers=4)
+    ids = tiny_batch()
+    mask = torch.ones_like(ids)
+    mask[1, -3:] = 0  # right padding, as in training batches
+    features, final = target.capture_features_and_final_states(ids, [0, 2], mask)
+    assert torch.equal(features, target.capture_features(ids, [0, 2], mask))
+    with torch.no_grad():
+        logits = target.model(input_ids=ids, attention_mask=mask).logits
+    torch.testing.assert_close(final @ target.lm_head.weight.T, logits, atol=1e-5, rtol=1e-5)

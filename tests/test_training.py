@@ -232,3 +232,15 @@ def test_compiled_flex_attention_sees_one_padded_shape() -> None:
     shapes = {collate(samples[i : i + 1], 96)["input_ids"].shape for i in range(3)}
     assert shapes == {torch.Size([1, 96])}
     assert collate(samples, 32)["input_ids"].shape == (3, 96) and collate(samples)["input_ids"].shape == (3, 71)
+
+
+def test_soft_targets_train_online_and_are_refused_offline(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    hard, soft = tmp_path / "hard", tmp_path / "soft"
+    run_training(load_config(None, overrides(assets, hard, **{"training.max_steps": 12})))
+    run_training(load_config(None, overrides(assets, soft, **{"training.max_steps": 12,
+                                                              "training.soft_targets": True})))
+    hard_losses, soft_losses = train_losses(hard), train_losses(soft)
+    assert hard_losses.keys() == soft_losses.keys() and hard_losses != soft_losses
+    assert sum(soft_losses[s] for s in (10, 11, 12)) < sum(soft_losses[s] for s in (1, 2, 3))  # it learns
+    with pytest.raises(ValueError, match="soft_targets needs the target's final states, computed online"):
+        load_config(None, ["data.features=store", "training.soft_targets=true"])

@@ -3,7 +3,8 @@
 Only valid slots reach the head, and their logits exist one chunk at a time: the forward pass of
 each chunk also computes the gradient w.r.t. the hidden rows (softmax - onehot, times the head), so
 neither `[positions, vocab]` logits nor a graph through them is ever kept, and the frozen head gets
-no gradient.
+no gradient. With soft targets (distillation), the target's own next-token distribution at each row
+replaces the one-hot label: the loss is the cross-entropy -sum_v q_v log p_v and its gradient softmax - q.
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         labels: torch.Tensor,
         row_weights: torch.Tensor,
         chunk_rows: int,
+        teacher_hidden: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        # hidden [P, H], head_weight [V, H] (frozen), labels [P], row_weights [P] summing to 1.
+        # hidden [P, H], head_weight [V, H] (frozen), labels [P], row_weights [P] summing to 1;
+        # teacher_hidden [P, H]: the target's final states whose logits give the soft targets.
         needs_grad = ctx.needs_input_grad[0]
         # Matmuls run in the head's dtype (bf16 for a bf16 target), whatever precision the drafter's
         # final norm returned: casting the [V, H] head up to fp32 instead would cost a copy of the
@@ -66,13 +69,20 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             logits = (hidden[rows].to(weight.dtype) @ weight.T).float()  # [chunk, V]
             chunk_labels = labels[rows]
             log_norm = torch.logsumexp(logits, dim=-1)
-            target_logit = logits.gather(1, chunk_labels[:, None]).squeeze(1)
-            loss += ((log_norm - target_logit) * row_weights[rows]).sum()
             correct[rows] = logits.argmax(dim=-1) == chunk_labels
+            if teacher_hidden is None:
+                target_logit = logits.gather(1, chunk_labels[:, None]).squeeze(1)
+            else:
+                soft = (teacher_hidden[rows].to(weight.dtype) @ weight.T).float().softmax(dim=-1)
+                target_logit = (soft * logits).sum(dim=-1)
+            loss += ((log_norm - target_logit) * row_weights[rows]).sum()
             if needs_grad:
-                # d(loss)/d(logits) = w * (softmax - onehot), computed in place on the logits buffer.
+                # d(loss)/d(logits) = w * (softmax - target), computed in place on the logits buffer.
                 grad_logits = logits.sub_(log_norm[:, None]).exp_()
-                grad_logits.scatter_add_(1, chunk_labels[:, None], -torch.ones_like(target_logit[:, None]))
+                if teacher_hidden is None:
+                    grad_logits.scatter_add_(1, chunk_labels[:, None], -torch.ones_like(target_logit[:, None]))
+                else:
+                    grad_logits.sub_(soft)
                 grad_logits.mul_(row_weights[rows, None])
                 grad_hidden[rows] = (grad_logits.to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad_hidden if needs_grad else None)
@@ -82,9 +92,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
 
 
 def chunked_weighted_cross_entropy(
@@ -93,11 +103,14 @@ def chunked_weighted_cross_entropy(
     labels: torch.Tensor,
     weights: torch.Tensor,
     chunk_rows: int | None = None,
+    teacher_hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """sum_i w_i * CE(hidden_i @ W^T, label_i) / sum_i w_i, and per-row top-1 correctness.
+    """sum_i w_i * CE(hidden_i @ W^T, label_i) / sum_i w_i, and per-row top-1 correctness (against labels).
 
-    hidden [P, H] (valid rows only), head_weight [V, H], labels [P], weights [P] (>= 0).
+    hidden [P, H] (valid rows only), head_weight [V, H], labels [P], weights [P] (>= 0). With
+    teacher_hidden [P, H], the targets are softmax(teacher_hidden_i @ W^T) instead of the labels.
     """
     chunk_rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
     row_weights = weights.float() / weights.float().sum().clamp_min(1e-12)
-    return _ChunkedLinearCrossEntropy.apply(hidden, head_weight.detach(), labels, row_weights, chunk_rows)
+    teacher = None if teacher_hidden is None else teacher_hidden.detach()
+    return _ChunkedLinearCrossEntropy.apply(hidden, head_weight.detach(), labels, row_weights, chunk_rows, teacher)

@@ -88,8 +88,10 @@ class DFlashObjective:
         context_features: torch.Tensor,
         generator: torch.Generator | None = None,
         blocks: Blocks | None = None,
+        teacher_states: torch.Tensor | None = None,
     ) -> ObjectiveOutput:
-        """input_ids/loss_mask [b, S], context_features [b, S, K*H] from the frozen target."""
+        """input_ids/loss_mask [b, S], context_features [b, S, K*H] from the frozen target; teacher_states
+        [b, S, H] (the target's final hidden states) turn the labels into the target's soft distribution."""
         blocks = blocks or self.make_blocks(input_ids, loss_mask, generator)
         context_len = input_ids.shape[1]
         context_positions = torch.arange(context_len, device=input_ids.device).expand(input_ids.shape[0], -1)
@@ -102,9 +104,10 @@ class DFlashObjective:
             context_positions,
             self.attention_mask(blocks, context_len),
         )
-        return self.loss_from_hidden(hidden, head_weight, blocks)
+        return self.loss_from_hidden(hidden, head_weight, blocks, teacher_states)
 
-    def loss_from_hidden(self, hidden: torch.Tensor, head_weight: torch.Tensor, blocks: Blocks) -> ObjectiveOutput:
+    def loss_from_hidden(self, hidden: torch.Tensor, head_weight: torch.Tensor, blocks: Blocks,
+                         teacher_states: torch.Tensor | None = None) -> ObjectiveOutput:
         slots = blocks.slots.expand_as(blocks.labels)
         supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
         rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
@@ -115,7 +118,11 @@ class DFlashObjective:
             sequence[supervised],
             supervised.shape[0],
         )
-        loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows)
+        teacher = None
+        if teacher_states is not None:  # the target predicts position p from its state at p - 1
+            batch_index = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
+            teacher = teacher_states[batch_index[supervised], blocks.positions[supervised] - 1]
+        loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows, teacher)
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
         slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))

@@ -61,6 +61,7 @@ class TrainingConfig:
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     num_anchors: int = 512
     anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
+    soft_targets: bool = False  # distil the target's next-token distribution instead of its token (online)
     loss_decay_gamma: float | None = None  # None: paper default for the block size
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
@@ -114,6 +115,9 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
+        if self.training.soft_targets and self.data.features is not None:
+            raise ValueError("training.soft_targets needs the target's final states, computed online: use "
+                             "data.prepared instead of data.features")
         for name in ("time_budget_minutes", "stop_after_minutes"):
             value = getattr(self.training, name)
             if value is not None and value <= 0:

@@ -126,19 +126,28 @@ class Trainer:
             self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_fingerprint(self.target))
 
     # -- one step -------------------------------------------------------------------------------
-    def _features(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H]."""
         if "features" in batch:
-            return batch["features"]
+            return batch["features"], None
         from dflash_train.data.features import compute_features
 
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
-        # attention would otherwise push mostly padding through it. Its features are padded back with zeros.
+        # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
         real = int(batch["attention_mask"].sum(1).max()) if self.pad_to > 1 else batch["input_ids"].shape[1]
+        ids, mask, layer_ids = batch["input_ids"][:, :real], batch["attention_mask"][:, :real], \
+            self.draft_config.target_layer_ids
         with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
-            features = compute_features(self.target, batch["input_ids"][:, :real], self.draft_config.target_layer_ids,
-                                        batch["attention_mask"][:, :real])
+            if self.config.training.soft_targets:
+                features, final = self.target.capture_features_and_final_states(ids, layer_ids, mask)
+                features = features.to(torch.bfloat16)
+            else:
+                features, final = compute_features(self.target, ids, layer_ids, mask), None
         padding = batch["input_ids"].shape[1] - real
-        return torch.nn.functional.pad(features, (0, 0, 0, padding)) if padding else features
+        if padding:
+            features = torch.nn.functional.pad(features, (0, 0, 0, padding))
+            final = None if final is None else torch.nn.functional.pad(final, (0, 0, 0, padding))
+        return features, final
 
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices], self.pad_to)
@@ -157,14 +166,15 @@ class Trainer:
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
         lengths = cpu_batch["attention_mask"].sum(1).tolist()
         batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
-        features = self._features(batch)
+        features, teacher_states = self._features(batch)
         partition = self.objective.block_size if self.config.training.anchors == "partition" else None
         anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths,
                                                partition)
         blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, valid,
                               self.objective.block_size, self.objective.mask_token_id)
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
-                             batch["input_ids"], batch["loss_mask"], features, blocks=blocks)
+                             batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
+                             teacher_states=teacher_states)
         stats = {"tokens": float(batch["attention_mask"].sum()), "flops": self._flops(batch, blocks, out)}
         return out, stats
 
