@@ -188,7 +188,7 @@ def main() -> None:
         raise SystemExit("benchmarks/multi_gpu.py needs 2 CUDA devices (or --cpu)")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash_multi_"))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast stays off on the lent machines
+           "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast (NVLS) off: it hangs or fails on some multi-GPU hosts
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     rows = 24 if args.cpu else 4 * args.batch * args.steps
