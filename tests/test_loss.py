@@ -63,18 +63,24 @@ def test_chunked_equals_naive_bf16() -> None:
     torch.testing.assert_close(hidden.grad.float(), ref_hidden.grad, atol=2e-3, rtol=5e-2)
 
 
-def test_objective_equals_naive_full_logits_loss() -> None:
-    """Whole objective vs. full logits over every block row, masked and weighted by hand."""
+def objective_case(seed: int) -> tuple:
+    """A tiny drafter, its frozen embedding/head, one random batch of 2 × 30 tokens, an objective and blocks."""
     draft = tiny_draft(block_size=4)
     config = draft.config
     embed, head = frozen_embed_and_head(config)
-    gen = torch.Generator().manual_seed(3)
+    gen = torch.Generator().manual_seed(seed)
     input_ids = torch.randint(0, 50, (2, 30), generator=gen)
     loss_mask = torch.rand(2, 30, generator=gen) < 0.8
     features = torch.randn(2, 30, config.num_context_features * config.hidden_size, generator=gen)
     objective = DFlashObjective(block_size=4, mask_token_id=config.mask_token_id, num_anchors=6,
                                 loss_decay_gamma=3.0, mask_kind="dense", chunk_rows=7)
     blocks = objective.make_blocks(input_ids, loss_mask, gen)
+    return draft, embed, head, input_ids, loss_mask, features, objective, blocks, gen
+
+
+def test_objective_equals_naive_full_logits_loss() -> None:
+    """Whole objective vs. full logits over every block row, masked and weighted by hand."""
+    draft, embed, head, input_ids, loss_mask, features, objective, blocks, _ = objective_case(3)
     out = objective(draft, embed, head, input_ids, loss_mask, features, blocks=blocks)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in draft.named_parameters()}
@@ -139,17 +145,8 @@ def test_soft_targets_chunked_equals_naive_distillation_loss() -> None:
 
 def test_objective_soft_targets_read_the_target_state_one_position_earlier() -> None:
     """Slot k of anchor a is taught by the target's state at a+k-1 (the one that predicts token a+k)."""
-    draft = tiny_draft(block_size=4)
-    config = draft.config
-    embed, head = frozen_embed_and_head(config)
-    gen = torch.Generator().manual_seed(5)
-    input_ids = torch.randint(0, 50, (2, 30), generator=gen)
-    loss_mask = torch.rand(2, 30, generator=gen) < 0.8
-    features = torch.randn(2, 30, config.num_context_features * config.hidden_size, generator=gen)
-    teacher_states = torch.randn(2, 30, config.hidden_size, generator=gen)
-    objective = DFlashObjective(block_size=4, mask_token_id=config.mask_token_id, num_anchors=6,
-                                loss_decay_gamma=3.0, mask_kind="dense", chunk_rows=7)
-    blocks = objective.make_blocks(input_ids, loss_mask, gen)
+    draft, embed, head, input_ids, loss_mask, features, objective, blocks, gen = objective_case(5)
+    teacher_states = torch.randn(2, 30, draft.config.hidden_size, generator=gen)
     out = objective(draft, embed, head, input_ids, loss_mask, features, blocks=blocks, teacher_states=teacher_states)
     hidden = draft(embed(blocks.input_ids), blocks.positions, features,
                    torch.arange(30).expand(2, -1), objective.attention_mask(blocks, 30))

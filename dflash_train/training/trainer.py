@@ -126,17 +126,17 @@ class Trainer:
             self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_fingerprint(self.target))
 
     # -- one step -------------------------------------------------------------------------------
-    def _features(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H]."""
+    def _features(self, batch: dict[str, torch.Tensor], real: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H];
+        `real` is the longest unpadded sequence of the batch."""
         if "features" in batch:
             return batch["features"], None
         from dflash_train.data.features import compute_features
 
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
-        real = int(batch["attention_mask"].sum(1).max()) if self.pad_to > 1 else batch["input_ids"].shape[1]
-        ids, mask, layer_ids = batch["input_ids"][:, :real], batch["attention_mask"][:, :real], \
-            self.draft_config.target_layer_ids
+        ids, mask = batch["input_ids"][:, :real], batch["attention_mask"][:, :real]
+        layer_ids = self.draft_config.target_layer_ids
         with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
             if self.config.training.soft_targets:
                 features, final = self.target.capture_features_and_final_states(ids, layer_ids, mask)
@@ -166,7 +166,7 @@ class Trainer:
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
         lengths = cpu_batch["attention_mask"].sum(1).tolist()
         batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
-        features, teacher_states = self._features(batch)
+        features, teacher_states = self._features(batch, max(lengths))
         partition = self.objective.block_size if self.config.training.anchors == "partition" else None
         anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths,
                                                partition)
@@ -175,13 +175,13 @@ class Trainer:
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
                              batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
                              teacher_states=teacher_states)
-        stats = {"tokens": float(batch["attention_mask"].sum()), "flops": self._flops(batch, blocks, out)}
+        stats = {"tokens": float(sum(lengths)), "flops": self._flops(batch, blocks, out, sum(lengths))}
         return out, stats
 
-    def _flops(self, batch: dict[str, torch.Tensor], blocks: Any, out: Any) -> float:
+    def _flops(self, batch: dict[str, torch.Tensor], blocks: Any, out: Any, tokens: int) -> float:
         per_sequence = [(blocks.anchors[r][blocks.valid[r]].tolist(), batch["input_ids"].shape[1])
                         for r in range(blocks.anchors.shape[0])]
-        return training_step_flops(self.draft_config, int(batch["attention_mask"].sum()), blocks.labels.numel(),
+        return training_step_flops(self.draft_config, tokens, blocks.labels.numel(),
                                    out.num_supervised, visible_pairs(per_sequence, self.objective.block_size))
 
     def train_step(self, loaded: list[tuple[list[int], dict[str, torch.Tensor]]] | None = None) -> dict[str, Any]:
