@@ -15,7 +15,9 @@
 #   TRAIN_MINUTES   wall-time budget of the main run; its cosine schedule is fitted to it (default: 7)
 #   ABLATION_STEPS  optimizer steps of each ablation run (default: 600)
 #   EVAL_PROMPTS    prompts per eval set for the main drafter at block 16 (default: 80)
-#   ABLATION_EVAL_PROMPTS   the same for the ablations and block 8 (default: 40)
+#   ABLATION_EVAL_PROMPTS   the same for the ablations, block 8 and float32 (default: 40)
+#   ABLATION_EVAL_BATCH     requests in flight for those evals (default: 8; τ and lossless do not depend on
+#                   it, and the speedup of the main run is measured at batch 1)
 #   ALLOW_UNFINISHED=1   evaluate a run's newest checkpoint even if it has not reached its last step
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
@@ -33,6 +35,7 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-7}
 ABLATION_STEPS=${ABLATION_STEPS:-600}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-40}
+ABLATION_EVAL_BATCH=${ABLATION_EVAL_BATCH:-8}
 TRACKING=${TRACKING:-wandb}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
@@ -120,13 +123,14 @@ eval_all() {
     --overwrite --out "$OUT/export"
   $DFLASH check "$OUT/export" --target "$TARGET"
   local failed=0
+  local batch=(--batch-size "$ABLATION_EVAL_BATCH")
   for run in random-anchors partition-anchors no-decay; do
-    evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" || failed=1
+    evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" "${batch[@]}" || failed=1
   done
-  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8
+  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8 "${batch[@]}" || failed=1
   # bf16 verification of a block and one-token decoding may round a near-tie differently; in float32 the
   # lossless check is exact.
-  evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32
+  evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32 "${batch[@]}" || failed=1
   python3 -m dflash_train.eval.summary "$OUT"
   return $failed
 }

@@ -31,6 +31,38 @@ def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest
     assert budget.observe(2.0, 13, expected) is None  # settled once
 
 
+def test_budget_refits_when_the_gpu_frees_up_but_never_past_the_configured_length(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [0.0]
+    monkeypatch.setattr(budget_module.time, "monotonic", lambda: clock[0])
+    budget = TimeBudget(total_minutes=10, stop_after_minutes=None)
+    budget.start()
+
+    def run(seconds: float, steps: range, total: int, limit: int) -> list[int | None]:
+        fitted = []
+        for step in steps:
+            clock[0] += seconds
+            fitted.append(budget.observe(seconds, step, total, limit))
+        return fitted
+
+    probe = run(2.0, range(1, budget_module.PROBE_STEPS + 1), total=10_000, limit=10_000)
+    total = probe[-1]
+    assert total == budget_module.PROBE_STEPS + int(budget_module.MARGIN * (600 - 24) / 2.0)
+    # Three other jobs finish: steps take a quarter of the time. The next fit (REFIT_STEPS later) sees it.
+    first = budget_module.PROBE_STEPS + 1
+    fitted = run(0.5, range(first, first + budget_module.REFIT_STEPS), total, limit=10_000)
+    assert fitted[:-1] == [None] * (budget_module.REFIT_STEPS - 1)
+    step = first + budget_module.REFIT_STEPS - 1
+    expected = step + int(budget_module.MARGIN * (600 - clock[0]) / 0.5)
+    assert fitted[-1] == expected and budget.worth_refitting(expected, total, step)
+    # Same speed again: a fit within the tolerance is not worth moving the schedule for.
+    nearly = expected + int(0.1 * (expected - step))
+    assert not budget.worth_refitting(nearly, expected, step)
+    # A configured length below the fit caps it.
+    capped = run(0.5, range(step + 1, step + 1 + budget_module.REFIT_STEPS), expected, limit=step + 60)
+    assert capped[-1] == step + 60
+
+
 def test_budget_never_lengthens_a_run() -> None:
     budget = TimeBudget(total_minutes=1e6, stop_after_minutes=None)
     budget.start()

@@ -8,9 +8,9 @@ from pathlib import Path
 from dflash_train.eval.summary import main, summary_rows
 
 
-def write_report(path: Path, block: int, rows: dict[str, dict], dtype: str = "bfloat16") -> None:
+def write_report(path: Path, block: int, rows: dict[str, dict], dtype: str = "bfloat16", batch: int = 1) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": {"block_size": block, "dtype": dtype}, "datasets": rows}))
+    path.write_text(json.dumps({"settings": {"block_size": block, "dtype": dtype, "batch_size": batch}, "datasets": rows}))
 
 
 def result(tau: float, lossless: bool, ties: bool = False, speedup: float | None = 2.0) -> dict:
@@ -25,7 +25,7 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     (state / "trainer_state.json").write_text(json.dumps({"step": 300, "sequences_seen": 4800, "train_seconds": 600}))
     write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
     write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(3.2, False, ties=True)})
-    write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)})
+    write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)}, batch=8)
     write_report(tmp_path / "eval" / "main-fp32.json", 16, {"humaneval": result(5.4, True)}, dtype="float32")
     rows = {(r["run"], r["block"], r["dtype"]): r for r in summary_rows(tmp_path)}
     assert rows[("main", 16, "bfloat16")]["steps"] == 300 and rows[("main", 16, "bfloat16")]["train_minutes"] == 10.0
@@ -34,7 +34,8 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     assert rows[("main", 16, "float32")]["steps"] == 300  # the float32 report belongs to the run `main`
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| main | 16 | bfloat16 | humaneval | 4 | 5.50 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
+    assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
     assert (tmp_path / "summary.md").read_text() == table
 
 

@@ -93,6 +93,7 @@ class Trainer:
             self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
         steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
         self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+        self.configured_steps = self.total_steps  # a time budget may shorten the run, never beyond this
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
         self._check_offline_features()
@@ -300,11 +301,16 @@ class Trainer:
         return self.budget.stop_after_minutes is not None and bool(self._agree(int(self.budget.should_stop()), "max"))
 
     def _fit_budget(self, step_seconds: float, progress: TrainProgress) -> None:
-        """Once the step time is known, shorten the run (and so its schedule) to the time budget."""
-        new_total = self.budget.observe(step_seconds, self.step, self.total_steps)
-        if new_total is not None:  # every rank settles on the same step; they take the shortest length
-            new_total = self._agree(new_total, "min")
-        if new_total is not None and new_total != self.total_steps:
+        """Once the step time is known, fit the run (and so its schedule) to the time budget; refit it when
+        the speed changes (other jobs on the same GPU finishing or starting)."""
+        refit = self.budget.sized
+        new_total = self.budget.observe(step_seconds, self.step, self.total_steps, self.configured_steps)
+        if new_total is None:
+            return
+        new_total = self._agree(new_total, "min")  # every rank fits on the same step; the shortest length wins
+        if refit and not self.budget.worth_refitting(new_total, self.total_steps, self.step):
+            return
+        if new_total != self.total_steps:
             self.accelerator.print(f"time budget {self.budget.total_minutes} min: {new_total} steps "
                                    f"(was {self.total_steps})")
             self.total_steps = new_total
