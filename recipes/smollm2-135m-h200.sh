@@ -19,6 +19,9 @@
 #   ABLATION_EVAL_BATCH     requests in flight for those evals (default: 8; τ and lossless do not depend on
 #                   it, and the speedup of the main run is measured at batch 1)
 #   ALLOW_UNFINISHED=1   evaluate a run's newest checkpoint even if it has not reached its last step
+#   ABLATIONS=0     train and evaluate the main run only (the whole GPU for it)
+#   HELDOUT         a prompt file the main drafter is also evaluated on (default: 100 ShareGPT prompts
+#                   right after the 8,000 packed for training, written by the data stage: in-domain, unseen)
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
 #   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
@@ -40,6 +43,8 @@ TRACKING=${TRACKING:-wandb}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
+ABLATIONS=${ABLATIONS:-1}
+HELDOUT=${HELDOUT:-$OUT/heldout-sharegpt.jsonl}
 NUM_ANCHORS=${NUM_ANCHORS:-256}
 BATCH_SIZE=${BATCH_SIZE:-16}
 LEARNING_RATE=${LEARNING_RATE:-1e-3}
@@ -54,6 +59,9 @@ stop_after() {  # minutes left before DEADLINE, as a training override (nothing 
 data() {
   if [[ "$PROMPTS" == "--data $OUT/prompts.jsonl" && ! -f "$OUT/prompts.jsonl" ]]; then
     python3 -m dflash_train.data.pack --source sharegpt=8000 --source gsm-symbolic=2000 --out "$OUT/prompts.jsonl"
+    # The same shuffle, 100 prompts further: ShareGPT prompts the drafter never trains on.
+    python3 -m dflash_train.data.pack --source sharegpt=8100 --out "$OUT/sharegpt-8100.jsonl"
+    tail -n 100 "$OUT/sharegpt-8100.jsonl" > "$OUT/heldout-sharegpt.jsonl" && rm "$OUT/sharegpt-8100.jsonl"
   fi
   local limit=() partial=()
   [[ -n "${REGEN_MINUTES:-}" ]] && limit=(timeout "${REGEN_MINUTES}m")
@@ -78,7 +86,7 @@ train_run() {  # name, then overrides
     "training.num_anchors=$NUM_ANCHORS" "training.batch_size=$BATCH_SIZE" "training.learning_rate=$LEARNING_RATE" \
     "training.output_dir=$OUT/train/$name" "tracking.report_to=$TRACKING" "tracking.run_name=$name" \
     "data.max_length=$MAX_LENGTH" "training.save_every=200" "training.eval_every=400" $(stop_after) "$@" \
-    $TRAIN_EXTRA > "$OUT/train/$name.log" 2>&1
+    $TRAIN_EXTRA >> "$OUT/train/$name.log" 2>&1  # appended: a resumed run keeps its earlier lines
 }
 
 train() {
@@ -86,6 +94,8 @@ train() {
   # The main run and the ablations share the GPU (a 135M target leaves most of it idle). The ablations
   # see the same sequences for the same number of steps and differ in one choice each.
   train_run main "training.time_budget_minutes=$TRAIN_MINUTES" &
+  local main_job=$!
+  [[ "$ABLATIONS" == 1 ]] || { wait "$main_job"; tail -n 3 "$OUT/train/main.log"; return; }
   train_run ablation-random-anchors "training.max_steps=$ABLATION_STEPS" &
   train_run ablation-partition-anchors "training.max_steps=$ABLATION_STEPS" "training.anchors=partition" &
   train_run ablation-no-decay "training.max_steps=$ABLATION_STEPS" "training.loss_decay_gamma=.inf" &
@@ -112,7 +122,9 @@ evaluate() {  # run name, report name, prompts per set, extra eval arguments
   local draft; draft=$(final_draft "$OUT/train/$1")
   [[ -n "$draft" ]] || { echo "$1 has not finished training: run the train stage again" >&2; return 1; }
   [[ -f "$OUT/eval/$2.json" ]] && { echo "$2: evaluated earlier ($OUT/eval/$2.json)"; return 0; }
-  $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
+  local heldout=()
+  [[ -f "$HELDOUT" ]] && heldout=(--dataset "$HELDOUT")
+  $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench "${heldout[@]}" \
     --num-prompts "$3" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:4}"
 }
 
@@ -123,8 +135,9 @@ eval_all() {
     --overwrite --out "$OUT/export"
   $DFLASH check "$OUT/export" --target "$TARGET"
   local failed=0
-  local batch=(--batch-size "$ABLATION_EVAL_BATCH")
-  for run in random-anchors partition-anchors no-decay; do
+  local batch=(--batch-size "$ABLATION_EVAL_BATCH") ablations=(random-anchors partition-anchors no-decay)
+  [[ "$ABLATIONS" == 1 ]] || ablations=()
+  for run in "${ablations[@]}"; do
     evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" "${batch[@]}" || failed=1
   done
   evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8 "${batch[@]}" || failed=1

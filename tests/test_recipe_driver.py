@@ -40,13 +40,18 @@ def test_recipe_driver_runs_every_stage_and_resumes(tmp_path: pathlib.Path) -> N
     assert stopped.returncode == 0, stopped.stderr[-3000:]
     assert "stopped at step" in (out / "train" / "main.log").read_text()
     finished = driver("train", out)
-    assert finished.returncode == 0, (out / "train" / "main.log").read_text()[-3000:]
-    evaluated = driver("eval", out)
+    log = (out / "train" / "main.log").read_text()
+    assert finished.returncode == 0, log[-3000:]
+    assert "stopped at step" in log and "resumed from" in log  # the log of a resumed run keeps both parts
+    heldout = tmp_path / "heldout.jsonl"
+    heldout.write_text(json.dumps({"prompt": "Name three primary colours."}) + "\n")
+    evaluated = driver("eval", out, HELDOUT=str(heldout))
     assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-3000:]
     rows = json.loads((out / "summary.json").read_text())
     runs = {(row["run"], row["block"], row["dtype"]) for row in rows}
     assert {("main", 16, "float32"), ("main", 8, "float32"), ("ablation-random-anchors", 16, "float32"),
             ("ablation-partition-anchors", 16, "float32"), ("ablation-no-decay", 16, "float32")} <= runs
+    assert ("main", "heldout") in {(row["run"], row["dataset"]) for row in rows}
     assert all(row["lossless"] == "yes" for row in rows)
     assert all(row["steps"] for row in rows)
     assert (out / "export" / "config.json").is_file()
