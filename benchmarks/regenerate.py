@@ -66,12 +66,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=32)
     parser.add_argument("--max-prompt", type=int, default=512)
+    parser.add_argument("--target", default="smollm2-135m-instruct",
+                        help="alias, local directory or .gguf of SmolLM2-135M-Instruct (a node without the alias's wheel)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/regenerate.py needs a CUDA device")
     from dflash_train.target import load_target
 
-    target = load_target("smollm2-135m-instruct", dtype=torch.bfloat16, device="cuda")
+    target = load_target(args.target, dtype=torch.bfloat16, device="cuda")
     results = [run_batch(target.model, int(b), args, target.vocab_size) for b in args.batch_sizes.split(",")]
     print(f"\nregeneration, SmolLM2-135M-Instruct bf16, greedy, {args.new_tokens} new tokens per row")
     print(f"{'batch':>5} {'built-in tok/s':>15} {'HF generate tok/s':>18} {'speedup':>8} {'identical rows':>15}")
