@@ -68,6 +68,14 @@ def test_sampling_report_has_no_lossless_claim(target_dir: Path, tmp_path: Path)
     assert row["lossless"] is None and row["requests"] == 2 and "GSM8K" in row["note"]
 
 
+def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "2", "--batch-size", "8",
+                    "--no-plot") == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["batch_size"] == 2 and report["datasets"]["math-synthetic"]["requests"] == 2
+
+
 @pytest.mark.parametrize(("extra", "message"), [
     (["--dataset", "nope"], "unknown dataset 'nope'"),
     (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),

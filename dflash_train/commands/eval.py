@@ -107,9 +107,11 @@ def run(args: argparse.Namespace) -> int:
     draft = _load_draft(args, target, device, dtype)
     block_size = args.block_size or draft.config.block_size
     check_compatible(draft, target, block_size)
+    # More rows than requests would only compute idle rows every cycle.
+    batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
     settings = EvalSettings(block_size=block_size, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, thinking=args.thinking == "on",
-                            batch_size=args.batch_size, kernels=args.kernels,
+                            batch_size=batch_size, kernels=args.kernels,
                             cuda_graphs=not args.no_cuda_graphs, ignore_eos=args.ignore_eos)
     import torch
 
