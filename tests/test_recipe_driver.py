@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -26,8 +27,16 @@ TOY = {"MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256", "TRAIN_MINUTES": "0.5", "ABL
 def driver(stage: str, out: pathlib.Path, **extra: str) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, **TOY, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1", **extra,
            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-    return subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-h200.sh"), stage], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
+    # Own process group: a stage that overruns is stopped with every job it started, not just bash.
+    proc = subprocess.Popen(["bash", str(REPO / "recipes/smollm2-135m-h200.sh"), stage], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=1800)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
 
 
 @pytest.mark.slow
