@@ -68,6 +68,32 @@ def test_sampling_report_has_no_lossless_claim(target_dir: Path, tmp_path: Path)
     assert row["lossless"] is None and row["requests"] == 2 and "GSM8K" in row["note"]
 
 
+def test_engines_are_built_once_for_every_set_and_turn(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Sized up front for the longest conversation (answers at full length): no rebuild when MT-Bench's
+    second turns or a later set need longer caches (a rebuild recompiles and recaptures on a GPU)."""
+    from dflash_train.eval import run as run_module
+
+    built: list[int] = []
+
+    class CountingEngine(run_module.DecodeEngine):
+        def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+            super().__init__(*args, **kwargs)
+            built.append(self.runner.max_length)
+
+    monkeypatch.setattr(run_module, "DecodeEngine", CountingEngine)
+    target = make_tiny_target("qwen3", num_layers=6, seed=1)
+    target.model.config.max_position_embeddings = 1024  # a context long enough for second turns
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    out = tmp_path / "report.json"
+    # Short math prompts first (caches of 256 would do), then MT-Bench, whose second turns need 512.
+    assert run_eval(tmp_path / "target", out, "--dataset", "math-synthetic", "--dataset", "mt-bench",
+                    "--num-prompts", "2", "--max-new-tokens", "150", "--ignore-eos", "--no-plot") == 0
+    report = json.loads(out.read_text())
+    assert report["datasets"]["mt-bench"]["requests"] == 4  # second turns were asked
+    assert built == [512, 512]  # the baseline and the drafter engine, once
+
+
 def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "2", "--batch-size", "8",

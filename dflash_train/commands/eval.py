@@ -118,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress)
+        evaluator.reserve(prompt_sets)
         results: dict[str, Any] = {}
         for prompt_set in prompt_sets:
             name = prompt_set.name if prompt_set.name not in results else f"{prompt_set.name}#{len(results)}"

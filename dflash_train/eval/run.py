@@ -29,6 +29,7 @@ from dflash_train.target import TargetModel
 
 logger = logging.getLogger(__name__)
 MAX_LISTED_MISMATCHES = 10
+RETOKENIZE_MARGIN = 8  # an answer decoded to text and tokenised again inside the history may grow a little
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,30 @@ class Evaluator:
         return EngineConfig(batch_size=s.batch_size, block_size=block_size, max_new_tokens=s.max_new_tokens,
                             max_length=max_length, temperature=s.temperature, stop_token_ids=tuple(self.stop_ids),
                             kernels=s.kernels, cuda_graphs=s.cuda_graphs)
+
+    def reserve(self, prompt_sets: list[PromptSet]) -> None:
+        """Build the engines once, large enough for every request of these sets: the longest conversation
+        with each earlier answer at its full length. A later set or turn that outgrew the caches would
+        otherwise rebuild them, which on a GPU means compiling and capturing both engines again."""
+        budget = self.settings.max_new_tokens + self.settings.block_size
+        longest: tuple[int, Request] | None = None
+        for prompt_set in prompt_sets:
+            for index, conversation in enumerate(prompt_set.conversations):
+                if not conversation.turns:
+                    continue
+                messages = list(conversation.prefix)
+                for turn in conversation.turns[:-1]:
+                    messages += [{"role": "user", "content": turn}, {"role": "assistant", "content": ""}]
+                messages.append({"role": "user", "content": conversation.turns[-1]})
+                answers = (len(conversation.turns) - 1) * (self.settings.max_new_tokens + RETOKENIZE_MARGIN)
+                need = len(prompt_ids(self.target.tokenizer, messages, self.settings.thinking)) + answers + budget
+                need = min(need, self.context_limit)  # longer requests are skipped, not decoded
+                if longest is None or need > longest[0]:
+                    first = list(conversation.prefix) + [{"role": "user", "content": conversation.turns[0]}]
+                    ids = prompt_ids(self.target.tokenizer, first, self.settings.thinking)
+                    longest = (need, Request(index, 0, first, ids))
+        if longest is not None and len(longest[1].ids) + budget <= self.context_limit:
+            self._get_engines(longest[1], longest[0])
 
     def _get_engines(self, first: Request, need: int) -> tuple[DecodeEngine, DecodeEngine]:
         """Engines whose static caches hold `need` positions; rebuilt (and recaptured) only to grow."""
