@@ -128,3 +128,17 @@ def test_drafter_checkpoint_is_loaded_and_checked(target_dir: Path, tmp_path: Pa
                  "--no-progress", "--out", str(tmp_path / "r.json")])
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert code == 2 and last.startswith("dflash-train eval: error:") and "hidden size 32 != target hidden size 64" in last
+
+
+def test_no_compile_reaches_the_engines(target_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "1", "--no-compile",
+                    "--no-plot") == 0
+    assert json.loads(out.read_text())["environment"]["torch_compile"] is False
+    from dflash_train.eval.run import EvalSettings, Evaluator
+    from dflash_train.target import load_target
+
+    target = load_target(str(target_dir))
+    settings = EvalSettings(block_size=4, compile=False)
+    assert Evaluator(target, None, settings)._engine_config(4, 256).compile is False  # type: ignore[arg-type]
+    assert Evaluator(target, None, EvalSettings(block_size=4))._engine_config(4, 256).compile is None  # type: ignore[arg-type]

@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"))
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
+                             "for correctness checks such as a float32 lossless run")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--random-draft-layers", type=int, default=5, help="layers of a --draft random drafter")
@@ -112,7 +115,8 @@ def run(args: argparse.Namespace) -> int:
     settings = EvalSettings(block_size=block_size, max_new_tokens=args.max_new_tokens,
                             temperature=args.temperature, thinking=args.thinking == "on",
                             batch_size=batch_size, kernels=args.kernels,
-                            cuda_graphs=not args.no_cuda_graphs, ignore_eos=args.ignore_eos)
+                            cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
+                            ignore_eos=args.ignore_eos)
     import torch
 
     torch.manual_seed(args.seed)

@@ -41,6 +41,7 @@ class EvalSettings:
     batch_size: int = 1
     kernels: str = "auto"
     cuda_graphs: bool = True
+    compile: bool | None = None  # torch.compile the cycle; None: on CUDA only
     ignore_eos: bool = False
 
 
@@ -84,7 +85,7 @@ class Evaluator:
         s = self.settings
         return EngineConfig(batch_size=s.batch_size, block_size=block_size, max_new_tokens=s.max_new_tokens,
                             max_length=max_length, temperature=s.temperature, stop_token_ids=tuple(self.stop_ids),
-                            kernels=s.kernels, cuda_graphs=s.cuda_graphs)
+                            kernels=s.kernels, cuda_graphs=s.cuda_graphs, compile=s.compile)
 
     def reserve(self, prompt_sets: list[PromptSet]) -> None:
         """Build the engines once, large enough for every request of these sets: the longest conversation
