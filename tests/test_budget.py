@@ -107,3 +107,26 @@ def test_a_finished_run_can_be_extended_by_a_larger_max_steps(assets: dict[str, 
     assert run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 4}))).steps == 4
     longer = run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 8})))
     assert longer.steps == 8 and longer.finished and sorted(train_losses(out)) == list(range(1, 9))
+
+
+def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathlib.Path],  # noqa: F811
+                                                         tmp_path: pathlib.Path) -> None:
+    """Every rank fits (step 12) and refits (step 62) on the same steps, through one all-reduce each: a rank
+    that skipped one would hang the other. The run keeps its configured length (the budget is ample)."""
+    import os
+    import sys
+
+    from dflash_train.training.tracking import read_metrics
+    from tests.test_training import REPO, launch
+
+    steps = budget_module.PROBE_STEPS + budget_module.REFIT_STEPS + 2
+    out = tmp_path / "budgeted"
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(28500 + os.getpid() % 500),
+            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
+            *overrides(assets, out, **{"training.max_steps": steps, "training.batch_size": 1,
+                                       "training.time_budget_minutes": 1e3, "training.eval_every": 0})]
+    proc = launch(args)
+    output = proc.communicate(timeout=300)[0].decode()
+    assert proc.returncode == 0, output[-3000:]
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")["train"]][-1] == steps
