@@ -16,7 +16,8 @@ DATASET_FIELDS = {
     "acceptance_length_cycle_weighted", "histogram", "per_slot_acceptance", "per_slot_conditional_acceptance",
     "requests_with_cycles", "cycles", "lossless", "lossless_requests", "mismatches", "new_tokens_with_draft",
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
-    "tokens_per_s_target_only", "speedup", "skipped",
+    "tokens_per_s_target_only", "speedup", "skipped", "teacher_forced_slot_accuracy",
+    "teacher_forced_acceptance_length",
 }
 
 
@@ -51,6 +52,7 @@ def test_report_fields_figure_and_lossless(target_dir: Path, tmp_path: Path, cap
         assert row["lossless"] is True and row["lossless_requests"] == row["requests"]
         assert len(row["histogram"]) == 4 and sum(row["histogram"]) == row["cycles"]
         assert 1.0 <= row["acceptance_length"] <= 4.0
+        assert len(row["teacher_forced_slot_accuracy"]) == 3 and 1.0 <= row["teacher_forced_acceptance_length"] <= 4.0
         assert row["new_tokens_with_draft"] == row["new_tokens_target_only"] > 0
         assert row["speedup"] == pytest.approx(row["tokens_per_s_with_draft"] / row["tokens_per_s_target_only"])
     mt_bench, mine = report["datasets"]["mt-bench"], report["datasets"]["mine"]

@@ -14,7 +14,7 @@ def write_report(path: Path, block: int, rows: dict[str, dict], dtype: str = "bf
 
 
 def result(tau: float, lossless: bool, ties: bool = False, speedup: float | None = 2.0) -> dict:
-    return {"requests": 4, "acceptance_length": tau, "lossless": lossless, "lossless_requests": 4 if lossless else 3,
+    return {"requests": 4, "acceptance_length": tau, "teacher_forced_acceptance_length": tau + 0.5, "lossless": lossless, "lossless_requests": 4 if lossless else 3,
             "lossless_up_to_ties": lossless or ties, "divergences_at_ties": 1 if ties else 0, "speedup": speedup,
             "histogram": [1, 2]}
 
@@ -34,7 +34,7 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     assert rows[("main", 16, "float32")]["steps"] == 300  # the float32 report belongs to the run `main`
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 6.00 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
     assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
     assert (tmp_path / "summary.md").read_text() == table
 

@@ -73,3 +73,61 @@ def test_eval_drafts_equal_the_training_forward_at_every_cycle(target: TargetMod
         reference = training_predictions(target, draft, sequence, anchor)
         torch.testing.assert_close(logits.float(), reference.float(), atol=1e-4, rtol=1e-4)
         assert drafts.tolist() == reference.argmax(-1).tolist(), anchor
+
+
+@torch.no_grad()
+def per_anchor_hits(model: TargetModel, draft, sequence: torch.Tensor, prompt_length: int) -> dict[int, list[bool]]:  # type: ignore[no-untyped-def]
+    """For every anchor a in the answer: which slots' top-1 prediction equals the answer token (one forward each)."""
+    block, length = draft.config.block_size, sequence.shape[1]
+    hits = {}
+    for anchor in range(prompt_length, length - 1):
+        predicted = training_predictions(model, draft, sequence, anchor).argmax(-1).tolist()
+        labels = sequence[0, anchor + 1 : anchor + block].tolist()
+        hits[anchor] = [p == t for p, t in zip(predicted, labels, strict=False)]
+    return hits
+
+
+def test_teacher_forced_accuracy_and_the_acceptance_it_implies(target: TargetModel) -> None:  # noqa: F811
+    """TeacherForcedAccuracy counts exactly what a per-anchor loop counts; and at the decode cycles' starts the
+    leading run of correct slots is each cycle's accepted length (greedy), for a drafter trained to be right
+    often on this answer."""
+    from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
+    from dflash_train.objective import DFlashObjective
+
+    block = 4
+    draft = make_draft(target, block, seed=3)
+    prompt = torch.randint(10, 200, (9,), generator=torch.Generator().manual_seed(5)).tolist()
+    answer = own_greedy(target, prompt, 40)
+    sequence = torch.tensor([prompt + answer])
+    loss_mask = torch.zeros_like(sequence, dtype=torch.bool)
+    loss_mask[:, len(prompt):] = True
+    features = target.capture_features(sequence, draft.config.target_layer_ids)
+    objective = DFlashObjective(block_size=block, mask_token_id=draft.config.mask_token_id, num_anchors=16,
+                                loss_decay_gamma=4.0)
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    generator = torch.Generator().manual_seed(0)
+    draft.train()
+    for _ in range(60):  # partly fit this one answer: accuracies strictly between 0 and 1
+        out = objective(draft, target.embed_tokens, target.lm_head.weight, sequence, loss_mask, features, generator)
+        optimizer.zero_grad()
+        out.loss.backward()
+        optimizer.step()
+    draft.eval()
+
+    accuracy = TeacherForcedAccuracy(target, draft, block)
+    accuracy.add(prompt, answer)
+    hits = per_anchor_hits(target, draft, sequence, len(prompt))
+    for slot in range(1, block):
+        rows = [h[slot - 1] for h in hits.values() if len(h) >= slot]
+        assert accuracy.count[slot] == len(rows) and accuracy.correct[slot] == sum(rows), slot
+    result = accuracy.result()["teacher_forced_slot_accuracy"]
+    assert 0.0 < result[0] < 1.0, result
+
+    config = EngineConfig(block_size=block, max_new_tokens=30, max_length=128, kernels="torch")
+    output = DecodeEngine(target, draft, config).generate([prompt])[0][0]
+    assert output.tokens == answer[:30]
+    start = len(prompt)
+    for accepted in output.acceptance_lengths[:-1]:  # the last cycle may be cut by max_new_tokens
+        leading = next((i for i, hit in enumerate(hits[start]) if not hit), len(hits[start]))
+        assert accepted == leading + 1, start
+        start += accepted

@@ -51,6 +51,11 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "histogram": "cycles with a+1 = 1..block_size",
             "per_slot_acceptance": "fraction of cycles whose draft slot k (1..B-1) was accepted",
             "per_slot_conditional_acceptance": "P(slot k accepted | slot k-1 accepted)",
+            "teacher_forced_slot_accuracy": "top-1 accuracy of draft slot k (1..B-1) for blocks anchored at every "
+                                            "position of the target's own answers (the training validation metric)",
+            "teacher_forced_acceptance_length": "1 + sum_k prod_{i<=k} teacher_forced_slot_accuracy_i: the τ those "
+                                                "accuracies imply at uniformly spread positions, beside the decode "
+                                                "loop's τ at the positions its cycles start",
             "lossless": "greedy output with the drafter equals the target-only output of the same loop, on every "
                         "request",
             "lossless_up_to_ties": "every divergence starts at a floating-point tie of the target's logits (|gap| "

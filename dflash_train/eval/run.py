@@ -24,6 +24,7 @@ from dflash_train.eval.engine import DecodeEngine, EngineConfig, RunStats
 from dflash_train.eval.metrics import acceptance_metrics
 from dflash_train.eval.prompts import PromptSet
 from dflash_train.eval.state import RequestOutput
+from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
 from dflash_train.target import TargetModel
 
@@ -154,6 +155,7 @@ class Evaluator:
         alive = list(range(len(prompt_set.conversations)))
         requests_done: list[tuple[Request, RequestOutput, RequestOutput]] = []
         totals = {"target": PassTotals(), "dflash": PassTotals()}
+        teacher_forced = TeacherForcedAccuracy(self.target, self.draft, self.settings.block_size)
         too_long, turn = 0, 0
         while alive:
             requests, skipped = self._requests(prompt_set, histories, alive, turn)
@@ -168,11 +170,12 @@ class Evaluator:
             drafted, stats = self._pass(dflash, requests, f"{prompt_set.name}{suffix} dflash")
             totals["dflash"].add(stats)
             for request, ref, out in zip(requests, reference, drafted, strict=True):
+                teacher_forced.add(request.ids, ref.tokens)
                 answer = self.target.tokenizer.decode(ref.tokens, skip_special_tokens=True)
                 histories[request.conversation] = request.messages + [{"role": "assistant", "content": answer}]
                 requests_done.append((request, ref, out))
             alive, turn = [r.conversation for r in requests], turn + 1
-        return self._summarise(prompt_set, requests_done, totals, too_long)
+        return {**self._summarise(prompt_set, requests_done, totals, too_long), **teacher_forced.result()}
 
     def _summarise(self, prompt_set: PromptSet, done: list[tuple[Request, RequestOutput, RequestOutput]],
                    totals: dict[str, PassTotals], too_long: int) -> dict[str, Any]:
