@@ -16,7 +16,8 @@ from typing import Any
 from dflash_train.eval.console import lossless_mark
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
-COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ̂ teacher-forced", "lossless", "speedup", "steps", "sequences", "train min")
+COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ̂ teacher-forced", "lossless", "speedup",
+           "steps", "sequences", "train min")
 
 
 def training_state(train_dir: Path) -> dict[str, Any]:
@@ -35,8 +36,9 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
         state = training_state(run_dir / "train" / name)
         for dataset, result in report["datasets"].items():
             rows.append({
-                "run": name, "block": report["settings"]["block_size"], "batch": report["settings"].get("batch_size", 1),
-                "dtype": report["settings"].get("dtype", "—"), "dataset": dataset,
+                "run": name, "block": report["settings"]["block_size"],
+                "batch": report["settings"].get("batch_size", 1), "dtype": report["settings"].get("dtype", "—"),
+                "dataset": dataset,
                 "requests": result["requests"], "tau": result["acceptance_length"],
                 "tau_teacher_forced": result.get("teacher_forced_acceptance_length"), "lossless": lossless_mark(result),
                 "speedup": result.get("speedup"), "steps": state.get("step"),
@@ -57,8 +59,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for r in rows:
         lines.append("| " + " | ".join([
-            r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]), cell(r["tau"], ".2f"),
-            cell(r["tau_teacher_forced"], ".2f"),
+            r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
+            cell(r["tau"], ".2f"), cell(r["tau_teacher_forced"], ".2f"),
             r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")

@@ -6,8 +6,10 @@ its cosine schedule) is shortened to that — never beyond its configured length
 steps the fit is redone from the recent median and applied when it moves the end by more than
 `REFIT_TOLERANCE` of the remaining steps: a run that shares its GPU with others speeds up once they
 finish (and slows down when one starts), and should still end on time. The cosine schedule follows the
-new length from that step on. `stop_after_minutes`: a checkpoint is saved and the run stops once this much time has passed
-in this process (a job's time limit); the same command resumes it, with the length already settled.
+new length from that step on.
+
+`stop_after_minutes`: a checkpoint is saved and the run stops once this much time has passed in this
+process (a job's time limit); the same command resumes it, with the length already settled.
 """
 
 from __future__ import annotations
