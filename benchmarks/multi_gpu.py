@@ -9,9 +9,11 @@ tiny test target (CPU):
 - `reference`: 1 process, 2·b sequences per step; `one`: 1 process, b per step (the scaling baseline);
 - `ddp`, `zero2` (GPU only), `fsdp2`: 2 processes, b each — the same global batch as `reference`, so their
   per-step losses must match it (tolerance: 2e-2 relative in bf16 on GPU, 1e-5 in fp32 on CPU);
-- `ddp-resumed`: 2 processes stopped after step 1 and relaunched; must equal `ddp`;
-- `ddp-then-one`: `ddp`'s step-2 checkpoint resumed by 1 process with 2·b per step; must equal `reference`.
-Scaling = tokens/s of `ddp` over `one` (median step time after warm-up; goal ≥ 1.8×).
+- `ddp-resumed`: `ddp`'s step-2 checkpoint resumed by 2 processes; steps 3.. must equal `ddp`'s;
+- `ddp-then-one`: the same checkpoint resumed by 1 process with 2·b per step; must equal `reference`.
+Scaling = tokens/s of each 2-process run over `one` (median step time after warm-up; goal ≥ 1.8×).
+On GPUs `reference` and `one` run side by side, one GPU each. `--time-limit` stops launching runs after
+that many seconds; re-running with the same `--workdir` continues with the runs not yet finished.
 Rank-split data: `regenerate` and `extract` with 2 ranks write byte-identical shards to a 1-rank run.
 """
 
@@ -26,12 +28,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import write_result
+from benchmarks.common import stamp, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/smollm2-135m-dflash-b16.yaml"
@@ -44,23 +47,60 @@ def launch_configs(cpu: bool) -> dict[str, tuple[str, int]]:
             "zero2": ("deepspeed_zero2.yaml", 2), "fsdp2": ("fsdp2.yaml", 2)}
 
 
-def train(name: str, config: str, processes: int, overrides: list[str], env: dict[str, str], port: int) -> str:
-    """One launched run; returns its output (raises with the tail on failure)."""
-    if processes == 1 and not config:
-        command = [sys.executable, "-m", "dflash_train.train"]
-    else:
-        command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-                   str(REPO / "recipes/accelerate" / config), "--num_processes", str(processes),
-                   "--main_process_port", str(port), "-m", "dflash_train.train"]
-    proc = subprocess.run([*command, "--config", str(RECIPE), *overrides], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-4000:]}")
-    return proc.stdout
+class Runs:
+    """The launched training runs of one benchmark, in one work folder: a run whose metrics reach the last
+    step is not launched again (a re-invocation with the same --workdir continues), no run starts past
+    the deadline, and a failed run is recorded rather than ending the benchmark."""
+
+    def __init__(self, work: Path, common: list[str], steps: int, env: dict[str, str], deadline: float) -> None:
+        self.work, self.common, self.steps, self.env, self.deadline = work, common, steps, env, deadline
+        self.failed: dict[str, str] = {}
+        self.pending: list[str] = []
+        self.launched = 0  # a fresh rendezvous port for every launch
+
+    def done(self, name: str) -> bool:
+        path = self.work / name / "metrics.jsonl"
+        return path.exists() and self.steps in train_metrics(self.work / name)
+
+    def command(self, config: str, processes: int, port: int) -> list[str]:
+        if processes == 1 and not config:
+            return [sys.executable, "-m", "dflash_train.train"]
+        return [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+                str(REPO / "recipes/accelerate" / config), "--num_processes", str(processes),
+                "--main_process_port", str(port), "-m", "dflash_train.train"]
+
+    def launch(self, group: list[tuple[str, str, int, int, dict[str, str]]]) -> None:
+        """Runs (name, launch config, processes, sequences per process, extra env) side by side."""
+        todo = [run for run in group if not self.done(run[0])]
+        if todo and time.time() > self.deadline:
+            self.pending += [run[0] for run in todo]
+            return
+        procs = []
+        for name, config, processes, batch, extra in todo:
+            self.launched += 1
+            overrides = [*self.common, f"training.output_dir={self.work / name}", f"training.batch_size={batch}"]
+            log = (self.work / f"{name}.log").open("a")
+            procs.append((name, log, subprocess.Popen(
+                [*self.command(config, processes, 29400 + self.launched), "--config", str(RECIPE),
+                 *overrides], cwd=REPO, env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT)))
+        for name, log, proc in procs:
+            code = proc.wait(timeout=1800)
+            log.close()
+            if code != 0:
+                tail = (self.work / f"{name}.log").read_text()[-3000:]
+                self.failed[name] = f"exit {code}: {tail}"
+                print(f"{name} FAILED (exit {code}):\n{tail}", flush=True)
+            else:
+                print(f"{name}: {self.steps} steps, last loss {train_metrics(self.work / name)[self.steps]['loss']:.4f}",
+                      flush=True)
+
+    def metrics(self) -> dict[str, dict[int, dict[str, Any]]]:
+        return {path.parent.name: train_metrics(path.parent) for path in sorted(self.work.glob("*/metrics.jsonl"))
+                if self.done(path.parent.name)}
 
 
 def train_metrics(out: Path) -> dict[int, dict[str, Any]]:
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r for r in rows if r["split"] == "train"}
 
 
@@ -75,6 +115,8 @@ def max_relative_gap(a: dict[int, dict[str, Any]], b: dict[int, dict[str, Any]],
 
 def setup(work: Path, cpu: bool, rows: int, seq_len: int, layers: int) -> tuple[Path, Path]:
     target, data = work / "target", work / "prepared"
+    if (data / "dflash_data.json").exists():
+        return target, data  # a continued benchmark
     if cpu:
         from tests.training_fixtures import save_tiny_prepared, save_tiny_target
 
@@ -87,54 +129,64 @@ def setup(work: Path, cpu: bool, rows: int, seq_len: int, layers: int) -> tuple[
     return target, data
 
 
-def run_training_checks(args: argparse.Namespace, work: Path, target: Path, data: Path,
-                        env: dict[str, str]) -> dict[str, Any]:
-    b, steps = args.batch, args.steps
+def common_overrides(args: argparse.Namespace, target: Path, data: Path) -> list[str]:
     common = [f"model.target={target}", "model.num_draft_layers=" + ("2" if args.cpu else "5"),
               "data.validation_fraction=0", "tracking.report_to=none", "training.log_every=1",
-              f"training.max_steps={steps}", "training.save_every=2", "training.keep_last=10", "training.resume=auto",
-              f"data.prepared={data}"]
+              f"training.max_steps={args.steps}", "training.save_every=2", "training.keep_last=10",
+              "training.resume=auto", f"data.prepared={data}"]
     if args.cpu:
-        common += ["model.target_dtype=float32", "model.block_size=4", "data.max_length=64", "training.num_anchors=8",
-                   "training.mixed_precision=no", "training.deterministic=true", "training.loss_decay_gamma=4",
-                   "training.learning_rate=3e-3", "training.attention=dense"]
-    else:
-        common += ["model.mask_token_id=151669", "model.target_layer_ids=[1,2,3]", f"data.max_length={args.seq_len}",
-                   "training.num_anchors=512", "training.compile=true", "training.attention=flex"]
-    runs: dict[str, dict[int, dict[str, Any]]] = {}
-    for i, (name, (config, processes)) in enumerate(launch_configs(args.cpu).items()):
-        per_process = 2 * b if name == "reference" else b
-        out = work / name
-        train(name, config, processes, [*common, f"training.output_dir={out}", f"training.batch_size={per_process}"],
-              env, 29400 + i)
-        runs[name] = train_metrics(out)
-        print(f"{name}: {steps} steps, last loss {runs[name][steps]['loss']:.4f}", flush=True)
-    ddp_config = launch_configs(args.cpu)["ddp"][0]
-    resumed = work / "ddp-resumed"
-    base = [*common, f"training.output_dir={resumed}", f"training.batch_size={b}"]
-    train("ddp-stop", ddp_config, 2, [*base, "training.stop_after_minutes=1e-9"], env, 29450)
-    train("ddp-resume", ddp_config, 2, base, env, 29451)
-    runs["ddp-resumed"] = train_metrics(resumed)
-    then_one = work / "ddp-then-one"
-    (then_one / "checkpoints").mkdir(parents=True)
-    shutil.copytree(work / "ddp" / "checkpoints" / "step-00000002", then_one / "checkpoints" / "step-00000002")
-    reference_config = launch_configs(args.cpu)["reference"][0]
-    out = train("ddp-then-one", reference_config, 1,
-                [*common, f"training.output_dir={then_one}", f"training.batch_size={2 * b}"], env, 29452)
-    assert "resumed from" in out, out[-2000:]
-    runs["ddp-then-one"] = train_metrics(then_one)
-    after = list(range(3, steps + 1))
-    gaps = {name: max_relative_gap(runs["reference"], runs[name], list(range(1, steps + 1)))
-            for name in ("ddp", "zero2", "fsdp2") if name in runs}
-    gaps["ddp-resumed vs ddp"] = max_relative_gap(runs["ddp"], runs["ddp-resumed"], list(range(1, steps + 1)))
-    gaps["ddp-then-one vs reference"] = max_relative_gap(runs["reference"], runs["ddp-then-one"], after)
-    result: dict[str, Any] = {"max_relative_loss_gap": gaps, "losses": {
-        name: [round(m[s]["loss"], 6) for s in sorted(m) if s in m] for name, m in runs.items()}}
+        return common + ["model.target_dtype=float32", "model.block_size=4", "data.max_length=64",
+                         "training.num_anchors=8", "training.mixed_precision=no", "training.deterministic=true",
+                         "training.loss_decay_gamma=4", "training.learning_rate=3e-3", "training.attention=dense"]
+    return common + ["model.mask_token_id=151669", "model.target_layer_ids=[1,2,3]", f"data.max_length={args.seq_len}",
+                     "training.num_anchors=512", "training.compile=true", "training.attention=flex"]
+
+
+def copy_checkpoint(runs: Runs, source: str, dest: str, step: int) -> None:
+    """`dest` starts as a resume of `source`'s checkpoint at `step` (nothing else of `source` is copied)."""
+    name = f"step-{step:08d}"
+    target = runs.work / dest / "checkpoints" / name
+    if runs.done(source) and not target.exists():
+        shutil.rmtree(runs.work / dest, ignore_errors=True)
+        shutil.copytree(runs.work / source / "checkpoints" / name, target)
+
+
+def run_training_checks(args: argparse.Namespace, work: Path, target: Path, data: Path,
+                        env: dict[str, str]) -> dict[str, Any]:
+    b, configs = args.batch, launch_configs(args.cpu)
+    runs = Runs(work, common_overrides(args, target, data), args.steps, env, args.deadline)
+    gpu = {} if args.cpu else {"reference": {"CUDA_VISIBLE_DEVICES": "0"}, "one": {"CUDA_VISIBLE_DEVICES": "1"}}
+    # The two one-process runs side by side, one GPU each; then the two-process runs one at a time.
+    runs.launch([(name, configs[name][0], 1, 2 * b if name == "reference" else b, gpu.get(name, {}))
+                 for name in configs if configs[name][1] == 1])
+    for name in (n for n in configs if configs[n][1] == 2):
+        runs.launch([(name, configs[name][0], 2, b, {})])
+    # Resume checks from ddp's step-2 checkpoint: on 2 processes (must continue as ddp did) and on 1 process
+    # with the same global batch (must continue as the reference did).
+    copy_checkpoint(runs, "ddp", "ddp-resumed", 2)
+    runs.launch([("ddp-resumed", configs["ddp"][0], 2, b, {})])
+    copy_checkpoint(runs, "ddp", "ddp-then-one", 2)
+    runs.launch([("ddp-then-one", configs["reference"][0], 1, 2 * b, gpu.get("reference", {}))])
+    return training_result(args, runs)
+
+
+def training_result(args: argparse.Namespace, runs: Runs) -> dict[str, Any]:
+    metrics, steps = runs.metrics(), args.steps
+    every, after = list(range(1, steps + 1)), list(range(3, steps + 1))
+    comparisons = {name: ("reference", name, every) for name in ("ddp", "zero2", "fsdp2")}
+    comparisons |= {"ddp-resumed vs ddp": ("ddp", "ddp-resumed", after),
+                    "ddp-then-one vs reference": ("reference", "ddp-then-one", after)}
+    gaps = {label: max_relative_gap(metrics[a], metrics[b], at) for label, (a, b, at) in comparisons.items()
+            if a in metrics and b in metrics}
+    result: dict[str, Any] = {
+        "max_relative_loss_gap": gaps, "failed": runs.failed, "not_run": runs.pending,
+        "losses": {name: [round(m[s]["loss"], 6) for s in sorted(m)] for name, m in metrics.items()}}
     if not args.cpu:
-        one, two = tokens_per_s(runs["one"], args.warmup), tokens_per_s(runs["ddp"], args.warmup)
-        result["tokens_per_s"] = {"one": one, "ddp": two, "zero2": tokens_per_s(runs["zero2"], args.warmup),
-                                  "fsdp2": tokens_per_s(runs["fsdp2"], args.warmup)}
-        result["scaling_ddp"] = two / one
+        result["tokens_per_s"] = {name: tokens_per_s(metrics[name], args.warmup)
+                                  for name in ("one", "ddp", "zero2", "fsdp2") if name in metrics}
+        for name in ("ddp", "zero2", "fsdp2"):
+            if name in result["tokens_per_s"] and "one" in result["tokens_per_s"]:
+                result[f"scaling_{name}"] = result["tokens_per_s"][name] / result["tokens_per_s"]["one"]
     return result
 
 
@@ -144,7 +196,10 @@ def shard_digests(directory: Path, pattern: str) -> dict[str, str]:
 
 def run_data_checks(work: Path, env: dict[str, str], cpu: bool) -> dict[str, Any]:
     """1 rank vs 2 ranks (each rank its own process and device, as under torchrun), on the tiny test target
-    (it has a chat template; what is checked is the split, not the speed)."""
+    (it has a chat template; what is checked is the split, not the speed). Kept in the work folder."""
+    saved = work / "rank_split.json"
+    if saved.exists():
+        return json.loads(saved.read_text())
     from tests.training_fixtures import save_tiny_prepared, save_tiny_target
 
     target, data = save_tiny_target(work / "tiny-target"), save_tiny_prepared(work / "tiny-prepared", num_rows=24)
@@ -168,7 +223,23 @@ def run_data_checks(work: Path, env: dict[str, str], cpu: bool) -> dict[str, Any
             subprocess.run([*command, "--out", str(two)], cwd=REPO, env=env, check=True, capture_output=True)
         a, b = shard_digests(one, pattern), shard_digests(two, pattern)
         checks[name] = {"shards": len(a), "identical": a == b and len(a) > 0}
+    saved.write_text(json.dumps(checks))
     return checks
+
+
+def print_table(results: dict[str, Any]) -> None:
+    training = results["training"]
+    print(f"\n{'check':<32} {'result':>14}")
+    for name, gap in training["max_relative_loss_gap"].items():
+        print(f"{'loss gap ' + name:<32} {gap:>14.2e}")
+    for name, check in results["rank_split"].items():
+        print(f"{name + ' 2 ranks == 1 rank':<32} {str(check['identical']):>14}")
+    for name, rate in training.get("tokens_per_s", {}).items():
+        scaling = f" ({training[f'scaling_{name}']:.2f}x)" if f"scaling_{name}" in training else ""
+        print(f"{'tokens/s ' + name:<32} {rate:>14,.0f}{scaling}")
+    for label, names in (("FAILED", list(training["failed"])), ("not run (time limit)", training["not_run"])):
+        if names:
+            print(f"{label}: {', '.join(names)}")
 
 
 def main() -> None:
@@ -179,34 +250,36 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--target-layers", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput median")
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--workdir", type=Path, default=None, help="re-use one to continue an interrupted benchmark")
+    parser.add_argument("--time-limit", type=float, default=None,
+                        help="seconds after which no further run starts (what is left is listed; re-run to finish)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/multi_gpu.json)")
     args = parser.parse_args()
     args.steps = args.steps or (6 if args.cpu else 12)
     args.batch = args.batch or (1 if args.cpu else 2)
+    args.deadline = time.time() + (args.time_limit if args.time_limit is not None else 1e9)
     if not args.cpu and torch.cuda.device_count() < 2:
         raise SystemExit("benchmarks/multi_gpu.py needs 2 CUDA devices (or --cpu)")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash_multi_"))
+    work.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
            "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast (NVLS) off: it hangs or fails on some multi-GPU hosts
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     rows = 24 if args.cpu else 4 * args.batch * args.steps
     target, data = setup(work, args.cpu, rows, args.seq_len, args.target_layers)
+    rank_split = run_data_checks(work, env, args.cpu)  # first: quick, and independent of the training runs
     results = {"mode": "cpu" if args.cpu else "gpu", "steps": args.steps, "batch_per_process": args.batch,
-               "training": run_training_checks(args, work, target, data, env),
-               "rank_split": run_data_checks(work, env, args.cpu)}
-    print(f"\n{'check':<28} {'result':>14}")
-    for name, gap in results["training"]["max_relative_loss_gap"].items():
-        print(f"{name:<28} {gap:>14.2e}")
-    for name, check in results["rank_split"].items():
-        print(f"{name + ' 2 ranks == 1':<28} {str(check['identical']):>14}")
-    if "scaling_ddp" in results["training"]:
-        print(f"{'DDP scaling (goal >= 1.8x)':<28} {results['training']['scaling_ddp']:>13.2f}x")
-    path = write_result("multi_gpu", results) if args.out is None else Path(args.out)
-    if args.out is not None:
-        path.write_text(json.dumps(results, indent=2) + "\n")
+               "training": run_training_checks(args, work, target, data, env), "rank_split": rank_split}
+    print_table(results)
+    if args.out is None:
+        path = write_result("multi_gpu", results)
+    else:
+        path = Path(args.out)
+        path.write_text(json.dumps({**stamp(), **results}, indent=2) + "\n")
     print(f"wrote {path}")
+    if results["training"]["failed"]:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct drafter of the README's results table, on one GPU, stage by stage.
+# The SmolLM2-135M-Instruct drafter of the README's results table, on one GPU or more, stage by stage.
 #
 #   bash recipes/smollm2-135m-h200.sh data        # regenerate ShareGPT + generated-math responses, tokenise
 #   bash recipes/smollm2-135m-h200.sh train       # the recipe, plus the three ablation runs, side by side
@@ -20,6 +20,9 @@
 #                   it, and the speedup of the main run is measured at batch 1)
 #   ALLOW_UNFINISHED=1   evaluate a run's newest checkpoint even if it has not reached its last step
 #   ABLATIONS=0     train and evaluate the main run only (the whole GPU for it)
+#   GPUS            GPUs to train on (default 1): more launch each run with `accelerate launch` and DDP
+#                   (BATCH_SIZE sequences per GPU), and the evaluations share the GPUs (main-b16 alone on
+#                   the first, for its wall-clock speedup; block 8 and float32 on the second)
 #   HELDOUT         a prompt file the main drafter is also evaluated on (default: 100 ShareGPT prompts
 #                   right after the 8,000 packed for training, written by the data stage: in-domain, unseen)
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
@@ -45,6 +48,7 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 ABLATIONS=${ABLATIONS:-1}
 HELDOUT=${HELDOUT:-$OUT/heldout-sharegpt.jsonl}
+GPUS=${GPUS:-1}
 NUM_ANCHORS=${NUM_ANCHORS:-256}
 BATCH_SIZE=${BATCH_SIZE:-16}
 LEARNING_RATE=${LEARNING_RATE:-1e-3}
@@ -78,11 +82,14 @@ data() {
       --block-size 16 --out "$OUT/prepared"
 }
 
-train_run() {  # name, then overrides
+train_run() {  # name, then overrides; RUN_PORT: the run's rendezvous port when it runs on several GPUs
   local name=$1; shift
+  local launch=($DFLASH train)
+  (( GPUS > 1 )) && launch=(python3 -m accelerate.commands.launch --config_file recipes/accelerate/ddp.yaml
+    --num_processes "$GPUS" --main_process_port "${RUN_PORT:-29501}" -m dflash_train.train)
   # Responses are capped at MAX_NEW_TOKENS (512): 256 anchors cover them (the recipe's 512 suits 3k-token
   # chats); 16 sequences per step keep the GPU busy with a 576-wide drafter.
-  $DFLASH train --config "$RECIPE" "model.target=$TARGET" "data.prepared=$OUT/prepared" \
+  "${launch[@]}" --config "$RECIPE" "model.target=$TARGET" "data.prepared=$OUT/prepared" \
     "training.num_anchors=$NUM_ANCHORS" "training.batch_size=$BATCH_SIZE" "training.learning_rate=$LEARNING_RATE" \
     "training.output_dir=$OUT/train/$name" "tracking.report_to=$TRACKING" "tracking.run_name=$name" \
     "data.max_length=$MAX_LENGTH" "training.save_every=200" "training.eval_every=400" $(stop_after) "$@" \
@@ -96,9 +103,9 @@ train() {
   train_run main "training.time_budget_minutes=$TRAIN_MINUTES" &
   local main_job=$!
   [[ "$ABLATIONS" == 1 ]] || { wait "$main_job"; tail -n 3 "$OUT/train/main.log"; return; }
-  train_run ablation-random-anchors "training.max_steps=$ABLATION_STEPS" &
-  train_run ablation-partition-anchors "training.max_steps=$ABLATION_STEPS" "training.anchors=partition" &
-  train_run ablation-no-decay "training.max_steps=$ABLATION_STEPS" "training.loss_decay_gamma=.inf" &
+  RUN_PORT=29502 train_run ablation-random-anchors "training.max_steps=$ABLATION_STEPS" &
+  RUN_PORT=29503 train_run ablation-partition-anchors "training.max_steps=$ABLATION_STEPS" "training.anchors=partition" &
+  RUN_PORT=29504 train_run ablation-no-decay "training.max_steps=$ABLATION_STEPS" "training.loss_decay_gamma=.inf" &
   local failed=0
   for job in $(jobs -p); do wait "$job" || failed=1; done
   tail -n 3 "$OUT"/train/*.log
@@ -128,22 +135,40 @@ evaluate() {  # run name, report name, prompts per set, extra eval arguments
     --num-prompts "$3" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:4}"
 }
 
-eval_all() {
-  mkdir -p "$OUT/eval"
-  evaluate main main-b16 "$EVAL_PROMPTS"  # alone on the GPU: its speedup is a wall-clock measurement
-  $DFLASH export "$(final_draft "$OUT/train/main")" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" \
-    --overwrite --out "$OUT/export"
-  $DFLASH check "$OUT/export" --target "$TARGET"
+other_evals() {  # the ablations, block 8 and float32, at ABLATION_EVAL_BATCH requests in flight
   local failed=0
   local batch=(--batch-size "$ABLATION_EVAL_BATCH") ablations=(random-anchors partition-anchors no-decay)
   [[ "$ABLATIONS" == 1 ]] || ablations=()
   for run in "${ablations[@]}"; do
     evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" "${batch[@]}" || failed=1
   done
-  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8 "${batch[@]}" || failed=1
   # bf16 verification of a block and one-token decoding may round a near-tie differently; in float32 the
   # lossless check is exact (uncompiled: a correctness check need not wait for compilation).
   evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32 --no-compile "${batch[@]}" || failed=1
+  evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8 "${batch[@]}" || failed=1
+  return $failed
+}
+
+main_eval() {  # block 16 at batch 1, alone on its GPU (its speedup is a wall-clock measurement); export
+  evaluate main main-b16 "$EVAL_PROMPTS" &&
+    $DFLASH export "$(final_draft "$OUT/train/main")" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" \
+      --overwrite --out "$OUT/export" &&
+    $DFLASH check "$OUT/export" --target "$TARGET"
+}
+
+eval_all() {
+  mkdir -p "$OUT/eval"
+  local failed=0
+  if (( GPUS > 1 )); then
+    CUDA_VISIBLE_DEVICES=1 other_evals > "$OUT/eval/other.log" 2>&1 &
+    local others=$!
+    CUDA_VISIBLE_DEVICES=0 main_eval || failed=1
+    wait "$others" || failed=1
+    cat "$OUT/eval/other.log"
+  else
+    main_eval || failed=1
+    other_evals || failed=1
+  fi
   python3 -m dflash_train.eval.summary "$OUT"
   return $failed
 }
