@@ -9,7 +9,8 @@ tiny test target (CPU):
 - `reference`: 1 process, 2·b sequences per step; `one`: 1 process, b per step (the scaling baseline);
 - `ddp`, `zero2` (GPU only), `fsdp2`: 2 processes, b each — the same global batch as `reference`, so their
   per-step losses must match it (tolerance: 2e-2 relative in bf16 on GPU, 1e-5 in fp32 on CPU);
-- `ddp-resumed`: `ddp`'s step-2 checkpoint resumed by 2 processes; steps 3.. must equal `ddp`'s;
+- `ddp-resumed`: `ddp`'s checkpoint of the middle step resumed by 2 processes; the steps after it must
+  equal `ddp`'s;
 - `ddp-then-one`: the same checkpoint resumed by 1 process with 2·b per step; must equal `reference`.
 Scaling = tokens/s of each 2-process run over `one` (median step time after warm-up; goal ≥ 1.8×).
 On GPUs `reference` and `one` run side by side, one GPU each. `--time-limit` stops launching runs after
@@ -57,6 +58,7 @@ class Runs:
         self.failed: dict[str, str] = {}
         self.pending: list[str] = []
         self.launched = 0  # a fresh rendezvous port for every launch
+        self.keep = {"ddp"}  # runs whose checkpoints later runs resume from
 
     def done(self, name: str) -> bool:
         path = self.work / name / "metrics.jsonl"
@@ -91,6 +93,8 @@ class Runs:
                 self.failed[name] = f"exit {code}: {tail}"
                 print(f"{name} FAILED (exit {code}):\n{tail}", flush=True)
             else:
+                if name not in self.keep:  # checkpoints of Qwen3-8B-wide drafters fill a disk quickly
+                    shutil.rmtree(self.work / name / "checkpoints", ignore_errors=True)
                 print(f"{name}: {self.steps} steps, last loss {train_metrics(self.work / name)[self.steps]['loss']:.4f}",
                       flush=True)
 
@@ -132,7 +136,7 @@ def setup(work: Path, cpu: bool, rows: int, seq_len: int, layers: int) -> tuple[
 def common_overrides(args: argparse.Namespace, target: Path, data: Path) -> list[str]:
     common = [f"model.target={target}", "model.num_draft_layers=" + ("2" if args.cpu else "5"),
               "data.validation_fraction=0", "tracking.report_to=none", "training.log_every=1",
-              f"training.max_steps={args.steps}", "training.save_every=2", "training.keep_last=10",
+              f"training.max_steps={args.steps}", f"training.save_every={resume_step(args)}", "training.keep_last=2",
               "training.resume=auto", f"data.prepared={data}"]
     if args.cpu:
         return common + ["model.target_dtype=float32", "model.block_size=4", "data.max_length=64",
@@ -140,6 +144,10 @@ def common_overrides(args: argparse.Namespace, target: Path, data: Path) -> list
                          "training.loss_decay_gamma=4", "training.learning_rate=3e-3", "training.attention=dense"]
     return common + ["model.mask_token_id=151669", "model.target_layer_ids=[1,2,3]", f"data.max_length={args.seq_len}",
                      "training.num_anchors=512", "training.compile=true", "training.attention=flex"]
+
+
+def resume_step(args: argparse.Namespace) -> int:
+    return args.steps // 2  # the resume checks start from ddp's checkpoint here
 
 
 def copy_checkpoint(runs: Runs, source: str, dest: str, step: int) -> None:
@@ -156,23 +164,26 @@ def run_training_checks(args: argparse.Namespace, work: Path, target: Path, data
     b, configs = args.batch, launch_configs(args.cpu)
     runs = Runs(work, common_overrides(args, target, data), args.steps, env, args.deadline)
     gpu = {} if args.cpu else {"reference": {"CUDA_VISIBLE_DEVICES": "0"}, "one": {"CUDA_VISIBLE_DEVICES": "1"}}
-    # The two one-process runs side by side, one GPU each; then the two-process runs one at a time.
+    # The two one-process runs side by side, one GPU each; then the two-process runs one at a time, with the
+    # resume checks from ddp's middle checkpoint right after ddp: on 2 processes (must continue as ddp did)
+    # and on 1 process with the same global batch (must continue as the reference did).
     runs.launch([(name, configs[name][0], 1, 2 * b if name == "reference" else b, gpu.get(name, {}))
                  for name in configs if configs[name][1] == 1])
-    for name in (n for n in configs if configs[n][1] == 2):
-        runs.launch([(name, configs[name][0], 2, b, {})])
-    # Resume checks from ddp's step-2 checkpoint: on 2 processes (must continue as ddp did) and on 1 process
-    # with the same global batch (must continue as the reference did).
-    copy_checkpoint(runs, "ddp", "ddp-resumed", 2)
+    runs.launch([("ddp", configs["ddp"][0], 2, b, {})])
+    copy_checkpoint(runs, "ddp", "ddp-resumed", resume_step(args))
     runs.launch([("ddp-resumed", configs["ddp"][0], 2, b, {})])
-    copy_checkpoint(runs, "ddp", "ddp-then-one", 2)
+    copy_checkpoint(runs, "ddp", "ddp-then-one", resume_step(args))
     runs.launch([("ddp-then-one", configs["reference"][0], 1, 2 * b, gpu.get("reference", {}))])
+    if runs.done("ddp-resumed") and runs.done("ddp-then-one"):
+        shutil.rmtree(work / "ddp" / "checkpoints", ignore_errors=True)
+    for name in (n for n in configs if configs[n][1] == 2 and n != "ddp"):
+        runs.launch([(name, configs[name][0], 2, b, {})])
     return training_result(args, runs)
 
 
 def training_result(args: argparse.Namespace, runs: Runs) -> dict[str, Any]:
     metrics, steps = runs.metrics(), args.steps
-    every, after = list(range(1, steps + 1)), list(range(3, steps + 1))
+    every, after = list(range(1, steps + 1)), list(range(resume_step(args) + 1, steps + 1))
     comparisons = {name: ("reference", name, every) for name in ("ddp", "zero2", "fsdp2")}
     comparisons |= {"ddp-resumed vs ddp": ("ddp", "ddp-resumed", after),
                     "ddp-then-one vs reference": ("reference", "ddp-then-one", after)}
