@@ -151,10 +151,11 @@ def resume_step(args: argparse.Namespace) -> int:
 
 
 def copy_checkpoint(runs: Runs, source: str, dest: str, step: int) -> None:
-    """`dest` starts as a resume of `source`'s checkpoint at `step` (nothing else of `source` is copied)."""
+    """`dest` starts as a resume of `source`'s checkpoint at `step` (nothing else of `source` is copied);
+    a finished `dest` (whose own checkpoints are pruned) is left alone."""
     name = f"step-{step:08d}"
     target = runs.work / dest / "checkpoints" / name
-    if runs.done(source) and not target.exists():
+    if runs.done(source) and not runs.done(dest) and not target.exists():
         shutil.rmtree(runs.work / dest, ignore_errors=True)
         shutil.copytree(runs.work / source / "checkpoints" / name, target)
 

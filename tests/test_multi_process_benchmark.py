@@ -1,4 +1,5 @@
-"""`benchmarks/multi_gpu.py --cpu`: the two-process checks of the multi-GPU benchmark pass on CPU processes."""
+"""`benchmarks/multi_gpu.py --cpu`: the two-process checks of the multi-GPU benchmark pass on CPU processes,
+and an interrupted benchmark continues where it stopped without launching a finished run again."""
 
 from __future__ import annotations
 
@@ -10,17 +11,27 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
+
+
+def run_benchmark(work: pathlib.Path, out: pathlib.Path, *extra: str) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi_gpu", "--cpu", "--workdir", str(work),
+                           "--out", str(out), *extra], cwd=REPO, capture_output=True, text=True, timeout=900, env=ENV)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text())
 
 
 @pytest.mark.slow
 def test_multi_gpu_benchmark_checks_hold_on_cpu_processes(tmp_path: pathlib.Path) -> None:
-    out = tmp_path / "multi.json"
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi_gpu", "--cpu", "--workdir", str(tmp_path / "w"),
-                           "--out", str(out)], cwd=REPO, capture_output=True, text=True, timeout=900,
-                          env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""})
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    result = json.loads(out.read_text())
+    work, out = tmp_path / "w", tmp_path / "multi.json"
+    stopped = run_benchmark(work, out, "--time-limit", "0")  # the data checks, then no training run starts
+    assert stopped["training"]["not_run"] == ["reference", "ddp", "ddp-resumed", "ddp-then-one", "fsdp2"]
+    result = run_benchmark(work, out)
     gaps = result["training"]["max_relative_loss_gap"]
     assert set(gaps) == {"ddp", "fsdp2", "ddp-resumed vs ddp", "ddp-then-one vs reference"}
     assert all(gap < 1e-5 for gap in gaps.values()), gaps
     assert all(check["identical"] and check["shards"] > 1 for check in result["rank_split"].values())
+    logs = {log.name: log.read_text() for log in work.glob("*.log")}
+    again = run_benchmark(work, out)  # everything finished: nothing is launched again, same figures
+    assert {log.name: log.read_text() for log in work.glob("*.log")} == logs
+    assert again["training"]["max_relative_loss_gap"] == gaps and not again["training"]["not_run"]

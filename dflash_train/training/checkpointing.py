@@ -78,5 +78,39 @@ def finalize(tmp: Path, final: Path, trainer_state: dict[str, Any], keep_last: i
         shutil.rmtree(old, ignore_errors=True)
 
 
+class CheckpointSpaceError(ValueError):
+    """The disk cannot take the next checkpoint (raised before writing it, or after a write that ran out)."""
+
+
+def directory_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def bytes_needed(output_dir: str | Path, first_estimate: int) -> int:
+    """Room the next checkpoint needs: the newest one's size (they do not grow), else `first_estimate`.
+    The previous checkpoints stay until the new one is complete, so nothing already saved is at risk."""
+    found = list_checkpoints(output_dir)
+    return directory_bytes(found[-1]) if found else first_estimate
+
+
+def free_bytes(path: Path) -> int:
+    return shutil.disk_usage(path).free
+
+
+def space_error(output_dir: str | Path, step: int, needed: int) -> CheckpointSpaceError | None:
+    """The one-line error for a checkpoint that does not fit the disk, or None when it fits."""
+    root = checkpoint_root(output_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    free = free_bytes(root)
+    if free >= needed * 1.05:
+        return None
+    found = list_checkpoints(output_dir)
+    kept = f"the newest checkpoint {found[-1]} is intact and the same command resumes from it" if found else \
+        "no checkpoint of this run is saved yet"
+    return CheckpointSpaceError(
+        f"disk full: checkpoint step-{step:08d} needs ~{needed / 2**30:.1f} GiB in {root}, {free / 2**30:.1f} GiB "
+        f"free; free space, point training.output_dir at a larger disk or lower training.keep_last ({kept})")
+
+
 def read_trainer_state(path: Path) -> dict[str, Any]:
     return json.loads((path / "trainer_state.json").read_text())

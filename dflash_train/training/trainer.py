@@ -6,6 +6,7 @@ Runs identically under `python -m dflash_train.train`, `dflash-train train` and 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -260,8 +261,15 @@ class Trainer:
         tmp, final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}.tmp", None
         if self.accelerator.is_main_process:
             tmp, final = ckpt.staging_dir(self.output_dir, self.step)
-        self.accelerator.wait_for_everyone()
-        self.accelerator.save_state(str(tmp / "state"))
+        self._check_disk_room()
+        try:
+            self.accelerator.save_state(str(tmp / "state"))
+        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
+            shutil.rmtree(tmp, ignore_errors=True)
+            problem = ckpt.space_error(self.output_dir, self.step, self._checkpoint_estimate())
+            if problem is None:
+                raise
+            raise problem from error
         state_dict = self.accelerator.get_state_dict(self.model)
         if self.accelerator.is_main_process:
             draft = DFlashDraftModel(self.draft_config)
@@ -274,6 +282,22 @@ class Trainer:
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
         return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
+
+    def _checkpoint_estimate(self) -> int:
+        """Bytes of the first checkpoint before any exists: fp32 weights twice (accelerate state and the
+        drafter export) and AdamW's two fp32 moments, for this process's share of the parameters."""
+        params = sum(p.numel() for p in self.model.parameters())
+        return ckpt.bytes_needed(self.output_dir, 16 * params)
+
+    def _check_disk_room(self) -> None:
+        """Refuse a checkpoint the disk cannot hold before writing any of it (all ranks stop together)."""
+        problem = None
+        if self.accelerator.is_main_process:
+            problem = ckpt.space_error(self.output_dir, self.step, self._checkpoint_estimate())
+        if self._agree(int(problem is not None), "max"):
+            raise problem or ckpt.CheckpointSpaceError(
+                f"disk full: rank 0 cannot write checkpoint step-{self.step:08d} to {self.output_dir}")
+        self.accelerator.wait_for_everyone()
 
     def maybe_resume(self) -> None:
         path = ckpt.resolve_resume(self.config.training.resume, self.output_dir)
