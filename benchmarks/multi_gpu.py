@@ -4,8 +4,9 @@
     python -m benchmarks.multi_gpu --cpu             # the same checks with CPU processes over gloo (no scaling)
 
 Training runs go through `accelerate launch -m dflash_train.train` with the launch configs of
-`recipes/accelerate/`, on a random Qwen3-8B-wide target (GPU; 4 layers, 3,072-token chats, N = 512) or the
-tiny test target (CPU):
+`recipes/accelerate/`, on a random Qwen3-8B-wide target (GPU; 4 layers, 3,072-token chats, N = 512), the
+tiny test target (CPU), or a given target and its prepared chats (`--target DIR --prepared DIR`: the
+default recipe's GPU variant on the real SmolLM2-135M-Instruct, say):
 - `reference`: 1 process, 2·b sequences per step; `one`: 1 process, b per step (the scaling baseline);
 - `ddp`, `zero2` (GPU only), `fsdp2`: 2 processes, b each — the same global batch as `reference`, so their
   per-step losses must match it (tolerance: 2e-2 relative in bf16 on GPU, 1e-5 in fp32 on CPU);
@@ -139,11 +140,14 @@ def common_overrides(args: argparse.Namespace, target: Path, data: Path) -> list
               f"training.max_steps={args.steps}", f"training.save_every={resume_step(args)}", "training.keep_last=2",
               "training.resume=auto", f"data.prepared={data}"]
     if args.cpu:
-        return common + ["model.target_dtype=float32", "model.block_size=4", "data.max_length=64",
-                         "training.num_anchors=8", "training.mixed_precision=no", "training.deterministic=true",
-                         "training.loss_decay_gamma=4", "training.learning_rate=3e-3", "training.attention=dense"]
-    return common + ["model.mask_token_id=151669", "model.target_layer_ids=[1,2,3]", f"data.max_length={args.seq_len}",
-                     "training.num_anchors=512", "training.compile=true", "training.attention=flex"]
+        common += ["model.target_dtype=float32", "model.block_size=4", "training.num_anchors=8",
+                   "training.mixed_precision=no", "training.deterministic=true", "training.loss_decay_gamma=4",
+                   "training.learning_rate=3e-3", "training.attention=dense"]
+        return common + ([] if args.target else ["data.max_length=64"])
+    if not args.target:  # the random Qwen3-8B-wide target
+        common += ["model.mask_token_id=151669", "model.target_layer_ids=[1,2,3]"]
+    return common + [f"data.max_length={args.seq_len}", f"training.num_anchors={args.num_anchors}",
+                     "training.compile=true", "training.attention=flex"]
 
 
 def resume_step(args: argparse.Namespace) -> int:
@@ -260,7 +264,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: 12 on GPU, 6 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per process per step (default 2, CPU 1)")
     parser.add_argument("--seq-len", type=int, default=3072)
-    parser.add_argument("--target-layers", type=int, default=4)
+    parser.add_argument("--num-anchors", type=int, default=512)
+    parser.add_argument("--target-layers", type=int, default=4, help="layers of the random target")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="train the checks on this target (e.g. SmolLM2-135M-Instruct, the default recipe's GPU "
+                             "variant) and its --prepared chats instead of a random Qwen3-8B-wide target")
+    parser.add_argument("--prepared", type=Path, default=None, help="with --target: `dflash-train prepare` output")
     parser.add_argument("--warmup", type=int, default=4, help="steps left out of the throughput median")
     parser.add_argument("--workdir", type=Path, default=None, help="re-use one to continue an interrupted benchmark")
     parser.add_argument("--time-limit", type=float, default=None,
@@ -269,6 +278,8 @@ def main() -> None:
     args = parser.parse_args()
     args.steps = args.steps or (6 if args.cpu else 12)
     args.batch = args.batch or (1 if args.cpu else 2)
+    if bool(args.target) != bool(args.prepared):
+        raise SystemExit("--target and --prepared go together (a target and chats prepared for it)")
     args.deadline = time.time() + (args.time_limit if args.time_limit is not None else 1e9)
     if not args.cpu and torch.cuda.device_count() < 2:
         raise SystemExit("benchmarks/multi_gpu.py needs 2 CUDA devices (or --cpu)")
@@ -279,9 +290,13 @@ def main() -> None:
     if args.cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     rows = 24 if args.cpu else 4 * args.batch * args.steps
-    target, data = setup(work, args.cpu, rows, args.seq_len, args.target_layers)
+    if args.target:
+        target, data = args.target, args.prepared
+    else:
+        target, data = setup(work, args.cpu, rows, args.seq_len, args.target_layers)
     rank_split = run_data_checks(work, env, args.cpu)  # first: quick, and independent of the training runs
     results = {"mode": "cpu" if args.cpu else "gpu", "steps": args.steps, "batch_per_process": args.batch,
+               "target": str(args.target) if args.target else "random Qwen3-8B-wide",
                "training": run_training_checks(args, work, target, data, env), "rank_split": rank_split}
     print_table(results)
     if args.out is None:

@@ -35,3 +35,20 @@ def test_multi_gpu_benchmark_checks_hold_on_cpu_processes(tmp_path: pathlib.Path
     again = run_benchmark(work, out)  # everything finished: nothing is launched again, same figures
     assert {log.name: log.read_text() for log in work.glob("*.log")} == logs
     assert again["training"]["max_relative_loss_gap"] == gaps and not again["training"]["not_run"]
+
+
+@pytest.mark.slow
+def test_multi_gpu_benchmark_on_a_given_target_and_its_chats(tmp_path: pathlib.Path) -> None:
+    from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+
+    target, prepared = save_tiny_target(tmp_path / "target"), save_tiny_prepared(tmp_path / "prepared", num_rows=24)
+    result = run_benchmark(tmp_path / "w", tmp_path / "multi.json", "--target", str(target), "--prepared", str(prepared))
+    assert result["target"] == str(target) and not (tmp_path / "w" / "target").exists()
+    gaps = result["training"]["max_relative_loss_gap"]
+    assert len(gaps) == 4 and all(gap < 1e-5 for gap in gaps.values()), gaps
+
+
+def test_multi_gpu_benchmark_wants_a_target_with_its_chats(tmp_path: pathlib.Path) -> None:
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.multi_gpu", "--cpu", "--target", str(tmp_path)],
+                          cwd=REPO, capture_output=True, text=True, timeout=120, env=ENV)
+    assert proc.returncode != 0 and "--target and --prepared go together" in proc.stderr
