@@ -16,6 +16,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dflash_train.disk import disk_full_message
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/smollm2-135m-dflash-b16.yaml")
@@ -44,6 +46,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run(args)
     except ValueError as error:
         print(f"dflash-train train: error: {error}", file=sys.stderr)
+        return 2
+    except Exception as error:
+        message = disk_full_message(error)
+        if message is None:
+            raise
+        print(f"dflash-train train: error: {message}", file=sys.stderr)
         return 2
 
 
