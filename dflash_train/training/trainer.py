@@ -20,6 +20,7 @@ from dflash_train.objective.blocks import sample_anchors_seeded
 from dflash_train.objective.objective import expected_acceptance_length
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
+from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import training_step_flops, visible_pairs
@@ -372,14 +373,21 @@ class Trainer:
         loader = ThreadPoolExecutor(max_workers=1)  # reads step n+1 from disk while step n computes
         upcoming = loader.submit(self._load_step, self.step)
         self.budget.start()
+        first = True
         with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak, log_every=t.log_every) as progress:
             while self.step < self.total_steps:
                 started = time.perf_counter()
                 loaded = upcoming.result()
                 if self.step + 1 < self.total_steps:
                     upcoming = loader.submit(self._load_step, self.step + 1)
+                compiled_before = compile_seconds() if first and t.compile else {}
                 metrics = self.train_step(loaded)
                 metrics["step_seconds"] = time.perf_counter() - started
+                if first and t.compile:  # a slow start explained: how much of it was torch.compile
+                    line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
+                    if line:
+                        self.accelerator.print(line)
+                first = False
                 self._fit_budget(metrics["step_seconds"], progress)
                 progress.update(self.step, metrics, metrics["step_seconds"])
                 if self._after_step(metrics, logger):

@@ -1,0 +1,33 @@
+"""The first step's torch.compile time is reported (a cold compile of a wide drafter takes minutes)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from dflash_train.training.compile_report import first_step_line
+from dflash_train.training.config import load_config
+from dflash_train.training.trainer import run_training
+from tests.test_training import assets, overrides  # noqa: F401  (assets is a fixture)
+
+
+def test_first_step_line_splits_compile_from_the_rest() -> None:
+    line = first_step_line(225.4, {"forward": 1.0, "backward": 0.5}, {"forward": 121.3, "backward": 80.3})
+    assert line == "first step 225.4 s: torch.compile 200.1 s (forward 120.3, backward 79.8), the rest 25.3 s"
+    assert first_step_line(0.4, {"forward": 3.0, "backward": 1.0}, {"forward": 3.2, "backward": 1.1}) is None
+    assert first_step_line(5.0, {}, {}) is None  # dynamo's timers unavailable: no line
+
+
+@pytest.mark.slow
+def test_a_compiled_run_reports_its_first_step(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,  # noqa: F811
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    run_training(load_config(None, overrides(assets, tmp_path / "run", **{
+        "training.max_steps": 2, "training.compile": True, "training.eval_every": 0})))
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("first step ")]
+    assert len(lines) == 1 and "torch.compile" in lines[0], lines
+    compiled = float(lines[0].split("torch.compile ")[1].split(" s")[0])
+    assert compiled >= 1.0
