@@ -23,6 +23,8 @@
 #   GPUS            GPUs to train on (default 1): more launch each run with `accelerate launch` and DDP
 #                   (BATCH_SIZE sequences per GPU), and the evaluations share the GPUs (main-b16 alone on
 #                   the first, for its wall-clock speedup; block 8 and float32 on the second)
+#   LAUNCH_CONFIG   accelerate config for GPUS > 1 (default recipes/accelerate/ddp.yaml; fsdp2.yaml,
+#                   deepspeed_zero2.yaml, or cpu_2proc.yaml for CPU processes, work the same)
 #   HELDOUT         a prompt file the main drafter is also evaluated on (default: 100 ShareGPT prompts
 #                   right after the 8,000 packed for training, written by the data stage: in-domain, unseen)
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
@@ -49,6 +51,7 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 ABLATIONS=${ABLATIONS:-1}
 HELDOUT=${HELDOUT:-$OUT/heldout-sharegpt.jsonl}
 GPUS=${GPUS:-1}
+LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 NUM_ANCHORS=${NUM_ANCHORS:-256}
 BATCH_SIZE=${BATCH_SIZE:-16}
 LEARNING_RATE=${LEARNING_RATE:-1e-3}
@@ -85,7 +88,7 @@ data() {
 train_run() {  # name, then overrides; RUN_PORT: the run's rendezvous port when it runs on several GPUs
   local name=$1; shift
   local launch=($DFLASH train)
-  (( GPUS > 1 )) && launch=(python3 -m accelerate.commands.launch --config_file recipes/accelerate/ddp.yaml
+  (( GPUS > 1 )) && launch=(python3 -m accelerate.commands.launch --config_file "$LAUNCH_CONFIG"
     --num_processes "$GPUS" --main_process_port "${RUN_PORT:-29501}" -m dflash_train.train)
   # Responses are capped at MAX_NEW_TOKENS (512): 256 anchors cover them (the recipe's 512 suits 3k-token
   # chats); 16 sequences per step keep the GPU busy with a 576-wide drafter.

@@ -64,3 +64,23 @@ def test_recipe_driver_runs_every_stage_and_resumes(tmp_path: pathlib.Path) -> N
     assert all(row["lossless"] == "yes" for row in rows)
     assert all(row["steps"] for row in rows)
     assert (out / "export" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_recipe_driver_on_two_processes(tmp_path: pathlib.Path) -> None:
+    """GPUS=2: the main run under `accelerate launch` with two processes (CPU processes here, through
+    LAUNCH_CONFIG), then the evaluations split in two groups running side by side."""
+    out = tmp_path / "run"
+    two = {"GPUS": "2", "LAUNCH_CONFIG": "recipes/accelerate/cpu_2proc.yaml", "ABLATIONS": "0"}
+    assert driver("data", out, **two).returncode == 0
+    trained = driver("train", out, **two)
+    log = (out / "train" / "main.log").read_text()
+    assert trained.returncode == 0, log[-3000:]
+    state = json.loads(next((out / "train" / "main" / "checkpoints").glob("step-*/trainer_state.json")).read_text())
+    assert state["sequences_seen"] == 2 * state["step"]  # BATCH_SIZE=1 on each of two processes
+    evaluated = driver("eval", out, **two, HELDOUT=str(tmp_path / "none.jsonl"))
+    assert evaluated.returncode == 0, (evaluated.stdout + evaluated.stderr)[-3000:]
+    runs = {(row["run"], row["block"], row["dtype"]) for row in json.loads((out / "summary.json").read_text())}
+    assert runs == {("main", 16, "float32"), ("main", 8, "float32")}  # fp32 run: the toy trains in float32
+    assert (out / "export" / "config.json").is_file()
