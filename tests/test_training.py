@@ -66,7 +66,9 @@ def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_
 
 def launch(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    # Own process group: a launch that hangs is stopped with the workers it started.
+    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
 
 
 def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
@@ -142,6 +144,29 @@ def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pa
         for a, b in zip(one[split], two[split], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (split, a["step"])
             assert b["slot_accuracy"] == a["slot_accuracy"]
+
+
+def test_two_processes_validate_a_set_smaller_than_the_world(assets: dict[str, pathlib.Path],
+                                                             tmp_path: pathlib.Path) -> None:
+    """One validation sample on two processes: the rank without one still joins every collective forward
+    (it used to wait in the reduce while the other waited in DDP's forward, for ever)."""
+    single, double = tmp_path / "single", tmp_path / "double"
+    one_sample = {"training.max_steps": 2, "training.eval_every": 2, "data.validation_max_samples": 1}
+    run_training(load_config(None, overrides(assets, single, **one_sample)))
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29000 + os.getpid() % 400),
+            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
+            *overrides(assets, double, **one_sample, **{"training.batch_size": 1})]
+    proc = launch(args)
+    try:
+        output = proc.communicate(timeout=240)[0].decode()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("two processes hung in validation") from None
+    assert proc.returncode == 0, output[-3000:]
+    a, b = read_metrics(single / "metrics.jsonl")["validation"], read_metrics(double / "metrics.jsonl")["validation"]
+    assert [r["step"] for r in a] == [r["step"] for r in b] == [2]
+    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5) and b[0]["slot_accuracy"] == a[0]["slot_accuracy"]
 
 
 def test_wandb_offline_run_records_config_and_commit(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,

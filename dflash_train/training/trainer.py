@@ -5,6 +5,7 @@ Runs identically under `python -m dflash_train.train`, `dflash-train train` and 
 
 from __future__ import annotations
 
+import math
 import os
 import shutil
 import time
@@ -236,13 +237,20 @@ class Trainer:
             return None
         self.model.eval()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        mine = self.val_ids[rank::world]
+        mine, size = self.val_ids[rank::world], self.config.training.batch_size
+        # Every rank runs as many forwards as the rank with the most samples: a DDP/FSDP forward is a
+        # collective, and a rank that stopped early would leave the others waiting for ever.
+        batches = math.ceil(math.ceil(len(self.val_ids) / world) / size)
         loss_sum, correct, count = 0.0, None, None
-        for start in range(0, len(mine), self.config.training.batch_size):
-            indices = mine[start : start + self.config.training.batch_size]
+        for start in range(0, batches * size, size):
+            indices = mine[start : start + size]
+            stand_in = not indices  # this rank ran out: a forward to keep in step, not counted
+            indices = indices or self.val_ids[:1]
             seeds = [anchor_seed(self.config.training.seed, 0, i) for i in indices]  # fixed anchors
             with self.accelerator.autocast():
                 out, _ = self._forward(indices, seeds)
+            if stand_in:
+                continue
             loss_sum += float(out.loss) * len(indices)
             correct = out.slot_correct if correct is None else correct + out.slot_correct
             count = out.slot_count if count is None else count + out.slot_count
