@@ -197,7 +197,9 @@ def training_result(args: argparse.Namespace, runs: Runs) -> dict[str, Any]:
     result: dict[str, Any] = {
         "max_relative_loss_gap": gaps, "failed": runs.failed, "not_run": runs.pending,
         "losses": {name: [round(m[s]["loss"], 6) for s in sorted(m)] for name, m in metrics.items()}}
-    if not args.cpu:
+    if args.shared_gpus:
+        result["throughput"] = "not measured: the GPUs were shared with another job (--shared-gpus)"
+    elif not args.cpu:
         result["tokens_per_s"] = {name: tokens_per_s(metrics[name], args.warmup)
                                   for name in ("one", "ddp", "zero2", "fsdp2") if name in metrics}
         for name in ("ddp", "zero2", "fsdp2"):
@@ -274,6 +276,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=None, help="re-use one to continue an interrupted benchmark")
     parser.add_argument("--time-limit", type=float, default=None,
                         help="seconds after which no further run starts (what is left is listed; re-run to finish)")
+    parser.add_argument("--shared-gpus", action="store_true",
+                        help="another job uses the GPUs: check equivalence and resume only, report no throughput")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/multi_gpu.json)")
     args = parser.parse_args()
     args.steps = args.steps or (6 if args.cpu else 12)

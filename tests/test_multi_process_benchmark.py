@@ -42,7 +42,9 @@ def test_multi_gpu_benchmark_on_a_given_target_and_its_chats(tmp_path: pathlib.P
     from tests.training_fixtures import save_tiny_prepared, save_tiny_target
 
     target, prepared = save_tiny_target(tmp_path / "target"), save_tiny_prepared(tmp_path / "prepared", num_rows=24)
-    result = run_benchmark(tmp_path / "w", tmp_path / "multi.json", "--target", str(target), "--prepared", str(prepared))
+    result = run_benchmark(tmp_path / "w", tmp_path / "multi.json", "--target", str(target), "--prepared", str(prepared),
+                           "--shared-gpus")
+    assert result["training"]["throughput"].startswith("not measured")
     assert result["target"] == str(target) and not (tmp_path / "w" / "target").exists()
     gaps = result["training"]["max_relative_loss_gap"]
     assert len(gaps) == 4 and all(gap < 1e-5 for gap in gaps.values()), gaps
