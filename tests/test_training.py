@@ -109,6 +109,20 @@ def test_foreign_checkpoint_is_refused(assets: dict[str, pathlib.Path], tmp_path
         run_training(config)
 
 
+def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(assets: dict[str, pathlib.Path],
+                                                             tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 3})))
+    marker = out / "checkpoints" / "step-00000003" / "trainer_state.json"
+    state = json.loads(marker.read_text())
+    assert state["distributed_type"] == "NO" and state["num_processes"] == 1
+    marker.write_text(json.dumps({**state, "distributed_type": "DEEPSPEED", "num_processes": 8}))
+    config = load_config(None, overrides(assets, out, **{"training.max_steps": 6}))
+    with pytest.raises(ValueError, match=r"written under DeepSpeed on 8 processes and this run uses NO: .*"
+                                         r"model.init_from=.*step-00000003/draft"):
+        run_training(config)
+
+
 def test_init_from_an_existing_drafter(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     first = tmp_path / "first"
     run_training(load_config(None, overrides(assets, first, **{"training.max_steps": 6})))

@@ -58,6 +58,21 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
         )
 
 
+def check_launch(saved: dict[str, Any], distributed_type: str, num_processes: int, path: Path) -> None:
+    """DeepSpeed keeps its state (optimizer shards per rank) in its own layout, which only DeepSpeed reads:
+    a checkpoint crosses between DeepSpeed and DDP/FSDP/one process only through its drafter weights."""
+    saved_type = saved.get("distributed_type")
+    if saved_type is None or (saved_type == "DEEPSPEED") == (distributed_type == "DEEPSPEED"):
+        return
+    was = f"DeepSpeed on {saved.get('num_processes', '?')} processes" if saved_type == "DEEPSPEED" else \
+        f"{saved_type} on {saved.get('num_processes', '?')} process(es)"
+    now = "DeepSpeed" if distributed_type == "DEEPSPEED" else distributed_type
+    raise ValueError(
+        f"checkpoint {path} was written under {was} and this run uses {now}: resume it with the launch config "
+        f"it was written with, or start a new run from its weights (model.init_from={path / 'draft'}, "
+        "training.resume=none)")
+
+
 def staging_dir(output_dir: str | Path, step: int) -> tuple[Path, Path]:
     """(temporary directory to write into, final name)."""
     root = checkpoint_root(output_dir)

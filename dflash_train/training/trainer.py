@@ -287,7 +287,8 @@ class Trainer:
             trainer_state = {"step": self.step, "total_steps": self.total_steps,
                              "sequences_seen": self.step * self.plan.sequences_per_step,
                              "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
-                             **self.compat}
+                             "distributed_type": self._distributed_type(),
+                             "num_processes": self.accelerator.num_processes, **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
         return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
@@ -308,12 +309,16 @@ class Trainer:
                 f"disk full: rank 0 cannot write checkpoint step-{self.step:08d} to {self.output_dir}")
         self.accelerator.wait_for_everyone()
 
+    def _distributed_type(self) -> str:
+        return str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
+
     def maybe_resume(self) -> None:
         path = ckpt.resolve_resume(self.config.training.resume, self.output_dir)
         if path is None:
             return
         state = ckpt.read_trainer_state(path)
         ckpt.check_compatible(state, self.compat, path)
+        ckpt.check_launch(state, self._distributed_type(), self.accelerator.num_processes, path)
         self.accelerator.load_state(str(path / "state"))
         self.step = int(state["step"])
         self.budget.resume(float(state.get("train_seconds", 0.0)), bool(state.get("budget_sized", False)))
