@@ -1,11 +1,12 @@
 """FSDP2 through `accelerate launch` on two CPU processes (gloo): the same losses as one plain process with
-the same global batch, a stop and resume from the sharded checkpoint that changes nothing, and a final
-drafter equal to the plain run's."""
+the same global batch, a stop and resume from the sharded checkpoint that changes nothing (on two processes,
+and on one plain process), and a final drafter equal to the plain run's."""
 
 from __future__ import annotations
 
 import os
 import pathlib
+import shutil
 import sys
 
 import pytest
@@ -28,6 +29,9 @@ def test_fsdp2_two_processes_stop_resume_and_match_one(assets: dict[str, pathlib
             *overrides(assets, sharded, **{"training.max_steps": steps, "training.batch_size": 1})]
     first = launch([*args, "training.stop_after_minutes=1e-9"]).communicate(timeout=300)[0].decode()
     assert "stopped at step 1 of 6" in first, first[-3000:]
+    on_one = tmp_path / "fsdp2-then-one"  # the sharded run's checkpoint, resumed by one plain process
+    shutil.copytree(sharded / "checkpoints", on_one / "checkpoints")
+    run_training(load_config(None, overrides(assets, on_one, **{"training.max_steps": steps})))
     resumed = launch(args)
     output = resumed.communicate(timeout=300)[0].decode()
     assert resumed.returncode == 0 and "resumed from" in output, output[-3000:]
@@ -35,6 +39,10 @@ def test_fsdp2_two_processes_stop_resume_and_match_one(assets: dict[str, pathlib
     assert sorted(got) == list(range(1, steps + 1))
     for step in range(1, steps + 1):
         assert got[step] == pytest.approx(expected[step], rel=1e-5), step
+    continued = train_losses(on_one)
+    assert sorted(continued) == list(range(2, steps + 1))
+    for step in continued:
+        assert continued[step] == pytest.approx(expected[step], rel=1e-5), step
     last = f"checkpoints/step-{steps:08d}/draft"
     plain, fsdp = load_draft(single / last).state_dict(), load_draft(sharded / last).state_dict()
     assert plain.keys() == fsdp.keys()
