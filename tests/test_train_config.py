@@ -57,3 +57,13 @@ def test_exactly_one_data_source(tmp_path: pathlib.Path) -> None:
         load_config(None, ["data.prepared=a", "data.features=b"])
     with pytest.raises(ValueError, match="not found"):
         load_config(tmp_path / "missing.yaml")
+
+
+def test_deepspeed_accumulation_must_match_the_run() -> None:
+    from dflash_train.training.trainer import check_deepspeed_accumulation
+
+    check_deepspeed_accumulation({"gradient_accumulation_steps": 2}, 2)
+    check_deepspeed_accumulation({"gradient_accumulation_steps": "auto"}, 4)
+    check_deepspeed_accumulation({}, 4)
+    with pytest.raises(ValueError, match="sets gradient_accumulation_steps: 1 but training.gradient_accumulation_steps=4"):
+        check_deepspeed_accumulation({"gradient_accumulation_steps": 1}, 4)

@@ -65,6 +65,16 @@ def padding_multiple(config: TrainConfig, device: torch.device) -> int:
     return config.data.max_length if flex else 1
 
 
+def check_deepspeed_accumulation(deepspeed_config: dict[str, Any], steps: int) -> None:
+    """DeepSpeed accumulates by its own count: one that differs from the run's would silently change the
+    effective batch (and the schedule's step count)."""
+    configured = deepspeed_config.get("gradient_accumulation_steps", "auto")
+    if configured != "auto" and int(configured) != steps:
+        raise ValueError(
+            f"the DeepSpeed launch config sets gradient_accumulation_steps: {configured} but "
+            f"training.gradient_accumulation_steps={steps}: make them equal (or set it to auto in the launch config)")
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         from accelerate import Accelerator
@@ -102,6 +112,7 @@ class Trainer:
         self._check_offline_features()
         deepspeed = self.accelerator.state.deepspeed_plugin
         if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
+            check_deepspeed_accumulation(deepspeed.deepspeed_config, t.gradient_accumulation_steps)
             deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
         optimizer = build_optimizer(draft.to(self.accelerator.device), config)
         schedule = build_schedule(optimizer, lambda: self.total_steps, config)
