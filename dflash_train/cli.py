@@ -18,7 +18,7 @@ from dflash_train.commands import prepare as prepare_command
 from dflash_train.commands import push as push_command
 from dflash_train.commands import regenerate as regenerate_command
 from dflash_train.commands import train as train_command
-from dflash_train.disk import disk_full_message
+from dflash_train.errors import run_with_one_line_errors
 
 COMMANDS = {"inspect": inspect_target, "train": train_command,
             "export": export_command, "check": check_command, "push": push_command,
@@ -37,29 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def close_progress_bars() -> None:
-    """Finish any bar a failed command left open, so that its error starts on a line of its own."""
-    from tqdm import tqdm
-
-    for bar in list(getattr(tqdm, "_instances", [])):
-        bar.close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    try:
-        return COMMANDS[args.command].run(args)
-    except ValueError as error:  # user errors: one line that says what to do, no traceback
-        close_progress_bars()
-        print(f"dflash-train {args.command}: error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
-        message = disk_full_message(error)
-        if message is None:
-            raise
-        close_progress_bars()
-        print(f"dflash-train {args.command}: error: {message}", file=sys.stderr)
-        return 2
+    return run_with_one_line_errors(f"dflash-train {args.command}", lambda: COMMANDS[args.command].run(args))
 
 
 if __name__ == "__main__":

@@ -16,7 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dflash_train.disk import disk_full_message
+from dflash_train.errors import run_with_one_line_errors
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -42,17 +42,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except ValueError as error:
-        print(f"dflash-train train: error: {error}", file=sys.stderr)
-        return 2
-    except Exception as error:
-        message = disk_full_message(error)
-        if message is None:
-            raise
-        print(f"dflash-train train: error: {message}", file=sys.stderr)
-        return 2
+    return run_with_one_line_errors("dflash-train train", lambda: run(args))
 
 
 if __name__ == "__main__":

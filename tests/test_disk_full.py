@@ -76,3 +76,20 @@ def test_train_on_a_full_disk_is_one_line(monkeypatch: pytest.MonkeyPatch, capsy
     monkeypatch.setattr(train, "run", fails)
     assert train.main(["--config", "recipes/smollm2-135m-dflash-b16-cpu.yaml"]) == 2
     assert capsys.readouterr().err.startswith(f"dflash-train train: error: disk full writing to {tmp_path}/run (")
+
+
+def test_an_eval_report_cut_short_leaves_no_report(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The recipe skips an evaluation whose report exists: a half-written one must never be there."""
+    import dflash_train.data.shards as shards
+    from dflash_train.eval.report import write_outputs
+
+    def full_disk(source: str, destination: str) -> None:
+        raise no_space(pathlib.Path(destination))
+
+    monkeypatch.setattr(shards.os, "replace", full_disk)
+    out = tmp_path / "eval" / "main-b16.json"
+    with pytest.raises(OSError):
+        write_outputs({"datasets": {}}, out, plot=False)
+    assert list((tmp_path / "eval").iterdir()) == []  # neither the report nor a temporary file
+    monkeypatch.undo()
+    assert write_outputs({"datasets": {}}, out, plot=False) == [out] and out.read_text().startswith("{")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -68,8 +67,10 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
 
 
 def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
+    from dflash_train.data.shards import write_json_atomically
+
+    # Atomic: a report cut short (a full disk, a kill) would read as a finished evaluation.
+    write_json_atomically(out, report)
     paths = [out]
     if plot:
         from dflash_train.eval.plot import plot_report
