@@ -16,6 +16,7 @@ default recipe's GPU variant on the real SmolLM2-135M-Instruct, say):
 Scaling = tokens/s of each 2-process run over `one` (median step time after warm-up; goal ≥ 1.8×).
 On GPUs `reference` and `one` run side by side, one GPU each. `--time-limit` stops launching runs after
 that many seconds; re-running with the same `--workdir` continues with the runs not yet finished.
+`--only ddp,zero2,...` runs a subset (`--shared-gpus` leaves out `one`, whose only use is the scaling figure).
 Rank-split data: `regenerate` and `extract` with 2 ranks write byte-identical shards to a 1-rank run.
 """
 
@@ -40,6 +41,24 @@ from benchmarks.common import stamp, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/smollm2-135m-dflash-b16.yaml"
+
+
+CHECKS = ("reference", "one", "ddp", "zero2", "fsdp2", "ddp-resumed", "ddp-then-one", "rank-split")
+
+
+def parse_only(text: str | None, shared_gpus: bool) -> set[str]:
+    """The checks to run. `one` exists only as the scaling baseline: pointless on shared GPUs."""
+    if text is None:
+        return set(CHECKS) - ({"one"} if shared_gpus else set())
+    chosen = {name.strip() for name in text.split(",") if name.strip()}
+    unknown = chosen - set(CHECKS)
+    if unknown:
+        raise SystemExit(f"--only: unknown check(s) {', '.join(sorted(unknown))}; choose from {', '.join(CHECKS)}")
+    needs = {"ddp-resumed": "ddp", "ddp-then-one": "ddp"}
+    missing = sorted({needs[n] for n in chosen if n in needs} - chosen)
+    if missing:
+        raise SystemExit(f"--only: the resume checks start from ddp's checkpoint; add {', '.join(missing)}")
+    return chosen
 
 
 def launch_configs(cpu: bool) -> dict[str, tuple[str, int]]:
@@ -166,23 +185,24 @@ def copy_checkpoint(runs: Runs, source: str, dest: str, step: int) -> None:
 
 def run_training_checks(args: argparse.Namespace, work: Path, target: Path, data: Path,
                         env: dict[str, str]) -> dict[str, Any]:
-    b, configs = args.batch, launch_configs(args.cpu)
+    b, configs = args.batch, {n: c for n, c in launch_configs(args.cpu).items() if n in args.only}
     runs = Runs(work, common_overrides(args, target, data), args.steps, env, args.deadline)
     gpu = {} if args.cpu else {"reference": {"CUDA_VISIBLE_DEVICES": "0"}, "one": {"CUDA_VISIBLE_DEVICES": "1"}}
-    # The two one-process runs side by side, one GPU each; then the two-process runs one at a time, with the
-    # resume checks from ddp's middle checkpoint right after ddp: on 2 processes (must continue as ddp did)
-    # and on 1 process with the same global batch (must continue as the reference did).
+    # The one-process runs side by side, one GPU each; then the two-process runs one at a time (ddp first:
+    # the resume checks start from its middle checkpoint); then the resume checks: on 2 processes (must
+    # continue as ddp did) and on 1 process with the same global batch (must continue as the reference did).
     runs.launch([(name, configs[name][0], 1, 2 * b if name == "reference" else b, gpu.get(name, {}))
                  for name in configs if configs[name][1] == 1])
-    runs.launch([("ddp", configs["ddp"][0], 2, b, {})])
-    copy_checkpoint(runs, "ddp", "ddp-resumed", resume_step(args))
-    runs.launch([("ddp-resumed", configs["ddp"][0], 2, b, {})])
-    copy_checkpoint(runs, "ddp", "ddp-then-one", resume_step(args))
-    runs.launch([("ddp-then-one", configs["reference"][0], 1, 2 * b, gpu.get("reference", {}))])
-    if runs.done("ddp-resumed") and runs.done("ddp-then-one"):
-        shutil.rmtree(work / "ddp" / "checkpoints", ignore_errors=True)
-    for name in (n for n in configs if configs[n][1] == 2 and n != "ddp"):
+    for name in sorted((n for n in configs if configs[n][1] == 2), key=lambda n: n != "ddp"):
         runs.launch([(name, configs[name][0], 2, b, {})])
+    resumes = [("ddp-resumed", configs.get("ddp", ("", 0))[0], 2, b, {}),
+               ("ddp-then-one", launch_configs(args.cpu)["reference"][0], 1, 2 * b, gpu.get("reference", {}))]
+    for name, config, processes, batch, extra in resumes:
+        if name in args.only and "ddp" in configs:
+            copy_checkpoint(runs, "ddp", name, resume_step(args))
+            runs.launch([(name, config, processes, batch, extra)])
+    if all(runs.done(name) for name, *_ in resumes if name in args.only):
+        shutil.rmtree(work / "ddp" / "checkpoints", ignore_errors=True)
     return training_result(args, runs)
 
 
@@ -278,8 +298,12 @@ def main() -> None:
                         help="seconds after which no further run starts (what is left is listed; re-run to finish)")
     parser.add_argument("--shared-gpus", action="store_true",
                         help="another job uses the GPUs: check equivalence and resume only, report no throughput")
+    parser.add_argument("--only", default=None,
+                        help=f"comma-separated subset of {','.join(CHECKS)} (default: all; without one under "
+                             "--shared-gpus)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/multi_gpu.json)")
     args = parser.parse_args()
+    args.only = parse_only(args.only, args.shared_gpus)
     args.steps = args.steps or (6 if args.cpu else 12)
     args.batch = args.batch or (1 if args.cpu else 2)
     if bool(args.target) != bool(args.prepared):
@@ -298,7 +322,8 @@ def main() -> None:
         target, data = args.target, args.prepared
     else:
         target, data = setup(work, args.cpu, rows, args.seq_len, args.target_layers)
-    rank_split = run_data_checks(work, env, args.cpu)  # first: quick, and independent of the training runs
+    # First: quick, and independent of the training runs.
+    rank_split = run_data_checks(work, env, args.cpu) if "rank-split" in args.only else {}
     results = {"mode": "cpu" if args.cpu else "gpu", "steps": args.steps, "batch_per_process": args.batch,
                "target": str(args.target) if args.target else "random Qwen3-8B-wide",
                "training": run_training_checks(args, work, target, data, env), "rank_split": rank_split}
