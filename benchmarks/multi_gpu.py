@@ -8,7 +8,7 @@ Training runs go through `accelerate launch -m dflash_train.train` with the laun
 tiny test target (CPU), or a given target and its prepared chats (`--target DIR --prepared DIR`: the
 default recipe's GPU variant on the real SmolLM2-135M-Instruct, say):
 - `reference`: 1 process, 2·b sequences per step; `one`: 1 process, b per step (the scaling baseline);
-- `ddp`, `zero2` (GPU only), `fsdp2`: 2 processes, b each — the same global batch as `reference`, so their
+- `ddp`, `zero2` and `fsdp2` (both GPU only): 2 processes, b each — the same global batch as `reference`, so their
   per-step losses must match it (tolerance: 2e-2 relative in bf16 on GPU, 1e-5 in fp32 on CPU);
 - `ddp-resumed`: `ddp`'s checkpoint of the middle step resumed by 2 processes; the steps after it must
   equal `ddp`'s;
@@ -63,7 +63,7 @@ def parse_only(text: str | None, shared_gpus: bool) -> set[str]:
 
 def launch_configs(cpu: bool) -> dict[str, tuple[str, int]]:
     if cpu:
-        return {"reference": ("", 1), "ddp": ("cpu_2proc.yaml", 2), "fsdp2": ("cpu_fsdp2.yaml", 2)}
+        return {"reference": ("", 1), "ddp": ("cpu_2proc.yaml", 2)}  # FSDP and DeepSpeed need CUDA
     return {"reference": ("single_gpu.yaml", 1), "one": ("single_gpu.yaml", 1), "ddp": ("ddp.yaml", 2),
             "zero2": ("deepspeed_zero2.yaml", 2), "fsdp2": ("fsdp2.yaml", 2)}
 

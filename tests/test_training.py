@@ -123,6 +123,16 @@ def test_a_deepspeed_checkpoint_is_refused_without_deepspeed(assets: dict[str, p
         run_training(config)
 
 
+def test_an_fsdp_launch_on_cpu_processes_is_refused(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # What `accelerate launch` with an FSDP config sets; on CPU processes accelerate would run DDP instead.
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    config = load_config(None, overrides(assets, tmp_path / "run", **{"training.max_steps": 1}))
+    with pytest.raises(ValueError, match="FSDP needs CUDA devices.*cpu_2proc.yaml"):
+        run_training(config)
+    assert not (tmp_path / "run").exists()
+
+
 def test_init_from_an_existing_drafter(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     first = tmp_path / "first"
     run_training(load_config(None, overrides(assets, first, **{"training.max_steps": 6})))

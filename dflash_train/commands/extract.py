@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard file (host memory holds ~3)")
     parser.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
+    parser.add_argument("--write-threads", type=int, default=4,
+                        help="threads writing each shard file (one copy thread is slower than the GPU)")
     parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
     parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
     parser.add_argument("--verify", action="store_true", help="check an existing store instead of writing")
@@ -82,7 +84,8 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_prepared(args.data)
     target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
     check_tokenizer(args.data, target.tokenizer, args.target)
-    config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget)
+    config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget,
+                           write_threads=max(1, args.write_threads))
     settings = {"target": args.target, "target_hash": target_fingerprint(target.model),
                 "target_dtype": args.target_dtype, "tokenizer_hash": tokenizer_hash(target.tokenizer),
                 "vocab_size": target.vocab_size, "prepared": str(args.data)}

@@ -34,6 +34,7 @@ class ExtractConfig:
     rows_per_shard: int = 256
     token_budget: int = 16384
     disk_margin: float = 1.02
+    write_threads: int = 4  # concurrent writes within a shard file (page-cache copies are per thread)
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
@@ -169,12 +170,12 @@ class _ShardBuilder:
         return host
 
 
-def _save_shard(path: Path, parts: ShardParts, unit: int) -> None:
+def _save_shard(path: Path, parts: ShardParts, unit: int, threads: int) -> None:
     parts.wait()
     tensors = parts.tensors
     metadata = {"unit": str(unit), "rows": str(len(tensors["offsets"][0]) - 1),
                 "tokens": str(len(tensors["input_ids"][0]))}
-    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata, threads))
 
 
 def extract(
@@ -213,7 +214,7 @@ def extract(
                 pending.remove(future)
             if len(pending) >= 2:  # bound host memory: at most two shards waiting for the disk
                 pending.pop(0).result()
-            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
+            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k, config.write_threads))
             if progress:
                 tokens = len(rows.input_ids)
                 progress(done, len(todo), tokens, tokens / max(time.perf_counter() - start, 1e-9))

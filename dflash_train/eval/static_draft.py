@@ -86,5 +86,5 @@ class StaticDrafter:
         h = block_embeds.to(self.dtype)
         cos, sin = self.draft.rotary_emb(positions, h.dtype)
         for index, layer in enumerate(self.draft.layers):
-            h = layer(h, cos, sin, self.cache.keys[index], self.cache.values[index], mask)
+            h = layer(h, cos, sin, (self.cache.keys[index], self.cache.values[index]), mask)
         return self.draft.norm(h)

@@ -18,7 +18,7 @@ from torch import nn
 from dflash_train.models.attention import AttentionMask
 from dflash_train.models.cache import DraftKVCache
 from dflash_train.models.config import DFlashConfig
-from dflash_train.models.layers import DFlashDecoderLayer, RMSNorm, RotaryEmbedding
+from dflash_train.models.layers import ContextRows, DFlashDecoderLayer, RMSNorm, RotaryEmbedding
 
 
 class DFlashDraftModel(nn.Module):
@@ -67,13 +67,12 @@ class DFlashDraftModel(nn.Module):
         context_features [b, S, K*H], context_positions [b, S], mask over keys [context S | blocks Q].
         Returns final-normed hidden states [b, Q, H].
         """
-        context = self.fuse_context(context_features)
-        ctx_cos, ctx_sin = self.rotary_emb(context_positions, context.dtype)
-        h = block_embeds.to(context.dtype)
+        rows = self.fuse_context(context_features)
+        context = ContextRows(rows, *self.rotary_emb(context_positions, rows.dtype))
+        h = block_embeds.to(rows.dtype)
         cos, sin = self.rotary_emb(block_positions, h.dtype)
         for layer in self.layers:
-            context_k, context_v = layer.self_attn.key_values(context, ctx_cos, ctx_sin)
-            h = layer(h, cos, sin, context_k, context_v, mask)
+            h = layer(h, cos, sin, context, mask)
         return self.norm(h)
 
     def new_cache(self, batch_size: int, max_length: int, dtype: torch.dtype | None = None) -> DraftKVCache:
@@ -100,6 +99,5 @@ class DFlashDraftModel(nn.Module):
         h = block_embeds.to(self.fc.weight.dtype)
         cos, sin = self.rotary_emb(block_positions, h.dtype)
         for index, layer in enumerate(self.layers):
-            context_k, context_v = cache.layer(index)
-            h = layer(h, cos, sin, context_k, context_v, None)
+            h = layer(h, cos, sin, cache.layer(index), None)
         return self.norm(h)

@@ -8,6 +8,7 @@ attention goes through `attend`, which takes the DFlash mask (dense or flex) ins
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -141,6 +142,20 @@ class DFlashAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.num_heads * self.head_dim))
 
 
+@dataclass
+class ContextRows:
+    """Fused target features of the context tokens [b, C, H] with their RoPE tables. A layer given these
+    projects them to its context K/V inside its own forward: sharded training (FSDP2, ZeRO-3) gathers a
+    layer's weights only around that forward, so the projection must not happen outside it."""
+
+    rows: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+ContextKV = tuple[torch.Tensor, torch.Tensor]  # cached context keys and values, each [b, kv_heads, C, D]
+
+
 class DFlashDecoderLayer(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -154,10 +169,12 @@ class DFlashDecoderLayer(nn.Module):
         h: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        context_k: torch.Tensor,
-        context_v: torch.Tensor,
+        context: ContextRows | ContextKV,
         mask: AttentionMask,
     ) -> torch.Tensor:
+        """Block rows h [b, Q, H] attend to the context (rows to project, or cached K/V) and to the block."""
+        if isinstance(context, ContextRows):
+            context = self.self_attn.key_values(context.rows, context.cos, context.sin)
         # DFlash: only block rows flow through the layer; context rows enter as K/V alone.
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, context_k, context_v, mask)
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, *context, mask)
         return h + self.mlp(self.post_attention_layernorm(h))

@@ -75,12 +75,20 @@ def check_deepspeed_accumulation(deepspeed_config: dict[str, Any], steps: int) -
             f"training.gradient_accumulation_steps={steps}: make them equal (or set it to auto in the launch config)")
 
 
+def refuse_fsdp_without_cuda() -> None:
+    """accelerate quietly runs plain DDP when an FSDP launch config meets CPU processes: say so instead."""
+    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.cuda.is_available():
+        raise ValueError("FSDP needs CUDA devices (on CPU processes accelerate would run plain DDP instead): "
+                         "launch CPU processes with recipes/accelerate/cpu_2proc.yaml")
+
+
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         from accelerate import Accelerator
 
         self.config = config
         t = config.training
+        refuse_fsdp_without_cuda()
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
