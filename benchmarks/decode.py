@@ -2,7 +2,8 @@
 
     python -m benchmarks.decode                            # H200: both sections -> results/decode.{json,png}
     python -m benchmarks.decode --section qwen3-8b
-    python -m benchmarks.decode --section smollm2 --draft runs/smollm2-b16/final
+    python -m benchmarks.decode --section smollm2 --draft runs/smollm2-b16/final [--dtype float32]
+    python -m benchmarks.decode --section qwen3-8b --profile   # + the step's kernel table (.profile.txt)
     python -m benchmarks.decode --tiny --device cpu        # smoke test of the script on tiny shapes
 
 Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden 4096, 32/8 heads,
@@ -93,6 +94,21 @@ def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: 
     return time_ms(engine.step, engine.device, warmup, iters)
 
 
+def kernel_profile(step: Callable[[], Any], device: torch.device, iters: int = 10) -> str:
+    """The GPU kernels of `iters` calls (graph replays included), heaviest first: where a step's time goes
+    (on the CPU: its operators)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30,
+                                     max_name_column_width=90)
+
+
 def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) -> float:
     """A Hugging Face decode step: dynamic cache, eager, cropped back after each step."""
     from transformers import DynamicCache
@@ -161,6 +177,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
             if suffix == "":
                 result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
+                if args.profile:
+                    result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine
             gc.collect()
     result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
@@ -237,7 +255,9 @@ def section_smollm2(args: argparse.Namespace, device: torch.device, dtype: torch
         "identical_tokens": sum(o.tokens == t for o, (t, _) in zip(outputs, references, strict=True)),
         "identical_acceptance": sum(o.acceptance_lengths == a for o, (_, a) in zip(outputs, references, strict=True)),
         "lossless_vs_target_only": sum(o.tokens == b.tokens for o, b in zip(outputs, alone_outputs, strict=True)),
+        "dtype": str(dtype).removeprefix("torch."),
         "tau": sum(sum(o.acceptance_lengths) / max(len(o.acceptance_lengths), 1) for o in outputs) / len(outputs),
+        "reference_loop_tau": sum(sum(a) / max(len(a), 1) for _, a in references) / len(references),
         "cuda_graph": ours.uses_cuda_graph,
     }
     result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(target, prompts, new, stop, device)
@@ -304,17 +324,27 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int, default=None, help="qwen3-8b context (default 1024)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--profile", action="store_true",
+                        help="qwen3-8b: also write the kernel table of the graphed target step and cycle "
+                             "(<out>.profile.txt)")
+    parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
+                        help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
+                             "token for token (in bf16 their different kernels round the target's ties differently)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode.json)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
+                                                                             else "float32")]
     results: dict[str, Any] = {}
     if args.section in ("all", "qwen3-8b"):
         results["qwen3_8b"] = section_qwen3(args, device, dtype)
     if args.section in ("all", "smollm2"):
         results["smollm2"] = section_smollm2(args, device, dtype)
     results["tiny"] = args.tiny
+    profiles = results.get("qwen3_8b", {}).pop("profiles", None)
     path = save(results, args.out)
+    if profiles:
+        path.with_suffix(".profile.txt").write_text("".join(f"== {name}\n{table}\n" for name, table in profiles.items()))
     plot(results, path.with_suffix(".png"))
     print(json_dump(results))
     return results

@@ -24,9 +24,12 @@ def _one_thread() -> Iterator[None]:
 def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     main(["--tiny", "--device", "cpu", "--iters", "3", "--warmup", "1", "--max-new-tokens", "12", "--prompts", "2",
-          "--out", str(out)])
+          "--profile", "--out", str(out)])
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").is_file() and result["tiny"] is True
+    profile = out.with_suffix(".profile.txt").read_text()
+    assert "== target_step" in profile and "== dflash_cycle" in profile and "aten::" in profile
+    assert "profiles" not in result["qwen3_8b"]
     qwen = result["qwen3_8b"]
     for key in ("target_step_ms", "target_step_no_graph_ms", "target_step_eager_ms", "dflash_cycle_ms", "hf_step_ms"):
         assert qwen[key] > 0
@@ -35,3 +38,4 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     smol = result["smollm2"]
     assert smol["prompts"] == 2 and smol["identical_tokens"] == 2 and smol["identical_acceptance"] == 2
     assert smol["lossless_vs_target_only"] == 2 and smol["ours_tokens_per_s"] > 0
+    assert smol["dtype"] == "float32" and smol["reference_loop_tau"] == pytest.approx(smol["tau"])
