@@ -15,6 +15,9 @@ still names the model whose tokenizer and template plan the prompts:
     dflash-train regenerate --target Qwen/Qwen3-8B --thinking off --data sharegpt \\
         --server-url http://127.0.0.1:8000/v1 --server-model Qwen/Qwen3-8B --concurrency 64 --out runs/regen-qwen3
 
+Multi-turn conversations (ShareGPT, say): `--turns all` answers every user turn, each after the target's
+own earlier answers (`--turns 1`, the default, answers the first).
+
 Several processes split the work (`torchrun --nproc-per-node 8 -m dflash_train.cli regenerate ...` or
 --rank/--world-size). A killed run resumes with the same command; the output directory is an OpenAI-messages
 corpus for `dflash-train prepare --data DIR`.
@@ -30,7 +33,7 @@ from dflash_train.data.cli_args import (
     add_corpus_arguments,
     add_thinking_argument,
     corpus_specs,
-        resolve_device,
+    resolve_device,
     thinking_value,
     tqdm_progress,
 )
@@ -49,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=64, help="rows per batch and per output shard")
     parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts are skipped")
     parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
+    parser.add_argument("--turns", type=_turns, default=1,
+                        help="user turns answered per conversation, each after the target's own earlier answers: "
+                             "N or all (default 1: the first turn)")
     parser.add_argument("--device", default=None, help="built-in back end: cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="built-in back end weights")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
@@ -59,6 +65,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--api-key", default=None)
     parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
     parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+
+
+def _turns(text: str) -> int | None:
+    if text == "all":
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"--turns takes a number >= 1 or all, not {text!r}")
+    return int(text)
 
 
 def _backend(args: argparse.Namespace, tokenizer: object) -> tuple[object, dict[str, str]]:
@@ -96,9 +110,10 @@ def run(args: argparse.Namespace) -> int:
     config = RegenerateConfig(
         corpus_specs(args), args.max_new_tokens, args.temperature, args.seed, thinking_value(args),
         args.batch_size, args.max_prompt_tokens, not args.keep_duplicates,
-        settings={"target": args.target, **recorded},
+        settings={"target": args.target, **recorded}, turns=args.turns,
     )
     manifest = regenerate(backend, chat, config, args.out, rank, world, tqdm_progress("regenerate", "tok/s"))
-    print(f"regenerate: {manifest['units_finished']} of {manifest['num_units']} shards in {args.out}"
+    where = f"turn {manifest['turn']} of {manifest['rounds']}: " if manifest.get("rounds", 1) > 1 else ""
+    print(f"regenerate: {where}{manifest['units_finished']} of {manifest['num_units']} shards in {args.out}"
           + ("" if manifest["complete"] else " (other ranks, or a rerun, finish the rest)"))
     return 0

@@ -69,7 +69,9 @@ def tqdm_progress(description: str, unit: str) -> Callable[..., None]:
     bar: list[tqdm] = []
 
     def update(done: int, total: int, *rest: float) -> None:
-        if not bar:
+        if not bar or done == 0:  # a new pass (the next turn of a regeneration, say): a new bar
+            if bar:
+                bar.pop().close()
             bar.append(tqdm(total=total, desc=description, unit="shard"))
         bar[0].update(done - bar[0].n)
         if rest and done:

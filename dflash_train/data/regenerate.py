@@ -3,7 +3,8 @@
 Plan (from the input alone, identical for every rank and every resumed run): prompts are read, cut to
 the conversation up to the first user turn, deduplicated, tokenised with the chat template (the same
 template and thinking setting as at serving), sorted by length, and cut into units of ``batch_size``
-rows. Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one
+rows. With ``turns`` > 1 the conversations' later user turns are answered too, one turn per round, each
+conditioned on the target's own earlier answers (``dflash_train.data.turns``). Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one
 shard ``part-<k>.jsonl`` written atomically. A resumed run skips units whose shard exists, so no row is
 lost or duplicated, and a unit's output depends only on its rows and ``seed + k``: a resumed run writes
 exactly what an uninterrupted one would have.
@@ -28,7 +29,7 @@ from dflash_train.data.chat import ChatTokenizer, template_hash
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, Message
+from dflash_train.data.records import BadRecord, Message, prompt_messages
 from dflash_train.data.shards import (
     REGEN_MANIFEST,
     check_same_settings,
@@ -36,6 +37,13 @@ from dflash_train.data.shards import (
     regenerated_shard_path,
     write_atomically,
     write_json_atomically,
+)
+from dflash_train.data.turns import (
+    continue_conversations,
+    count_turns,
+    read_turn,
+    turn_directory,
+    wait_for_turn,
 )
 
 
@@ -46,6 +54,8 @@ class PromptRow:
     prompt_ids: list[int]
     source: str
     source_index: int
+    later_turns: list[str] = field(default_factory=list)  # the user turns after the first (turns > 1)
+    carried: dict[str, Any] | None = None  # a later round's row with nothing to answer: written as it was
 
 
 @dataclass
@@ -70,21 +80,26 @@ class RegenerateConfig:
     max_prompt_tokens: int = 2048
     dedupe: bool = True
     settings: dict[str, Any] = field(default_factory=dict)  # recorded; a resume must match them
+    turns: int | None = 1  # user turns answered per conversation (None: all of them)
+    turn_wait_seconds: float = 3600.0  # how long a rank waits for the other ranks to finish a turn
 
 
 def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[PromptRow], DataReport]:
     report = DataReport("regenerate: prompts")
     rows, seen = [], set()
+    multi_turn = config.turns != 1  # then the whole conversation must be well-formed, not only its start
     for spec in config.sources:
         corpus = open_corpus(spec)
-        for index, _, prompt in iter_messages(corpus, spec, report, prompt_only=True):
+        for index, _, messages in iter_messages(corpus, spec, report, prompt_only=not multi_turn):
+            prompt = prompt_messages(messages)
+            later = [m["content"] for m in messages if m["role"] == "user"][1:] if multi_turn else []
             try:
-                chat.check_no_special_text(prompt)
+                chat.check_no_special_text(prompt + [{"role": "user", "content": text} for text in later])
                 ids = chat.encode_prompt(prompt)
             except BadRecord as bad:
                 report.drop(bad.reason)
                 continue
-            key = hashlib.sha1(json.dumps(prompt, sort_keys=True).encode()).digest()
+            key = hashlib.sha1(json.dumps([prompt, later], sort_keys=True).encode()).digest()
             if config.dedupe and key in seen:
                 report.drop("duplicate_prompt")
                 continue
@@ -92,7 +107,7 @@ def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[Pr
                 report.drop("prompt_too_long")
                 continue
             seen.add(key)
-            rows.append(PromptRow(len(rows), prompt, ids, corpus.name, index))
+            rows.append(PromptRow(len(rows), prompt, ids, corpus.name, index, later))
             report.kept += 1
     return rows, report
 
@@ -105,9 +120,13 @@ def plan_units(rows: list[PromptRow], batch_size: int) -> list[list[int]]:
 
 def _start(backend: Backend, batch: list[PromptRow], seed: int) -> Callable[[], list[Completion]]:
     """Start a unit; the returned call waits for its completions. Back ends with ``start`` (the server
-    back end) begin at once, so several units can be in flight; the others run when waited for."""
+    back end) begin at once, so several units can be in flight; the others run when waited for. Carried
+    rows (nothing to answer in this round) are not sent."""
+    asked = [row for row in batch if row.carried is None]
+    if not asked:
+        return lambda: []
     start = getattr(backend, "start", None)
-    return start(batch, seed) if start is not None else (lambda: backend.complete(batch, seed))
+    return start(asked, seed) if start is not None else (lambda: backend.complete(asked, seed))
 
 
 def run_units(
@@ -129,7 +148,9 @@ def run_units(
         while in_flight and (len(in_flight) >= window or k is None):
             unit, batch, wait, started = in_flight.popleft()
             completions = wait()
-            lines = [json.dumps(_output_row(r, c), ensure_ascii=False) for r, c in zip(batch, completions, strict=True)]
+            answers = iter(completions)
+            lines = [json.dumps(r.carried if r.carried is not None else _output_row(r, next(answers)),
+                                ensure_ascii=False) for r in batch]
             write_atomically(regenerated_shard_path(out_dir, unit),
                              lambda tmp, lines=lines: tmp.write_text("\n".join(lines) + "\n"))
             tokens = sum(c.completion_tokens for c in completions)
@@ -171,22 +192,44 @@ def regenerate(
     backend: Backend, chat: ChatTokenizer, config: RegenerateConfig, out_dir: Path, rank: int = 0, world: int = 1,
     progress: Callable[[int, int, float], None] | None = None,
 ) -> dict[str, Any]:
-    """Plan, check/write the manifest, run this rank's units; returns the manifest (with counts)."""
-    rows, report = plan_prompts(chat, config)
-    if not rows:
+    """Plan, check/write the manifest, run this rank's units, turn after turn (``config.turns``); returns
+    the manifest of the last turn run, with counts (``complete`` once the final turn is)."""
+    first, report = plan_prompts(chat, config)
+    if not first:
         raise ValueError(f"no usable prompts in {[s.source for s in config.sources]}: {report.as_dict()['dropped']}")
-    units = plan_units(rows, config.batch_size)
-    settings = manifest_settings(chat, config, len(rows), len(units))
-    manifest_path = out_dir / REGEN_MANIFEST
+    rounds = count_turns(first, config.turns)
+    rows, tokens, manifest, units = first, 0, {}, []
+    for turn in range(1, rounds + 1):
+        if turn > 1:
+            previous = turn_directory(out_dir, turn - 1, rounds)
+            if not wait_for_turn(previous, len(units), config.turn_wait_seconds):
+                print(f"regenerate: turn {turn} starts once every shard of turn {turn - 1} is in {previous}; "
+                      "run this command again when the other ranks have written theirs", flush=True)
+                break
+            rows = continue_conversations(chat, config, first, read_turn(previous), turn, report)
+        units = plan_units(rows, config.batch_size)
+        extra = {"turns": config.turns, "turn": turn, "rounds": rounds} if config.turns != 1 else {}
+        settings = {**manifest_settings(chat, config, len(rows), len(units)), **extra}
+        manifest, generated = run_turn(backend, rows, units, turn_directory(out_dir, turn, rounds), settings,
+                                       report, rank, world, config.seed + (turn - 1) * 1_000_003, progress)
+        tokens += generated
+    report.totals["tokens generated by this run"] = tokens
+    report.print()
+    return manifest
+
+
+def run_turn(backend: Backend, rows: list[PromptRow], units: list[list[int]], turn_dir: Path,
+             settings: dict[str, Any], report: DataReport, rank: int, world: int, seed: int,
+             progress: Callable[[int, int, float], None] | None) -> tuple[dict[str, Any], int]:
+    """One round: check/write its manifest, run this rank's units, mark it complete when it is."""
+    manifest_path = turn_dir / REGEN_MANIFEST
     check_same_settings(manifest_path, settings, "regenerated responses")
     if rank == 0 and not manifest_path.exists():
         write_json_atomically(manifest_path, {**settings, "prompts": report.as_dict()})
-    tokens = run_units(backend, rows, units, out_dir, rank, world, config.seed, progress)
-    finished = len(regenerated_files(out_dir))
+    tokens = run_units(backend, rows, units, turn_dir, rank, world, seed, progress)
+    finished = len(regenerated_files(turn_dir))
     manifest = {**settings, "prompts": report.as_dict(), "units_finished": finished,
                 "complete": finished == len(units)}
     if manifest["complete"]:
         write_json_atomically(manifest_path, manifest)
-    report.totals["tokens generated by this run"] = tokens
-    report.print()
-    return manifest
+    return manifest, tokens
