@@ -156,6 +156,35 @@ def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, it
     }
 
 
+COMPILE_VARIANTS = {
+    # weights folded as constants: inductor may then concatenate q/k/v and gate/up into one matmul each
+    "frozen": (("freezing", True),),
+    # inductor's autotuned matmul templates against cuBLAS, and tuned launch configurations
+    "autotuned": (("max_autotune", True), ("coordinate_descent_tuning", True)),
+}
+
+
+def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_tokens: int, length: int,
+                     device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
+    """The graphed target step under other inductor options, and how far its logits move from the default."""
+    result: dict[str, Any] = {}
+    ids = torch.tensor([[prompt[-1]]], device=device)
+    positions = torch.tensor([[len(prompt)]], device=device)
+    compiled = device.type == "cuda"
+    reference = runner.forward(ids, positions, compiled=compiled).logits.float()
+    for name, options in COMPILE_VARIANTS.items():
+        config = EngineConfig(block_size=1, max_new_tokens=new_tokens, max_length=length, compile=compiled,
+                              compile_options=options)
+        engine = DecodeEngine(target, None, config, runner=runner)
+        result[f"target_step_{name}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+        result[f"target_step_{name}_compile_error"] = engine.compile_error
+        logits = runner.forward(ids, positions, compiled=compiled, compile_options=options).logits.float()
+        result[f"target_step_{name}_max_logit_diff"] = float((logits - reference).abs().max())
+        del engine
+        gc.collect()
+    return result
+
+
 def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
     shape = TINY_QWEN3 if args.tiny else QWEN3_8B
     target = random_target(shape, device, dtype)
@@ -181,6 +210,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine
             gc.collect()
+    if args.compile_variants:
+        result |= compile_variants(target, runner, prompt, new_tokens, length, device, args)
     result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
     weight_bytes = weight_bytes_per_step(target)
     result["weight_bytes_per_step"] = weight_bytes
@@ -327,6 +358,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile", action="store_true",
                         help="qwen3-8b: also write the kernel table of the graphed target step and cycle "
                              "(<out>.profile.txt)")
+    parser.add_argument("--compile-variants", action="store_true",
+                        help="qwen3-8b: also time the target step compiled with weight freezing and with autotuning")
     parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
                         help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
                              "token for token (in bf16 their different kernels round the target's ties differently)")

@@ -24,13 +24,15 @@ def _one_thread() -> Iterator[None]:
 def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     main(["--tiny", "--device", "cpu", "--iters", "3", "--warmup", "1", "--max-new-tokens", "12", "--prompts", "2",
-          "--profile", "--out", str(out)])
+          "--profile", "--compile-variants", "--out", str(out)])
     result = json.loads(out.read_text())
     assert out.with_suffix(".png").is_file() and result["tiny"] is True
     profile = out.with_suffix(".profile.txt").read_text()
     assert "== target_step" in profile and "== dflash_cycle" in profile and "aten::" in profile
     assert "profiles" not in result["qwen3_8b"]
     qwen = result["qwen3_8b"]
+    for name in ("frozen", "autotuned"):  # on the CPU uncompiled, so the same numbers as the default
+        assert qwen[f"target_step_{name}_ms"] > 0 and qwen[f"target_step_{name}_max_logit_diff"] == 0
     for key in ("target_step_ms", "target_step_no_graph_ms", "target_step_eager_ms", "dflash_cycle_ms", "hf_step_ms"):
         assert qwen[key] > 0
     assert qwen["weight_bytes_per_step"] == 4 * (8 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64 + 2 * 16)

@@ -23,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -48,6 +49,9 @@ class EngineConfig:
     kernels: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA when installed)
     cuda_graphs: bool = True  # used on CUDA only
     compile: bool | None = None  # torch.compile the cycle's target and drafter forwards; None: on CUDA only
+    # inductor options for those compilations, e.g. (("freezing", True),): weights folded as constants, so
+    # that inductor may concatenate the q/k/v and gate/up projections (a benchmark knob)
+    compile_options: tuple[tuple[str, Any], ...] = ()
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
 
 
@@ -122,7 +126,8 @@ class DecodeEngine:
         if self.drafter is not None:
             drafts, draft_logits = self._propose(positions)
             s.block[:, 1:] = drafts
-        out = self.runner.forward(s.block, positions, feature_layer_ids=self.layer_ids, compiled=self._compile)
+        out = self.runner.forward(s.block, positions, feature_layer_ids=self.layer_ids, compiled=self._compile,
+                                  compile_options=self.config.compile_options)
         if self.config.temperature > 0:
             accepted, bonus = speculative_sample(out.logits, draft_logits, s.block[:, 1:], self.config.temperature)
             commit_tokens(s.out, s.n_out, s.block, accepted, bonus, s.done)
@@ -136,7 +141,8 @@ class DecodeEngine:
     def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [b, B-1] for the block in `state.block` at positions [b, B], and their logits [b, B-1, V]."""
         embeds = self.target.embed_tokens(self.state.block)
-        hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile)  # [b, B, H]
+        hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
+                                     compile_options=self.config.compile_options)  # [b, B, H]
         draft_logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
         return self._pick(draft_logits), draft_logits
 

@@ -30,7 +30,7 @@ class StaticDrafter:
         self.slots = torch.arange(max_length, device=device)
         self.block_visible = torch.ones(batch_size, 1, block_size, block_size, dtype=torch.bool, device=device)
         self.use_triton = kernels == "triton"
-        self._compiled_hidden: Any = None
+        self._compiled_hidden: dict[tuple[tuple[str, Any], ...], Any] = {}
         if self.use_triton:
             self._prepare_fused(max_length)
 
@@ -70,13 +70,15 @@ class StaticDrafter:
 
     @torch.no_grad()
     def hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
-               compiled: bool = False) -> torch.Tensor:
+               compiled: bool = False, compile_options: tuple[tuple[str, Any], ...] = ()) -> torch.Tensor:
         """Final-normed hidden states [b, B, H] of the block embeds [b, B, H] at positions [b, B]; the block
-        attends to context slots < start[r] and to all of itself. `compiled`: through torch.compile."""
+        attends to context slots < start[r] and to all of itself. `compiled`: through torch.compile (with
+        these inductor options)."""
         if compiled:
-            if self._compiled_hidden is None:
-                self._compiled_hidden = torch.compile(self._hidden, dynamic=False)
-            return self._compiled_hidden(block_embeds, positions, start)
+            if compile_options not in self._compiled_hidden:
+                self._compiled_hidden[compile_options] = torch.compile(
+                    self._hidden, dynamic=False, options=dict(compile_options) or None)
+            return self._compiled_hidden[compile_options](block_embeds, positions, start)
         return self._hidden(block_embeds, positions, start)
 
     def _hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:

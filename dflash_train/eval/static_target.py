@@ -109,7 +109,7 @@ class StaticTarget:
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
-        self._compiled_forward: Any = None
+        self._compiled_forward: dict[tuple[tuple[str, Any], ...], Any] = {}
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -146,24 +146,25 @@ class StaticTarget:
         logit_index: torch.Tensor | None = None,
         feature_layer_ids: Sequence[int] = (),
         compiled: bool = False,
+        compile_options: tuple[tuple[str, Any], ...] = (),
     ) -> TargetOutput:
         """input_ids/positions [n, T] for cache rows `row_index` [n] (None: all rows, n = batch).
 
         kv_len limits attention to the first slots (prefill); logit_index [n] picks one position per row
         for the logits (else all T); features [n, T, K*H] are the outputs of `feature_layer_ids`, in order.
         Writes K/V of every token at its position. `compiled` runs the layers through torch.compile
-        (fixed shapes only: the decode cycle).
+        (fixed shapes only: the decode cycle), with `compile_options` for inductor.
         """
         ids = tuple(validate_target_layer_ids(feature_layer_ids, len(self.layers))) if feature_layer_ids else ()
-        run = self._compiled() if compiled else self._forward
+        run = self._compiled(compile_options) if compiled else self._forward
         with self._our_attention():
             logits, features = run(input_ids, positions, row_index, kv_len or self.max_length, logit_index, ids)
         return TargetOutput(logits, features)
 
-    def _compiled(self) -> Any:
-        if self._compiled_forward is None:
-            self._compiled_forward = torch.compile(self._forward, dynamic=False)
-        return self._compiled_forward
+    def _compiled(self, options: tuple[tuple[str, Any], ...] = ()) -> Any:
+        if options not in self._compiled_forward:
+            self._compiled_forward[options] = torch.compile(self._forward, dynamic=False, options=dict(options) or None)
+        return self._compiled_forward[options]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor | None,
                  kv_len: int, logit_index: torch.Tensor | None,
