@@ -3,6 +3,7 @@
     make demo                                    # installs, then runs this module
     python -m dflash_train.demo                  # CPU sizes on a CPU machine, GPU sizes when CUDA is visible
     python -m dflash_train.demo --device cpu --out outputs/demo-cpu
+    python -m dflash_train.demo --target model.gguf --data prompts.jsonl   # a node without the packages
 
 Six stages, each an ordinary `dflash-train` command (printed before it runs, so the demo doubles as a
 walkthrough): regenerate the bundled prompts' responses with the target → prepare (tokenise, loss masks) →
@@ -24,7 +25,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -94,14 +95,16 @@ class DemoResult:
     train_steps: int
     seconds: dict[str, float] = field(default_factory=dict)
     skipped: list[str] = field(default_factory=list)
+    target: str = TARGET
 
 
-def plan_stages(out: Path, sizes: DemoSizes, device: str) -> list[Stage]:
-    target = ["--target", TARGET]
+def plan_stages(out: Path, sizes: DemoSizes, device: str, target_name: str = TARGET) -> list[Stage]:
+    target = ["--target", target_name]
     sources = [arg for source in sizes.sources for arg in ("--data", source)]
     limit = ["--max-samples", str(sizes.max_samples), "--shuffle-seed", "0"] if sizes.max_samples else []
     paths = {name: out / name for name in ("regen", "prepared", "train", "eval", "export")}
-    train = ["data.prepared=" + str(paths["prepared"]), "training.output_dir=" + str(paths["train"]),
+    train = [f"model.target={target_name}", "data.prepared=" + str(paths["prepared"]),
+             "training.output_dir=" + str(paths["train"]),
              f"data.max_length={sizes.max_length}", "tracking.report_to=none", *sizes.train_overrides]
     return [
         Stage("regenerate", ["regenerate", *target, *sources, *limit, "--max-new-tokens", str(sizes.max_new_tokens),
@@ -194,11 +197,11 @@ class DemoError(RuntimeError):
     """A stage failed; the message says which and what to do."""
 
 
-def run_demo(out: str | Path, sizes: DemoSizes, device: str) -> DemoResult:
+def run_demo(out: str | Path, sizes: DemoSizes, device: str, target: str = TARGET) -> DemoResult:
     """All stages under `out` (CWD-independent: relative data paths are the repository's)."""
     out = Path(out).resolve()
     out.mkdir(parents=True, exist_ok=True)
-    stages = plan_stages(out, _in_repo(sizes), device)
+    stages = plan_stages(out, _in_repo(sizes), device, target)
     runner = StageRunner(out)
     checkpoint: Path | None = None
     for index, stage in enumerate(stages, 1):
@@ -213,13 +216,11 @@ def run_demo(out: str | Path, sizes: DemoSizes, device: str) -> DemoResult:
     report_path = out / "eval" / "report.json"
     return DemoResult(out, json.loads(report_path.read_text()), report_path, checkpoint, out / "export",
                       int(read_metadata(out / "prepared")["counts"]["kept"]),
-                      int(checkpoint.name.removeprefix("step-")), runner.seconds, runner.skipped)
+                      int(checkpoint.name.removeprefix("step-")), runner.seconds, runner.skipped, target)
 
 
 def _in_repo(sizes: DemoSizes) -> DemoSizes:
     """Relative recipe and prompt paths resolved against the repository, so any working directory works."""
-    from dataclasses import replace
-
     def resolve(path: str) -> str:
         return str(REPO / path) if (REPO / path).exists() else path
 
@@ -233,7 +234,7 @@ def summary_tables(result: DemoResult, device: str) -> list[Any]:
     from dflash_train.eval.console import lossless_mark
 
     draft = result.report.get("settings", {})
-    results = Table(title=f"DFlash demo: {TARGET} + 5-layer drafter, block {draft.get('block_size', 16)}",
+    results = Table(title=f"DFlash demo: {result.target} + 5-layer drafter, block {draft.get('block_size', 16)}",
                     caption=f"drafter trained {result.train_steps} steps on {result.train_samples} target-regenerated "
                             f"chats ({device}); τ counts the bonus token: 1.00 = no draft accepted")
     for column in ("dataset", "requests", "τ", "lossless", "tok/s with drafter", "tok/s target alone", "speedup"):
@@ -286,6 +287,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="outputs/demo", help="where every stage writes (default: outputs/demo)")
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="auto: cuda when a GPU is visible (GPU sizes), else cpu (CPU sizes)")
+    parser.add_argument("--target", default=TARGET,
+                        help="the target: alias, local directory or .gguf (default: the SmolLM2 wheel's model)")
+    parser.add_argument("--data", default=None,
+                        help="prompt file to regenerate instead of the size's sources (a machine without the "
+                             "sharegpt package, say)")
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo uses only what is installed, never the Hub
     if args.device == "cpu":
@@ -298,7 +304,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     load_start = os.getloadavg()
     try:
-        result = run_demo(args.out, GPU_SIZES if device == "cuda" else CPU_SIZES, device)
+        sizes = GPU_SIZES if device == "cuda" else CPU_SIZES
+        if args.data:
+            sizes = replace(sizes, sources=(args.data,))
+        result = run_demo(args.out, sizes, device, args.target)
     except DemoError as error:
         print(f"make demo: error: {error}", file=sys.stderr)
         return 1
