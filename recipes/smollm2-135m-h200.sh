@@ -30,6 +30,8 @@
 #   DEADLINE        optional unix time: training stops (checkpointed) 30 s before it; re-run to resume
 #   TRACKING        wandb | none (default: wandb; offline without a key)
 #   REGEN_MINUTES   optional: stop regenerating after this long and prepare the finished shards only
+#   REGEN_TURNS     user turns answered per conversation (default 1; `all` with prompt files packed with
+#                   `pack --whole-conversations`: more supervised tokens from the same conversations)
 #   EXTRA_PROMPTS   optional: regenerate's input arguments for more training prompts (own folder
 #                   regen-extra, prepared with the rest), e.g. the ShareGPT prompts the default set and
 #                   the held-out set leave: `python -m dflash_train.data.pack --source sharegpt=20000
@@ -73,7 +75,7 @@ regenerate_into() {  # output folder, then regenerate's input arguments; GPUS > 
   local limit=() ranks=() failed=0
   [[ -n "${REGEN_MINUTES:-}" ]] && limit=(timeout "${REGEN_MINUTES}m")
   local run=($DFLASH regenerate --target "$TARGET" "$@" --max-new-tokens "$MAX_NEW_TOKENS" --batch-size 256
-             --max-prompt-tokens 1024 --dtype bf16 --out "$out")
+             --max-prompt-tokens 1024 --dtype bf16 --turns "${REGEN_TURNS:-1}" --out "$out")
   if (( GPUS > 1 )); then
     for ((rank = 0; rank < GPUS; rank++)); do
       LOCAL_RANK=$rank "${limit[@]}" "${run[@]}" --rank "$rank" --world-size "$GPUS" &

