@@ -166,7 +166,8 @@ evaluate() {  # run name, report name, prompts per set, extra eval arguments
   [[ -f "$OUT/eval/$2.json" ]] && { echo "$2: evaluated earlier ($OUT/eval/$2.json)"; return 0; }
   local heldout=()
   [[ -f "$HELDOUT" ]] && heldout=(--dataset "$HELDOUT")
-  $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench "${heldout[@]}" \
+  # shellcheck disable=SC2086  # EVAL_PIN is a command prefix (taskset -c CPUS) or nothing
+  ${EVAL_PIN:-} $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench "${heldout[@]}" \
     --num-prompts "$3" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:4}"
 }
 
@@ -196,9 +197,16 @@ eval_all() {
   mkdir -p "$OUT/eval"
   local failed=0
   if (( GPUS > 1 )); then
-    CUDA_VISIBLE_DEVICES=1 other_evals > "$OUT/eval/other.log" 2>&1 &
+    # Disjoint CPU sets: at SmolLM2's size a batch-1 decode loop is bound by host latency, and the other
+    # GPU's evaluations (compilation workers included) would otherwise slow the timed loop down.
+    local cpus half pin_main="" pin_other=""
+    cpus=$(nproc); half=$(( cpus / 2 ))
+    if command -v taskset > /dev/null && (( half >= 2 )); then
+      pin_main="taskset -c 0-$(( half - 1 ))"; pin_other="taskset -c $half-$(( cpus - 1 ))"
+    fi
+    EVAL_PIN=$pin_other CUDA_VISIBLE_DEVICES=1 other_evals > "$OUT/eval/other.log" 2>&1 &
     local others=$!
-    CUDA_VISIBLE_DEVICES=0 main_eval || failed=1
+    EVAL_PIN=$pin_main CUDA_VISIBLE_DEVICES=0 main_eval || failed=1
     wait "$others" || failed=1
     cat "$OUT/eval/other.log"
   else
