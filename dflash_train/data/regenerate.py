@@ -3,11 +3,12 @@
 Plan (from the input alone, identical for every rank and every resumed run): prompts are read, cut to
 the conversation up to the first user turn, deduplicated, tokenised with the chat template (the same
 template and thinking setting as at serving), sorted by length, and cut into units of ``batch_size``
-rows. With ``turns`` > 1 the conversations' later user turns are answered too, one turn per round, each
-conditioned on the target's own earlier answers (``dflash_train.data.turns``). Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one
+rows. Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one
 shard ``part-<k>.jsonl`` written atomically. A resumed run skips units whose shard exists, so no row is
 lost or duplicated, and a unit's output depends only on its rows and ``seed + k``: a resumed run writes
-exactly what an uninterrupted one would have.
+exactly what an uninterrupted one would have. With ``turns`` > 1 the conversations' later user turns
+are answered too, one round per turn, each conditioned on the target's own earlier answers
+(``dflash_train.data.turns``).
 
 Output rows: ``{"messages": [...prompt, {"role": "assistant", "content": ...}], "finish_reason",
 "prompt_tokens", "completion_tokens", "source", "source_index", "row_id"}`` — an OpenAI-messages corpus
