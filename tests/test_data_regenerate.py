@@ -144,9 +144,10 @@ def test_resume_with_other_settings_is_refused(tiny: TargetModel, tmp_path: Path
 class ChatCompletionsServer(ThreadingHTTPServer):
     """``POST /v1/chat/completions`` answered by a transformers model with its own chat template."""
 
-    def __init__(self, target: TargetModel) -> None:
+    def __init__(self, target: TargetModel, stop_ids: tuple[int, ...] | None = None) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
         self.target, self.lock, self.requests = target, threading.Lock(), []
+        self.stop_ids = stop_ids or (target.tokenizer.eos_token_id,)
 
     @property
     def url(self) -> str:
@@ -166,7 +167,7 @@ class _Handler(BaseHTTPRequestHandler):
         ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
         with self.server.lock:
             (out,) = hf_generate(self.server.target.model, [list(ids)],
-                                 GenerationSettings(body["max_tokens"], (tokenizer.eos_token_id,), 0))
+                                 GenerationSettings(body["max_tokens"], self.server.stop_ids, 0))
         reply = {"choices": [{"index": 0, "finish_reason": out.finish_reason,
                               "message": {"role": "assistant", "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)}}],
                  "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}}

@@ -183,3 +183,25 @@ def test_turns_flag() -> None:
     for bad in ("0", "-1", "two"):
         with pytest.raises(argparse.ArgumentTypeError, match="a number >= 1 or all"):
             _turns(bad)
+
+
+def test_a_server_back_end_answers_every_turn_like_the_builtin_one(tiny: TargetModel, stop_id: int,
+                                                                 tmp_path: Path) -> None:
+    from dflash_train.data.backends import OpenAIBackend
+    from tests.test_data_regenerate import ChatCompletionsServer
+
+    source = write_source(tmp_path / "chats.jsonl")
+    run(tiny, stop_id, source, tmp_path / "local", None)
+    server = ChatCompletionsServer(tiny, stop_ids=(stop_id,))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=MAX_NEW, batch_size=2, turns=None,
+                                  max_prompt_tokens=200)
+        backend = OpenAIBackend(server.url, "tiny", max_new_tokens=MAX_NEW, concurrency=2)
+        assert regenerate(backend, ChatTokenizer(tiny.tokenizer), config, tmp_path / "http")["complete"]
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert any(len(request["messages"]) == 3 for request in server.requests)  # a second turn, with its history
+    assert [r["messages"] for r in rows_of(tmp_path / "http")] == [r["messages"] for r in rows_of(tmp_path / "local")]
