@@ -178,8 +178,9 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
         engine = DecodeEngine(target, None, config, runner=runner)
         result[f"target_step_{name}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
         result[f"target_step_{name}_compile_error"] = engine.compile_error
-        logits = runner.forward(ids, positions, compiled=compiled, compile_options=options).logits.float()
-        result[f"target_step_{name}_max_logit_diff"] = float((logits - reference).abs().max())
+        if engine.compile_error is None:  # (a failed compilation ran uncompiled above: nothing to compare)
+            logits = runner.forward(ids, positions, compiled=compiled, compile_options=options).logits.float()
+            result[f"target_step_{name}_max_logit_diff"] = float((logits - reference).abs().max())
         del engine
         gc.collect()
     return result
