@@ -299,6 +299,9 @@ def section_smollm2(args: argparse.Namespace, device: torch.device, dtype: torch
     result["ours_decode_tokens_per_s"] = ours_stats.decode_tokens_per_s
     result["ours_target_only_decode_tokens_per_s"] = alone_stats.decode_tokens_per_s
     result["decode_speedup_over_own_target_only"] = ours_stats.decode_tokens_per_s / alone_stats.decode_tokens_per_s
+    # Where a speedup goes: milliseconds per cycle of each loop (decode time over cycles run).
+    for key, stats in (("ours_cycle_ms", ours_stats), ("ours_target_only_step_ms", alone_stats)):
+        result[key] = (stats.wall_s - stats.prefill_s) / max(stats.cycles, 1) * 1e3
     return result
 
 

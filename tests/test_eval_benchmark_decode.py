@@ -41,4 +41,5 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     assert smol["prompts"] == 2 and smol["identical_tokens"] == 2 and smol["identical_acceptance"] == 2
     assert smol["lossless_vs_target_only"] == 2 and smol["ours_tokens_per_s"] > 0
     assert smol["decode_speedup_over_own_target_only"] > 0 and smol["ours_decode_tokens_per_s"] > 0
+    assert smol["ours_cycle_ms"] > 0 and smol["ours_target_only_step_ms"] > 0
     assert smol["dtype"] == "float32" and smol["reference_loop_tau"] == pytest.approx(smol["tau"])
