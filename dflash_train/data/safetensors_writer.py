@@ -55,8 +55,7 @@ def write_safetensors(path: Path, tensors: dict[str, list[Tensor]], metadata: di
                 jobs.append((position, part))
                 position += _nbytes(part)
         with ThreadPoolExecutor(threads) as pool:
-            for done in pool.map(lambda job: _write_at(f.fileno(), *job), jobs):
-                del done  # re-raises a failed write (a full disk, say) here
+            list(pool.map(lambda job: _write_at(f.fileno(), *job), jobs))  # re-raises a failed write here
 
 
 def _nbytes(part: Tensor) -> int:
