@@ -26,3 +26,30 @@ def test_bad_target_is_one_line_error(capsys: pytest.CaptureFixture[str], tmp_pa
     assert main(["inspect", "--target", str(tmp_path / "missing")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("dflash-train inspect: error:") and "\n" not in err
+
+
+@pytest.mark.parametrize(("requested", "local_rank", "expected"),
+                         [("cuda", None, "cuda:0"), ("cuda", "1", "cuda:1"), ("cuda:1", None, "cuda:1"),
+                          (None, "1", "cuda:1"), ("cpu", "1", "cpu")])
+def test_resolve_device_gives_set_device_an_index(monkeypatch: pytest.MonkeyPatch, requested: str | None,
+                                                   local_rank: str | None, expected: str) -> None:
+    """`--device cuda` once failed in torch.cuda.set_device, which refuses a CUDA device without an index."""
+    import torch
+
+    from dflash_train.data.cli_args import resolve_device
+
+    current: list[torch.device] = []
+
+    def set_device(device: torch.device) -> None:
+        if device.index is None:
+            raise ValueError(f"Expected a torch.device with a specified index or an integer, but got:{device}")
+        current.append(device)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", set_device)
+    if local_rank is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    assert resolve_device(requested) == expected
+    assert [str(d) for d in current] == ([expected] if expected != "cpu" else [])

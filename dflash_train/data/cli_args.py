@@ -51,13 +51,17 @@ def thinking_value(args: argparse.Namespace) -> bool | None:
 
 def resolve_device(requested: str | None) -> str:
     """``--device``, else ``cuda:$LOCAL_RANK`` (one GPU per process under torchrun/accelerate), else ``cpu``;
-    a CUDA device also becomes the current one, which CUDA streams and graphs use."""
+    a plain ``cuda`` means ``cuda:$LOCAL_RANK`` too. A CUDA device also becomes the current one, which CUDA
+    streams and graphs use."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if requested is None:
         if not torch.cuda.is_available():
             return "cpu"
-        requested = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        requested = "cuda"
     device = torch.device(requested)
     if device.type == "cuda":
+        if device.index is None:  # plain "cuda": this process's GPU (set_device needs an index)
+            device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return str(device)
 
