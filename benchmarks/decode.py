@@ -12,6 +12,8 @@ context. Measured in the same run (CUDA events, median):
 - our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
   step reads (all but the input embedding) / 4.3 TB/s (SPEC §6). Goal: <= 1.3x.
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
+- the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
+  and one layer's attention alone, both ways, for 1 and 16 new tokens;
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import time
 from collections.abc import Callable, Iterator
@@ -35,6 +38,7 @@ import torch
 
 from benchmarks.common import median, time_calls, write_result
 from dflash_train.eval.engine import DecodeEngine, EngineConfig
+from dflash_train.eval.static_target import StaticTarget
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel
 
@@ -148,12 +152,34 @@ def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, it
     positions, rows = torch.arange(1000, 1000 + block, device=device), torch.zeros(block, dtype=torch.long, device=device)
     args = (kv, norm, 1e-6, cos, cos, positions, rows, cache.keys, cache.values)
     verify = (logits, tokens, out, n_out, done)
-    return {
+    return attention_timings(device, iters) | {
         "greedy_verify_triton_ms": time_ms(lambda: greedy_verify_triton(*verify), device, 5, iters),
         "greedy_verify_torch_ms": time_ms(lambda: greedy_verify_reference(*verify), device, 5, iters),
         "context_kv_triton_ms": time_ms(lambda: context_kv_triton(*args), device, 5, iters),
         "context_kv_torch_ms": time_ms(lambda: context_kv_reference(*args), device, 5, iters),
     }
+
+
+def attention_timings(device: torch.device, iters: int, context: int = 1024, length: int = 1280) -> dict[str, float]:
+    """One layer's attention over the static cache, Qwen3-8B heads (32 query, 8 KV, D 128), for a decode step
+    (1 token) and a verify block (16): the split-key kernel against SDPA with the boolean mask."""
+    from dflash_train.eval.static_target import static_attention
+    from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
+
+    k = torch.randn(1, 8, length, 128, device=device, dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    result, scale = {}, 128 ** -0.5
+    for tokens in (1, 16):
+        q = torch.randn(1, tokens, 32, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
+        positions = torch.arange(context, context + tokens, device=device)[None]
+        bounds = bounds_from_positions(positions, None)
+        visible = (torch.arange(length, device=device)[None, None] <= positions[..., None])[:, None]
+        ours = functools.partial(static_attention_triton, q, k, v, bounds, scale)
+        sdpa = functools.partial(static_attention, None, q, k, v, visible, scaling=scale)
+        result[f"attention_t{tokens}_max_diff"] = float((ours().float() - sdpa()[0].float()).abs().max())
+        result[f"attention_t{tokens}_triton_ms"] = time_ms(ours, device, 5, iters)
+        result[f"attention_t{tokens}_sdpa_ms"] = time_ms(sdpa, device, 5, iters)
+    return result
 
 
 COMPILE_VARIANTS = {
@@ -211,6 +237,16 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine
             gc.collect()
+    if runner.attention == "triton":  # the same graphed loop with SDPA attention: the split-key kernel's worth
+        sdpa_runner = StaticTarget(target, 1, length, attention="sdpa")
+        for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
+            config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length,
+                                  compile=device.type == "cuda")
+            engine = DecodeEngine(target, draft_model, config, runner=sdpa_runner)
+            result[f"{name}_sdpa_attention_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+            del engine
+            gc.collect()
+        del sdpa_runner
     if args.compile_variants:
         result |= compile_variants(target, runner, prompt, new_tokens, length, device, args)
     result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
@@ -329,11 +365,14 @@ def plot(results: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     if "qwen3_8b" in results:
         q = results["qwen3_8b"]
-        names = ["floor", "ours step", "ours step, no graph", "ours step, eager", "HF step", "DFlash cycle",
-                 "cycle, no graph", "cycle, eager"]
-        values = [q["floor_ms"], q["target_step_ms"], q["target_step_no_graph_ms"], q["target_step_eager_ms"],
-                  q["hf_step_ms"], q["dflash_cycle_ms"], q["dflash_cycle_no_graph_ms"], q["dflash_cycle_eager_ms"]]
-        colors = ["grey", "tab:blue", "tab:cyan", "lightblue", "tab:red", "tab:green", "tab:olive", "palegreen"]
+        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, no graph", "ours step, eager",
+                 "HF step", "DFlash cycle", "cycle, SDPA attention", "cycle, no graph", "cycle, eager"]
+        values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_sdpa_attention_ms", 0.0),
+                  q["target_step_no_graph_ms"], q["target_step_eager_ms"], q["hf_step_ms"], q["dflash_cycle_ms"],
+                  q.get("dflash_cycle_sdpa_attention_ms", 0.0), q["dflash_cycle_no_graph_ms"],
+                  q["dflash_cycle_eager_ms"]]
+        colors = ["grey", "tab:blue", "steelblue", "tab:cyan", "lightblue", "tab:red", "tab:green", "seagreen",
+                  "tab:olive", "palegreen"]
         axes[0].barh(names, values, color=colors)
         axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
         axes[0].set_title("Qwen3-8B shapes: step times")

@@ -11,8 +11,14 @@ length-sorted, right-padded micro-batches of --token-budget padded tokens:
 - extract-bf16 / extract-fp8: the full `extract()` (capture, pad removal, fp8 quantisation, device-to-host
   copies, shard files written and closed), timed until the last shard is on disk ("on disk": in the
   page cache, as for any program writing files; no fsync);
-- "bf16, 1 writer": extract-bf16 with each shard file written by one thread (the default is 4).
+- "bf16, 1 writer": extract-bf16 with each shard file written by one thread (the default is 4);
+- "bf16 to RAM": extract-bf16 into /dev/shm (when it has room): the pipeline without the disk;
+- "disk alone": the bf16 store's bytes written from host memory by the same shard writer, no GPU work:
+  the disk's ceiling, and the tokens/s it allows at 5.8 KB (bf16) or 2.9 KB (fp8) per token.
 Goal: extraction >= 85 % of the baseline's tokens/s.
+
+`--target random` runs a randomly initialised model of SmolLM2-135M's shape (throughput does not depend
+on the weights) on a node without the model files.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from dflash_train.data.extract import ExtractConfig, extract, micro_batches, row_lengths
+from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches, row_lengths
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 
@@ -71,6 +77,48 @@ def bare_forward_seconds(target: Any, dataset: Any, token_budget: int) -> float:
         body.layers = all_layers
 
 
+SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                     num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, rope_theta=100000.0,
+                     tie_word_embeddings=True)
+
+
+def load_benchmark_target(name: str) -> Any:
+    from dflash_train.target import TargetModel, load_target
+
+    if name != "random":
+        return load_target(name, dtype=torch.bfloat16, device="cuda")
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMOLLM2_SHAPE)).to(device="cuda", dtype=torch.bfloat16)
+    return TargetModel(model, tokenizer=None)  # type: ignore[arg-type]  # extraction reads no text
+
+
+def disk_alone_seconds(out: Path, total_bytes: int, shards: int, threads: int) -> tuple[float, int]:
+    """Write `total_bytes` as `shards` files from pinned host memory, as the extractor's writer does."""
+    from dflash_train.data.safetensors_writer import write_safetensors
+    from dflash_train.data.shards import write_atomically
+
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    per_shard = total_bytes // shards
+    rows = [torch.full((per_shard // 64,), 7, dtype=torch.uint8) for _ in range(64)]
+    rows = [row.pin_memory() for row in rows] if torch.cuda.is_available() else rows
+    start = time.perf_counter()
+    for k in range(shards):
+        write_atomically(out / f"{k:05d}.safetensors",
+                         lambda tmp: write_safetensors(tmp, {"features": rows}, {}, threads))
+    seconds = time.perf_counter() - start
+    size = sum(p.stat().st_size for p in out.glob("*.safetensors"))
+    shutil.rmtree(out, ignore_errors=True)
+    return seconds, size
+
+
+def ram_scratch(needed: int) -> Path | None:
+    shm = Path("/dev/shm")
+    return shm / "dflash-extract-bench" if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * needed else None
+
+
 def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argparse.Namespace,
                     write_threads: int | None = None) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
@@ -102,9 +150,7 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/extract.py needs a CUDA device")
-    from dflash_train.target import load_target
-
-    target = load_target(args.target, dtype=torch.bfloat16, device="cuda")
+    target = load_benchmark_target(args.target)
     dataset = random_rows(args.rows, args.min_len, args.max_len, target.vocab_size)
     tokens = sum(row_lengths(dataset))
     scratch = args.out or Path(tempfile.mkdtemp(prefix="dflash-extract-bench-"))
@@ -112,22 +158,40 @@ def main() -> None:
     bare_forward_seconds(target, warm, args.token_budget)
     extract_seconds(target, warm, scratch / "warmup", "fp8", args)
     results: dict[str, Any] = {}
-    for name, run in [("baseline", lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0)),
-                      ("extract-bf16", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)),
-                      ("bf16, 1 writer", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args, 1)),
-                      ("extract-fp8", lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args))]:
+    bf16_bytes = tokens * bytes_per_token(len(LAYER_IDS), target.hidden_size, "bf16")
+    shards = -(-args.rows // args.rows_per_shard)
+    runs = [("baseline", lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0)),
+            ("extract-bf16", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)),
+            ("bf16, 1 writer", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args, 1)),
+            ("extract-fp8", lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args)),
+            ("disk alone", lambda: disk_alone_seconds(scratch / "disk", bf16_bytes, shards, args.write_threads))]
+    ram = ram_scratch(bf16_bytes)
+    if ram is not None:
+        runs.insert(3, ("bf16 to RAM", lambda: extract_seconds(target, dataset, ram, "bf16", args)))
+    for name, run in runs:
         runs = [run() for _ in range(args.repeats)]
         median_s = statistics.median(seconds for seconds, _ in runs)
         results[name] = {"seconds": [s for s, _ in runs], "tokens_per_s": tokens / median_s, "bytes_written": runs[0][1],
                          "write_gb_per_s": runs[0][1] / median_s / 1e9}
+    disk = results["disk alone"]
+    disk["tokens_per_s"] = None  # no tokens: its ceiling is in bytes
+    for dtype in ("bf16", "fp8"):  # the most tokens/s this disk lets a store of that dtype reach
+        disk[f"ceiling_{dtype}_tokens_per_s"] = disk["write_gb_per_s"] * 1e9 / bytes_per_token(
+            len(LAYER_IDS), target.hidden_size, dtype)
     base = results["baseline"]["tokens_per_s"]
     print(f"\nfeature extraction, SmolLM2-135M-Instruct bf16, layers {LAYER_IDS}, {args.rows} rows, {tokens:,} tokens, "
           f"budget {args.token_budget}")
     print(f"{'variant':<15} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
     for name, r in results.items():
+        if r["tokens_per_s"] is None:
+            print(f"{name:<15} {'':>12} {'':>12} {r['bytes_written'] / 1e9:>11.2f} {r['write_gb_per_s']:>6.2f}")
+            continue
         r["fraction_of_baseline"] = r["tokens_per_s"] / base
         print(f"{name:<15} {r['tokens_per_s']:>12,.0f} {100 * r['fraction_of_baseline']:>11.1f}% "
               f"{r['bytes_written'] / 1e9:>11.2f} {r['write_gb_per_s']:>6.2f}")
+    print(f"the disk alone allows {disk['ceiling_bf16_tokens_per_s']:,.0f} tokens/s in bf16 "
+          f"({disk['ceiling_bf16_tokens_per_s'] / base:.0%} of the baseline), "
+          f"{disk['ceiling_fp8_tokens_per_s']:,.0f} in fp8 ({disk['ceiling_fp8_tokens_per_s'] / base:.0%})")
     path = write_result("extract", {"config": {k: str(v) for k, v in vars(args).items()}, "tokens": tokens,
                                     "layer_ids": LAYER_IDS, "goal": ">= 0.85 of baseline", "results": results})
     print(f"wrote {path}")

@@ -12,6 +12,11 @@ from tests.tiny_models import make_tiny_target
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_prefill_and_verify_match_the_full_forward(arch: str) -> None:
+    check_prefill_and_verify(arch, attention="sdpa")
+
+
+def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu") -> None:
+    """Also run with attention="triton" by tests/test_kernels_static_attention.py (kernels interpreted on CPU)."""
     target = make_tiny_target(arch, num_layers=4, seed=1)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
@@ -19,20 +24,23 @@ def test_prefill_and_verify_match_the_full_forward(arch: str) -> None:
     with torch.no_grad():
         reference = target.model(ids).logits
     features = target.capture_features(ids, [1, 2])
-    runner = StaticTarget(target, batch_size=3, max_length=32)
+    target.model.to(device)
+    ids = ids.to(device)
+    runner = StaticTarget(target, batch_size=3, max_length=32, attention=attention)
     # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
     prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long)])])
-    out = runner.forward(prompt, torch.arange(9).expand(2, 9), row_index=torch.tensor([2, 0]), kv_len=9,
-                         logit_index=torch.tensor([8, 5]), feature_layer_ids=[1, 2])
-    torch.testing.assert_close(out.logits[:, 0], torch.stack([reference[0, 8], reference[1, 5]]), atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.features[0], features[0, :9], atol=1e-5, rtol=1e-4)
+    out = runner.forward(prompt, torch.arange(9, device=device).expand(2, 9), row_index=torch.tensor([2, 0], device=device),
+                         kv_len=9, logit_index=torch.tensor([8, 5], device=device), feature_layer_ids=[1, 2])
+    torch.testing.assert_close(out.logits[:, 0].cpu(), torch.stack([reference[0, 8], reference[1, 5]]), atol=1e-5,
+                               rtol=1e-4)
+    torch.testing.assert_close(out.features[0].cpu(), features[0, :9], atol=1e-5, rtol=1e-4)
     # One verify over all rows: row 0 continues at position 6, row 2 at 9 (row 1 is idle garbage).
     block = torch.stack([ids[1, 6:11], ids[0, 3:8], ids[0, 9:14]])
-    positions = torch.stack([torch.arange(6, 11), torch.arange(3, 8), torch.arange(9, 14)])
+    positions = torch.stack([torch.arange(6, 11), torch.arange(3, 8), torch.arange(9, 14)]).to(device)
     out = runner.forward(block, positions, feature_layer_ids=[1, 2])
-    torch.testing.assert_close(out.logits[0], reference[1, 6:11], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.logits[2], reference[0, 9:14], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.features[2], features[0, 9:14], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits[0].cpu(), reference[1, 6:11], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.logits[2].cpu(), reference[0, 9:14], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(out.features[2].cpu(), features[0, 9:14], atol=1e-5, rtol=1e-4)
 
 
 def test_sliding_window_is_applied() -> None:

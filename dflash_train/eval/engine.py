@@ -89,7 +89,8 @@ class DecodeEngine:
         uses_draft = draft is not None and self.block_size > 1
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
-            runner = StaticTarget(target, config.batch_size, config.max_length)
+            runner = StaticTarget(target, config.batch_size, config.max_length,
+                                  attention="triton" if self.kernels == "triton" else "sdpa")
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length,
                                      self.kernels) if uses_draft else None

@@ -10,6 +10,9 @@ KV cache and its attention function are ours:
   position p sees only slots <= p).
 - Attention: SDPA with each KV head's query heads folded into the query axis (no copy of K/V per query
   head), under a boolean mask built from positions (causal, plus the sliding window where the layer has one).
+  With `attention="triton"`, decode and verify steps (a few new tokens per row) run the split-key kernel of
+  `dflash_train.kernels.static_attention` instead, given each query's first and last visible slot; prefill
+  stays on SDPA.
 
 Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
 layer loop: no hooks.
@@ -27,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.kernels.static_attention import bounds_from_positions, fits
 from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.target import TargetModel
 
@@ -44,8 +48,15 @@ def static_attention(
     dropout: float = 0.0,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None)."""
+    """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None).
+
+    An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query)."""
     b, heads, t, d = query.shape
+    if attention_mask.dtype != torch.bool:
+        from dflash_train.kernels.static_attention import static_attention_triton
+
+        scale = scaling if scaling is not None else d ** -0.5
+        return static_attention_triton(query, key, value, attention_mask, scale), None
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
@@ -86,7 +97,8 @@ class TargetOutput:
 
 
 class StaticTarget:
-    def __init__(self, target: TargetModel, batch_size: int, max_length: int) -> None:
+    def __init__(self, target: TargetModel, batch_size: int, max_length: int, attention: str = "sdpa") -> None:
+        """`attention`: "sdpa", or "triton" for the split-key kernel on decode and verify steps."""
         model_type = getattr(target.config.get_text_config(), "model_type", type(target.model).__name__)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -98,6 +110,9 @@ class StaticTarget:
         self.layers = target.decoder_layers
         attn = self.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
+        if attention not in ("sdpa", "triton"):
+            raise ValueError(f"attention must be 'sdpa' or 'triton', not {attention!r}")
+        self.attention, self.heads, self.kv_heads = attention, attn.q_proj.out_features // attn.head_dim, kv_heads
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # [b, kv, max_len, D]
@@ -126,7 +141,10 @@ class StaticTarget:
                 config._attn_implementation = name
 
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
-        """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal)."""
+        """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the
+        Triton path one [n, 2, T] int32 bounds tensor per window."""
+        if self.attention == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
+            return {window: bounds_from_positions(positions, window) for window in dict.fromkeys(self.windows)}
         slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
         masks = {}
         for window in dict.fromkeys(self.windows):  # ordered, so compiled graphs trace the same way each time

@@ -1,0 +1,196 @@
+"""Attention of a few new tokens over the target's static KV cache (decode and verify), split along the keys.
+
+A decode step has one query per row and a verify step 16, against a cache of thousands of slots. A prefill
+attention kernel gives each query tile one program that walks every key: at batch 1 that is one program
+per head, a few dozen on a GPU with 132 SMs, and the step waits on their latency (cuDNN's took ~30 µs per
+layer for one query over 1.3k slots on the H200, 17 % of a Qwen3-8B-shaped decode step). Here, as in
+flash-decoding, the keys are cut into splits and each (row, KV head, split) gets a program; a second
+launch merges the splits' partial softmaxes. The query heads that share a KV head are processed together
+(grouped-query attention without repeating K/V).
+
+Which slots a query sees comes from `bounds` [n, 2, T] (first and last visible slot of each query, both
+inclusive): causal attention is [0, position], a sliding window [position - window + 1, position]. Slots
+past the last visible one are never read, so a step costs what the context holds, not what the cache can
+hold. Softmax runs in fp32 (exp of scores minus the running max); probabilities are rounded to the
+cache's dtype for the P·V product, as flash attention does; the output is rounded once.
+"""
+
+# Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
+import functools
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+
+BLOCK_N = 64  # keys per tile; a split is a whole number of tiles
+MAX_QUERY_ROWS = 128  # query heads per KV head x new tokens handled by one program (larger: use SDPA)
+
+
+def bounds_from_positions(positions: torch.Tensor, window: int | None) -> torch.Tensor:
+    """positions [n, T] -> bounds [n, 2, T] int32: the first and last slot each query sees."""
+    hi = positions
+    lo = torch.zeros_like(positions) if window is None else (positions - (window - 1)).clamp(min=0)
+    return torch.stack([lo, hi], dim=1).to(torch.int32)
+
+
+def fits(heads: int, kv_heads: int, tokens: int) -> bool:
+    """Whether `tokens` new tokens per row fit one program's query tile (else the caller uses SDPA)."""
+    return next_power_of_2((heads // kv_heads) * tokens) <= MAX_QUERY_ROWS
+
+
+def static_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """Brute force in fp32. q [n, heads, T, D]; k/v [n, kv_heads, S, D]; bounds [n, 2, T] -> [n, T, heads, D]."""
+    n, heads, t, _ = q.shape
+    groups = heads // k.shape[1]
+    slots = torch.arange(k.shape[2], device=q.device)
+    lo, hi = bounds[:, 0].long(), bounds[:, 1].long()  # [n, T]
+    visible = (slots >= lo[..., None]) & (slots <= hi[..., None])  # [n, T, S]
+    keys = k.float().repeat_interleave(groups, dim=1)
+    values = v.float().repeat_interleave(groups, dim=1)
+    scores = torch.einsum("nhtd,nhsd->nhts", q.float(), keys) * scale
+    scores = scores.masked_fill(~visible[:, None], float("-inf"))
+    out = torch.einsum("nhts,nhsd->nhtd", scores.softmax(dim=-1).nan_to_num(0.0), values)
+    return out.transpose(1, 2).to(q.dtype)
+
+
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr,
+    sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
+    kv_heads, keys, split_len, num_splits, scale,
+    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+):
+    pid = tl.program_id(0)  # row * kv_heads + kv_head
+    split = tl.program_id(1)
+    row = pid // kv_heads
+    kv_head = pid % kv_heads
+    r = tl.arange(0, BLOCK_M)  # query row r: head kv_head * GROUPS + r // T, token r % T
+    r_ok = r < GROUPS * T
+    head = kv_head * GROUPS + r // T
+    token = r % T
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    q = tl.load(q_ptr + row * sq_n + head[:, None] * sq_h + token[:, None] * sq_t + d[None, :] * sq_d,
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+    lo = tl.load(bounds_ptr + row * 2 * T + token, mask=r_ok, other=1)  # padding rows: lo > hi, sees nothing
+    hi = tl.load(bounds_ptr + row * 2 * T + T + token, mask=r_ok, other=0)
+    start = tl.maximum(split * split_len, tl.min(tl.where(r_ok, lo, keys), axis=0))
+    end = tl.minimum(tl.minimum((split + 1) * split_len, keys), tl.max(hi, axis=0) + 1)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    m_safe = tl.zeros([BLOCK_M], tl.float32)
+    total = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    k_base = k_ptr + row.to(tl.int64) * sk_n + kv_head * sk_h
+    v_base = v_ptr + row.to(tl.int64) * sv_n + kv_head * sv_h
+    for s0 in range(start, end, BLOCK_N):
+        s = s0 + tl.arange(0, BLOCK_N)
+        s_ok = s < end
+        kt = tl.load(k_base + s[None, :] * sk_s + d[:, None] * sk_d, mask=s_ok[None, :] & d_ok[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, kt, input_precision="ieee") * scale
+        else:  # bf16/fp16 values are exact in tf32: exact products, fp32 sums
+            scores = tl.dot(q, kt.to(tl.float32)) * scale
+        visible = (s[None, :] >= lo[:, None]) & (s[None, :] <= hi[:, None]) & s_ok[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row that has seen nothing yet stays at 0
+        p = tl.exp(scores - m_safe[:, None])
+        alpha = tl.exp(m - m_safe)
+        total = total * alpha + tl.sum(p, axis=1)
+        vt = tl.load(v_base + s[:, None] * sv_s + d[None, :] * sv_d, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
+        else:  # p rounded to tf32 (finer than the bf16 of flash attention)
+            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32))
+        m = m_new
+    seen = total > 0
+    lse = tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
+    out = acc / tl.where(seen, total, 1.0)[:, None]
+    part = pid * num_splits + split
+    tl.store(part_lse_ptr + part * BLOCK_M + r, lse)
+    tl.store(part_o_ptr + (part * BLOCK_M + r[:, None]) * BLOCK_D + d[None, :], out)
+
+
+def _combine_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr, kv_heads, num_splits,
+    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    r = tl.program_id(1)
+    row = pid // kv_heads
+    head = (pid % kv_heads) * GROUPS + r // T
+    token = r % T
+    sp = tl.arange(0, BLOCK_S)
+    sp_ok = sp < num_splits
+    d = tl.arange(0, BLOCK_D)
+    parts = pid * num_splits + sp
+    lse = tl.load(part_lse_ptr + parts * BLOCK_M + r, mask=sp_ok, other=float("-inf"))
+    top = tl.max(lse, axis=0)
+    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # splits that saw nothing weigh 0
+    o = tl.load(part_o_ptr + (parts[:, None] * BLOCK_M + r) * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    denom = tl.sum(weight, axis=0)
+    out = tl.sum(o * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+    heads = kv_heads * GROUPS
+    dst = out_ptr + ((row.to(tl.int64) * T + token) * heads + head) * D
+    tl.store(dst + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+@functools.lru_cache(maxsize=8)
+def _processors(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def split_plan(programs: int, keys: int, processors: int) -> tuple[int, int]:
+    """(split_len, num_splits): about two programs per processor, each at least one tile of keys."""
+    wanted = max(1, min(_ceil_div(keys, BLOCK_N), _ceil_div(2 * processors, programs)))
+    split_len = _ceil_div(_ceil_div(keys, wanted), BLOCK_N) * BLOCK_N
+    return split_len, _ceil_div(keys, split_len)
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+    n, heads, t, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = heads // kv_heads
+    block_m = max(16, next_power_of_2(groups * t))
+    block_d = max(16, next_power_of_2(dim))
+    split_len, num_splits = split_plan(n * kv_heads, keys, _processors(q.device))
+    part_o = torch.empty(n * kv_heads * num_splits * block_m * block_d, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(n * kv_heads * num_splits * block_m, device=q.device, dtype=torch.float32)
+    out = torch.empty((n, t, heads, dim), device=q.device, dtype=q.dtype)
+    split_kernel, combine_kernel = jit(_split_kernel), jit(_combine_kernel)
+    if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
+        split_kernel, combine_kernel = wrap_triton(split_kernel), wrap_triton(combine_kernel)
+    split_kernel[(n * kv_heads, num_splits)](
+        q, k, v, bounds, part_o, part_lse, *q.stride(), *k.stride(), *v.stride(),
+        kv_heads, keys, split_len, num_splits, scale,
+        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        IEEE=q.dtype == torch.float32,
+    )
+    combine_kernel[(n * kv_heads, groups * t)](
+        part_o, part_lse, out, kv_heads, num_splits,
+        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
+    )
+    return out
+
+
+@triton_op("dflash_train::static_attention", mutates_args=())
+def _static_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    return _launch(q, k, v, bounds, scale)
+
+
+def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """Same contract as `static_attention_reference`; a custom op, so torch.compile keeps it in its graph."""
+    assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
+    assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
+    return _static_attention_op(q, k, v, bounds.contiguous(), float(scale))

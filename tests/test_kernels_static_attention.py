@@ -1,0 +1,123 @@
+"""The split-key attention kernel against a brute-force reference, and the reference against the SDPA path
+the static target runs otherwise (boolean masks from positions), so that both stay tied to the model.
+
+On CPU the kernels run under TRITON_INTERPRET=1; when this process imported triton without it, the file
+re-runs itself in a subprocess that sets it from the start.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.eval.static_target import static_attention
+from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
+from dflash_train.kernels.static_attention import (
+    bounds_from_positions,
+    fits,
+    split_plan,
+    static_attention_reference,
+    static_attention_triton,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
+kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
+
+
+@pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
+def test_under_interpreter() -> None:
+    result = run_pytest_under_interpreter(__file__)
+    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+
+
+def make_case(n: int, heads: int, kv_heads: int, tokens: int, keys: int, dim: int, dtype: torch.dtype,
+              seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    # q as the attention layers hand it over: [n, heads, T, D] transposed from [n, T, heads, D] (not contiguous)
+    q = (torch.randn(n, tokens, heads, dim, generator=gen) * 2).to(dtype).transpose(1, 2)
+    k = (torch.randn(n, kv_heads, keys, dim, generator=gen) * 2).to(dtype)
+    v = torch.randn(n, kv_heads, keys, dim, generator=gen).to(dtype)
+    start = torch.randint(0, keys - tokens + 1, (n, 1), generator=gen)
+    positions = start + torch.arange(tokens)  # consecutive new tokens, as in decode and verify
+    return q, k, v, positions
+
+
+def test_reference_matches_the_sdpa_path() -> None:
+    """The reference with bounds = the SDPA path with the static target's boolean masks (causal and window)."""
+    q, k, v, positions = make_case(2, 6, 2, 5, 40, 8, torch.float32, seed=0)
+    slots = torch.arange(40)
+    for window in (None, 4):
+        visible = slots[None, None] <= positions[..., None]
+        if window is not None:
+            visible = visible & (slots[None, None] > positions[..., None] - window)
+        sdpa, _ = static_attention(None, q, k, v, visible[:, None], scaling=0.3)  # type: ignore[arg-type]
+        ours = static_attention_reference(q, k, v, bounds_from_positions(positions, window), scale=0.3)
+        torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def test_split_plan_covers_every_key_once() -> None:
+    for programs, keys, processors in [(8, 1280, 132), (1, 5, 4), (3, 1000, 132), (64, 4096, 132), (1, 64, 1)]:
+        split_len, splits = split_plan(programs, keys, processors)
+        assert split_len % 64 == 0 and split_len * splits >= keys > split_len * (splits - 1)
+    assert split_plan(8, 1280, 132)[1] > 8  # several programs per KV head at batch 1
+
+
+def test_fits() -> None:
+    assert fits(32, 8, 16) and fits(32, 8, 1) and not fits(32, 8, 64) and not fits(9, 3, 100)
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "tokens", "keys", "dim", "window"), [
+    (1, 4, 1, 1, 7, 16, None),  # decode, fewer keys than a tile
+    (2, 6, 2, 5, 200, 16, None),  # several splits per row, 3 query heads per KV head
+    (1, 8, 8, 16, 300, 32, 20),  # verify block with a sliding window (most splits see nothing)
+    (3, 9, 3, 3, 130, 24, None),  # head_dim not a power of two, uneven split
+])
+def test_kernel_matches_reference(dtype: torch.dtype, n: int, heads: int, kv_heads: int, tokens: int, keys: int,
+                                  dim: int, window: int | None) -> None:
+    q, k, v, positions = make_case(n, heads, kv_heads, tokens, keys, dim, dtype, seed=keys + tokens)
+    bounds = bounds_from_positions(positions, window)
+    expected = static_attention_reference(q, k, v, bounds, scale=dim ** -0.5)
+    got = static_attention_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), dim ** -0.5)
+    assert got.shape == (n, tokens, heads, dim) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.cpu(), expected, atol=tol, rtol=tol)
+
+
+@kernels_here
+def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
+    """Slots after a query's position hold garbage in the static cache (stale or never written): the
+    kernel must not let it in, not even as NaN through a masked product."""
+    q, k, v, positions = make_case(1, 4, 2, 2, 256, 16, torch.float32, seed=3)
+    positions = torch.tensor([[100, 101]])
+    k[:, :, 102:], v[:, :, 102:] = float("nan"), float("nan")
+    bounds = bounds_from_positions(positions, None)
+    got = static_attention_triton(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.25).cpu()
+    k[:, :, 102:], v[:, :, 102:] = 0.0, 0.0
+    torch.testing.assert_close(got, static_attention_reference(q, k, v, bounds, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@kernels_here
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None:
+    """The target runner with attention="triton" (prefill of some rows, then a verify block per row at
+    different positions; a sliding window for mistral) against the model's own forward."""
+    from tests.test_eval_static_target import check_prefill_and_verify
+
+    check_prefill_and_verify(arch, attention="triton", device=DEVICE)
+
+
+def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
+    from dflash_train.eval.static_target import StaticTarget
+    from tests.tiny_models import make_tiny_target
+
+    runner = StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=512, attention="triton")
+    groups = runner.heads // runner.kv_heads
+    decode = runner._masks(torch.zeros(1, 1, dtype=torch.long), 512)[None]
+    prefill = runner._masks(torch.arange(400)[None], 400)[None]
+    assert decode.dtype == torch.int32 and decode.shape == (1, 2, 1)
+    assert prefill.dtype == torch.bool and 400 * groups > 128
+    with pytest.raises(ValueError, match="attention must be"):
+        StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=8, attention="flash")
