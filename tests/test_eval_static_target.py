@@ -28,7 +28,7 @@ def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu") -> 
     ids = ids.to(device)
     runner = StaticTarget(target, batch_size=3, max_length=32, attention=attention)
     # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
-    prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long)])])
+    prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long, device=device)])])
     out = runner.forward(prompt, torch.arange(9, device=device).expand(2, 9), row_index=torch.tensor([2, 0], device=device),
                          kv_len=9, logit_index=torch.tensor([8, 5], device=device), feature_layer_ids=[1, 2])
     torch.testing.assert_close(out.logits[:, 0].cpu(), torch.stack([reference[0, 8], reference[1, 5]]), atol=1e-5,

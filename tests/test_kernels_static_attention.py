@@ -11,7 +11,12 @@ import pytest
 import torch
 
 from dflash_train.eval.static_target import static_attention
-from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
+from dflash_train.kernels._triton import (
+    HAS_TRITON,
+    interpreter_ready,
+    interpreting,
+    run_pytest_under_interpreter,
+)
 from dflash_train.kernels.static_attention import (
     bounds_from_positions,
     fits,
@@ -121,3 +126,36 @@ def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
     assert prefill.dtype == torch.bool and 400 * groups > 128
     with pytest.raises(ValueError, match="attention must be"):
         StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=8, attention="flash")
+
+
+def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],
+                     float_type: str) -> None:
+    """Compile a kernel body to sm_90 machine code here (no GPU needed), with every scalar argument
+    typed as a launcher would type it: torch.compile hands Python floats over as fp64."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    names = list(inspect.signature(kernel).parameters)  # type: ignore[arg-type]
+    signature = {name: pointer_types.get(name, "constexpr" if name in constants else
+                                         (float_type if name == "scale" else "i32")) for name in names}
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    source = triton.compiler.ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
+@pytest.mark.parametrize(("element", "float_type"), [("bf16", "fp64"), ("bf16", "fp32"), ("fp32", "fp64")])
+@pytest.mark.parametrize(("tokens", "groups", "dim"), [(1, 4, 128), (16, 3, 64)])
+def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int, groups: int, dim: int) -> None:
+    """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
+    from dflash_train.kernels._triton import next_power_of_2
+    from dflash_train.kernels.static_attention import BLOCK_N, _combine_kernel, _split_kernel
+
+    block_m, block_d = max(16, next_power_of_2(groups * tokens)), max(16, next_power_of_2(dim))
+    shapes = dict(T=tokens, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d)
+    pointers = {"q_ptr": f"*{element}", "k_ptr": f"*{element}", "v_ptr": f"*{element}", "bounds_ptr": "*i32",
+                "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
+    compile_for_h100(_split_kernel, {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32"}, pointers, float_type)
+    compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)

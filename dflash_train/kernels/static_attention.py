@@ -88,10 +88,11 @@ def _split_kernel(
         s = s0 + tl.arange(0, BLOCK_N)
         s_ok = s < end
         kt = tl.load(k_base + s[None, :] * sk_s + d[:, None] * sk_d, mask=s_ok[None, :] & d_ok[:, None], other=0.0)
-        if IEEE:
-            scores = tl.dot(q, kt, input_precision="ieee") * scale
+        if IEEE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+            scores = tl.dot(q, kt, input_precision="ieee")
         else:  # bf16/fp16 values are exact in tf32: exact products, fp32 sums
-            scores = tl.dot(q, kt.to(tl.float32)) * scale
+            scores = tl.dot(q, kt.to(tl.float32))
+        scores = (scores * scale).to(tl.float32)  # torch.compile passes Python floats as fp64
         visible = (s[None, :] >= lo[:, None]) & (s[None, :] <= hi[:, None]) & s_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
@@ -100,7 +101,7 @@ def _split_kernel(
         alpha = tl.exp(m - m_safe)
         total = total * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + s[:, None] * sv_s + d[None, :] * sv_d, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
-        if IEEE:
+        if IEEE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
         else:  # p rounded to tf32 (finer than the bf16 of flash attention)
             acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32))
