@@ -13,7 +13,14 @@ import pytest
 import torch
 
 from dflash_train.cli import main
-from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches
+from dflash_train.data.extract import (
+    ExtractConfig,
+    bytes_per_token,
+    extract,
+    micro_batches,
+    plan_rows_per_shard,
+    row_lengths,
+)
 from dflash_train.data.features import (
     FeatureStore,
     compute_features,
@@ -234,3 +241,31 @@ def test_store_pickles_for_data_loader_workers(tiny: TargetModel, tmp_path: Path
     first = store[4]
     copy = pickle.loads(pickle.dumps(store))
     assert torch.equal(copy[4]["features"], first["features"]) and len(copy) == 5
+
+
+def extract_with(target: TargetModel, data: datasets.Dataset, out: Path, **config: object) -> dict:
+    settings = {"target": "tiny", "target_hash": target_fingerprint(target.model),
+                "tokenizer_hash": tokenizer_hash(target.tokenizer)}
+    return extract(target, data, out, ExtractConfig(LAYERS, **config), settings)  # type: ignore[arg-type]
+
+
+def test_shards_written_four_at_a_time_equal_one_at_a_time(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()
+    extract_with(tiny, data, tmp_path / "one", rows_per_shard=2, token_budget=64, write_threads=1)
+    extract_with(tiny, data, tmp_path / "four", rows_per_shard=2, token_budget=64, write_threads=4)
+    assert len(shard_bytes(tmp_path / "one")) > 4 and shard_bytes(tmp_path / "four") == shard_bytes(tmp_path / "one")
+
+
+def test_rows_per_shard_follows_the_shard_size_and_a_resume_keeps_the_stores(tiny: TargetModel,
+                                                                              tmp_path: Path) -> None:
+    assert plan_rows_per_shard([100, 300], per_token=1000, shard_bytes=1 << 20) == 5  # 2^20 / 200,000 bytes
+    assert plan_rows_per_shard([10_000], per_token=40_965, shard_bytes=1 << 30) == 2  # Qwen3-8B-wide rows
+    assert plan_rows_per_shard([10**7], per_token=10**4, shard_bytes=1) == 1
+    data = rows_dataset()
+    per_row = sum(row_lengths(data)) / len(data) * bytes_per_token(len(LAYERS), tiny.hidden_size, "bf16")
+    manifest = extract_with(tiny, data, tmp_path / "store", shard_bytes=int(3.5 * per_row))
+    assert manifest["rows_per_shard"] == 3
+    # the same command with another shard size resumes into the store with the store's own shard size
+    again = extract_with(tiny, data, tmp_path / "store", shard_bytes=int(10 * per_row))
+    assert again["rows_per_shard"] == 3
+    assert len(FeatureStore(tmp_path / "store")) == len(data)

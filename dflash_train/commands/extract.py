@@ -33,10 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="stored feature dtype")
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
-    parser.add_argument("--rows-per-shard", type=int, default=256, help="rows per shard file (host memory holds ~3)")
+    parser.add_argument("--shard-gb", type=float, default=1.0,
+                        help="about this many GB per shard file (host memory holds --write-threads + 1 shards)")
+    parser.add_argument("--rows-per-shard", type=int, default=None,
+                        help="rows per shard file instead of --shard-gb (default: an existing store's own)")
     parser.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
     parser.add_argument("--write-threads", type=int, default=4,
-                        help="threads writing each shard file (one copy thread is slower than the GPU)")
+                        help="shard files written at once (one thread copying into the page cache is slower "
+                             "than the GPU, and one file takes one writer at a time)")
     parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
     parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
     parser.add_argument("--verify", action="store_true", help="check an existing store instead of writing")
@@ -84,8 +88,10 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_prepared(args.data)
     target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
     check_tokenizer(args.data, target.tokenizer, args.target)
+    if args.shard_gb <= 0 or (args.rows_per_shard is not None and args.rows_per_shard < 1):
+        raise ValueError("--shard-gb must be > 0 and --rows-per-shard >= 1")
     config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget,
-                           write_threads=max(1, args.write_threads))
+                           write_threads=max(1, args.write_threads), shard_bytes=int(args.shard_gb * 1e9))
     settings = {"target": args.target, "target_hash": target_fingerprint(target.model),
                 "target_dtype": args.target_dtype, "tokenizer_hash": tokenizer_hash(target.tokenizer),
                 "vocab_size": target.vocab_size, "prepared": str(args.data)}

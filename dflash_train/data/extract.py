@@ -1,11 +1,15 @@
 """Offline feature extraction: prepared dataset -> feature store (layout in ``features.py``).
 
 Shard ``k`` = dataset rows ``[k*R, (k+1)*R)``; rank ``r`` of ``w`` writes shards ``k % w == r``; a shard is
-written atomically, so a killed run resumes by skipping the shards that exist. Inside a shard, rows are
-sorted by length and grouped into right-padded micro-batches of at most ``token_budget`` padded tokens.
+written atomically, so a killed run resumes by skipping the shards that exist. ``R`` is chosen so that a
+shard holds about ``shard_bytes`` at the dataset's mean row length (a fixed row count would make a
+Qwen3-8B shard tens of gigabytes of pinned host memory), unless given. Inside a shard, rows are sorted by
+length and grouped into right-padded micro-batches of at most ``token_budget`` padded tokens.
+
 The host never waits for the GPU: while the target runs micro-batch ``j+1``, micro-batch ``j``'s features
-are copied to pinned host memory on a side stream, and a writer thread waits for a shard's copies and
-writes it straight from those buffers.
+are copied to pinned host memory on a side stream, and writer threads wait for a shard's copies and write
+it straight from those buffers. Up to ``write_threads`` shard files are written at once, each by one
+thread: concurrent writes into one file queue behind its lock, separate files proceed in parallel.
 """
 
 from __future__ import annotations
@@ -31,10 +35,11 @@ from dflash_train.data.shards import check_same_settings, write_atomically, writ
 class ExtractConfig:
     layer_ids: list[int]
     dtype: str = "bf16"  # or "fp8"
-    rows_per_shard: int = 256
+    rows_per_shard: int | None = None  # None: about `shard_bytes` per shard (an existing store's own value)
     token_budget: int = 16384
     disk_margin: float = 1.02
-    write_threads: int = 4  # concurrent writes within a shard file (page-cache copies are per thread)
+    write_threads: int = 4  # shard files written at once; host memory holds write_threads + 1 shards
+    shard_bytes: int = 1 << 30
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
@@ -47,6 +52,12 @@ def row_lengths(dataset: Any) -> list[int]:
     import pyarrow.compute as pc
 
     return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
+
+
+def plan_rows_per_shard(lengths: Sequence[int], per_token: int, shard_bytes: int) -> int:
+    """Rows of the dataset's mean length that make about `shard_bytes`."""
+    mean_row_bytes = max(1.0, sum(lengths) / max(len(lengths), 1) * per_token)
+    return max(1, int(shard_bytes // mean_row_bytes))
 
 
 def micro_batches(lengths: Sequence[int], token_budget: int) -> list[list[int]]:
@@ -170,12 +181,25 @@ class _ShardBuilder:
         return host
 
 
-def _save_shard(path: Path, parts: ShardParts, unit: int, threads: int) -> None:
+def _save_shard(path: Path, parts: ShardParts, unit: int) -> None:
     parts.wait()
     tensors = parts.tensors
     metadata = {"unit": str(unit), "rows": str(len(tensors["offsets"][0]) - 1),
                 "tokens": str(len(tensors["input_ids"][0]))}
-    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata, threads))
+    write_atomically(path, lambda tmp: write_safetensors(tmp, tensors, metadata))
+
+
+def _rows_per_shard(out_dir: Path, config: ExtractConfig, lengths: Sequence[int], per_token: int) -> int:
+    if config.rows_per_shard is not None:
+        return config.rows_per_shard
+    manifest = out_dir / MANIFEST
+    if manifest.is_file():  # resuming: the store's own shard size (a changed one is refused below)
+        import json
+
+        found = json.loads(manifest.read_text()).get("rows_per_shard")
+        if isinstance(found, int) and found > 0:
+            return found
+    return plan_rows_per_shard(lengths, per_token, config.shard_bytes)
 
 
 def extract(
@@ -185,14 +209,15 @@ def extract(
     """Write this rank's missing shards; ``settings`` (target, hashes, ...) go into the manifest."""
     lengths = row_lengths(dataset)
     per_token = bytes_per_token(len(config.layer_ids), target.hidden_size, config.dtype)
-    units = -(-len(lengths) // config.rows_per_shard)
+    rows_per_shard = _rows_per_shard(out_dir, config, lengths, per_token)
+    units = -(-len(lengths) // rows_per_shard)
     manifest = {**settings, "format": "dflash-features-v1", "target_layer_ids": list(config.layer_ids),
                 "hidden_size": target.hidden_size, "dtype": config.dtype, "num_rows": len(lengths),
-                "num_tokens": sum(lengths), "rows_per_shard": config.rows_per_shard, "num_units": units,
+                "num_tokens": sum(lengths), "rows_per_shard": rows_per_shard, "num_units": units,
                 "bytes_per_token": per_token}
     check_same_settings(out_dir / MANIFEST, manifest, "a feature store")
     todo = [k for k in range(units) if k % world == rank and not shard_path(out_dir, k).exists()]
-    todo_tokens = sum(sum(lengths[k * config.rows_per_shard:(k + 1) * config.rows_per_shard]) for k in todo)
+    todo_tokens = sum(sum(lengths[k * rows_per_shard:(k + 1) * rows_per_shard]) for k in todo)
     needed = int(todo_tokens * per_token * config.disk_margin)
     print(f"extract: {sum(lengths):,} tokens in {units} shards, {per_token:,} bytes/token ({config.dtype}): "
           f"{sum(lengths) * per_token / 2**30:.2f} GiB in all; this run (rank {rank}/{world}) writes "
@@ -203,18 +228,19 @@ def extract(
     builder = _ShardBuilder(target, config)
     if progress:
         progress(0, len(todo), 0, 0.0)
-    with ThreadPoolExecutor(1) as writer:
+    threads = max(1, config.write_threads)
+    with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
         for done, k in enumerate(todo, start=1):
             start = time.perf_counter()
-            rows = shard_rows(dataset, k * config.rows_per_shard, min((k + 1) * config.rows_per_shard, len(lengths)))
+            rows = shard_rows(dataset, k * rows_per_shard, min((k + 1) * rows_per_shard, len(lengths)))
             parts = builder.run(rows)
             for future in [f for f in pending if f.done()]:
                 future.result()  # a failed write stops the run here, with its error
                 pending.remove(future)
-            if len(pending) >= 2:  # bound host memory: at most two shards waiting for the disk
+            if len(pending) >= threads:  # bound host memory: one shard per writer waiting for the disk
                 pending.pop(0).result()
-            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k, config.write_threads))
+            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
             if progress:
                 tokens = len(rows.input_ids)
                 progress(done, len(todo), tokens, tokens / max(time.perf_counter() - start, 1e-9))

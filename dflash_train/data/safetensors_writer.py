@@ -3,16 +3,14 @@
 The format: an 8-byte little-endian header length, a JSON header (dtype, shape, byte offsets of each
 tensor; optional string metadata), padded with spaces to a multiple of 8, then the raw bytes. Each part
 is handed to ``write`` as a buffer of its own memory, so a file of many rows is written straight from
-the (pinned) host tensors they landed in; large writes release the GIL, so a writer thread overlaps
-the GPU work of the main thread.
+the (pinned) host tensors they landed in; large writes release the GIL, so writer threads overlap the
+GPU work of the main thread (one thread per file: concurrent writes into one file queue behind its lock).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -24,17 +22,14 @@ DTYPE_NAMES = {
 }
 
 
-def write_safetensors(path: Path, tensors: dict[str, list[Tensor]], metadata: dict[str, str],
-                      threads: int = 1) -> None:
-    """``tensors[name]`` is a list of parts concatenated along dim 0 (same dtype and trailing shape).
-    ``threads`` > 1 writes the parts concurrently at their offsets: one thread copying into the page
-    cache is slower than a GPU fills pinned buffers, and a feature store is gigabytes per shard."""
+def write_safetensors(path: Path, tensors: dict[str, list[Tensor]], metadata: dict[str, str]) -> None:
+    """``tensors[name]`` is a list of parts concatenated along dim 0 (same dtype and trailing shape)."""
     header: dict[str, object] = {"__metadata__": metadata}
     offset = 0
     for name, parts in tensors.items():
         first = parts[0]
         rows = sum(part.shape[0] for part in parts)
-        size = sum(_nbytes(part) for part in parts)
+        size = sum(part.numel() * part.element_size() for part in parts)
         header[name] = {"dtype": DTYPE_NAMES[first.dtype], "shape": [rows, *first.shape[1:]],
                         "data_offsets": [offset, offset + size]}
         offset += size
@@ -43,31 +38,6 @@ def write_safetensors(path: Path, tensors: dict[str, list[Tensor]], metadata: di
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(encoded)))
         f.write(encoded)
-        if threads <= 1:
-            for parts in tensors.values():
-                for part in parts:
-                    f.write(_buffer(part))
-            return
-        f.flush()
-        position, jobs = 8 + len(encoded), []
         for parts in tensors.values():
             for part in parts:
-                jobs.append((position, part))
-                position += _nbytes(part)
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(lambda job: _write_at(f.fileno(), *job), jobs))  # re-raises a failed write here
-
-
-def _nbytes(part: Tensor) -> int:
-    return part.numel() * part.element_size()
-
-
-def _buffer(part: Tensor) -> memoryview:
-    return part.contiguous().view(torch.uint8).reshape(-1).numpy().data
-
-
-def _write_at(fd: int, offset: int, part: Tensor) -> None:
-    view = _buffer(part)
-    while view:  # pwrite may write less than asked
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
+                f.write(part.contiguous().view(torch.uint8).reshape(-1).numpy().data)
