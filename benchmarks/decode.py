@@ -233,6 +233,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
             if suffix == "":
                 result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
+                result[f"{name}_attention"], result[f"{name}_compile_error"] = engine.runner.attention, engine.compile_error
                 if args.profile:
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine

@@ -174,3 +174,30 @@ def test_compiled_cycle_gives_the_same_tokens(target: TargetModel) -> None:
         assert eng.uses_compile == compiled and eng.compile_error is None
         results.append([(o.tokens, o.acceptance_lengths) for o in outputs])
     assert results[0] == results[1]
+
+
+def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: TargetModel,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler failure costs speed, not the evaluation: first the split-key attention kernel is dropped
+    (compiled with SDPA), and only if that fails too the cycle runs uncompiled; tokens stay the plain ones."""
+    from dflash_train.eval.static_target import StaticTarget
+
+    def fake_compile(failing: set[str]):  # stands in for torch.compile: fails for the attention paths given
+        def compiled(self: StaticTarget, options: tuple = ()) -> object:
+            if self.attention in failing:
+                raise RuntimeError(f"compiler refused the {self.attention} attention")
+            return self._forward
+        return compiled
+
+    expected = [own_greedy(target, p, 24) for p in prompts(2)]
+    for failing, compiled_after, attention_after in [({"triton"}, True, "sdpa"), ({"triton", "sdpa"}, False, "sdpa")]:
+        monkeypatch.setattr(StaticTarget, "_compiled", fake_compile(failing))
+        runner = StaticTarget(target, batch_size=1, max_length=64, attention="triton")
+        config = EngineConfig(batch_size=1, block_size=1, max_new_tokens=24, max_length=64, kernels="torch",
+                              compile=True)
+        eng = DecodeEngine(target, None, config, runner=runner)
+        outputs, _ = eng.generate(prompts(2))
+        assert [o.tokens for o in outputs] == expected
+        assert (eng.uses_compile, runner.attention) == (compiled_after, attention_after)
+        assert "refused the triton attention" in eng.compile_error
+        assert ("with SDPA attention" in eng.compile_error) == (not compiled_after)

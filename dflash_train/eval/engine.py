@@ -172,11 +172,23 @@ class DecodeEngine:
             if not self._compile:
                 raise
             self.compile_error = f"{type(error).__name__}: {error}"
-            logger.warning("torch.compile failed (%s); running the cycle uncompiled", self.compile_error)
-            self._compile = False
-            self._warm_up()
+            self._recover_from_compile_error()
         if self.device.type == "cuda" and self.config.cuda_graphs:
             self._capture()
+
+    def _recover_from_compile_error(self) -> None:
+        """Retry compiled with SDPA in place of the split-key attention kernel, then uncompiled."""
+        if self.runner.attention == "triton":
+            logger.warning("torch.compile failed (%s); retrying with SDPA attention", self.compile_error)
+            self.runner.attention = "sdpa"
+            try:
+                self._warm_up()
+                return
+            except Exception as error:
+                self.compile_error += f"; with SDPA attention: {type(error).__name__}: {error}"
+        logger.warning("torch.compile failed (%s); running the cycle uncompiled", self.compile_error)
+        self._compile = False
+        self._warm_up()
 
     def _warm_up(self) -> None:
         if self.device.type != "cuda":

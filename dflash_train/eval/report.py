@@ -41,6 +41,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "cuda_graph_error": engines[1].graph_error if engines else None,
             "torch_compile": bool(engines and engines[1].uses_compile),
             "torch_compile_error": engines[1].compile_error if engines else None,
+            "target_attention": engines[1].runner.attention if engines else None,
         },
         "runner_check": evaluator.runner_check,
         "definitions": {
