@@ -10,12 +10,13 @@ from dflash_train.eval.static_target import StaticTarget
 from tests.tiny_models import make_tiny_target
 
 
+@pytest.mark.parametrize("fuse_projections", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
-def test_prefill_and_verify_match_the_full_forward(arch: str) -> None:
-    check_prefill_and_verify(arch, attention="sdpa")
+def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: bool) -> None:
+    check_prefill_and_verify(arch, attention="sdpa", fuse_projections=fuse_projections)
 
 
-def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu") -> None:
+def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu", fuse_projections: bool = True) -> None:
     """Also run with attention="triton" by tests/test_kernels_static_attention.py (kernels interpreted on CPU)."""
     target = make_tiny_target(arch, num_layers=4, seed=1)
     if arch == "mistral":
@@ -26,7 +27,7 @@ def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu") -> 
     features = target.capture_features(ids, [1, 2])
     target.model.to(device)
     ids = ids.to(device)
-    runner = StaticTarget(target, batch_size=3, max_length=32, attention=attention)
+    runner = StaticTarget(target, batch_size=3, max_length=32, attention=attention, fuse_projections=fuse_projections)
     # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
     prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long, device=device)])])
     out = runner.forward(prompt, torch.arange(9, device=device).expand(2, 9), row_index=torch.tensor([2, 0], device=device),
@@ -68,3 +69,34 @@ def test_attention_implementation_is_restored() -> None:
     before = target.model.config._attn_implementation
     StaticTarget(target, batch_size=1, max_length=8).forward(torch.tensor([[5, 6]]), torch.tensor([[0, 1]]))
     assert target.model.config._attn_implementation == before
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+def test_fused_projections_copy_no_weight_and_change_nothing(arch: str) -> None:
+    """The layers' q/k/v and gate/up parameters become views of the fused matrices: same values, same
+    model output, same weight hash, no second copy; a second runner shares the first one's matrices."""
+    from dflash_train.data.features import target_fingerprint
+
+    target = make_tiny_target(arch, num_layers=2, seed=3)
+    ids = torch.randint(10, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    before = {name: p.detach().clone() for name, p in target.model.named_parameters()}
+    with torch.no_grad():
+        logits = target.model(ids).logits
+    fingerprint = target_fingerprint(target.model)
+    runner = StaticTarget(target, batch_size=1, max_length=16)
+    after = dict(target.model.named_parameters())
+    assert after.keys() == before.keys() and all(torch.equal(after[n], before[n]) for n in before)
+    with torch.no_grad():
+        torch.testing.assert_close(target.model(ids).logits, logits, atol=1e-6, rtol=1e-6)
+    assert target_fingerprint(target.model) == fingerprint
+    attn, fused = target.decoder_layers[1].self_attn, runner.fused[1].weights
+    assert attn.q_proj.weight.data_ptr() == fused["qkv"].data_ptr()
+    assert attn.k_proj.weight.data_ptr() == fused["qkv"][attn.q_proj.out_features:].data_ptr()
+    assert (attn.q_proj.bias is not None) == (fused["qkv_bias"] is not None) == (arch == "qwen2")
+    second = StaticTarget(target, batch_size=1, max_length=16)
+    assert second.fused[1].weights["gate_up"] is fused["gate_up"]
+    # moved or cast after a runner: the next runner fuses the moved weights, not the stale matrices
+    target.model.to(torch.float64)
+    third = StaticTarget(target, batch_size=1, max_length=16)
+    assert third.fused[1].weights["qkv"].dtype == torch.float64
+    assert attn.v_proj.weight.data_ptr() == third.fused[1].weights["qkv"][-attn.v_proj.out_features:].data_ptr()

@@ -1,8 +1,9 @@
 """The target, run layer by layer over a static KV cache: fixed shapes, per-row positions, no host sync.
 
 Supported layouts: Llama, Mistral, Qwen2, Qwen3 in transformers (embed_tokens -> decoder layers with
-rotary position embeddings -> norm -> lm_head). Each Hugging Face decoder layer runs unchanged; only its
-KV cache and its attention function are ours:
+rotary position embeddings -> norm -> lm_head). Each decoder layer runs with its q/k/v projections as one
+matmul and gate/up as another (`fused_layer.py`; `fuse_projections=False` runs the Hugging Face layer
+itself, with our attention function); the KV cache and the attention are ours:
 
 - Cache: keys/values [b, kv_heads, max_len, D] per layer. A forward writes each token's K/V at the slot
   equal to its position, so rolling back after a rejection costs nothing: the next verify block starts at
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.eval.fused_layer import FusedLayer
 from dflash_train.kernels.static_attention import bounds_from_positions, fits
 from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.target import TargetModel
@@ -97,8 +99,10 @@ class TargetOutput:
 
 
 class StaticTarget:
-    def __init__(self, target: TargetModel, batch_size: int, max_length: int, attention: str = "sdpa") -> None:
-        """`attention`: "sdpa", or "triton" for the split-key kernel on decode and verify steps."""
+    def __init__(self, target: TargetModel, batch_size: int, max_length: int, attention: str = "sdpa",
+                 fuse_projections: bool = True) -> None:
+        """`attention`: "sdpa", or "triton" for the split-key kernel on decode and verify steps;
+        `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied)."""
         model_type = getattr(target.config.get_text_config(), "model_type", type(target.model).__name__)
         if model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
@@ -125,6 +129,7 @@ class StaticTarget:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
         self._compiled_forward: dict[tuple[tuple[str, Any], ...], Any] = {}
+        self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -193,9 +198,13 @@ class StaticTarget:
         h = self.base.embed_tokens(input_ids)
         position_embeddings = self.base.rotary_emb(h, positions)
         for index, layer in enumerate(self.layers):
-            out = layer(h, attention_mask=masks[self.windows[index]], position_ids=positions,
-                        position_embeddings=position_embeddings, use_cache=True, **{self.cache_arg: cache})
-            h = out[0] if isinstance(out, tuple) else out
+            mask = masks[self.windows[index]]
+            if self.fused is not None:
+                h = self.fused[index](h, position_embeddings, mask, cache)
+            else:
+                out = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings,
+                            use_cache=True, **{self.cache_arg: cache})
+                h = out[0] if isinstance(out, tuple) else out
             if index in feature_layer_ids:
                 captured[index] = h
         if logit_index is not None:
