@@ -157,5 +157,5 @@ def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int,
     shapes = dict(T=tokens, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d)
     pointers = {"q_ptr": f"*{element}", "k_ptr": f"*{element}", "v_ptr": f"*{element}", "bounds_ptr": "*i32",
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
-    compile_for_h100(_split_kernel, {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32"}, pointers, float_type)
+    compile_for_h100(_split_kernel, {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False}, pointers, float_type)
     compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)

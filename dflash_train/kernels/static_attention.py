@@ -11,8 +11,9 @@ launch merges the splits' partial softmaxes. The query heads that share a KV hea
 Which slots a query sees comes from `bounds` [n, 2, T] (first and last visible slot of each query, both
 inclusive): causal attention is [0, position], a sliding window [position - window + 1, position]. Slots
 past the last visible one are never read, so a step costs what the context holds, not what the cache can
-hold. Softmax runs in fp32 (exp of scores minus the running max); probabilities are rounded to the
-cache's dtype for the P·V product, as flash attention does; the output is rounded once.
+hold. Scores come from the tensor cores' bf16 dot with fp32 sums; softmax runs in fp32 (exp of scores
+minus the running max); probabilities are rounded to the cache's dtype for the P·V product, as flash
+attention does; the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -60,8 +61,10 @@ def _split_kernel(
     sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
     kv_heads, keys, split_len, num_splits, scale,
     T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
 ):
+    # IEEE: fp32 inputs, fp32 products. UPCAST: bf16/fp16 inputs multiplied as fp32 (the interpreter's dot
+    # cannot multiply bf16); else the tensor cores' bf16/fp16 dot with fp32 sums, as flash attention.
     pid = tl.program_id(0)  # row * kv_heads + kv_head
     split = tl.program_id(1)
     row = pid // kv_heads
@@ -73,7 +76,9 @@ def _split_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     q = tl.load(q_ptr + row * sq_n + head[:, None] * sq_h + token[:, None] * sq_t + d[None, :] * sq_d,
-                mask=r_ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
+                mask=r_ok[:, None] & d_ok[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
     lo = tl.load(bounds_ptr + row * 2 * T + token, mask=r_ok, other=1)  # padding rows: lo > hi, sees nothing
     hi = tl.load(bounds_ptr + row * 2 * T + T + token, mask=r_ok, other=0)
     start = tl.maximum(split * split_len, tl.min(tl.where(r_ok, lo, keys), axis=0))
@@ -88,10 +93,12 @@ def _split_kernel(
         s = s0 + tl.arange(0, BLOCK_N)
         s_ok = s < end
         kt = tl.load(k_base + s[None, :] * sk_s + d[:, None] * sk_d, mask=s_ok[None, :] & d_ok[:, None], other=0.0)
+        if UPCAST:
+            kt = kt.to(tl.float32)
         if IEEE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
             scores = tl.dot(q, kt, input_precision="ieee")
-        else:  # bf16/fp16 values are exact in tf32: exact products, fp32 sums
-            scores = tl.dot(q, kt.to(tl.float32))
+        else:
+            scores = tl.dot(q, kt)
         scores = (scores * scale).to(tl.float32)  # torch.compile passes Python floats as fp64
         visible = (s[None, :] >= lo[:, None]) & (s[None, :] <= hi[:, None]) & s_ok[None, :]
         scores = tl.where(visible, scores, float("-inf"))
@@ -101,10 +108,12 @@ def _split_kernel(
         alpha = tl.exp(m - m_safe)
         total = total * alpha + tl.sum(p, axis=1)
         vt = tl.load(v_base + s[:, None] * sv_s + d[None, :] * sv_d, mask=s_ok[:, None] & d_ok[None, :], other=0.0)
+        if UPCAST:
+            vt = vt.to(tl.float32)
         if IEEE:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
             acc = acc * alpha[:, None] + tl.dot(p, vt, input_precision="ieee")
-        else:  # p rounded to tf32 (finer than the bf16 of flash attention)
-            acc = acc * alpha[:, None] + tl.dot(p, vt.to(tl.float32))
+        else:  # probabilities rounded to the cache's dtype for the tensor cores
+            acc = acc * alpha[:, None] + tl.dot(p.to(vt.dtype), vt)
         m = m_new
     seen = total > 0
     lse = tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
@@ -174,7 +183,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
         q, k, v, bounds, part_o, part_lse, *q.stride(), *k.stride(), *v.stride(),
         kv_heads, keys, split_len, num_splits, scale,
         T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32,
+        IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
+        num_warps=4 if block_m <= 32 else 8,
     )
     combine_kernel[(n * kv_heads, groups * t)](
         part_o, part_lse, out, kv_heads, num_splits,
