@@ -13,7 +13,8 @@ context. Measured in the same run (CUDA events, median):
   step reads (all but the input embedding) / 4.3 TB/s (SPEC §6). Goal: <= 1.3x.
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
 - the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
-  and one layer's attention alone, both ways, for 1 and 16 new tokens;
+  and one layer's attention alone, both ways, for 1 and 16 new tokens; the step without fused q/k/v and
+  gate/up projections (`dflash_train/eval/fused_layer.py`);
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
@@ -238,16 +239,23 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine
             gc.collect()
-    if runner.attention == "triton":  # the same graphed loop with SDPA attention: the split-key kernel's worth
-        sdpa_runner = StaticTarget(target, 1, length, attention="sdpa")
+    # The same graphed loop without one of the step's optimisations at a time: what each is worth.
+    ablations = [("sdpa_attention", {"attention": "sdpa"}, ("target_step", "dflash_cycle")),
+                 ("unfused", {"attention": runner.attention, "fuse_projections": False}, ("target_step",))]
+    for label, runner_options, names in ablations:
+        if label == "sdpa_attention" and runner.attention != "triton":
+            continue
+        other = StaticTarget(target, 1, length, **runner_options)
         for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
+            if name not in names:
+                continue
             config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length,
                                   compile=device.type == "cuda")
-            engine = DecodeEngine(target, draft_model, config, runner=sdpa_runner)
-            result[f"{name}_sdpa_attention_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+            engine = DecodeEngine(target, draft_model, config, runner=other)
+            result[f"{name}_{label}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
             del engine
             gc.collect()
-        del sdpa_runner
+        del other
     if args.compile_variants:
         result |= compile_variants(target, runner, prompt, new_tokens, length, device, args)
     result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
@@ -366,14 +374,15 @@ def plot(results: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     if "qwen3_8b" in results:
         q = results["qwen3_8b"]
-        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, no graph", "ours step, eager",
-                 "HF step", "DFlash cycle", "cycle, SDPA attention", "cycle, no graph", "cycle, eager"]
+        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, unfused", "ours step, no graph",
+                 "ours step, eager", "HF step", "DFlash cycle", "cycle, SDPA attention", "cycle, no graph",
+                 "cycle, eager"]
         values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_sdpa_attention_ms", 0.0),
-                  q["target_step_no_graph_ms"], q["target_step_eager_ms"], q["hf_step_ms"], q["dflash_cycle_ms"],
-                  q.get("dflash_cycle_sdpa_attention_ms", 0.0), q["dflash_cycle_no_graph_ms"],
-                  q["dflash_cycle_eager_ms"]]
-        colors = ["grey", "tab:blue", "steelblue", "tab:cyan", "lightblue", "tab:red", "tab:green", "seagreen",
-                  "tab:olive", "palegreen"]
+                  q.get("target_step_unfused_ms", 0.0), q["target_step_no_graph_ms"], q["target_step_eager_ms"],
+                  q["hf_step_ms"], q["dflash_cycle_ms"], q.get("dflash_cycle_sdpa_attention_ms", 0.0),
+                  q["dflash_cycle_no_graph_ms"], q["dflash_cycle_eager_ms"]]
+        colors = ["grey", "tab:blue", "steelblue", "navy", "tab:cyan", "lightblue", "tab:red", "tab:green",
+                  "seagreen", "tab:olive", "palegreen"]
         axes[0].barh(names, values, color=colors)
         axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
         axes[0].set_title("Qwen3-8B shapes: step times")
