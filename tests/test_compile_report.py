@@ -21,13 +21,19 @@ def test_first_step_line_splits_compile_from_the_rest() -> None:
 
 @pytest.mark.slow
 def test_a_compiled_run_reports_its_first_step(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,  # noqa: F811
-                                               capsys: pytest.CaptureFixture[str]) -> None:
+                                               capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo
 
+    from dflash_train.training import compile_report
+
+    # A tiny drafter compiles in about a second, less after other compiled tests in the same process:
+    # report any compile time, so that the line's presence does not depend on what ran before.
+    monkeypatch.setattr(compile_report, "MIN_SECONDS", 0.0)
     torch._dynamo.reset()
     run_training(load_config(None, overrides(assets, tmp_path / "run", **{
         "training.max_steps": 2, "training.compile": True, "training.eval_every": 0})))
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("first step ")]
     assert len(lines) == 1 and "torch.compile" in lines[0], lines
     compiled = float(lines[0].split("torch.compile ")[1].split(" s")[0])
-    assert compiled >= 1.0
+    assert compiled > 0

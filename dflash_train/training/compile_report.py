@@ -7,6 +7,8 @@ dynamo's own timers (an internal API: without it, nothing is reported).
 
 from __future__ import annotations
 
+MIN_SECONDS = 1.0  # less compile time than this in the first step is not worth a line
+
 
 def compile_seconds() -> dict[str, float]:
     """Seconds spent so far compiling forward graphs (dynamo + inductor) and backward graphs."""
@@ -30,7 +32,7 @@ def first_step_line(step_seconds: float, before: dict[str, float], after: dict[s
         return None
     spent = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     compiling = sum(spent.values())
-    if compiling < 1.0:
+    if compiling < MIN_SECONDS:
         return None  # a warm cache, or nothing compiled: nothing worth a line
     return (f"first step {step_seconds:.1f} s: torch.compile {compiling:.1f} s (forward {spent['forward']:.1f}, "
             f"backward {spent['backward']:.1f}), the rest {step_seconds - compiling:.1f} s")
