@@ -108,6 +108,7 @@ def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: P
     (["--dataset", "nope"], "unknown dataset 'nope'"),
     (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
     (["--dataset", "humaneval", "--num-prompts", "1", "--max-new-tokens", "500"], "no prompt of humaneval fits"),
+    (["--dataset", "humaneval", "--max-autotune", "--no-compile"], "drop --no-compile or --max-autotune"),
 ])
 def test_user_errors_are_one_line(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   extra: list[str], message: str) -> None:
@@ -144,3 +145,12 @@ def test_no_compile_reaches_the_engines(target_dir: Path, tmp_path: Path) -> Non
     settings = EvalSettings(block_size=4, compile=False)
     assert Evaluator(target, None, settings)._engine_config(4, 256).compile is False  # type: ignore[arg-type]
     assert Evaluator(target, None, EvalSettings(block_size=4))._engine_config(4, 256).compile is None  # type: ignore[arg-type]
+
+
+def test_max_autotune_reaches_the_engines_and_the_report(target_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "1", "--max-autotune",
+                    "--no-plot") == 0
+    environment = json.loads(out.read_text())["environment"]
+    assert environment["compile_options"] == {"max_autotune": True, "coordinate_descent_tuning": True}
+    assert environment["target_attention"] == "sdpa"  # CPU: torch kernels

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
                              "for correctness checks such as a float32 lossless run")
+    parser.add_argument("--max-autotune", action="store_true",
+                        help="compile with inductor's autotuned matmuls: minutes more compiling, a faster step "
+                             "(Qwen3-8B-shaped target on an H200: 5.92 instead of 6.64 ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--random-draft-layers", type=int, default=5, help="layers of a --draft random drafter")
@@ -59,6 +62,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--num-prompts must be at least 1")
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
+    if args.max_autotune and args.no_compile:
+        raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     from dflash_train.eval.console import print_summary, progress_bars
     from dflash_train.eval.prompts import load_prompt_set
     from dflash_train.eval.report import build_report, write_outputs
-    from dflash_train.eval.run import EvalSettings, Evaluator
+    from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
     from dflash_train.target import load_target
 
     _validate(args)
@@ -116,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
                             temperature=args.temperature, thinking=args.thinking == "on",
                             batch_size=batch_size, kernels=args.kernels,
                             cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
-                            ignore_eos=args.ignore_eos)
+                            ignore_eos=args.ignore_eos, compile_options=MAX_AUTOTUNE if args.max_autotune else ())
     import torch
 
     torch.manual_seed(args.seed)

@@ -42,6 +42,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "torch_compile": bool(engines and engines[1].uses_compile),
             "torch_compile_error": engines[1].compile_error if engines else None,
             "target_attention": engines[1].runner.attention if engines else None,
+            "compile_options": dict(engines[1].config.compile_options) if engines else {},
         },
         "runner_check": evaluator.runner_check,
         "definitions": {

@@ -29,6 +29,8 @@ from dflash_train.models import DFlashDraftModel
 from dflash_train.target import TargetModel
 
 logger = logging.getLogger(__name__)
+# inductor's autotuned matmul templates and launch configurations: minutes more compiling, a faster step
+MAX_AUTOTUNE = (("max_autotune", True), ("coordinate_descent_tuning", True))
 MAX_LISTED_MISMATCHES = 10
 RETOKENIZE_MARGIN = 8  # an answer decoded to text and tokenised again inside the history may grow a little
 
@@ -44,6 +46,7 @@ class EvalSettings:
     cuda_graphs: bool = True
     compile: bool | None = None  # torch.compile the cycle; None: on CUDA only
     ignore_eos: bool = False
+    compile_options: tuple[tuple[str, Any], ...] = ()  # inductor options, e.g. MAX_AUTOTUNE
 
 
 @dataclass
@@ -86,7 +89,8 @@ class Evaluator:
         s = self.settings
         return EngineConfig(batch_size=s.batch_size, block_size=block_size, max_new_tokens=s.max_new_tokens,
                             max_length=max_length, temperature=s.temperature, stop_token_ids=tuple(self.stop_ids),
-                            kernels=s.kernels, cuda_graphs=s.cuda_graphs, compile=s.compile)
+                            kernels=s.kernels, cuda_graphs=s.cuda_graphs, compile=s.compile,
+                            compile_options=s.compile_options)
 
     def reserve(self, prompt_sets: list[PromptSet]) -> None:
         """Build the engines once, large enough for every request of these sets: the longest conversation
