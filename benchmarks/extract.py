@@ -17,6 +17,9 @@ length-sorted, right-padded micro-batches of --token-budget padded tokens:
   the disk's ceiling, and the tokens/s it allows at 5.8 KB (bf16) or 2.9 KB (fp8) per token.
 Goal: extraction >= 85 % of the baseline's tokens/s.
 
+`--profile` also writes where one bf16 extraction's host time goes (operators and CUDA API calls, heaviest
+first) to extract.profile.txt next to the JSON.
+
 `--target random` runs a randomly initialised model of SmolLM2-135M's shape (throughput does not depend
 on the weights) on a node without the model files.
 """
@@ -119,6 +122,16 @@ def disk_alone_seconds(out: Path, total_bytes: int, shards: int, threads: int) -
     return seconds, size
 
 
+def host_profile(run: Any) -> str:
+    """Operators and CUDA runtime calls of one run on the host, by self CPU time: what the main thread and
+    the writers spend their time in while the GPU computes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=70)
+
+
 def ram_scratch(needed: int) -> Path | None:
     shm = Path("/dev/shm")
     return shm / "dflash-extract-bench" if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * needed else None
@@ -149,6 +162,7 @@ def main() -> None:
     parser.add_argument("--rows-per-shard", type=int, default=64)
     parser.add_argument("--write-threads", type=int, default=4, help="shard files written at once, as `dflash-train extract --write-threads`")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="also profile one bf16 extraction on the host")
     parser.add_argument("--out", type=Path, default=None, help="scratch directory on the disk to measure")
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="alias, local directory or .gguf of SmolLM2-135M-Instruct (a node without the alias's wheel)")
@@ -197,8 +211,13 @@ def main() -> None:
     print(f"the disk alone allows {disk['ceiling_bf16_tokens_per_s']:,.0f} tokens/s in bf16 "
           f"({disk['ceiling_bf16_tokens_per_s'] / base:.0%} of the baseline), "
           f"{disk['ceiling_fp8_tokens_per_s']:,.0f} in fp8 ({disk['ceiling_fp8_tokens_per_s'] / base:.0%})")
+    table = host_profile(lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)) if args.profile \
+        else None
     path = write_result("extract", {"config": {k: str(v) for k, v in vars(args).items()}, "tokens": tokens,
                                     "layer_ids": LAYER_IDS, "goal": ">= 0.85 of baseline", "results": results})
+    if table is not None:
+        print(table)
+        path.with_suffix(".profile.txt").write_text(table)
     print(f"wrote {path}")
 
 
