@@ -10,19 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
 from dflash_train.kernels.context_kv import context_kv_reference, context_kv_triton
 from tests.draft_helpers import tiny_draft
+from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
-kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
-
-
-@pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
-def test_under_interpreter() -> None:
-    result = run_pytest_under_interpreter(__file__)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+test_under_interpreter = under_interpreter(__file__)
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:

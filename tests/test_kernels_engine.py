@@ -3,26 +3,18 @@ PyTorch references (fp32, tiny target; kernels interpreted on CPU)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from dflash_train.eval.engine import DecodeEngine, EngineConfig
-from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
 from dflash_train.mask_token import resolve_mask_token_id
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from tests.tiny_models import make_tiny_target
+from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
-
-
-@pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
-def test_under_interpreter() -> None:
-    result = run_pytest_under_interpreter(__file__)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+test_under_interpreter = under_interpreter(__file__)
 
 
-@pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
+@kernels_here
 def test_triton_kernels_match_the_reference_path() -> None:
     torch.set_num_threads(1)
     target = make_tiny_target("llama", num_layers=6, seed=5)

@@ -9,19 +9,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
+from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
-kernels_here = pytest.mark.skipif(not IN_PROCESS, reason="run by test_under_interpreter in a subprocess")
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the kernels run in this process")
-def test_under_interpreter() -> None:
-    result = run_pytest_under_interpreter(__file__)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+test_under_interpreter = under_interpreter(__file__)
 
 
 def loop_oracle(logits: torch.Tensor, block: torch.Tensor, out: torch.Tensor, n_out: torch.Tensor,

@@ -11,12 +11,7 @@ import pytest
 import torch
 
 from dflash_train.eval.static_target import static_attention
-from dflash_train.kernels._triton import (
-    HAS_TRITON,
-    interpreter_ready,
-    interpreting,
-    run_pytest_under_interpreter,
-)
+from dflash_train.kernels._triton import HAS_TRITON, interpreting
 from dflash_train.kernels.static_attention import (
     bounds_from_positions,
     fits,
@@ -24,16 +19,9 @@ from dflash_train.kernels.static_attention import (
     static_attention_reference,
     static_attention_triton,
 )
+from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
-kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
-
-
-@pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
-def test_under_interpreter() -> None:
-    result = run_pytest_under_interpreter(__file__)
-    assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+test_under_interpreter = under_interpreter(__file__)
 
 
 def make_case(n: int, heads: int, kv_heads: int, tokens: int, keys: int, dim: int, dtype: torch.dtype,

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from dflash_train.data.features import MANIFEST, compute_features, quantize_fp8, shard_path
+from dflash_train.data.features import MANIFEST, compute_features, quantize_fp8, read_manifest, shard_path
 from dflash_train.data.safetensors_writer import write_safetensors
 from dflash_train.data.shards import check_same_settings, write_atomically, write_json_atomically
 
@@ -192,11 +192,8 @@ def _save_shard(path: Path, parts: ShardParts, unit: int) -> None:
 def _rows_per_shard(out_dir: Path, config: ExtractConfig, lengths: Sequence[int], per_token: int) -> int:
     if config.rows_per_shard is not None:
         return config.rows_per_shard
-    manifest = out_dir / MANIFEST
-    if manifest.is_file():  # resuming: the store's own shard size (a changed one is refused below)
-        import json
-
-        found = json.loads(manifest.read_text()).get("rows_per_shard")
+    if (out_dir / MANIFEST).is_file():  # resuming: the store's own shard size (a changed one is refused below)
+        found = read_manifest(out_dir).get("rows_per_shard")
         if isinstance(found, int) and found > 0:
             return found
     return plan_rows_per_shard(lengths, per_token, config.shard_bytes)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.eval.fused_layer import FusedLayer
-from dflash_train.kernels.static_attention import bounds_from_positions, fits
+from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.target import TargetModel
 
@@ -55,8 +55,6 @@ def static_attention(
     An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query)."""
     b, heads, t, d = query.shape
     if attention_mask.dtype != torch.bool:
-        from dflash_train.kernels.static_attention import static_attention_triton
-
         scale = scaling if scaling is not None else d ** -0.5
         return static_attention_triton(query, key, value, attention_mask, scale), None
     kv_heads, keys = key.shape[1], key.shape[2]
