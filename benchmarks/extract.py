@@ -13,6 +13,8 @@ length-sorted, right-padded micro-batches of --token-budget padded tokens:
   page cache, as for any program writing files; no fsync);
 - "bf16, 1 writer": extract-bf16 writing one shard file at a time (the default is 4 at once);
 - "bf16 to RAM": extract-bf16 into /dev/shm (when it has room): the pipeline without the disk;
+- "bf16 to host": extract-bf16 with the shard writes left out (features copied to pinned host memory,
+  then dropped): the GPU side of the pipeline alone;
 - "disk alone": the bf16 store's bytes written from host memory by the same shard writer, no GPU work:
   the disk's ceiling, and the tokens/s it allows at 5.8 KB (bf16) or 2.9 KB (fp8) per token.
 Goal: extraction >= 85 % of the baseline's tokens/s.
@@ -37,6 +39,7 @@ from typing import Any
 
 import torch
 
+import dflash_train.data.extract as extract_module
 from benchmarks.common import write_result
 from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches, row_lengths
 
@@ -151,6 +154,16 @@ def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argp
     return seconds, size
 
 
+def to_host_seconds(target: Any, dataset: Any, out: Path, args: argparse.Namespace) -> tuple[float, int]:
+    """extract-bf16 with each shard's write replaced by waiting for its device-to-host copies."""
+    save = extract_module._save_shard
+    extract_module._save_shard = lambda path, parts, unit: parts.wait()
+    try:
+        return extract_seconds(target, dataset, out, "bf16", args)
+    finally:
+        extract_module._save_shard = save
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=2048)
@@ -187,6 +200,7 @@ def main() -> None:
     ram = ram_scratch(bf16_bytes)
     if ram is not None:
         runs.insert(3, ("bf16 to RAM", lambda: extract_seconds(target, dataset, ram, "bf16", args)))
+    runs.insert(-2, ("bf16 to host", lambda: to_host_seconds(target, dataset, scratch / "host", args)))
     for name, run in runs:
         runs = [run() for _ in range(args.repeats)]
         median_s = statistics.median(seconds for seconds, _ in runs)

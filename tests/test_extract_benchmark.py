@@ -20,3 +20,30 @@ def test_disk_alone_writes_the_bytes_in_whole_shards_and_cleans_up(tmp_path: Pat
 def test_host_profile_lists_the_operators() -> None:
     table = host_profile(lambda: torch.ones(64, 64) @ torch.ones(64, 64))
     assert "aten::mm" in table and "Self CPU" in table
+
+
+def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path, monkeypatch) -> None:
+    import argparse
+
+    import datasets
+
+    import dflash_train.data.extract as extract_module
+    from benchmarks.extract import to_host_seconds
+    from tests.tiny_models import make_tiny_target
+
+    saved, capture, batches = extract_module._save_shard, extract_module.compute_features, []
+
+    def counted_capture(*args, **kwargs):
+        batches.append(1)
+        return capture(*args, **kwargs)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)  # the benchmark's timing fences, CPU run
+    monkeypatch.setattr(extract_module, "compute_features", counted_capture)
+    monkeypatch.setattr("benchmarks.extract.LAYER_IDS", [0, 2])
+    target = make_tiny_target("qwen3", num_layers=6)
+    data = datasets.Dataset.from_dict({"input_ids": [[7, 8, 9, 10]] * 5, "loss_mask": [[0, 0, 1, 1]] * 5})
+    args = argparse.Namespace(rows_per_shard=2, token_budget=8, write_threads=2)
+    seconds, size = to_host_seconds(target, data, tmp_path / "host", args)
+    assert seconds > 0 and size == 0 and len(batches) == 3  # 3 shards of 2, 2, 1 rows ran; nothing written
+    assert not list(tmp_path.glob("**/*.safetensors"))
+    assert extract_module._save_shard is saved  # restored for the variants after it

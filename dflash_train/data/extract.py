@@ -159,16 +159,24 @@ class _ShardBuilder:
         mask = None
         if padded:
             mask = (np.arange(width)[None] < np.array([lengths[i] for i in group])[:, None]).astype(np.int64)
-            mask = torch.from_numpy(mask).to(self.device, non_blocking=True)
-        feats = compute_features(self.target, torch.from_numpy(ids).to(self.device, non_blocking=True),
-                                 self.config.layer_ids, mask)  # [b, width, K*H] bf16
+            mask = self._to_device(mask)
+        feats = compute_features(self.target, self._to_device(ids), self.config.layer_ids, mask)  # [b, width, K*H]
         # Real tokens only, gathered with a host-built index (boolean indexing would wait for the GPU).
-        keep = torch.from_numpy(np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(group)]))
-        packed = feats.reshape(-1, feats.shape[-1]).index_select(0, keep.to(self.device, non_blocking=True))
+        keep = np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(group)])
+        packed = feats.reshape(-1, feats.shape[-1]).index_select(0, self._to_device(keep))
         scale = None
         if self.config.dtype == "fp8":
             packed, scale = quantize_fp8(packed, len(self.config.layer_ids))
         return self._to_host(packed), (self._to_host(scale) if scale is not None else None)
+
+    def _to_device(self, array: np.ndarray) -> Tensor:
+        """A host array on the device without waiting for the GPU: a copy from pageable memory blocks the
+        host until the stream's earlier work is done, so the next micro-batch could not be queued behind
+        the running one. Staged in pinned memory (the caching host allocator reuses it once the copy ran)."""
+        tensor = torch.from_numpy(array)
+        if self.copy_stream is None:
+            return tensor.to(self.device)
+        return tensor.pin_memory().to(self.device, non_blocking=True)
 
     def _to_host(self, tensor: Tensor) -> Tensor:
         if self.copy_stream is None:
