@@ -3,6 +3,7 @@ verification, disk check, compatibility checks and the `extract` command."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import shutil
 from collections import namedtuple
@@ -110,6 +111,47 @@ def test_micro_batches_respect_the_budget() -> None:
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for group in groups:
         assert len(group) == 1 or len(group) * max(lengths[i] for i in group) <= 40
+
+
+def _grouping_cost(lengths: list[int], groups: list[list[int]], group_cost: int) -> int:
+    return sum(len(g) * max(lengths[i] for i in g) + group_cost for g in groups)
+
+
+def _cheapest_grouping_by_brute_force(lengths: list[int], budget: int, group_cost: int) -> int:
+    """Every way to cut the length-sorted rows into runs (2^(n-1) of them), within the budget."""
+    ordered = sorted(lengths, reverse=True)
+    best = None
+    for cuts in itertools.product([False, True], repeat=len(ordered) - 1):
+        groups, current = [], [ordered[0]]
+        for length, cut in zip(ordered[1:], cuts, strict=True):
+            if cut:
+                groups.append(current)
+                current = []
+            current.append(length)
+        groups.append(current)
+        if all(len(g) == 1 or len(g) * g[0] <= budget for g in groups):
+            total = sum(len(g) * g[0] + group_cost for g in groups)
+            best = total if best is None else min(best, total)
+    assert best is not None
+    return best
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_micro_batches_are_the_cheapest_grouping(seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    lengths = [int(x) for x in torch.randint(1, 60, (11,), generator=g)]
+    budget, group_cost = 120, int(torch.randint(0, 40, (1,), generator=g))
+    groups = micro_batches(lengths, budget, group_cost)
+    assert sorted(i for group in groups for i in group) == list(range(len(lengths)))
+    assert all(len(group) == 1 or len(group) * max(lengths[i] for i in group) <= budget for group in groups)
+    assert _grouping_cost(lengths, groups, group_cost) == _cheapest_grouping_by_brute_force(lengths, budget, group_cost)
+    assert max(lengths[i] for i in groups[0]) == max(lengths)  # the widest forward first: out of memory early
+
+
+def test_micro_batches_pad_less_than_filling_to_the_budget() -> None:
+    lengths = [int(x) for x in torch.randint(256, 2049, (64,), generator=torch.Generator().manual_seed(0))]
+    padded = sum(len(g) * max(lengths[i] for i in g) for g in micro_batches(lengths, 65536))
+    assert padded < 1.2 * sum(lengths)  # filling each group to the budget pads to ~1.4x
 
 
 def test_fp8_round_trip_error_bound() -> None:

@@ -47,3 +47,12 @@ def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path,
     assert seconds > 0 and size == 0 and len(batches) == 3  # 3 shards of 2, 2, 1 rows ran; nothing written
     assert not list(tmp_path.glob("**/*.safetensors"))
     assert extract_module._save_shard is saved  # restored for the variants after it
+
+
+def test_padding_ratios_count_the_baselines_and_each_shards_groups() -> None:
+    from benchmarks.extract import padding_ratios
+
+    # budget 64 (a group costs 2 tokens): all rows at once -> [20, 20] and [19, 19], no padding; each shard
+    # of 2 rows -> [20, 19] padded to 40 (one pad is cheaper than a second group)
+    ratios = padding_ratios([20, 19, 20, 19], token_budget=64, rows_per_shard=2)
+    assert ratios == {"baseline": 1.0, "extract": 80 / 78}
