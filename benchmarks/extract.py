@@ -8,8 +8,9 @@ token values), loss mask on the second half. Measured in the same run, on the sa
 right-padded micro-batches of at most --token-budget padded tokens (`micro_batches`):
 - baseline: the target's decoder forward truncated after the deepest captured layer (layer 27 of 30 for
   the default ids [1, 8, 14, 20, 27]), nothing captured, nothing copied; its micro-batches are grouped over
-  all rows at once, the least padding there can be; extraction groups each shard's rows (a shard is
-  written once all its rows are done). The JSON's "padding" records both (padded / real tokens);
+  all rows at once, the least padding there can be; extraction groups the rows of 4 shards at a time
+  (`window_shards`: shards are written as their rows are done). The JSON's "padding" records both
+  (padded / real tokens);
 - extract-bf16 / extract-fp8: the full `extract()` (capture, pad removal, fp8 quantisation, device-to-host
   copies, shard files written and closed), timed until the last shard is on disk ("on disk": in the
   page cache, as for any program writing files; no fsync);
@@ -156,14 +157,14 @@ def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argp
     return seconds, size
 
 
-def padding_ratios(lengths: list[int], token_budget: int, rows_per_shard: int) -> dict[str, float]:
+def padding_ratios(lengths: list[int], token_budget: int, rows_per_window: int) -> dict[str, float]:
     """Padded / real tokens of the baseline's micro-batches (all rows grouped at once) and extraction's
-    (each shard's rows grouped on their own)."""
+    (each window of shards grouped on its own)."""
     def padded(rows: list[int]) -> int:
         return sum(len(group) * max(rows[i] for i in group) for group in micro_batches(rows, token_budget))
 
-    shards = [lengths[k:k + rows_per_shard] for k in range(0, len(lengths), rows_per_shard)]
-    return {"baseline": padded(lengths) / sum(lengths), "extract": sum(map(padded, shards)) / sum(lengths)}
+    windows = [lengths[k:k + rows_per_window] for k in range(0, len(lengths), rows_per_window)]
+    return {"baseline": padded(lengths) / sum(lengths), "extract": sum(map(padded, windows)) / sum(lengths)}
 
 
 def to_host_seconds(target: Any, dataset: Any, out: Path, args: argparse.Namespace) -> tuple[float, int]:
@@ -197,7 +198,8 @@ def main() -> None:
     target = load_benchmark_target(args.target)
     dataset = random_rows(args.rows, args.min_len, args.max_len, target.vocab_size)
     tokens = sum(row_lengths(dataset))
-    padding = padding_ratios(row_lengths(dataset), args.token_budget, args.rows_per_shard)
+    padding = padding_ratios(row_lengths(dataset), args.token_budget,
+                             args.rows_per_shard * ExtractConfig.window_shards)
     scratch = args.out or Path(tempfile.mkdtemp(prefix="dflash-extract-bench-"))
     warm = dataset.select(range(min(64, len(dataset)))).flatten_indices()
     bare_forward_seconds(target, warm, args.token_budget)

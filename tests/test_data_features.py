@@ -311,3 +311,15 @@ def test_rows_per_shard_follows_the_shard_size_and_a_resume_keeps_the_stores(tin
     again = extract_with(tiny, data, tmp_path / "store", shard_bytes=int(10 * per_row))
     assert again["rows_per_shard"] == 3
     assert len(FeatureStore(tmp_path / "store")) == len(data)
+
+
+def test_shards_micro_batched_together_hold_the_same_rows_as_one_by_one(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset(n=11, seed=3)
+    extract_with(tiny, data, tmp_path / "alone", rows_per_shard=2, token_budget=64, window_shards=1)
+    extract_with(tiny, data, tmp_path / "window", rows_per_shard=2, token_budget=64, window_shards=4)
+    alone, window = FeatureStore(tmp_path / "alone"), FeatureStore(tmp_path / "window")
+    assert len(window) == len(alone) == len(data)
+    for i in range(len(data)):
+        assert torch.equal(window[i]["input_ids"], alone[i]["input_ids"])
+        assert torch.equal(window[i]["loss_mask"], alone[i]["loss_mask"])
+        torch.testing.assert_close(window[i]["features"].float(), alone[i]["features"].float(), rtol=1.6e-2, atol=1e-2)

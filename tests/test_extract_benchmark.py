@@ -52,7 +52,7 @@ def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path,
 def test_padding_ratios_count_the_baselines_and_each_shards_groups() -> None:
     from benchmarks.extract import padding_ratios
 
-    # budget 64 (a group costs 2 tokens): all rows at once -> [20, 20] and [19, 19], no padding; each shard
+    # budget 64 (a group costs 2 tokens): all rows at once -> [20, 20] and [19, 19], no padding; each window
     # of 2 rows -> [20, 19] padded to 40 (one pad is cheaper than a second group)
-    ratios = padding_ratios([20, 19, 20, 19], token_budget=64, rows_per_shard=2)
+    ratios = padding_ratios([20, 19, 20, 19], token_budget=64, rows_per_window=2)
     assert ratios == {"baseline": 1.0, "extract": 80 / 78}

@@ -33,8 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="stored feature dtype")
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
-    parser.add_argument("--shard-gb", type=float, default=1.0,
-                        help="about this many GB per shard file (host memory holds --write-threads + 1 shards)")
+    parser.add_argument("--shard-gb", type=float, default=0.5,
+                        help="about this many GB per shard file (host memory holds up to 4 + --write-threads "
+                             "shards: 4 shards' rows are micro-batched together)")
     parser.add_argument("--rows-per-shard", type=int, default=None,
                         help="rows per shard file instead of --shard-gb (default: an existing store's own)")
     parser.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")

@@ -3,13 +3,18 @@
 Shard ``k`` = dataset rows ``[k*R, (k+1)*R)``; rank ``r`` of ``w`` writes shards ``k % w == r``; a shard is
 written atomically, so a killed run resumes by skipping the shards that exist. ``R`` is chosen so that a
 shard holds about ``shard_bytes`` at the dataset's mean row length (a fixed row count would make a
-Qwen3-8B shard tens of gigabytes of pinned host memory), unless given. Inside a shard, rows are sorted by
-length and grouped into right-padded micro-batches of at most ``token_budget`` padded tokens.
+Qwen3-8B shard tens of gigabytes of pinned host memory), unless given.
 
-The host never waits for the GPU: while the target runs micro-batch ``j+1``, micro-batch ``j``'s features
-are copied to pinned host memory on a side stream, and writer threads wait for a shard's copies and write
-it straight from those buffers. Up to ``write_threads`` shard files are written at once, each by one
-thread: concurrent writes into one file queue behind its lock, separate files proceed in parallel.
+Shards are computed ``window_shards`` at a time: their rows are sorted by length together and grouped
+into right-padded micro-batches of at most ``token_budget`` padded tokens (``micro_batches``); the more
+rows are sorted together, the closer each row's neighbours are in length and the less padding the
+target computes. Each shard is then written from its own rows' features.
+
+The host never waits for the GPU: inputs reach the device from pinned memory, and while the target runs
+micro-batch ``j+1``, micro-batch ``j``'s features are copied to pinned host memory on a side stream;
+writer threads wait for a shard's copies and write it straight from those buffers. Up to
+``write_threads`` shard files are written at once, each by one thread: concurrent writes into one file
+queue behind its lock, separate files proceed in parallel.
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ class ExtractConfig:
     rows_per_shard: int | None = None  # None: about `shard_bytes` per shard (an existing store's own value)
     token_budget: int = 16384
     disk_margin: float = 1.02
-    write_threads: int = 4  # shard files written at once; host memory holds write_threads + 1 shards
-    shard_bytes: int = 1 << 30
+    write_threads: int = 4  # shard files written at once
+    shard_bytes: int = 1 << 29
+    window_shards: int = 4  # shards whose rows are micro-batched together
+    # host memory holds up to window_shards + write_threads shards (one window computed, others being written)
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
@@ -112,6 +119,15 @@ class ShardRows:
         return np.diff(self.offsets).tolist()
 
 
+def join_rows(shards: Sequence[ShardRows]) -> ShardRows:
+    """Several shards' rows as one, in order (offsets shifted past the rows before)."""
+    starts = np.cumsum([0] + [len(rows.input_ids) for rows in shards[:-1]])
+    offsets = np.concatenate([np.zeros(1, np.int64)] + [rows.offsets[1:] + start
+                                                       for rows, start in zip(shards, starts, strict=True)])
+    return ShardRows(np.concatenate([rows.input_ids for rows in shards]),
+                     np.concatenate([rows.loss_mask for rows in shards]), offsets)
+
+
 def shard_rows(dataset: Any, start: int, stop: int) -> ShardRows:
     table = dataset.flatten_indices().data if dataset._indices is not None else dataset.data
     columns = []
@@ -144,7 +160,9 @@ class _ShardBuilder:
         self.device = target.device
         self.copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
-    def run(self, rows: ShardRows) -> ShardParts:
+    def run(self, shards: Sequence[ShardRows]) -> list[ShardParts]:
+        """One window of shards: all their rows micro-batched together, then each shard's parts."""
+        rows = join_rows(shards)
         lengths = rows.lengths
         features: list[Tensor | None] = [None] * len(lengths)
         scales: list[Tensor | None] = [None] * len(lengths)
@@ -155,19 +173,24 @@ class _ShardBuilder:
                 features[i] = part
             for i, part in zip(group, scale.split(splits) if scale is not None else [], strict=False):
                 scales[i] = part
-        tensors = {
-            "input_ids": [torch.from_numpy(rows.input_ids)],
-            "loss_mask": [torch.from_numpy(rows.loss_mask)],
-            "offsets": [torch.from_numpy(rows.offsets)],
-            "features": features,
-        }
-        if self.config.dtype == "fp8":
-            tensors["scales"] = scales
         ready = None
         if self.copy_stream is not None:
             ready = torch.cuda.Event()
             ready.record(self.copy_stream)
-        return ShardParts(tensors, ready)  # type: ignore[arg-type]
+        parts, first = [], 0
+        for shard in shards:
+            end = first + len(shard.offsets) - 1
+            tensors = {
+                "input_ids": [torch.from_numpy(shard.input_ids)],
+                "loss_mask": [torch.from_numpy(shard.loss_mask)],
+                "offsets": [torch.from_numpy(shard.offsets)],
+                "features": features[first:end],
+            }
+            if self.config.dtype == "fp8":
+                tensors["scales"] = scales[first:end]
+            parts.append(ShardParts(tensors, ready))  # type: ignore[arg-type]
+            first = end
+        return parts
 
     def _forward(self, group: list[int], rows: ShardRows, lengths: list[int]) -> tuple[Tensor, Tensor | None]:
         width = lengths[group[0]]
@@ -253,21 +276,28 @@ def extract(
     if progress:
         progress(0, len(todo), 0, 0.0)
     threads = max(1, config.write_threads)
+    window = max(1, config.window_shards)
     with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
-        for done, k in enumerate(todo, start=1):
+        done = 0
+        for first in range(0, len(todo), window):
+            units = todo[first:first + window]
             start = time.perf_counter()
-            rows = shard_rows(dataset, k * rows_per_shard, min((k + 1) * rows_per_shard, len(lengths)))
-            parts = builder.run(rows)
-            for future in [f for f in pending if f.done()]:
-                future.result()  # a failed write stops the run here, with its error
-                pending.remove(future)
-            if len(pending) >= threads:  # bound host memory: one shard per writer waiting for the disk
-                pending.pop(0).result()
-            pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
-            if progress:
-                tokens = len(rows.input_ids)
-                progress(done, len(todo), tokens, tokens / max(time.perf_counter() - start, 1e-9))
+            shards = [shard_rows(dataset, k * rows_per_shard, min((k + 1) * rows_per_shard, len(lengths)))
+                      for k in units]
+            window_parts = builder.run(shards)
+            tokens = sum(len(rows.input_ids) for rows in shards)
+            rate = tokens / max(time.perf_counter() - start, 1e-9)
+            for k, rows, parts in zip(units, shards, window_parts, strict=True):
+                for future in [f for f in pending if f.done()]:
+                    future.result()  # a failed write stops the run here, with its error
+                    pending.remove(future)
+                if len(pending) >= threads:  # bound host memory: one shard per writer waiting for the disk
+                    pending.pop(0).result()
+                pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
+                done += 1
+                if progress:
+                    progress(done, len(todo), len(rows.input_ids), rate)
         for future in pending:
             future.result()
     return manifest
