@@ -92,10 +92,18 @@ def weight_bytes_per_step(target: TargetModel) -> int:
     return total if target.embeddings_tied else total - embed.numel() * embed.element_size()
 
 
-def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int) -> float:
-    """One replayed cycle of `engine` with one request in flight at the prompt's end."""
+def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int,
+                   setup: dict[str, float] | None = None) -> float:
+    """One replayed cycle of `engine` with one request in flight at the prompt's end; `setup["seconds"]`
+    gets the wall time to the end of the first cycle (compilation and graph capture included)."""
+    start = time.perf_counter()
     engine.prepare()
     engine.prefill([0], [prompt])
+    engine.step()
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize(engine.device)
+    if setup is not None:
+        setup["seconds"] = time.perf_counter() - start
     return time_ms(engine.step, engine.device, warmup, iters)
 
 
@@ -203,7 +211,9 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
         config = EngineConfig(block_size=1, max_new_tokens=new_tokens, max_length=length, compile=compiled,
                               compile_options=options)
         engine = DecodeEngine(target, None, config, runner=runner)
-        result[f"target_step_{name}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+        setup: dict[str, float] = {}
+        result[f"target_step_{name}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
+        result[f"target_step_{name}_setup_s"] = setup["seconds"]  # what the option costs before decoding
         result[f"target_step_{name}_compile_error"] = engine.compile_error
         if engine.compile_error is None:  # (a failed compilation ran uncompiled above: nothing to compare)
             logits = runner.forward(ids, positions, compiled=compiled, compile_options=options).logits.float()
@@ -231,7 +241,9 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                                   compile=compiled and device.type == "cuda")  # CPU: no compiler wait
             engine = DecodeEngine(target, draft_model, config, runner=runner)
             runner = engine.runner
-            result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+            setup: dict[str, float] = {}
+            result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
+            result[f"{name}{suffix}_setup_s"] = setup["seconds"]
             if suffix == "":
                 result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
                 result[f"{name}_attention"], result[f"{name}_compile_error"] = engine.runner.attention, engine.compile_error

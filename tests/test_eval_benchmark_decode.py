@@ -33,9 +33,10 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     qwen = result["qwen3_8b"]
     for name in ("frozen", "autotuned"):  # on the CPU uncompiled, so the same numbers as the default
         assert qwen[f"target_step_{name}_ms"] > 0 and qwen[f"target_step_{name}_max_logit_diff"] == 0
+        assert qwen[f"target_step_{name}_setup_s"] > 0
     assert qwen["target_step_attention"] == "sdpa" and "target_step_sdpa_attention_ms" not in qwen  # CPU: no kernel
     for key in ("target_step_ms", "target_step_no_graph_ms", "target_step_eager_ms", "dflash_cycle_ms", "hf_step_ms",
-                "target_step_unfused_ms"):
+                "target_step_unfused_ms", "target_step_setup_s", "dflash_cycle_eager_setup_s"):
         assert qwen[key] > 0
     assert qwen["weight_bytes_per_step"] == 4 * (8 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64 + 2 * 16)
                                                  + 64 + 512 * 64)  # layers + final norm + lm_head, fp32
