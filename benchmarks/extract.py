@@ -7,7 +7,8 @@ Data: random token rows (lengths uniform in [--min-len, --max-len]; throughput d
 token values), loss mask on the second half. Measured in the same run, on the same rows, in length-sorted,
 right-padded micro-batches of at most --token-budget padded tokens (`micro_batches`):
 - baseline: the target's decoder forward truncated after the deepest captured layer (layer 27 of 30 for
-  the default ids [1, 8, 14, 20, 27]), nothing captured, nothing copied; its micro-batches are grouped over
+  the default ids [1, 8, 14, 20, 27]), nothing captured, nothing copied (right-padded rows, no attention
+  mask: causal attention keeps pads out of real tokens, as in extraction); its micro-batches are grouped over
   all rows at once, the least padding there can be; extraction groups the rows of 4 shards at a time
   (`window_shards`: shards are written as their rows are done). The JSON's "padding" records both
   (padded / real tokens);
@@ -71,16 +72,14 @@ def bare_forward_seconds(target: Any, dataset: Any, token_budget: int) -> float:
     for group in micro_batches(lengths, token_budget):  # tensors built before timing: only the forward counts
         width = lengths[group[0]]
         ids = torch.zeros(len(group), width, dtype=torch.long)
-        mask = torch.zeros(len(group), width, dtype=torch.long)
         for b, i in enumerate(group):
             ids[b, : lengths[i]] = torch.tensor(rows[i])
-            mask[b, : lengths[i]] = 1
-        batches.append((ids.cuda(), mask.cuda() if not bool(mask.all()) else None))
+        batches.append(ids.cuda())
     try:
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for ids, mask in batches:
-            body(input_ids=ids, attention_mask=mask, use_cache=False)
+        for ids in batches:  # right padding, no mask: as extraction runs them
+            body(input_ids=ids, use_cache=False)
         torch.cuda.synchronize()
         return time.perf_counter() - start
     finally:

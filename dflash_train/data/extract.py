@@ -197,12 +197,10 @@ class _ShardBuilder:
         ids = np.zeros((len(group), width), dtype=np.int64)
         for b, i in enumerate(group):
             ids[b, : lengths[i]] = rows.input_ids[rows.offsets[i]:rows.offsets[i + 1]]
-        padded = any(lengths[i] < width for i in group)
-        mask = None
-        if padded:
-            mask = (np.arange(width)[None] < np.array([lengths[i] for i in group])[:, None]).astype(np.int64)
-            mask = self._to_device(mask)
-        feats = compute_features(self.target, self._to_device(ids), self.config.layer_ids, mask)  # [b, width, K*H]
+        # No attention mask: the pads come after each row's tokens, which causal attention never lets a real
+        # token see, so real tokens' features are those of the row alone. A padding mask would change nothing
+        # for them but make Hugging Face check it on the host (a sync per forward) and leave the causal kernel.
+        feats = compute_features(self.target, self._to_device(ids), self.config.layer_ids)  # [b, width, K*H]
         # Real tokens only, gathered with a host-built index (boolean indexing would wait for the GPU).
         keep = np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(group)])
         packed = feats.reshape(-1, feats.shape[-1]).index_select(0, self._to_device(keep))
