@@ -158,14 +158,16 @@ class Trainer:
 
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
-        ids, mask = batch["input_ids"][:, :real], batch["attention_mask"][:, :real]
+        # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
+        # out of every real token, and a mask would only cost host syncs in Hugging Face's mask check.
+        ids = batch["input_ids"][:, :real]
         layer_ids = self.draft_config.target_layer_ids
         with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
             if self.config.training.soft_targets:
-                features, final = self.target.capture_features_and_final_states(ids, layer_ids, mask)
+                features, final = self.target.capture_features_and_final_states(ids, layer_ids)
                 features = features.to(torch.bfloat16)
             else:
-                features, final = compute_features(self.target, ids, layer_ids, mask), None
+                features, final = compute_features(self.target, ids, layer_ids), None
         padding = batch["input_ids"].shape[1] - real
         if padding:
             features = torch.nn.functional.pad(features, (0, 0, 0, padding))
