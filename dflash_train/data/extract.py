@@ -277,15 +277,12 @@ def extract(
     window = max(1, config.window_shards)
     with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
-        done = 0
+        done, tokens, start = 0, 0, time.perf_counter()
         for first in range(0, len(todo), window):
             units = todo[first:first + window]
-            start = time.perf_counter()
             shards = [shard_rows(dataset, k * rows_per_shard, min((k + 1) * rows_per_shard, len(lengths)))
                       for k in units]
             window_parts = builder.run(shards)
-            tokens = sum(len(rows.input_ids) for rows in shards)
-            rate = tokens / max(time.perf_counter() - start, 1e-9)
             for k, rows, parts in zip(units, shards, window_parts, strict=True):
                 for future in [f for f in pending if f.done()]:
                     future.result()  # a failed write stops the run here, with its error
@@ -294,8 +291,9 @@ def extract(
                     pending.pop(0).result()
                 pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
                 done += 1
-                if progress:
-                    progress(done, len(todo), len(rows.input_ids), rate)
+                tokens += len(rows.input_ids)
+                if progress:  # the mean rate so far: the GPU runs ahead of the host, writes behind it
+                    progress(done, len(todo), len(rows.input_ids), tokens / max(time.perf_counter() - start, 1e-9))
         for future in pending:
             future.result()
     return manifest
