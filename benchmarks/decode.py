@@ -196,6 +196,9 @@ COMPILE_VARIANTS = {
     "frozen": (("freezing", True),),
     # inductor's autotuned matmul templates against cuBLAS, and tuned launch configurations
     "autotuned": (("max_autotune", True), ("coordinate_descent_tuning", True)),
+    # each half alone: which one the autotuned step's gain comes from, and at what compile time
+    "autotuned_matmuls": (("max_autotune_gemm", True),),
+    "tuned_launches": (("coordinate_descent_tuning", True),),
 }
 
 
@@ -207,7 +210,8 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
     positions = torch.tensor([[len(prompt)]], device=device)
     compiled = device.type == "cuda"
     reference = runner.forward(ids, positions, compiled=compiled).logits.float()
-    for name, options in COMPILE_VARIANTS.items():
+    for name in filter(None, args.compile_variants.split(",")):
+        options = COMPILE_VARIANTS[name]
         config = EngineConfig(block_size=1, max_new_tokens=new_tokens, max_length=length, compile=compiled,
                               compile_options=options)
         engine = DecodeEngine(target, None, config, runner=runner)
@@ -427,13 +431,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--profile", action="store_true",
                         help="qwen3-8b: also write the kernel table of the graphed target step and cycle "
                              "(<out>.profile.txt)")
-    parser.add_argument("--compile-variants", action="store_true",
-                        help="qwen3-8b: also time the target step compiled with weight freezing and with autotuning")
+    parser.add_argument("--compile-variants", nargs="?", const=",".join(COMPILE_VARIANTS), default="",
+                        help="qwen3-8b: also time the target step compiled with other inductor options: all of "
+                             f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given")
     parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
                         help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
                              "token for token (in bf16 their different kernels round the target's ties differently)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode.json)")
     args = parser.parse_args(argv)
+    unknown = set(filter(None, args.compile_variants.split(","))) - set(COMPILE_VARIANTS)
+    if unknown:
+        parser.error(f"--compile-variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(COMPILE_VARIANTS)}")
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
                                                                              else "float32")]

@@ -31,7 +31,7 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     assert "== target_step" in profile and "== dflash_cycle" in profile and "aten::" in profile
     assert "profiles" not in result["qwen3_8b"]
     qwen = result["qwen3_8b"]
-    for name in ("frozen", "autotuned"):  # on the CPU uncompiled, so the same numbers as the default
+    for name in ("frozen", "autotuned", "autotuned_matmuls", "tuned_launches"):  # CPU: uncompiled, the default
         assert qwen[f"target_step_{name}_ms"] > 0 and qwen[f"target_step_{name}_max_logit_diff"] == 0
         assert qwen[f"target_step_{name}_setup_s"] > 0
     assert qwen["target_step_attention"] == "sdpa" and "target_step_sdpa_attention_ms" not in qwen  # CPU: no kernel
@@ -46,3 +46,9 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     assert smol["decode_speedup_over_own_target_only"] > 0 and smol["ours_decode_tokens_per_s"] > 0
     assert smol["ours_cycle_ms"] > 0 and smol["ours_target_only_step_ms"] > 0
     assert smol["dtype"] == "float32" and smol["reference_loop_tau"] == pytest.approx(smol["tau"])
+
+
+def test_decode_benchmark_refuses_an_unknown_compile_variant(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--tiny", "--device", "cpu", "--compile-variants", "autotuned,nope"])
+    assert "unknown nope; choose from frozen, autotuned" in capsys.readouterr().err
