@@ -323,3 +323,20 @@ def test_shards_micro_batched_together_hold_the_same_rows_as_one_by_one(tiny: Ta
         assert torch.equal(window[i]["input_ids"], alone[i]["input_ids"])
         assert torch.equal(window[i]["loss_mask"], alone[i]["loss_mask"])
         torch.testing.assert_close(window[i]["features"].float(), alone[i]["features"].float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_right_padded_rows_need_no_mask_for_any_architecture(arch: str, tmp_path: Path) -> None:
+    """Extraction runs right-padded micro-batches without an attention mask: every real token's features
+    equal those of its row run alone, also with biases (qwen2) and a sliding window shorter than the rows."""
+    from tests.tiny_models import make_tiny_target
+
+    target = make_tiny_target(arch, num_layers=6)
+    if arch == "mistral":
+        target.model.config.sliding_window = 4
+    data = rows_dataset(n=7, seed=5)
+    run_extract(target, data, tmp_path / "one", budget=1)
+    run_extract(target, data, tmp_path / "batched", budget=128)
+    one, batched = FeatureStore(tmp_path / "one"), FeatureStore(tmp_path / "batched")
+    for i in range(len(data)):
+        torch.testing.assert_close(batched[i]["features"].float(), one[i]["features"].float(), rtol=1.6e-2, atol=1e-2)
