@@ -195,12 +195,13 @@ def test_resume_after_kill_equals_uninterrupted(tiny: TargetModel, tmp_path: Pat
     assert len(shard_bytes(tmp_path / "full")) == 5
 
 
-def test_ranks_split_the_shards(tiny: TargetModel, tmp_path: Path) -> None:
-    data = rows_dataset()
-    run_extract(tiny, data, tmp_path / "full")
-    run_extract(tiny, data, tmp_path / "split", rank=1, world=2)
-    assert sorted(shard_bytes(tmp_path / "split")) == ["features-000001.safetensors", "features-000003.safetensors"]
-    run_extract(tiny, data, tmp_path / "split", rank=0, world=2)
+def test_ranks_split_the_shards_by_window(tiny: TargetModel, tmp_path: Path) -> None:
+    data = rows_dataset()  # 9 rows: shards of 2 rows 0-4, windows of 2 shards [0, 1], [2, 3], [4]
+    config = {"rows_per_shard": 2, "token_budget": 64, "window_shards": 2}  # rows of a window batched together
+    extract_with(tiny, data, tmp_path / "full", **config)
+    extract_with(tiny, data, tmp_path / "split", rank=1, world=2, **config)
+    assert sorted(shard_bytes(tmp_path / "split")) == ["features-000002.safetensors", "features-000003.safetensors"]
+    extract_with(tiny, data, tmp_path / "split", rank=0, world=2, **config)
     assert shard_bytes(tmp_path / "split") == shard_bytes(tmp_path / "full")
 
 
@@ -285,10 +286,11 @@ def test_store_pickles_for_data_loader_workers(tiny: TargetModel, tmp_path: Path
     assert torch.equal(copy[4]["features"], first["features"]) and len(copy) == 5
 
 
-def extract_with(target: TargetModel, data: datasets.Dataset, out: Path, **config: object) -> dict:
+def extract_with(target: TargetModel, data: datasets.Dataset, out: Path, rank: int = 0, world: int = 1,
+                 **config: object) -> dict:
     settings = {"target": "tiny", "target_hash": target_fingerprint(target.model),
                 "tokenizer_hash": tokenizer_hash(target.tokenizer)}
-    return extract(target, data, out, ExtractConfig(LAYERS, **config), settings)  # type: ignore[arg-type]
+    return extract(target, data, out, ExtractConfig(LAYERS, **config), settings, rank, world)  # type: ignore[arg-type]
 
 
 def test_shards_written_four_at_a_time_equal_one_at_a_time(tiny: TargetModel, tmp_path: Path) -> None:
@@ -340,3 +342,20 @@ def test_right_padded_rows_need_no_mask_for_any_architecture(arch: str, tmp_path
     one, batched = FeatureStore(tmp_path / "one"), FeatureStore(tmp_path / "batched")
     for i in range(len(data)):
         torch.testing.assert_close(batched[i]["features"].float(), one[i]["features"].float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_a_resumed_window_is_computed_whole(tiny: TargetModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shards 0-1 written, 2-3 missing: the resumed run batches all four shards' rows again (and writes only
+    2 and 3), so that every shard comes from the same micro-batches as in an uninterrupted run."""
+    import dflash_train.data.extract as extract_module
+
+    data = rows_dataset()  # 9 rows, shards of 2: windows of 4 shards [0-3], [4]
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(tiny, data, tmp_path / "store", budget=40, kill_after=2)
+    written = {k: shard_path(tmp_path / "store", k).stat().st_mtime_ns for k in (0, 1)}
+    calls: list[int] = []
+    run = extract_module._ShardBuilder.run
+    monkeypatch.setattr(extract_module._ShardBuilder, "run", lambda self, shards: calls.append(len(shards)) or run(self, shards))
+    run_extract(tiny, data, tmp_path / "store", budget=40)
+    assert calls == [4, 1]
+    assert {k: shard_path(tmp_path / "store", k).stat().st_mtime_ns for k in (0, 1)} == written  # not rewritten

@@ -1,14 +1,16 @@
 """Offline feature extraction: prepared dataset -> feature store (layout in ``features.py``).
 
-Shard ``k`` = dataset rows ``[k*R, (k+1)*R)``; rank ``r`` of ``w`` writes shards ``k % w == r``; a shard is
-written atomically, so a killed run resumes by skipping the shards that exist. ``R`` is chosen so that a
-shard holds about ``shard_bytes`` at the dataset's mean row length (a fixed row count would make a
-Qwen3-8B shard tens of gigabytes of pinned host memory), unless given.
+Shard ``k`` = dataset rows ``[k*R, (k+1)*R)``. ``R`` is chosen so that a shard holds about ``shard_bytes``
+at the dataset's mean row length (a fixed row count would make a Qwen3-8B shard tens of gigabytes of
+pinned host memory), unless given.
 
-Shards are computed ``window_shards`` at a time: their rows are sorted by length together and grouped
-into right-padded micro-batches of at most ``token_budget`` padded tokens (``micro_batches``); the more
-rows are sorted together, the closer each row's neighbours are in length and the less padding the
-target computes. Each shard is then written from its own rows' features.
+Shards are computed in windows of ``window_shards`` (window ``j`` = shards ``[j*W, (j+1)*W)``): the rows
+of a window are sorted by length together and grouped into right-padded micro-batches of at most
+``token_budget`` padded tokens (``micro_batches``); the more rows are sorted together, the closer each
+row's neighbours are in length and the less padding the target computes. Rank ``r`` of ``n`` computes
+the windows ``j % n == r``. A shard is written atomically, so a killed run resumes by skipping the shards
+that exist; a window with any shard missing is computed whole, so that every shard always comes from the
+same micro-batches, bit for bit, however the work was split or interrupted.
 
 The host never waits for the GPU: inputs reach the device from pinned memory, and while the target runs
 micro-batch ``j+1``, micro-batch ``j``'s features are copied to pinned host memory on a side stream;
@@ -247,6 +249,14 @@ def _rows_per_shard(out_dir: Path, config: ExtractConfig, lengths: Sequence[int]
     return plan_rows_per_shard(lengths, per_token, config.shard_bytes)
 
 
+def _windows_to_run(out_dir: Path, units: int, window: int, rank: int, world: int) -> tuple[list[list[int]], list[int]]:
+    """This rank's windows that have a shard missing, and those missing shards."""
+    windows = [list(range(j * window, min((j + 1) * window, units))) for j in range(-(-units // window))]
+    mine = [shards for j, shards in enumerate(windows) if j % world == rank]
+    missing = [k for shards in mine for k in shards if not shard_path(out_dir, k).exists()]
+    return [shards for shards in mine if any(k in missing for k in shards)], missing
+
+
 def extract(
     target: Any, dataset: Any, out_dir: Path, config: ExtractConfig, settings: dict[str, Any],
     rank: int = 0, world: int = 1, progress: Callable[[int, int, int, float], None] | None = None,
@@ -261,7 +271,7 @@ def extract(
                 "num_tokens": sum(lengths), "rows_per_shard": rows_per_shard, "num_units": units,
                 "bytes_per_token": per_token}
     check_same_settings(out_dir / MANIFEST, manifest, "a feature store")
-    todo = [k for k in range(units) if k % world == rank and not shard_path(out_dir, k).exists()]
+    windows, todo = _windows_to_run(out_dir, units, max(1, config.window_shards), rank, world)
     todo_tokens = sum(sum(lengths[k * rows_per_shard:(k + 1) * rows_per_shard]) for k in todo)
     needed = int(todo_tokens * per_token * config.disk_margin)
     print(f"extract: {sum(lengths):,} tokens in {units} shards, {per_token:,} bytes/token ({config.dtype}): "
@@ -274,16 +284,16 @@ def extract(
     if progress:
         progress(0, len(todo), 0, 0.0)
     threads = max(1, config.write_threads)
-    window = max(1, config.window_shards)
+    missing = set(todo)
     with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
         done, tokens, start = 0, 0, time.perf_counter()
-        for first in range(0, len(todo), window):
-            units = todo[first:first + window]
+        for window in windows:
             shards = [shard_rows(dataset, k * rows_per_shard, min((k + 1) * rows_per_shard, len(lengths)))
-                      for k in units]
-            window_parts = builder.run(shards)
-            for k, rows, parts in zip(units, shards, window_parts, strict=True):
+                      for k in window]
+            for k, rows, parts in zip(window, shards, builder.run(shards), strict=True):
+                if k not in missing:  # written by an earlier run: computed only for its neighbours' batches
+                    continue
                 for future in [f for f in pending if f.done()]:
                     future.result()  # a failed write stops the run here, with its error
                     pending.remove(future)
