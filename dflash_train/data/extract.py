@@ -154,8 +154,8 @@ class ShardParts:
 
 
 class _ShardBuilder:
-    """Runs the target over one shard's rows; device-to-host copies go on a side stream so that the next
-    micro-batch's forward overlaps them."""
+    """Runs the target over a window of shards' rows; device-to-host copies go on a side stream so that the
+    next micro-batch's forward overlaps them."""
 
     def __init__(self, target: Any, config: ExtractConfig) -> None:
         self.target, self.config = target, config
@@ -201,7 +201,7 @@ class _ShardBuilder:
             ids[b, : lengths[i]] = rows.input_ids[rows.offsets[i]:rows.offsets[i + 1]]
         # No attention mask: the pads come after each row's tokens, which causal attention never lets a real
         # token see, so real tokens' features are those of the row alone. A padding mask would change nothing
-        # for them but make Hugging Face check it on the host (a sync per forward) and leave the causal kernel.
+        # for them but make Hugging Face check it on the host (two syncs per forward) and leave the causal kernel.
         feats = compute_features(self.target, self._to_device(ids), self.config.layer_ids)  # [b, width, K*H]
         # Real tokens only, gathered with a host-built index (boolean indexing would wait for the GPU).
         keep = np.concatenate([b * width + np.arange(lengths[i]) for b, i in enumerate(group)])
@@ -254,7 +254,8 @@ def _windows_to_run(out_dir: Path, units: int, window: int, rank: int, world: in
     windows = [list(range(j * window, min((j + 1) * window, units))) for j in range(-(-units // window))]
     mine = [shards for j, shards in enumerate(windows) if j % world == rank]
     missing = [k for shards in mine for k in shards if not shard_path(out_dir, k).exists()]
-    return [shards for shards in mine if any(k in missing for k in shards)], missing
+    absent = set(missing)
+    return [shards for shards in mine if absent.intersection(shards)], missing
 
 
 def extract(
