@@ -249,13 +249,12 @@ def _rows_per_shard(out_dir: Path, config: ExtractConfig, lengths: Sequence[int]
     return plan_rows_per_shard(lengths, per_token, config.shard_bytes)
 
 
-def _windows_to_run(out_dir: Path, units: int, window: int, rank: int, world: int) -> tuple[list[list[int]], list[int]]:
+def _windows_to_run(out_dir: Path, units: int, window: int, rank: int, world: int) -> tuple[list[list[int]], set[int]]:
     """This rank's windows that have a shard missing, and those missing shards."""
     windows = [list(range(j * window, min((j + 1) * window, units))) for j in range(-(-units // window))]
     mine = [shards for j, shards in enumerate(windows) if j % world == rank]
-    missing = [k for shards in mine for k in shards if not shard_path(out_dir, k).exists()]
-    absent = set(missing)
-    return [shards for shards in mine if absent.intersection(shards)], missing
+    missing = {k for shards in mine for k in shards if not shard_path(out_dir, k).exists()}
+    return [shards for shards in mine if missing.intersection(shards)], missing
 
 
 def extract(
@@ -272,7 +271,8 @@ def extract(
                 "num_tokens": sum(lengths), "rows_per_shard": rows_per_shard, "num_units": units,
                 "bytes_per_token": per_token}
     check_same_settings(out_dir / MANIFEST, manifest, "a feature store")
-    windows, todo = _windows_to_run(out_dir, units, max(1, config.window_shards), rank, world)
+    windows, missing = _windows_to_run(out_dir, units, max(1, config.window_shards), rank, world)
+    todo = sorted(missing)
     todo_tokens = sum(sum(lengths[k * rows_per_shard:(k + 1) * rows_per_shard]) for k in todo)
     needed = int(todo_tokens * per_token * config.disk_margin)
     print(f"extract: {sum(lengths):,} tokens in {units} shards, {per_token:,} bytes/token ({config.dtype}): "
@@ -285,7 +285,6 @@ def extract(
     if progress:
         progress(0, len(todo), 0, 0.0)
     threads = max(1, config.write_threads)
-    missing = set(todo)
     with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
         done, tokens, start = 0, 0, time.perf_counter()
