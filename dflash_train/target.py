@@ -16,7 +16,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import reduce
 from pathlib import Path
@@ -29,6 +29,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.layer_ids import validate_target_layer_ids
+from dflash_train.unpacked_rows import rows_not_packed
 
 logger = logging.getLogger(__name__)
 
@@ -225,10 +226,13 @@ class TargetModel:
         """
         store = FeatureStore(validate_target_layer_ids(layer_ids, self.num_layers))
         handles = _register_hooks(self.decoder_layers, store, stop_after_deepest=True)
+        # Without given position ids the model numbers each row as one sequence: nothing to check for packing.
+        unpacked = rows_not_packed() if position_ids is None else nullcontext()
         try:
-            self.model(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-            )
+            with unpacked:
+                self.model(
+                    input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+                )
         except _StopForward:
             pass
         finally:
@@ -241,7 +245,7 @@ class TargetModel:
     ) -> tuple[Tensor, Tensor]:
         """The features of ``capture_features`` and ``[B, S, H]`` final hidden states (after the final norm,
         what the lm_head reads), from one full pass of the decoder body: the soft targets of distillation."""
-        with self.feature_hooks(layer_ids) as store:
+        with self.feature_hooks(layer_ids) as store, rows_not_packed():
             out = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             return store.features(), out.last_hidden_state
 
