@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from benchmarks.extract import disk_alone_seconds, host_profile
@@ -22,7 +23,8 @@ def test_host_profile_lists_the_operators() -> None:
     assert "aten::mm" in table and "Self CPU" in table
 
 
-def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path, monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path, monkeypatch, dtype: str) -> None:
     import argparse
 
     import datasets
@@ -43,7 +45,7 @@ def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path,
     target = make_tiny_target("qwen3", num_layers=6)
     data = datasets.Dataset.from_dict({"input_ids": [[7, 8, 9, 10]] * 5, "loss_mask": [[0, 0, 1, 1]] * 5})
     args = argparse.Namespace(rows_per_shard=2, token_budget=8, write_threads=2)
-    seconds, size = to_host_seconds(target, data, tmp_path / "host", args)
+    seconds, size = to_host_seconds(target, data, tmp_path / "host", dtype, args)
     assert seconds > 0 and size == 0 and len(batches) == 3  # 3 shards of 2, 2, 1 rows ran; nothing written
     assert not list(tmp_path.glob("**/*.safetensors"))
     assert extract_module._save_shard is saved  # restored for the variants after it
