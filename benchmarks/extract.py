@@ -154,7 +154,8 @@ def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argp
                     write_threads: int | None = None) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
     config = ExtractConfig(LAYER_IDS, dtype, args.rows_per_shard, args.token_budget,
-                           write_threads=write_threads or args.write_threads)
+                           write_threads=write_threads or args.write_threads,
+                           window_shards=getattr(args, "window_shards", ExtractConfig.window_shards))
     torch.cuda.synchronize()
     start = time.perf_counter()
     extract(target, dataset, out, config, {"target": "smollm2-135m-instruct"})  # returns once shards are written
@@ -184,18 +185,32 @@ def to_host_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argp
         extract_module._save_shard = save
 
 
+def print_row(name: str, result: dict[str, Any], base: float) -> None:
+    written = f"{result['bytes_written'] / 1e9:>11.2f} {result['write_gb_per_s']:>6.2f}"
+    if result["tokens_per_s"] is None:
+        print(f"{name:<24} {'':>12} {'':>12} {written}", flush=True)
+    else:
+        print(f"{name:<24} {result['tokens_per_s']:>12,.0f} {100 * result['tokens_per_s'] / base:>11.1f}% {written}",
+              flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", type=int, default=2048)
+    parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--token-budget", type=int, default=65536)
-    # Shards are computed 4 at a time (a window) and a window's shards are written while the next window
-    # computes; the last window's writes, which nothing overlaps, are a 16th of the default rows' time
-    # (a real store has thousands of windows; 4 windows made that tail a quarter and the figures 10 % low).
-    parser.add_argument("--rows-per-shard", type=int, default=32)
+    # Shards are computed 4 at a time (a window: 256 rows, ~1.7 GB of bf16 features, about what the command's
+    # default 0.5 GB shards give) and written while the next window computes; the last window's writes, which
+    # nothing overlaps, are a 16th of the default rows' time (a real store has thousands of windows; 4 windows
+    # made that tail a quarter). Smaller windows micro-batch worse: 128-row windows ran 118 forwards where
+    # the baseline ran 41, and reached 79 % instead of 89 % to host.
+    parser.add_argument("--rows-per-shard", type=int, default=64)
     parser.add_argument("--write-threads", type=int, default=4, help="shard files written at once, as `dflash-train extract --write-threads`")
+    parser.add_argument("--window-shards", type=int, default=ExtractConfig.window_shards,
+                        help="shards whose rows are micro-batched together, as ExtractConfig.window_shards")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--variants", default=None, help="';'-separated subset of the variants (default: all)")
     parser.add_argument("--profile", action="store_true", help="also profile one bf16 extraction on the host")
     parser.add_argument("--out", type=Path, default=None, help="scratch directory on the disk to measure")
     parser.add_argument("--target", default="smollm2-135m-instruct",
@@ -207,7 +222,7 @@ def main() -> None:
     dataset = random_rows(args.rows, args.min_len, args.max_len, target.vocab_size)
     tokens = sum(row_lengths(dataset))
     padding = padding_ratios(row_lengths(dataset), args.token_budget,
-                             args.rows_per_shard * ExtractConfig.window_shards)
+                             args.rows_per_shard * args.window_shards)
     scratch = args.out or Path(tempfile.mkdtemp(prefix="dflash-extract-bench-"))
     warm = dataset.select(range(min(64, len(dataset)))).flatten_indices()
     bare_forward_seconds(target, warm, args.token_budget)
@@ -215,42 +230,49 @@ def main() -> None:
     results: dict[str, Any] = {}
     bf16_bytes = tokens * bytes_per_token(len(LAYER_IDS), target.hidden_size, "bf16")
     shards = -(-args.rows // args.rows_per_shard)
-    runs = [("baseline", lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0)),
-            ("extract-bf16", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)),
-            ("extract-fp8", lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args)),
-            ("disk alone", lambda: disk_alone_seconds(scratch / "disk", bf16_bytes, shards, args.write_threads))]
+    wide = argparse.Namespace(**{**vars(args), "window_shards": 2 * args.window_shards})
+    default_budget = argparse.Namespace(**{**vars(args), "token_budget": 16384})
     ram = ram_scratch(bf16_bytes)
-    if ram is not None:
-        runs.insert(3, ("bf16 to RAM", lambda: extract_seconds(target, dataset, ram, "bf16", args)))
-    runs.insert(-2, ("bf16 to host", lambda: to_host_seconds(target, dataset, scratch / "host", "bf16", args)))
-    runs.insert(-1, ("fp8 to host", lambda: to_host_seconds(target, dataset, scratch / "host", "fp8", args)))
-    runs.insert(1, ("baseline, HF check", lambda: (bare_forward_seconds(target, dataset, args.token_budget, True), 0)))
-    if args.token_budget != 16384:  # the command's default budget: what a user gets without the flag
-        default_budget = argparse.Namespace(**{**vars(args), "token_budget": 16384})
-        runs.insert(2, ("bf16, 16k budget", lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16",
-                                                                     default_budget)))
-    for name, run in runs:
-        timings = [run() for _ in range(args.repeats)]
+    runs = {
+        "baseline": lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0),
+        "baseline, HF check": lambda: (bare_forward_seconds(target, dataset, args.token_budget, True), 0),
+        # the command's default budget: what a user gets without the flag
+        "bf16, 16k budget": lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", default_budget),
+        "extract-bf16": lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args),
+        "extract-fp8": lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args),
+        "bf16 to host": lambda: to_host_seconds(target, dataset, scratch / "host", "bf16", args),
+        "bf16 to host, 2x window": lambda: to_host_seconds(target, dataset, scratch / "host", "bf16", wide),
+        "bf16 to RAM": lambda: extract_seconds(target, dataset, ram or scratch / "ram", "bf16", args),
+        "fp8 to host": lambda: to_host_seconds(target, dataset, scratch / "host", "fp8", args),
+        "disk alone": lambda: disk_alone_seconds(scratch / "disk", bf16_bytes, shards, args.write_threads),
+    }
+    chosen = args.variants.split(";") if args.variants else list(runs)
+    chosen = [name for name in chosen if name != "bf16 to RAM" or ram]  # /dev/shm too small: left out
+    unknown = sorted(set(chosen) - set(runs))
+    if unknown or "baseline" not in chosen or "disk alone" not in chosen:
+        raise SystemExit(f"--variants: unknown {unknown}; 'baseline' and 'disk alone' are required; "
+                         f"choose from {', '.join(runs)}")
+    print(f"{'variant':<24} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}", flush=True)
+    for name in chosen:
+        timings = [runs[name]() for _ in range(args.repeats)]
         median_s = statistics.median(seconds for seconds, _ in timings)
         results[name] = {"seconds": [s for s, _ in timings], "tokens_per_s": tokens / median_s,
                          "bytes_written": timings[0][1], "write_gb_per_s": timings[0][1] / median_s / 1e9}
+        print_row(name, results[name], results["baseline"]["tokens_per_s"])  # as it comes: a cut run keeps it
     disk = results["disk alone"]
     disk["tokens_per_s"] = None  # no tokens: its ceiling is in bytes
     for dtype in ("bf16", "fp8"):  # the most tokens/s this disk lets a store of that dtype reach
         disk[f"ceiling_{dtype}_tokens_per_s"] = disk["write_gb_per_s"] * 1e9 / bytes_per_token(
             len(LAYER_IDS), target.hidden_size, dtype)
-    base = max(results["baseline"]["tokens_per_s"], results["baseline, HF check"]["tokens_per_s"])  # the faster
+    base = max(results[name]["tokens_per_s"] for name in ("baseline", "baseline, HF check") if name in results)
     print(f"\nfeature extraction, SmolLM2-135M-Instruct bf16, layers {LAYER_IDS}, {args.rows} rows, {tokens:,} tokens, "
           f"budget {args.token_budget}; padded tokens per real token: baseline {padding['baseline']:.3f}, "
           f"extraction {padding['extract']:.3f}")
-    print(f"{'variant':<21} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
+    print(f"{'variant':<24} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
     for name, r in results.items():
-        if r["tokens_per_s"] is None:
-            print(f"{name:<21} {'':>12} {'':>12} {r['bytes_written'] / 1e9:>11.2f} {r['write_gb_per_s']:>6.2f}")
-            continue
-        r["fraction_of_baseline"] = r["tokens_per_s"] / base
-        print(f"{name:<21} {r['tokens_per_s']:>12,.0f} {100 * r['fraction_of_baseline']:>11.1f}% "
-              f"{r['bytes_written'] / 1e9:>11.2f} {r['write_gb_per_s']:>6.2f}")
+        if r["tokens_per_s"] is not None:
+            r["fraction_of_baseline"] = r["tokens_per_s"] / base
+        print_row(name, r, base)
     print(f"the disk alone allows {disk['ceiling_bf16_tokens_per_s']:,.0f} tokens/s in bf16 "
           f"({disk['ceiling_bf16_tokens_per_s'] / base:.0%} of the baseline), "
           f"{disk['ceiling_fp8_tokens_per_s']:,.0f} in fp8 ({disk['ceiling_fp8_tokens_per_s'] / base:.0%})")
