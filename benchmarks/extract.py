@@ -10,14 +10,15 @@ right-padded micro-batches of at most --token-budget padded tokens (`micro_batch
   the default ids [1, 8, 14, 20, 27]), nothing captured, nothing copied (right-padded rows, no attention
   mask: causal attention keeps pads out of real tokens, as in extraction; without Hugging Face's per-forward
   packing check, a host sync, as extraction runs it: `rows_not_packed`); its micro-batches are grouped over
-  all rows at once, the least padding there can be; extraction groups the rows of 4 shards at a time
-  (`window_shards`: shards are written as their rows are done). The JSON's "padding" records both
+  all rows at once, the least padding there can be; extraction groups the rows of --window-shards shards
+  at a time (default `ExtractConfig.window_shards`, 8: shards are written as their window is done). The JSON's "padding" records both
   (padded / real tokens);
 - "baseline, HF check": the baseline with the packing check; the faster of the two is the reference;
 - extract-bf16 / extract-fp8: the full `extract()` (capture, pad removal, fp8 quantisation, device-to-host
   copies, shard files written and closed), timed until the last shard is on disk ("on disk": in the
   page cache, as for any program writing files; no fsync);
-- "bf16, 16k budget": extract-bf16 at `dflash-train extract`'s default --token-budget (16,384);
+- "bf16, 16k budget": extract-bf16 at a quarter of the budget (16,384, the command's default until 2026-11);
+- "bf16 to host, 2x window": "bf16 to host" with windows of twice as many shards;
 - "bf16 to RAM": extract-bf16 into /dev/shm (when it has room): the pipeline without the disk;
 - "bf16 to host": extract-bf16 with the shard writes left out (features copied to pinned host memory,
   then dropped): the GPU side of the pipeline alone; "fp8 to host" the same for fp8;
@@ -200,15 +201,17 @@ def main() -> None:
     parser.add_argument("--min-len", type=int, default=256)
     parser.add_argument("--max-len", type=int, default=2048)
     parser.add_argument("--token-budget", type=int, default=65536)
-    # Shards are computed 4 at a time (a window: 256 rows, ~1.7 GB of bf16 features, about what the command's
-    # default 0.5 GB shards give) and written while the next window computes; the last window's writes, which
-    # nothing overlaps, are a 16th of the default rows' time (a real store has thousands of windows; 4 windows
-    # made that tail a quarter). Smaller windows micro-batch worse: 128-row windows ran 118 forwards where
-    # the baseline ran 41, and reached 79 % instead of 89 % to host.
+    # Shards are computed a window at a time (8 shards by default: 512 rows, ~3.4 GB of bf16 features, about
+    # what the command's default 0.5 GB shards give) and written while the next window computes; the last
+    # window's writes, which nothing overlaps, are an 8th of the default rows' time (a real store has
+    # thousands of windows), so the to-disk figures are a little low. Smaller windows micro-batch worse:
+    # 128-row windows ran 118 forwards where the baseline ran 41, and reached 79 % instead of 89 % to host.
     parser.add_argument("--rows-per-shard", type=int, default=64)
     parser.add_argument("--write-threads", type=int, default=4, help="shard files written at once, as `dflash-train extract --write-threads`")
     parser.add_argument("--window-shards", type=int, default=ExtractConfig.window_shards,
                         help="shards whose rows are micro-batched together, as ExtractConfig.window_shards")
+    # the first run of each variant also pins its host buffers (cudaHostAlloc, up to twice as slow): the
+    # median of 3 is a warm run
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--variants", default=None, help="';'-separated subset of the variants (default: all)")
     parser.add_argument("--profile", action="store_true", help="also profile one bf16 extraction on the host")
@@ -236,7 +239,7 @@ def main() -> None:
     runs = {
         "baseline": lambda: (bare_forward_seconds(target, dataset, args.token_budget), 0),
         "baseline, HF check": lambda: (bare_forward_seconds(target, dataset, args.token_budget, True), 0),
-        # the command's default budget: what a user gets without the flag
+        # a quarter of the budget: forwards of a small target are launch-bound below ~30k tokens
         "bf16, 16k budget": lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", default_budget),
         "extract-bf16": lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args),
         "extract-fp8": lambda: extract_seconds(target, dataset, scratch / "fp8", "fp8", args),

@@ -246,7 +246,8 @@ def run_data_checks(work: Path, env: dict[str, str], cpu: bool) -> dict[str, Any
     regen = [sys.executable, "-m", "dflash_train.cli", "regenerate", "--target", str(target), *prompts,
              "--max-new-tokens", "24", "--batch-size", "4", "--dtype", "fp32", *device]
     extract = [sys.executable, "-m", "dflash_train.cli", "extract", "--target", str(target), "--data", str(data),
-               "--layer-ids", "1,2,3", "--rows-per-shard", "4", "--target-dtype", "fp32", *device]
+               "--layer-ids", "1,2,3", "--rows-per-shard", "4", "--window-shards", "1", "--target-dtype", "fp32",
+               *device]  # 6 windows of one shard: both ranks compute some
     checks = {}
     for name, command, pattern in (("regenerate", regen, "part-*.jsonl"), ("extract", extract, "*.safetensors")):
         one, two = work / f"{name}-1", work / f"{name}-2"

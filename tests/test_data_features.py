@@ -59,7 +59,7 @@ def run_extract(target: TargetModel, data: datasets.Dataset, out: Path, dtype: s
         if kill_after is not None and done == kill_after:
             raise KeyboardInterrupt
 
-    config = ExtractConfig(LAYERS, dtype, rows_per_shard=2, token_budget=budget)
+    config = ExtractConfig(LAYERS, dtype, rows_per_shard=2, token_budget=budget, window_shards=4)
     settings = {"target": "tiny", "target_hash": target_fingerprint(target.model),
                 "tokenizer_hash": tokenizer_hash(target.tokenizer)}
     return extract(target, data, out, config, settings, rank, world, progress)
@@ -359,3 +359,18 @@ def test_a_resumed_window_is_computed_whole(tiny: TargetModel, tmp_path: Path, m
     run_extract(tiny, data, tmp_path / "store", budget=40)
     assert calls == [4, 1]
     assert {k: shard_path(tmp_path / "store", k).stat().st_mtime_ns for k in (0, 1)} == written  # not rewritten
+
+
+def test_extract_command_defaults_are_the_library_defaults() -> None:
+    """The command parses its flags without importing torch; its defaults must still be ExtractConfig's."""
+    import argparse
+
+    from dflash_train.commands.extract import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--out", "x"])
+    defaults = ExtractConfig(layer_ids=[0])
+    assert (args.token_budget, args.window_shards, args.write_threads) == \
+        (defaults.token_budget, defaults.window_shards, defaults.write_threads)
+    assert int(args.shard_gb * 1e9) == pytest.approx(defaults.shard_bytes, rel=0.1)

@@ -34,11 +34,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--shard-gb", type=float, default=0.5,
-                        help="about this many GB per shard file (host memory holds up to 4 + --write-threads "
-                             "shards: 4 shards' rows are micro-batched together)")
+                        help="about this many GB per shard file (pinned host memory holds up to --window-shards "
+                             "+ --write-threads shards)")
+    parser.add_argument("--window-shards", type=int, default=8,  # ExtractConfig's (imported lazily)
+                        help="shards whose rows are micro-batched together: more rows sorted together pad less "
+                             "and run fewer, fuller forwards (lower it, or --shard-gb, if host memory is short)")
     parser.add_argument("--rows-per-shard", type=int, default=None,
                         help="rows per shard file instead of --shard-gb (default: an existing store's own)")
-    parser.add_argument("--token-budget", type=int, default=16384, help="padded tokens per forward")
+    parser.add_argument("--token-budget", type=int, default=65536,  # ExtractConfig's
+                        help="padded tokens per forward (lower it if the GPU runs out of memory)")
     parser.add_argument("--write-threads", type=int, default=4,
                         help="shard files written at once (one thread copying into the page cache is slower "
                              "than the GPU, and one file takes one writer at a time)")
@@ -89,10 +93,12 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_prepared(args.data)
     target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
     check_tokenizer(args.data, target.tokenizer, args.target)
-    if args.shard_gb <= 0 or (args.rows_per_shard is not None and args.rows_per_shard < 1):
-        raise ValueError("--shard-gb must be > 0 and --rows-per-shard >= 1")
+    if args.shard_gb <= 0 or (args.rows_per_shard is not None and args.rows_per_shard < 1) \
+            or args.window_shards < 1 or args.token_budget < 1:
+        raise ValueError("--shard-gb must be > 0; --rows-per-shard, --window-shards and --token-budget >= 1")
     config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget,
-                           write_threads=max(1, args.write_threads), shard_bytes=int(args.shard_gb * 1e9))
+                           write_threads=max(1, args.write_threads), shard_bytes=int(args.shard_gb * 1e9),
+                           window_shards=args.window_shards)
     settings = {"target": args.target, "target_hash": target_fingerprint(target.model),
                 "target_dtype": args.target_dtype, "tokenizer_hash": tokenizer_hash(target.tokenizer),
                 "vocab_size": target.vocab_size, "prepared": str(args.data)}
