@@ -374,3 +374,15 @@ def test_extract_command_defaults_are_the_library_defaults() -> None:
     assert (args.token_budget, args.window_shards, args.write_threads) == \
         (defaults.token_budget, defaults.window_shards, defaults.write_threads)
     assert int(args.shard_gb * 1e9) == pytest.approx(defaults.shard_bytes, rel=0.1)
+
+
+def test_pinning_failure_is_a_one_line_error_naming_the_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_train.data.extract import pinned_empty
+
+    def refuse(*args, pin_memory: bool = False, **kwargs):
+        raise RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported")
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    with pytest.raises(ValueError, match=r"could not pin 0\.50 GiB .*out of memory\); lower --window-shards") as error:
+        pinned_empty(torch.Size([1 << 17, 2048]), torch.bfloat16)
+    assert "\n" not in str(error.value)

@@ -227,12 +227,23 @@ class _ShardBuilder:
     def _to_host(self, tensor: Tensor) -> Tensor:
         if self.copy_stream is None:
             return tensor.cpu()
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host = pinned_empty(tensor.shape, tensor.dtype)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             host.copy_(tensor, non_blocking=True)
         tensor.record_stream(self.copy_stream)  # keep the source alive until the copy has run
         return host
+
+
+def pinned_empty(shape: torch.Size, dtype: torch.dtype) -> Tensor:
+    """Page-locked host memory, or a one-line error that says how to need less of it."""
+    try:
+        return torch.empty(shape, dtype=dtype, pin_memory=True)
+    except RuntimeError as error:  # the host would not lock more pages (cudaHostAlloc failed)
+        gib = shape.numel() * dtype.itemsize / 2**30
+        raise ValueError(f"could not pin {gib:.2f} GiB more host memory for features ({str(error).splitlines()[0]}); "
+                         "lower --window-shards or --shard-gb; shards written so far are kept, rerun to resume") \
+            from error
 
 
 def _save_shard(path: Path, parts: ShardParts, unit: int) -> None:
