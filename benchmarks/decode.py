@@ -202,6 +202,12 @@ COMPILE_VARIANTS = {
 }
 
 
+def show(result: dict[str, Any], *keys: str) -> None:
+    """Print figures as they are measured: compiled variants take minutes each, and a run cut short by a
+    time limit still leaves what it measured in its log."""
+    print("decode: " + ", ".join(f"{key} {result[key]:.3f}" for key in keys), flush=True)
+
+
 def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_tokens: int, length: int,
                      device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
     """The graphed target step under other inductor options, and how far its logits move from the default."""
@@ -218,6 +224,7 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
         setup: dict[str, float] = {}
         result[f"target_step_{name}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
         result[f"target_step_{name}_setup_s"] = setup["seconds"]  # what the option costs before decoding
+        show(result, f"target_step_{name}_ms", f"target_step_{name}_setup_s")
         result[f"target_step_{name}_compile_error"] = engine.compile_error
         if engine.compile_error is None:  # (a failed compilation ran uncompiled above: nothing to compare)
             logits = runner.forward(ids, positions, compiled=compiled, compile_options=options).logits.float()
@@ -248,6 +255,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             setup: dict[str, float] = {}
             result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
             result[f"{name}{suffix}_setup_s"] = setup["seconds"]
+            show(result, f"{name}{suffix}_ms", f"{name}{suffix}_setup_s")
             if suffix == "":
                 result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
                 result[f"{name}_attention"], result[f"{name}_compile_error"] = engine.runner.attention, engine.compile_error
@@ -269,6 +277,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                                   compile=device.type == "cuda")
             engine = DecodeEngine(target, draft_model, config, runner=other)
             result[f"{name}_{label}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
+            show(result, f"{name}_{label}_ms")
             del engine
             gc.collect()
         del other
@@ -433,7 +442,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "(<out>.profile.txt)")
     parser.add_argument("--compile-variants", nargs="?", const=",".join(COMPILE_VARIANTS), default="",
                         help="qwen3-8b: also time the target step compiled with other inductor options: all of "
-                             f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given")
+                             f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given (minutes each "
+                             "on an H200: three of them did not finish in 8 minutes)")
     parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
                         help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
                              "token for token (in bf16 their different kernels round the target's ties differently)")
