@@ -386,3 +386,37 @@ def test_pinning_failure_is_a_one_line_error_naming_the_flags(monkeypatch: pytes
     with pytest.raises(ValueError, match=r"could not pin 0\.50 GiB .*out of memory\); lower --window-shards") as error:
         pinned_empty(torch.Size([1 << 17, 2048]), torch.bfloat16)
     assert "\n" not in str(error.value)
+
+
+def test_the_next_window_computes_while_the_last_one_is_written(tiny: TargetModel, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A window has more shards than there are writers: its writes must not hold back the next window's
+    forwards (the GPU would idle while the disk works). Each write of window 0 waits until window 1 has
+    started computing; if the main thread waited for those writes first, they would time out."""
+    import threading
+
+    import dflash_train.data.extract as extract_module
+
+    second_window, waited_out = threading.Event(), []
+    run, save = extract_module._ShardBuilder.run, extract_module._save_shard
+    starts: list[int] = []
+
+    def spy_run(self, shards):
+        starts.append(len(starts))
+        if len(starts) == 2:
+            second_window.set()
+        return run(self, shards)
+
+    def slow_save(path, parts, unit):
+        if not second_window.wait(timeout=5):
+            waited_out.append(unit)
+        save(path, parts, unit)
+
+    monkeypatch.setattr(extract_module._ShardBuilder, "run", spy_run)
+    monkeypatch.setattr(extract_module, "_save_shard", slow_save)
+    data = datasets.Dataset.from_dict({"input_ids": [[5 + i % 7] * 6 for i in range(16)],
+                                       "loss_mask": [[0, 0, 1, 1, 1, 1]] * 16})
+    config = ExtractConfig(LAYERS, "bf16", rows_per_shard=2, token_budget=64, window_shards=4, write_threads=2)
+    extract(tiny, data, tmp_path / "store", config, {"target": "tiny"})
+    assert starts == [0, 1] and waited_out == []
+    assert len(FeatureStore(tmp_path / "store")) == 16

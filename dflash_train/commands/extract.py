@@ -34,8 +34,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--shard-gb", type=float, default=0.5,
-                        help="about this many GB per shard file (pinned host memory holds up to --window-shards "
-                             "+ --write-threads shards)")
+                        help="about this many GB per shard file (pinned host memory holds up to 2 x "
+                             "--window-shards shards: one window computed while the one before is written)")
     parser.add_argument("--window-shards", type=int, default=8,  # ExtractConfig's (imported lazily)
                         help="shards whose rows are micro-batched together: more rows sorted together pad less "
                              "and run fewer, fuller forwards (lower it, or --shard-gb, if host memory is short)")

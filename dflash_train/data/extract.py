@@ -52,7 +52,7 @@ class ExtractConfig:
     # to host memory where 4 ran 86 % (H200, SmolLM2-135M; fewer rows sorted together pad more, and leave
     # short micro-batches whose forwards are launch-bound)
     window_shards: int = 8
-    # host memory holds up to window_shards + write_threads shards (one window computed, others being written)
+    # pinned host memory holds up to 2 windows of shards (one computed, the one before it being written)
 
 
 def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
@@ -300,6 +300,9 @@ def extract(
     if progress:
         progress(0, len(todo), 0, 0.0)
     threads = max(1, config.write_threads)
+    # Shards waiting for the disk: a whole window, so that the next window's forwards are queued while this
+    # one is written (fewer would make the GPU wait for the disk within every window); bounds host memory.
+    backlog = max(threads, config.window_shards)
     with ThreadPoolExecutor(threads) as writer:
         pending: list[Future[None]] = []
         done, tokens, start = 0, 0, time.perf_counter()
@@ -312,7 +315,7 @@ def extract(
                 for future in [f for f in pending if f.done()]:
                     future.result()  # a failed write stops the run here, with its error
                     pending.remove(future)
-                if len(pending) >= threads:  # bound host memory: one shard per writer waiting for the disk
+                if len(pending) >= backlog:
                     pending.pop(0).result()
                 pending.append(writer.submit(_save_shard, shard_path(out_dir, k), parts, k))
                 done += 1
