@@ -151,11 +151,10 @@ def ram_scratch(needed: int) -> Path | None:
     return shm / "dflash-extract-bench" if shm.is_dir() and shutil.disk_usage(shm).free > 1.5 * needed else None
 
 
-def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argparse.Namespace,
-                    write_threads: int | None = None) -> tuple[float, int]:
+def extract_seconds(target: Any, dataset: Any, out: Path, dtype: str, args: argparse.Namespace) -> tuple[float, int]:
     shutil.rmtree(out, ignore_errors=True)
     config = ExtractConfig(LAYER_IDS, dtype, args.rows_per_shard, args.token_budget,
-                           write_threads=write_threads or args.write_threads,
+                           write_threads=args.write_threads,
                            window_shards=getattr(args, "window_shards", ExtractConfig.window_shards))
     torch.cuda.synchronize()
     start = time.perf_counter()
