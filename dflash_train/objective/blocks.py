@@ -9,10 +9,14 @@ Block j holds `[x_{a_j}, MASK × (B-1)]` at positions `a_j … a_j+B-1`. Slot k 
 `x_{a_j+k}` — the token at its own position, not shifted. Slot 0 is the anchor and has no loss.
 Anchors are sorted; padded anchors (a sequence with fewer than N candidates) have `valid = False`,
 sit at position S (past every real token) and neither see nor count anything.
+
+Packed rows hold several chats: anchors are then indices into the row, each block's positions are its
+chat's own positions, and slot k is supervised only while a_j+k is still in the anchor's chat.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -28,11 +32,21 @@ class Blocks:
     positions: torch.Tensor  # [b, N*B] long: a_j + slot
     labels: torch.Tensor  # [b, N*B] long: target token or IGNORE_INDEX
     block_size: int
+    # Packed rows only (None: one sequence per row): each anchor's chat within the batch (-1: padded
+    # anchor), each context token's chat (-1: padding), and the number of chats.
+    sequence: torch.Tensor | None = None  # [b, N] long
+    context_sequence: torch.Tensor | None = None  # [b, S] long
+    num_sequences: int | None = None
 
     @property
     def slots(self) -> torch.Tensor:
         """Slot index (0..B-1) of each query row, [N*B]."""
         return torch.arange(self.labels.shape[1], device=self.labels.device) % self.block_size
+
+    @property
+    def token_index(self) -> torch.Tensor:
+        """[b, N*B]: index in the (packed) row of the token each query row stands for, a_j + slot."""
+        return self.anchors.repeat_interleave(self.block_size, dim=1) + self.slots
 
 
 def anchor_candidates(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -130,3 +144,46 @@ def sample_anchors_seeded(
         anchors.append(torch.where(v, a, torch.full_like(a, padded_len)))
         valid.append(v)
     return torch.cat(anchors), torch.cat(valid)
+
+
+def sample_packed_anchors(
+    loss_mask: torch.Tensor, chats: list[tuple[int, int, int]], seeds: list[int], num_anchors: int,
+    capacity: int, partition_block: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Anchors of packed rows: each chat's (row, start, length) drawn from its own seed over its own tokens
+    exactly as `sample_anchors_seeded` draws them unpacked, then moved to the chat's start in its row.
+
+    Returns anchors [rows, capacity] (sorted; padded = the row length) and valid. The packing plan keeps a
+    row's anchors within `capacity`; no host sync is needed to place them.
+    """
+    rows, length = loss_mask.shape
+    per_row: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+    for (row, start, n), seed in zip(chats, seeds, strict=True):
+        gen = torch.Generator(device=loss_mask.device).manual_seed(seed)
+        a, v = sample_anchors(loss_mask[row : row + 1, start : start + n], num_anchors, gen, partition_block)
+        per_row[row].append(torch.where(v, a + start, torch.full_like(a, length))[0])
+    anchors = torch.full((rows, capacity), length, dtype=torch.long, device=loss_mask.device)
+    for row, parts in enumerate(per_row):
+        if parts:  # chats come in row order, so sorting only moves the padded entries to the end
+            drawn = torch.cat(parts).sort().values[:capacity]
+            anchors[row, : drawn.shape[0]] = drawn
+    return anchors, anchors < length
+
+
+def build_packed_blocks(
+    input_ids: torch.Tensor, loss_mask: torch.Tensor, position_ids: torch.Tensor, sequence_ids: torch.Tensor,
+    anchors: torch.Tensor, valid: torch.Tensor, block_size: int, mask_token_id: int, num_sequences: int,
+) -> Blocks:
+    """`build_blocks` for packed rows: blocks at their chat's positions, labels cut at the chat's end."""
+    blocks = build_blocks(input_ids, loss_mask, anchors, valid, block_size, mask_token_id)
+    seq_len = input_ids.shape[1]
+    at_anchor = anchors.clamp(max=seq_len - 1)
+    anchor_sequence = torch.where(valid, sequence_ids.gather(1, at_anchor), torch.full_like(anchors, -1))
+    token_sequence = sequence_ids.gather(1, blocks.token_index.clamp(max=seq_len - 1))
+    same_chat = token_sequence == anchor_sequence.repeat_interleave(block_size, dim=1)
+    labels = torch.where(same_chat, blocks.labels, torch.full_like(blocks.labels, IGNORE_INDEX))
+    positions = (position_ids.gather(1, at_anchor)[:, :, None] + torch.arange(block_size, device=anchors.device))
+    return dataclasses.replace(
+        blocks, labels=labels, positions=positions.flatten(1), sequence=anchor_sequence,
+        context_sequence=sequence_ids, num_sequences=num_sequences,
+    )

@@ -4,6 +4,9 @@ A query in block j sees context keys kv < a_j — strictly: the anchor's own tar
 exist yet at inference — and all B keys of its own block (bidirectional); nothing of other blocks.
 Padded blocks see nothing. `dense_mask` is the CPU path and the reference; `flex_mask` builds the
 same predicate as a sparse flex-attention `BlockMask` for the GPU.
+
+Packed rows (several chats per row) add one condition: a query sees only context keys of its anchor's
+chat (`packed_dense_mask`, `packed_flex_mask`; kv < a_j is then an index into the packed row).
 """
 
 from __future__ import annotations
@@ -47,5 +50,49 @@ def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, 
         sees_context = is_context & (kv_idx < anchors[b, block])
         sees_block = ~is_context & ((kv_idx - context_len) // block_size == block)
         return valid[b, block] & (sees_context | sees_block)
+
+    return mask_mod
+
+
+def packed_dense_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, anchor_sequence: torch.Tensor, context_sequence: torch.Tensor,
+    block_size: int,
+) -> torch.Tensor:
+    """`dense_mask` for packed rows: anchor_sequence [b, N] is each anchor's chat, context_sequence [b, S]
+    each token's (-1: padding). Bool [b, 1, N*B, S + N*B]."""
+    context_len = context_sequence.shape[1]
+    mask = dense_mask(anchors, valid, context_len, block_size)
+    query_block = torch.arange(anchors.shape[1] * block_size, device=anchors.device) // block_size
+    same_chat = context_sequence[:, None, :] == anchor_sequence[:, query_block, None]  # [b, Q, S]
+    mask[:, 0, :, :context_len] &= same_chat
+    return mask
+
+
+def packed_flex_mask(
+    anchors: torch.Tensor, valid: torch.Tensor, anchor_sequence: torch.Tensor, context_sequence: torch.Tensor,
+    block_size: int, compile: bool = True,
+) -> Any:
+    """The same predicate as `packed_dense_mask`, as a flex-attention BlockMask (tiles of other chats'
+    context are skipped, so attention costs what each chat's own context costs)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mask_mod = packed_flex_mask_mod(anchors, valid, anchor_sequence, context_sequence, block_size)
+    b, n = anchors.shape
+    q_len, kv_len = n * block_size, context_sequence.shape[1] + n * block_size
+    return create_block_mask(mask_mod, b, None, q_len, kv_len, device=anchors.device, _compile=compile)
+
+
+def packed_flex_mask_mod(
+    anchors: torch.Tensor, valid: torch.Tensor, anchor_sequence: torch.Tensor, context_sequence: torch.Tensor,
+    block_size: int,
+) -> Any:
+    b, context_len = context_sequence.shape
+    # Every key index must be readable: block keys get a chat id no anchor has.
+    key_sequence = torch.cat([context_sequence, context_sequence.new_full((b, anchors.shape[1] * block_size), -2)], 1)
+    unpacked = flex_mask_mod(anchors, valid, context_len, block_size)
+
+    def mask_mod(b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        own_chat = (kv_idx >= context_len) | (key_sequence[b, kv_idx] == anchor_sequence[b, q_idx // block_size])
+        return unpacked(b, h, q_idx, kv_idx) & own_chat
 
     return mask_mod

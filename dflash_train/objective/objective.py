@@ -9,9 +9,17 @@ import torch
 from torch import nn
 
 from dflash_train.models.draft import DFlashDraftModel
-from dflash_train.objective.blocks import IGNORE_INDEX, Blocks, build_blocks, sample_anchors
+from dflash_train.objective.blocks import (
+    IGNORE_INDEX,
+    Blocks,
+    build_blocks,
+    build_packed_blocks,
+    sample_anchors,
+    sample_anchors_seeded,
+    sample_packed_anchors,
+)
 from dflash_train.objective.loss import chunked_weighted_cross_entropy, slot_weights
-from dflash_train.objective.masks import dense_mask, flex_mask
+from dflash_train.objective.masks import dense_mask, flex_mask, packed_dense_mask, packed_flex_mask
 
 MaskKind = Literal["auto", "dense", "flex"]
 
@@ -54,7 +62,7 @@ class DFlashObjective:
     """Anchors -> blocks -> masked drafter forward -> decay-weighted CE over valid slots only.
 
     The loss is each sequence's decay-weighted mean CE over its supervised slots, averaged over the
-    sequences of the batch.
+    sequences of the batch; a sequence is a row, or a chat of a packed row.
     """
 
     block_size: int
@@ -63,6 +71,8 @@ class DFlashObjective:
     loss_decay_gamma: float | None = None  # None: paper default for the block size; inf: no decay
     mask_kind: MaskKind = "auto"
     chunk_rows: int | None = None
+    partition_anchors: bool = False  # anchors on a fixed block grid instead of at random (an ablation)
+    anchors_per_row: int | None = None  # anchor capacity of a packed row
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
@@ -70,10 +80,31 @@ class DFlashObjective:
         anchors, valid = sample_anchors(loss_mask, self.num_anchors, generator)
         return build_blocks(input_ids, loss_mask, anchors, valid, self.block_size, self.mask_token_id)
 
+    def seeded_blocks(
+        self, batch: dict[str, torch.Tensor], chats: list[tuple[int, int, int]], seeds: list[int]
+    ) -> Blocks:
+        """Blocks of a batch, unpacked or packed (it has `sequence_ids`): chat i at (row, start, length)
+        `chats[i]` gets the anchors its own seed draws over its own tokens, wherever it lies."""
+        partition = self.block_size if self.partition_anchors else None
+        input_ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+        if "sequence_ids" not in batch:
+            lengths = [n for _, _, n in chats]
+            anchors, valid = sample_anchors_seeded(loss_mask, self.num_anchors, seeds, lengths, partition)
+            return build_blocks(input_ids, loss_mask, anchors, valid, self.block_size, self.mask_token_id)
+        if self.anchors_per_row is None:
+            raise ValueError("packed batches need the objective's anchors_per_row")
+        anchors, valid = sample_packed_anchors(loss_mask, chats, seeds, self.num_anchors, self.anchors_per_row,
+                                               partition)
+        return build_packed_blocks(input_ids, loss_mask, batch["position_ids"], batch["sequence_ids"], anchors,
+                                   valid, self.block_size, self.mask_token_id, len(chats))
+
     def attention_mask(self, blocks: Blocks, context_len: int) -> torch.Tensor | object:
         kind = self.mask_kind
         if kind == "auto":
             kind = "flex" if blocks.anchors.is_cuda else "dense"
+        if blocks.context_sequence is not None:
+            packed = packed_flex_mask if kind == "flex" else packed_dense_mask
+            return packed(blocks.anchors, blocks.valid, blocks.sequence, blocks.context_sequence, self.block_size)
         if kind == "flex":
             return flex_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
         return dense_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
@@ -89,12 +120,15 @@ class DFlashObjective:
         generator: torch.Generator | None = None,
         blocks: Blocks | None = None,
         teacher_states: torch.Tensor | None = None,
+        context_positions: torch.Tensor | None = None,
     ) -> ObjectiveOutput:
         """input_ids/loss_mask [b, S], context_features [b, S, K*H] from the frozen target; teacher_states
-        [b, S, H] (the target's final hidden states) turn the labels into the target's soft distribution."""
+        [b, S, H] (the target's final hidden states) turn the labels into the target's soft distribution;
+        context_positions [b, S] (packed rows: each chat's own) default to 0..S-1."""
         blocks = blocks or self.make_blocks(input_ids, loss_mask, generator)
         context_len = input_ids.shape[1]
-        context_positions = torch.arange(context_len, device=input_ids.device).expand(input_ids.shape[0], -1)
+        if context_positions is None:
+            context_positions = torch.arange(context_len, device=input_ids.device).expand(input_ids.shape[0], -1)
         with torch.no_grad():
             block_embeds = embed_tokens(blocks.input_ids)  # [b, N*B, H], frozen
         hidden = draft(
@@ -112,18 +146,27 @@ class DFlashObjective:
         supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
         rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
         labels, row_slots = blocks.labels[supervised], slots[supervised]
-        sequence = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
+        sequence, num_sequences = self._sequences(blocks)
         weights = sequence_normalised_weights(
             slot_weights(self.block_size, self.loss_decay_gamma).to(hidden.device)[row_slots],
             sequence[supervised],
-            supervised.shape[0],
+            num_sequences,
         )
         teacher = None
-        if teacher_states is not None:  # the target predicts position p from its state at p - 1
+        if teacher_states is not None:  # the target predicts token p from its state at p - 1 (row indices)
             batch_index = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
-            teacher = teacher_states[batch_index[supervised], blocks.positions[supervised] - 1]
+            teacher = teacher_states[batch_index[supervised], blocks.token_index[supervised] - 1]
         loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows, teacher)
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
         slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
         return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()))
+
+    @staticmethod
+    def _sequences(blocks: Blocks) -> tuple[torch.Tensor, int]:
+        """The sequence of each query row [b, N*B] (a row, or a packed chat) and the number of sequences."""
+        b, q = blocks.labels.shape
+        if blocks.sequence is None:
+            return torch.arange(b, device=blocks.labels.device)[:, None].expand(b, q), b
+        # Padded anchors (-1) carry no label, so their rows are never indexed with it.
+        return blocks.sequence.repeat_interleave(blocks.block_size, dim=1), int(blocks.num_sequences or 0)

@@ -1,0 +1,296 @@
+"""Packed training: several whole chats per row of exactly `pack_tokens` tokens.
+
+Short chats right-padded to one static length waste most of a compiled micro-batch; packing fills rows
+with whole chats instead and keeps one static shape. The packing of an epoch is a pure function of
+(seed, epoch): chats are taken in the epoch's random order and appended to the current row while its
+tokens and its anchors fit, so a resumed run and a run on another number of processes see the same rows
+at the same step. A chat's anchor count is min(num_anchors, its anchor candidates), as unpacked.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.training.data import epoch_order
+
+ANCHOR_SLACK = 1.125  # anchor capacity over the data's mean anchors per token: rows rarely close on anchors
+ANCHOR_MULTIPLE = 16
+
+
+@dataclass(frozen=True)
+class ChatStats:
+    """Per dataset row: tokens after the cut to max_length, and anchor candidates among them."""
+
+    lengths: np.ndarray
+    candidates: np.ndarray
+
+    def anchors(self, num_anchors: int) -> np.ndarray:
+        return np.minimum(self.candidates, num_anchors)
+
+
+def flat_chat_stats(
+    loss_mask: np.ndarray, offsets: np.ndarray, max_length: int, partition_block: int | None = None
+) -> ChatStats:
+    """Stats of rows stored back to back: row r is loss_mask[offsets[r]:offsets[r+1]] (no Python loop
+    over rows: a 150k-chat set is read in about a second)."""
+    lengths = np.minimum(np.diff(offsets), max_length).astype(np.int64)
+    starts = offsets[:-1].astype(np.int64)
+    supervised = loss_mask.astype(bool)
+    # Position a is a candidate iff a and a+1 are supervised and a+1 is inside the (cut) row.
+    pair = np.zeros(supervised.shape[0] + 1, dtype=bool)
+    pair[:-2] = supervised[:-1] & supervised[1:]
+    if partition_block is not None:
+        pair[:-1] &= _on_partition_grid(supervised, starts, partition_block)
+    total = np.concatenate([[0], np.cumsum(pair, dtype=np.int64)])
+    last = np.maximum(starts + lengths - 1, starts)  # candidates lie in [start, start + length - 1)
+    return ChatStats(lengths, total[last] - total[starts])
+
+
+def _on_partition_grid(supervised: np.ndarray, starts: np.ndarray, block: int) -> np.ndarray:
+    """Positions on the fixed block grid of their supervised span (`partition_candidates`, flat)."""
+    index = np.arange(supervised.shape[0], dtype=np.int64)
+    span_start = supervised.copy()
+    span_start[1:] &= ~supervised[:-1]
+    row_starts = starts[starts < supervised.shape[0]]  # a span never continues into the next row
+    span_start[row_starts] = supervised[row_starts]
+    latest = np.maximum.accumulate(np.where(span_start, index, 0))
+    return (index - latest) % block == 0
+
+
+def concat_stats(parts: Sequence[ChatStats]) -> ChatStats:
+    if not parts:
+        return ChatStats(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    return ChatStats(np.concatenate([p.lengths for p in parts]), np.concatenate([p.candidates for p in parts]))
+
+
+def prepared_chat_stats(dataset: Any, max_length: int, partition_block: int | None = None) -> ChatStats:
+    """Stats of a prepared `datasets.Dataset`, read from its Arrow column chunk by chunk."""
+    import pyarrow.compute as pc
+
+    parts = []
+    for chunk in dataset.data.table.column("loss_mask").chunks:
+        offsets = np.concatenate([[0], np.cumsum(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))])
+        values = chunk.flatten().to_numpy(zero_copy_only=False)
+        parts.append(flat_chat_stats(values, offsets, max_length, partition_block))
+    stats = concat_stats(parts)
+    if dataset._indices is not None:  # a selection or shuffle of the stored table
+        rows = dataset._indices.column(0).to_numpy()
+        stats = ChatStats(stats.lengths[rows], stats.candidates[rows])
+    return stats
+
+
+def store_chat_stats(store: Any, max_length: int, partition_block: int | None = None) -> ChatStats:
+    """Stats of an offline feature store, from each shard's loss mask and row offsets."""
+    from dflash_train.data.features import open_shard, shard_path
+
+    parts = []
+    for unit in range(store.num_units):
+        handle = open_shard(shard_path(store.path, unit))
+        offsets = handle.get_tensor("offsets").numpy()
+        mask = handle.get_tensor("loss_mask").numpy()
+        parts.append(flat_chat_stats(mask, offsets, max_length, partition_block))
+    return concat_stats(parts)
+
+
+def chat_stats(samples: Any, partition_block: int | None = None) -> ChatStats:
+    """Stats of every row of `TrainingSamples` (prepared data or a feature store)."""
+    if samples.offline:
+        return store_chat_stats(samples.store, samples.max_length, partition_block)
+    return prepared_chat_stats(samples.store, samples.max_length, partition_block)
+
+
+def derive_anchors_per_row(lengths: np.ndarray, anchors: np.ndarray, pack_tokens: int) -> int:
+    """Anchor capacity of a row: the data's anchors per token times the row's tokens, with some slack, so
+    that neither budget closes most rows early; never less than the largest chat's anchors."""
+    ratio = float(anchors.sum()) / max(1, int(lengths.sum()))
+    wanted = math.ceil(pack_tokens * ratio * ANCHOR_SLACK)
+    ceiling = -(-pack_tokens // ANCHOR_MULTIPLE) * ANCHOR_MULTIPLE  # a row holds at most pack_tokens anchors
+    wanted = max(min(wanted, ceiling), int(anchors.max(initial=1)))
+    return -(-wanted // ANCHOR_MULTIPLE) * ANCHOR_MULTIPLE
+
+
+def check_anchors_per_row(anchors_per_row: int, anchors: np.ndarray) -> None:
+    largest = int(anchors.max(initial=0))
+    if anchors_per_row < largest:
+        raise ValueError(f"training.anchors_per_row={anchors_per_row} is below the {largest} anchors of the "
+                         "largest chat; raise it or leave it unset (derived from the data)")
+
+
+def pack_rows(
+    order: Sequence[int], lengths: Sequence[int], anchors: Sequence[int], pack_tokens: int, anchors_per_row: int
+) -> list[list[int]]:
+    """Greedy, in order: a chat joins the current row while the row's tokens and anchors fit, else it
+    starts the next row (the random order is kept; a row wastes about half a chat)."""
+    rows: list[list[int]] = []
+    row: list[int] = []
+    tokens = used = 0
+    for chat in order:
+        n, k = lengths[chat], anchors[chat]
+        if row and (tokens + n > pack_tokens or used + k > anchors_per_row):
+            rows.append(row)
+            row, tokens, used = [], 0, 0
+        row.append(chat)
+        tokens, used = tokens + n, used + k
+    if row:
+        rows.append(row)
+    return rows
+
+
+@dataclass
+class PackedStepPlan:
+    """How packed rows map to optimizer steps: batch_size rows per micro-batch and process.
+
+    Each epoch has its own number of steps (its rows // rows per step; leftover rows are dropped), so
+    the step -> rows mapping never depends on the run's length and is extended lazily.
+    """
+
+    train: Sequence[int]
+    lengths: list[int]
+    anchors: list[int]
+    pack_tokens: int
+    anchors_per_row: int
+    batch_size: int
+    num_processes: int
+    accumulation: int
+    seed: int
+    _rows: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)
+    _steps: list[int] = field(default_factory=list, repr=False)
+    _chats: list[np.ndarray] = field(default_factory=list, repr=False)  # per epoch: chats before each step
+    # The loader thread packs the next step while the main thread reads the plan.
+    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.batch_size * self.num_processes * self.accumulation
+
+    def epoch_rows(self, epoch: int) -> list[list[int]]:
+        with self._lock:
+            if epoch not in self._rows:
+                order = epoch_order(self.train, self.seed, epoch)
+                if len(self._rows) >= 2:  # a run reads one epoch at a time (two around a boundary)
+                    self._rows.pop(next(iter(self._rows)))
+                self._rows[epoch] = pack_rows(order, self.lengths, self.anchors, self.pack_tokens,
+                                              self.anchors_per_row)
+            return self._rows[epoch]
+
+    def steps_in_epoch(self, epoch: int) -> int:
+        with self._lock:
+            while len(self._steps) <= epoch:
+                rows = self.epoch_rows(len(self._steps))
+                if len(rows) < self.rows_per_step:
+                    raise ValueError(f"{len(rows)} packed rows do not fill one step of {self.rows_per_step} rows; "
+                                     "lower training.batch_size, gradient_accumulation_steps or data.pack_tokens")
+                steps = len(rows) // self.rows_per_step
+                per_step = np.array([len(r) for r in rows[: steps * self.rows_per_step]]).reshape(steps, -1).sum(1)
+                self._steps.append(steps)
+                self._chats.append(np.concatenate([[0], np.cumsum(per_step)]))
+            return self._steps[epoch]
+
+    def total_steps(self, epochs: float) -> int:
+        whole = int(epochs)
+        steps = sum(self.steps_in_epoch(e) for e in range(whole))
+        return max(1, steps + int((epochs - whole) * self.steps_in_epoch(whole)))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within the epoch) of a global step."""
+        epoch = 0
+        while step >= self.steps_in_epoch(epoch):
+            step -= self.steps_in_epoch(epoch)
+            epoch += 1
+        return epoch, step
+
+    def step_rows(self, step: int) -> list[list[int]]:
+        epoch, within = self.locate(step)
+        return self.epoch_rows(epoch)[within * self.rows_per_step : (within + 1) * self.rows_per_step]
+
+    def micro_batches(self, step: int, rank: int) -> Iterator[list[list[int]]]:
+        """This rank's micro-batches (rows of chat indices) of optimizer step `step`."""
+        rows = self.step_rows(step)
+        per_micro = self.batch_size * self.num_processes
+        for micro in range(self.accumulation):
+            group = rows[micro * per_micro : (micro + 1) * per_micro]
+            yield group[rank * self.batch_size : (rank + 1) * self.batch_size]
+
+    def counted_chats(self, rows: Sequence[Sequence[int]]) -> int:
+        """Chats with at least one anchor: the ones the loss averages over."""
+        return sum(1 for row in rows for chat in row if self.anchors[chat] > 0)
+
+    def chats_seen(self, steps: int) -> int:
+        """Chats trained on in the first `steps` optimizer steps."""
+        epoch, within = self.locate(steps)
+        return int(sum(self._chats[e][-1] for e in range(epoch)) + self._chats[epoch][within])
+
+    def fill(self, rows: Sequence[Sequence[int]], num_rows: int | None = None) -> tuple[float, float]:
+        """(real tokens / token capacity, anchors / anchor capacity) of `num_rows` rows holding `rows`."""
+        num_rows = num_rows or len(rows)
+        tokens = sum(self.lengths[c] for row in rows for c in row)
+        anchors = sum(self.anchors[c] for row in rows for c in row)
+        return tokens / (num_rows * self.pack_tokens), anchors / (num_rows * self.anchors_per_row)
+
+
+def collate_packed(rows: list[list[dict[str, torch.Tensor]]], pack_tokens: int, num_rows: int) -> dict[str, torch.Tensor]:
+    """`num_rows` rows of exactly `pack_tokens` tokens (missing rows are all padding).
+
+    position_ids restart at 0 with each chat and with the padding at a row's end (Hugging Face then keeps
+    every chat's attention inside the chat); sequence_ids number the micro-batch's chats in order (-1:
+    padding); `chats` [C, 3] holds each chat's (row, start, length).
+    """
+    input_ids = torch.zeros(num_rows, pack_tokens, dtype=torch.long)
+    loss_mask = torch.zeros(num_rows, pack_tokens, dtype=torch.bool)
+    position_ids = torch.arange(pack_tokens).repeat(num_rows, 1)
+    sequence_ids = torch.full((num_rows, pack_tokens), -1, dtype=torch.long)
+    features = _empty_features(rows, num_rows, pack_tokens)
+    chats = []
+    for r, row in enumerate(rows):
+        used = sum(sample["input_ids"].shape[0] for sample in row)
+        if used > pack_tokens:
+            raise ValueError(f"row {r} holds {used} tokens, more than pack_tokens={pack_tokens}")
+        start = 0
+        for sample in row:
+            n = sample["input_ids"].shape[0]
+            span = slice(start, start + n)
+            input_ids[r, span], loss_mask[r, span] = sample["input_ids"], sample["loss_mask"]
+            position_ids[r, span] = torch.arange(n)
+            sequence_ids[r, span] = len(chats)
+            if features is not None:
+                features[r, span] = sample["features"]
+            chats.append((r, start, n))
+            start += n
+        position_ids[r, start:] = torch.arange(pack_tokens - start)
+    out = {"input_ids": input_ids, "loss_mask": loss_mask, "position_ids": position_ids,
+           "sequence_ids": sequence_ids, "chats": torch.tensor(chats, dtype=torch.long).view(-1, 3)}
+    if features is not None:
+        out["features"] = features
+    return out
+
+
+def _empty_features(rows: list[list[dict[str, torch.Tensor]]], num_rows: int, pack_tokens: int) -> torch.Tensor | None:
+    first = next((sample for row in rows for sample in row), None)
+    if first is None or "features" not in first:
+        return None
+    return torch.zeros(num_rows, pack_tokens, first["features"].shape[-1], dtype=first["features"].dtype)
+
+
+def chat_layout(cpu_batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int]]:
+    """(row, start, length) of every chat of a packed or unpacked (one chat per row) CPU batch."""
+    if "chats" in cpu_batch:
+        return [tuple(chat) for chat in cpu_batch["chats"].tolist()]
+    return [(row, 0, n) for row, n in enumerate(cpu_batch["attention_mask"].sum(1).tolist())]
+
+
+@torch.no_grad()
+def packed_features_and_final_states(
+    target: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, layer_ids: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's features and final hidden states of packed rows (soft targets): one full pass of the
+    decoder body with per-chat position ids, from which Hugging Face builds the per-chat causal mask."""
+    with target.feature_hooks(layer_ids) as store:
+        out = target.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return store.features(), out.last_hidden_state

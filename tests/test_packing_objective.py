@@ -1,0 +1,110 @@
+"""Packed training computes what unpacked training computes: the same chats with the same anchors give the
+same loss, metrics and gradients whether each chat has its own row or several share one."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.objective import DFlashObjective
+from dflash_train.objective.masks import packed_dense_mask
+from dflash_train.objective.objective import ObjectiveOutput
+from dflash_train.target import TargetModel
+from dflash_train.training.data import collate
+from dflash_train.training.packing import chat_layout, collate_packed, packed_features_and_final_states
+from tests.tiny_models import make_tiny_target
+
+LAYERS = [0, 2, 3]
+ROWS = [[14, 21, 9], [30, 17], [11]]  # chat lengths per packed row
+PACK = 48
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return make_tiny_target("qwen3", num_layers=5)
+
+
+def chats(seed: int, width: int) -> list[list[dict[str, torch.Tensor]]]:
+    """A prompt (unsupervised), then a response with a few unsupervised holes, per chat."""
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for row in ROWS:
+        samples = []
+        for n in row:
+            loss_mask = torch.rand(n, generator=gen) < 0.85
+            loss_mask[: int(torch.randint(2, 5, (1,), generator=gen))] = False
+            samples.append({"input_ids": torch.randint(7, 256, (n,), generator=gen), "loss_mask": loss_mask,
+                            "features": torch.randn(n, width, generator=gen)})
+        rows.append(samples)
+    return rows
+
+
+def drafter(target: TargetModel) -> DFlashDraftModel:
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=4, num_hidden_layers=2, block_size=4,
+                                             target_layer_ids=LAYERS)
+    torch.manual_seed(0)
+    return DFlashDraftModel(config)
+
+
+def run(objective: DFlashObjective, draft: DFlashDraftModel, target: TargetModel, batch: dict[str, torch.Tensor],
+        seeds: list[int], source: str) -> tuple[ObjectiveOutput, dict[str, torch.Tensor]]:
+    """One forward and backward; features stored (offline), computed by the target, or with soft targets."""
+    positions = batch.get("position_ids")
+    teacher = None
+    if source == "offline":
+        features = batch["features"]
+    elif source == "soft":
+        if positions is None:
+            features, teacher = target.capture_features_and_final_states(batch["input_ids"], LAYERS)
+        else:
+            features, teacher = packed_features_and_final_states(target, batch["input_ids"], positions, LAYERS)
+    else:
+        features = target.capture_features(batch["input_ids"], LAYERS, position_ids=positions)
+    blocks = objective.seeded_blocks(batch, chat_layout(batch), seeds)
+    draft.zero_grad()
+    out = objective(draft, target.embed_tokens, target.lm_head.weight, batch["input_ids"], batch["loss_mask"],
+                    features, blocks=blocks, teacher_states=teacher, context_positions=positions)
+    out.loss.backward()
+    return out, {name: p.grad.clone() for name, p in draft.named_parameters()}
+
+
+@pytest.mark.parametrize("source,partition", [("online", False), ("offline", False), ("soft", False),
+                                              ("online", True)])
+def test_a_packed_batch_equals_its_chats_unpacked(target: TargetModel, source: str, partition: bool) -> None:
+    draft = drafter(target)
+    rows = chats(0, len(LAYERS) * target.hidden_size)
+    flat = [chat for row in rows for chat in row]
+    seeds = [7919 * i + 3 for i in range(len(flat))]
+    objective = DFlashObjective(block_size=4, mask_token_id=4, num_anchors=6, loss_decay_gamma=3.0,
+                                mask_kind="dense", chunk_rows=13, partition_anchors=partition, anchors_per_row=16)
+    unpacked, unpacked_grads = run(objective, draft, target, collate(flat), seeds, source)
+    packed, packed_grads = run(objective, draft, target, collate_packed(rows, PACK, len(rows)), seeds, source)
+    assert packed.num_supervised == unpacked.num_supervised > 0
+    assert torch.equal(packed.slot_count, unpacked.slot_count)
+    torch.testing.assert_close(packed.slot_correct, unpacked.slot_correct)
+    torch.testing.assert_close(packed.loss, unpacked.loss, rtol=1e-5, atol=1e-6)
+    for name, grad in unpacked_grads.items():
+        torch.testing.assert_close(packed_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_a_mask_that_lets_chats_see_each_other_would_differ(target: TargetModel) -> None:
+    """The comparison above can fail: with every row's tokens one chat to the mask (the labels still cut at
+    each chat's end), the packed batch gives another loss."""
+    draft = drafter(target)
+    rows = chats(1, len(LAYERS) * target.hidden_size)
+    objective = DFlashObjective(block_size=4, mask_token_id=4, num_anchors=6, loss_decay_gamma=3.0,
+                                mask_kind="dense", anchors_per_row=16)
+    batch = collate_packed(rows, PACK, len(rows))
+    blocks = objective.seeded_blocks(batch, chat_layout(batch), list(range(6)))
+    args = (draft, target.embed_tokens, target.lm_head.weight, batch["input_ids"], batch["loss_mask"],
+            batch["features"])
+    right = objective(*args, blocks=blocks, context_positions=batch["position_ids"])
+    row_of = torch.arange(3)[:, None]
+    context, anchors = torch.where(batch["sequence_ids"] >= 0, row_of, -1), torch.where(blocks.valid, row_of, -1)
+    leaky = dataclasses.replace(objective)
+    leaky.attention_mask = lambda b, _: packed_dense_mask(b.anchors, b.valid, anchors, context, 4)  # type: ignore[method-assign]
+    wrong = leaky(*args, blocks=blocks, context_positions=batch["position_ids"])
+    assert not torch.allclose(right.loss, wrong.loss, rtol=1e-4)
