@@ -1,7 +1,7 @@
 """Loss masks from chat templates, against masks built by hand from the known layout of each template.
 
-The real templates of Llama-3, Qwen3 and Mistral (tests/golden/chat_templates) run over a byte-level
-tokenizer with the family's special tokens; the oracle tokenises hand-written pieces of the expected text
+The real templates of Llama-3, Llama-3.1, Qwen3 and three Mistral generations (tests/golden/chat_templates,
+sources in its README) run over a byte-level tokenizer with the family's special tokens; the oracle tokenises hand-written pieces of the expected text
 itself (one token per byte, one per added token), so nothing of the implementation is reused. SmolLM2
 (ChatML) uses its real tokenizer and a golden file.
 """
@@ -28,9 +28,14 @@ FAMILIES = {
     # family: (template file, special tokens, non-special added tokens, bos, eos)
     "llama3": ("llama3.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"], [],
                "<|begin_of_text|>", "<|eot_id|>"),
+    "llama31": ("llama31.jinja", ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                                  "<|eom_id|>", "<|python_tag|>"], [], "<|begin_of_text|>", "<|eot_id|>"),
     "qwen3": ("qwen3.jinja", ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], ["<think>", "</think>"], None,
               "<|im_end|>"),
-    "mistral": ("mistral.jinja", ["<unk>", "<s>", "</s>"], [], "<s>", "</s>"),
+    "mistral_v0.2": ("mistral_v0.2.jinja", ["<unk>", "<s>", "</s>"], [], "<s>", "</s>"),
+    "mistral_v1": ("mistral_v1.jinja", ["<unk>", "<s>", "</s>"], [], "<s>", "</s>"),  # [INST] is plain text in V1
+    "mistral_v3": ("mistral_v3.jinja", ["<unk>", "<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]",
+                                        "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]", "[/TOOL_RESULTS]"], [], "<s>", "</s>"),
 }
 
 
@@ -60,16 +65,18 @@ def oracle(tokenizer: PreTrainedTokenizerFast, pieces: list[tuple[str, int]]) ->
     return ids, mask
 
 
-def check(family: str, messages: list[dict], pieces: list[tuple[str, int]], thinking: bool | None = None,
+def check(family: str, messages: list[dict], *rows: list[tuple[str, int]], thinking: bool | None = None,
           not_reproducible: int = 0) -> None:
+    """``rows``: the (text, trained) pieces of each row the conversation gives, in order."""
     tokenizer = byte_tokenizer(family)
-    chat = ChatTokenizer(tokenizer, thinking=thinking)
-    out = chat.tokenize(messages)
-    ids, mask = oracle(tokenizer, pieces)
-    assert tokenizer.decode(out.input_ids) == "".join(text for text, _ in pieces)  # the template's text
-    assert out.input_ids == ids
-    assert out.loss_mask == mask
-    assert out.turns_not_reproducible == not_reproducible
+    conversation = ChatTokenizer(tokenizer, thinking=thinking).tokenize(messages)
+    assert len(conversation.samples) == len(rows)
+    for out, pieces in zip(conversation.samples, rows, strict=True):
+        ids, mask = oracle(tokenizer, pieces)
+        assert tokenizer.decode(out.input_ids) == "".join(text for text, _ in pieces)  # the template's text
+        assert out.input_ids == ids
+        assert out.loss_mask == mask
+    assert conversation.turns_not_reproducible == not_reproducible
 
 
 USER1, ANSWER1, USER2, ANSWER2 = "What is 2+2?", "2 + 2 = 4.", "And 3+3, é?", "3 + 3 = 6, ü."
@@ -92,8 +99,8 @@ def test_llama3_two_turns_with_system() -> None:
     ])
 
 
-def test_mistral_two_turns() -> None:
-    check("mistral", two_turns(), [
+def test_mistral_v02_two_turns() -> None:
+    check("mistral_v0.2", two_turns(), [
         (f"<s>[INST] {USER1} [/INST]", 0), (ANSWER1 + "</s>", 1),
         (f"[INST] {USER2} [/INST]", 0), (ANSWER2 + "</s>", 1),
     ])
@@ -101,8 +108,70 @@ def test_mistral_two_turns() -> None:
 
 def test_mistral_rejects_system_role_per_row() -> None:
     with pytest.raises(BadRecord) as error:
-        ChatTokenizer(byte_tokenizer("mistral")).tokenize(two_turns("Be brief."))
+        ChatTokenizer(byte_tokenizer("mistral_v0.2")).tokenize(two_turns("Be brief."))
     assert error.value.reason == "template_rejected"
+
+
+LLAMA31_SYSTEM = ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n"
+                  "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n")
+
+
+@pytest.mark.parametrize("system", [None, "Be brief. "])
+def test_llama31_always_writes_its_system_block(system: str | None) -> None:
+    header = "<|start_header_id|>{}<|end_header_id|>\n\n"
+    check("llama31", two_turns(system), [
+        (LLAMA31_SYSTEM + ("Be brief." if system else "") + "<|eot_id|>", 0),  # the system prompt is trimmed
+        (header.format("user") + USER1 + "<|eot_id|>" + header.format("assistant"), 0),
+        (ANSWER1 + "<|eot_id|>", 1),
+        (header.format("user") + USER2 + "<|eot_id|>" + header.format("assistant"), 0),
+        (ANSWER2 + "<|eot_id|>", 1),
+    ])
+
+
+def test_mistral_v1_answers_start_with_their_space_and_a_system_prompt_is_taken() -> None:
+    check("mistral_v1", two_turns("Be brief."), [
+        (f"<s> [INST] Be brief.\n\n{USER1} [/INST]", 0), (f" {ANSWER1}</s>", 1),
+        (f" [INST] {USER2} [/INST]", 0), (f" {ANSWER2}</s>", 1),
+    ])
+
+
+def test_mistral_v3_without_system_prompt_is_one_row() -> None:
+    check("mistral_v3", two_turns(), [
+        (f"<s>[INST] {USER1}[/INST]", 0), (f" {ANSWER1}</s>", 1),
+        (f"[INST] {USER2}[/INST]", 0), (f" {ANSWER2}</s>", 1),
+    ])
+
+
+def test_mistral_v3_system_prompt_keeps_every_turn_each_after_the_prompt_it_answered() -> None:
+    # V3 writes the system prompt only into a user message that is the last message: every prompt the model
+    # answered shows it before its last user turn, the whole conversation (ending with an answer) nowhere.
+    check("mistral_v3", two_turns("Be brief."), [
+        (f"<s>[INST] Be brief.\n\n{USER1}[/INST]", 0), (f" {ANSWER1}</s>", 1),
+    ], [
+        (f"<s>[INST] {USER1}[/INST] {ANSWER1}</s>[INST] Be brief.\n\n{USER2}[/INST]", 0), (f" {ANSWER2}</s>", 1),
+    ])
+
+
+def test_mistral_v3_three_turns_unfinished_last_leaves_only_its_end_of_turn_out() -> None:
+    messages = [*two_turns("Be brief."), {"role": "user", "content": "Bye"}, {"role": "assistant", "content": "Bye"}]
+    conversation = ChatTokenizer(byte_tokenizer("mistral_v3")).tokenize(messages, unfinished_last_turn=True)
+    assert [len(row.spans) for row in conversation.samples] == [1, 1, 1]
+    tokenizer = byte_tokenizer("mistral_v3")
+    trained = [tokenizer.decode([t for t, m in zip(row.input_ids, row.loss_mask, strict=True) if m])
+               for row in conversation.samples]
+    assert trained == [f" {ANSWER1}</s>", f" {ANSWER2}</s>", " Bye"]
+
+
+def test_template_that_never_shows_answers_after_their_prompt_refuses_the_row() -> None:
+    # The generation prompt says "assistant:" but answers are rendered after "bot:": no turn can be trained
+    # as the model wrote it, and the row is refused with a reason of its own rather than as "too short".
+    tokenizer = byte_tokenizer("qwen3")
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ 'bot' if m.role == 'assistant' else m.role }}:{{ m.content }}"
+        "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
+    with pytest.raises(BadRecord) as error:
+        ChatTokenizer(tokenizer).tokenize(two_turns())
+    assert error.value.reason == "template_not_prefix_stable"
 
 
 def test_qwen3_thinking_off_single_turn() -> None:
@@ -113,13 +182,15 @@ def test_qwen3_thinking_off_single_turn() -> None:
     ], thinking=False)
 
 
-def test_qwen3_thinking_off_multi_turn_trains_only_the_reproducible_turn() -> None:
-    # History turns lose the empty think block the model generated after: not what it wrote in context.
+def test_qwen3_thinking_off_multi_turn_trains_the_earlier_turn_in_its_own_row() -> None:
+    # History turns lose the empty think block the model generated after: the whole conversation does not
+    # show the first turn as written, so it is trained after its own prompt.
+    first_prompt = f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
     check("qwen3", two_turns(), [
         (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n{ANSWER1}<|im_end|>\n", 0),
         (f"<|im_start|>user\n{USER2}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n", 0),
         (ANSWER2 + "<|im_end|>", 1), ("\n", 0),
-    ], thinking=False, not_reproducible=1)
+    ], [(first_prompt, 0), (ANSWER1 + "<|im_end|>", 1)], thinking=False)
 
 
 def test_qwen3_thinking_on_trains_the_think_block() -> None:
@@ -131,7 +202,7 @@ def test_qwen3_thinking_on_trains_the_think_block() -> None:
     ], thinking=True)
 
 
-def test_qwen3_thinking_on_history_turn_without_its_thinking_is_not_trained() -> None:
+def test_qwen3_thinking_on_history_turn_is_trained_with_its_thinking_in_its_own_row() -> None:
     messages = two_turns()
     messages[1]["content"] = "<think>\nsum\n</think>\n\n" + ANSWER1
     messages[3]["content"] = "<think>\nagain\n</think>\n\n" + ANSWER2
@@ -139,7 +210,10 @@ def test_qwen3_thinking_on_history_turn_without_its_thinking_is_not_trained() ->
         (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n{ANSWER1}<|im_end|>\n", 0),
         (f"<|im_start|>user\n{USER2}<|im_end|>\n<|im_start|>assistant\n", 0),
         ("<think>\nagain\n</think>\n\n" + ANSWER2 + "<|im_end|>", 1), ("\n", 0),
-    ], thinking=True, not_reproducible=1)
+    ], [
+        (f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n", 0),
+        ("<think>\nsum\n</think>\n\n" + ANSWER1 + "<|im_end|>", 1),
+    ], thinking=True)
 
 
 def test_thinking_switch_on_a_template_without_it_is_an_error() -> None:
@@ -172,21 +246,22 @@ def test_special_token_text_in_content_is_a_bad_row() -> None:
 
 def test_unfinished_response_leaves_its_end_of_turn_out() -> None:
     chat = ChatTokenizer(byte_tokenizer("llama3"))
-    full, cut = chat.tokenize(two_turns()), chat.tokenize(two_turns(), unfinished_last_turn=True)
+    full = chat.tokenize(two_turns()).samples[0]
+    cut = chat.tokenize(two_turns(), unfinished_last_turn=True).samples[0]
     last_end = full.spans[-1][1] - 1
     assert full.loss_mask[last_end] == 1 and cut.loss_mask[last_end] == 0
     assert sum(full.loss_mask) - sum(cut.loss_mask) == 1
 
 
 def test_train_last_turn_only() -> None:
-    chat = ChatTokenizer(byte_tokenizer("mistral"))
-    out = chat.tokenize(two_turns(), train_turns="last")
+    chat = ChatTokenizer(byte_tokenizer("mistral_v0.2"))
+    (out,) = chat.tokenize(two_turns(), train_turns="last").samples
     assert sum(out.loss_mask) == len(ANSWER2.encode()) + 1 and len(out.spans) == 1
 
 
 def test_fit_length_keeps_whole_spans_then_cuts() -> None:
-    chat = ChatTokenizer(byte_tokenizer("mistral"))
-    out = chat.tokenize(two_turns())
+    chat = ChatTokenizer(byte_tokenizer("mistral_v0.2"))
+    (out,) = chat.tokenize(two_turns()).samples
     (s1, e1), (s2, e2) = out.spans
     cut = fit_length(out, e2 - 1)  # the second span does not fit whole: cut after the first
     assert len(cut.input_ids) == e1 and cut.truncated and cut.spans == [(s1, e1)]
@@ -207,7 +282,7 @@ def smollm2_tokenizer() -> PreTrainedTokenizerFast:
 
 def test_smollm2_chatml_mask_matches_pieces_and_golden(smollm2_tokenizer: PreTrainedTokenizerFast) -> None:
     chat = ChatTokenizer(smollm2_tokenizer)
-    out = chat.tokenize(two_turns())
+    (out,) = chat.tokenize(two_turns()).samples
     system = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
     pieces = [
         (system + f"<|im_start|>user\n{USER1}<|im_end|>\n<|im_start|>assistant\n", 0), (ANSWER1, 1), ("<|im_end|>", 1),

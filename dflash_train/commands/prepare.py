@@ -7,7 +7,9 @@
 
 The output is a `datasets` directory (`input_ids`, `loss_mask`, metadata columns) with `dflash_data.json`
 beside the data; `dflash_train.data.load_prepared(path)` reads it. Rows with fewer than 2 x --block-size
-supervised tokens are dropped; the summary lists rows read, kept and dropped by reason.
+supervised tokens are dropped; the summary lists rows read, kept and dropped by reason, with a warning line
+for a reason that drops more than 5 % of them. `--show N` prints N rows with the supervised text between
+⟦ ⟧ and writes nothing: look at a new target's rows before training on them.
 """
 
 from __future__ import annotations
@@ -28,23 +30,33 @@ HELP = "tokenise chat data with the target's template and loss masks"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf (tokenizer only)")
-    parser.add_argument("--out", required=True, type=Path, help="output directory (replaced)")
+    parser.add_argument("--out", type=Path, help="output directory (replaced)")  # required, except with --show
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
     parser.add_argument("--max-length", type=int, default=3072, help="tokens per row; longer rows are cut")
     parser.add_argument("--block-size", type=int, default=16, help="drafter block size B (rows need 2B supervised)")
     parser.add_argument("--train-turns", choices=("all", "last"), default="all",
                         help="assistant turns in the loss: all of them or only the last")
+    parser.add_argument("--show", type=int, metavar="N",
+                        help="print N rows with their supervised text marked ⟦ ⟧ and write nothing (check a new "
+                             "target's chat template before training)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.data.prepare import PrepareConfig, prepare
+    from dflash_train.data.prepare import PrepareConfig, prepare, show
     from dflash_train.data.target_tokenizer import load_target_tokenizer
 
+    if args.show is None and args.out is None:
+        raise ValueError("prepare needs --out DIR (or --show N to look at N rows without writing anything)")
+    if args.show is not None and args.show < 1:
+        raise ValueError(f"--show {args.show}: give the number of rows to print, 1 or more")
     start = time.perf_counter()
     tokenizer = load_target_tokenizer(args.target)
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
                            args.train_turns, args.target)
+    if args.show is not None:
+        show(tokenizer, config, args.show).print()
+        return 0
     report = prepare(tokenizer, config, args.out)
     report.totals["seconds"] = round(time.perf_counter() - start)
     report.print()

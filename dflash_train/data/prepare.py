@@ -2,7 +2,10 @@
 
 Rows are validated (``records.py``), rendered and masked with the target's chat template (``chat.py``),
 cut to ``max_length`` keeping whole assistant spans where possible, and dropped when fewer than
-``min_supervised`` (``2 * block_size``) tokens remain supervised. Every drop is counted by reason.
+``min_supervised`` (``2 * block_size``) tokens remain supervised. Every drop is counted by reason, and a
+reason that drops more than 5 % of the rows gets a warning line in the summary. A conversation whose template
+renders some turns differently once later turns follow gives those turns rows of their own (``chat.py``).
+``show`` prints rows with their supervised text marked, writing nothing.
 """
 
 from __future__ import annotations
@@ -12,12 +15,13 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dflash_train.data.chat import ChatTokenizer, fit_length, template_hash
+from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, marked_text, template_hash
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
@@ -84,26 +88,53 @@ def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataRepor
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
             try:
-                tokenized = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
+                conversation = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
             except BadRecord as bad:
                 report.drop(bad.reason)
                 continue
-            report.totals["turns not reproducible by the template"] += tokenized.turns_not_reproducible
-            tokenized = fit_length(tokenized, config.max_length)
-            if tokenized.num_supervised < config.min_supervised:
-                report.drop("too_long" if tokenized.truncated else "too_few_supervised_tokens")
+            report.totals["turns not reproducible by the template"] += conversation.turns_not_reproducible
+            samples = [fit_length(sample, config.max_length) for sample in conversation.samples]
+            kept = [sample for sample in samples if sample.num_supervised >= config.min_supervised]
+            if not kept:
+                too_long = any(sample.truncated for sample in samples)
+                report.drop("too_long" if too_long else "too_few_supervised_tokens")
                 continue
             report.kept += 1
-            report.totals["rows truncated"] += tokenized.truncated
-            report.totals["tokens"] += len(tokenized.input_ids)
-            report.totals["supervised tokens"] += tokenized.num_supervised
-            yield {
-                "input_ids": tokenized.input_ids,
-                "loss_mask": tokenized.loss_mask,
-                "num_supervised": tokenized.num_supervised,
-                "source": corpus.name,
-                "source_index": index,
-            }
+            if len(kept) < len(samples):  # a turn in a row of its own (see chat.py) can be short alone
+                report.totals["rows of single turns dropped as too short"] += len(samples) - len(kept)
+            for sample in kept:
+                yield _row(sample, corpus.name, index, report)
+
+
+def _row(sample: TokenizedChat, source: str, index: int, report: DataReport) -> dict[str, Any]:
+    report.totals["rows written"] += 1  # more than the rows kept when turns get rows of their own
+    report.totals["rows truncated"] += sample.truncated
+    report.totals["tokens"] += len(sample.input_ids)
+    report.totals["supervised tokens"] += sample.num_supervised
+    return {
+        "input_ids": sample.input_ids,
+        "loss_mask": sample.loss_mask,
+        "num_supervised": sample.num_supervised,
+        "source": source,
+        "source_index": index,
+    }
+
+
+def show(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, count: int) -> DataReport:
+    """Print the first ``count`` rows as ``prepare`` would write them, the supervised text between ⟦ ⟧, so a
+    new target's template and masks can be checked by eye; nothing is written. Returns the report of the rows
+    read for them."""
+    config.thinking = settings_of_regenerated(config.sources, tokenizer, config.thinking)
+    chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)
+    report = DataReport(f"prepare --show {count} (nothing written): the rows read for them")
+    print("⟦...⟧ marks the supervised tokens (the loss mask)")
+    for number, row in enumerate(islice(tokenized_rows(chat, config, report), count), 1):
+        mask = row["loss_mask"]
+        spans = sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
+        print(f"── row {number}: {row['source']} #{row['source_index']}, {len(mask):,} tokens, "
+              f"{row['num_supervised']:,} supervised in {spans} span{'s' * (spans != 1)} ──")
+        print(marked_text(tokenizer, row["input_ids"], mask))
+    return report
 
 
 def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: Path) -> DataReport:

@@ -6,6 +6,19 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+WARN_DROPPED_SHARE = 0.05  # a reason that drops more of the rows read gets a warning line in the summary
+
+# What to do about a reason that drops many rows (the summary's warning line says it).
+DROP_HINTS = {
+    "template_not_prefix_stable": "the chat template never renders their answers after the prompt the model "
+                                  "answered; check the target's chat template (`prepare --show 3` shows rows)",
+    "template_rejected": "the chat template refused them (system message or role order it does not accept)",
+    "too_few_supervised_tokens": "their answers are shorter than 2 x --block-size tokens; a smaller --block-size "
+                                 "keeps them",
+    "too_long": "their prompt alone fills --max-length; raise it",
+    "special_token_text": "their text contains the tokenizer's special tokens",
+}
+
 
 @dataclass
 class DataReport:
@@ -29,7 +42,18 @@ class DataReport:
         rows += [(f"dropped: {reason}", n) for reason, n in sorted(self.dropped.items())]
         rows += sorted(self.totals.items())
         width = max(len(name) for name, _ in rows)
-        return [self.title] + [f"  {name:<{width}}  {value:>12,}" for name, value in rows]
+        table = [f"  {name:<{width}}  {value:>12,}" for name, value in rows]
+        return [self.title, *table, *self.warnings()]
+
+    def warnings(self) -> list[str]:
+        """A line for each drop reason that took more than ``WARN_DROPPED_SHARE`` of the rows read: a data or
+        template problem is easy to miss in the table's counts."""
+        lines = []
+        for reason, n in sorted(self.dropped.items()):
+            if self.read and n > WARN_DROPPED_SHARE * self.read:
+                hint = f": {DROP_HINTS[reason]}" if reason in DROP_HINTS else ""
+                lines.append(f"WARNING: {n:,} of {self.read:,} rows ({n / self.read:.0%}) dropped as {reason}{hint}")
+        return lines
 
     def print(self) -> None:
         print("\n".join(self.lines()))
