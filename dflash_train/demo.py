@@ -12,7 +12,8 @@ check, speedup) → export → check. Everything lands under --out (regen/, prep
 
 Re-running skips finished stages and resumes an interrupted one (regeneration by shard, training from its
 last checkpoint); a stage whose command changed, and every stage after it, starts over. `demo_state.json`
-records each stage's command and time. Start afresh with `rm -rf outputs/demo`.
+records each stage's command and time; a stage that starts over removes only the files it wrote in its folder.
+Start afresh with `rm -rf outputs/demo`.
 """
 
 from __future__ import annotations
@@ -21,13 +22,22 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+from dflash_train.outputs import (
+    EVALUATION,
+    EXPORTED,
+    PREPARED,
+    REGENERATED,
+    TRAINING,
+    OutputKind,
+    remove_owned,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "smollm2-135m-instruct"
@@ -79,7 +89,8 @@ GPU_SIZES = DemoSizes(
 class Stage:
     name: str
     argv: list[str]  # `dflash-train` arguments
-    output: Path | None  # cleared when the stage starts over
+    output: Path | None  # what the stage wrote there is removed when it starts over (other files stay)
+    kind: OutputKind | None = None  # what the stage writes into `output`
     resumable: bool = False  # an interrupted run continues with the same command
     always: bool = False  # cheap and read-only: run every time
 
@@ -110,16 +121,16 @@ def plan_stages(out: Path, sizes: DemoSizes, device: str, target_name: str = TAR
         Stage("regenerate", ["regenerate", *target, *sources, *limit, "--max-new-tokens", str(sizes.max_new_tokens),
                              "--batch-size", str(sizes.regen_batch_size), "--max-prompt-tokens", "1024",
                              "--dtype", sizes.regen_dtype, "--device", device, "--out", str(paths["regen"])],
-              paths["regen"], resumable=True),
+              paths["regen"], REGENERATED, resumable=True),
         Stage("prepare", ["prepare", *target, "--data", str(paths["regen"]), "--max-length", str(sizes.max_length),
-                          "--block-size", "16", "--out", str(paths["prepared"])], paths["prepared"]),
-        Stage("train", ["train", "--config", sizes.recipe, *train], paths["train"], resumable=True),
+                          "--block-size", "16", "--out", str(paths["prepared"])], paths["prepared"], PREPARED),
+        Stage("train", ["train", "--config", sizes.recipe, *train], paths["train"], TRAINING, resumable=True),
         Stage("eval", ["eval", *target, "--draft", "<final checkpoint>",
                        *[arg for name in sizes.eval_datasets for arg in ("--dataset", name)],
                        "--num-prompts", str(sizes.eval_prompts), "--max-new-tokens", str(sizes.eval_max_new_tokens),
-                       "--device", device, "--out", str(paths["eval"] / "report.json")], paths["eval"]),
+                       "--device", device, "--out", str(paths["eval"] / "report.json")], paths["eval"], EVALUATION),
         Stage("export", ["export", "<final checkpoint>", *target, "--eval-report", str(paths["eval"] / "report.json"),
-                         "--overwrite", "--out", str(paths["export"])], paths["export"]),
+                         "--overwrite", "--out", str(paths["export"])], paths["export"], EXPORTED),
         Stage("check", ["check", str(paths["export"]), *target], None, always=True),
     ]
 
@@ -176,8 +187,8 @@ class StageRunner:
             self.skipped.append(stage.name)
             return
         resume = same and stage.resumable and not record.get("done")
-        if stage.output is not None and stage.output.exists() and not resume:
-            shutil.rmtree(stage.output)  # stale: made by another command or from other inputs
+        if stage.output is not None and stage.kind is not None and not resume:
+            remove_owned(stage.output, stage.kind)  # stale: made by another command or from other inputs
         self.state[stage.name] = {"argv": stage.argv, "done": False}
         self._save()
         console.rule(header + (" (resuming)" if resume else ""))

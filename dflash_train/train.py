@@ -22,13 +22,18 @@ from dflash_train.errors import run_with_one_line_errors
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", required=True, help="recipe YAML, e.g. recipes/smollm2-135m-dflash-b16.yaml")
     parser.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    parser.add_argument("--overwrite", action="store_true", help="write into a training.output_dir that holds other "
+                        "files (kept), or, with training.resume=none, remove the run there first")
 
 
 def run(args: argparse.Namespace) -> int:
+    from dflash_train.outputs import claim_training_dir
     from dflash_train.training.config import load_config
     from dflash_train.training.trainer import run_training
 
-    result = run_training(load_config(args.config, args.overrides))
+    config = load_config(args.config, args.overrides)
+    claim_training_dir(config, args.overwrite)
+    result = run_training(config)
     if result.finished:
         print(f"trained {result.steps} steps; final checkpoint: {result.final_checkpoint}")
     else:

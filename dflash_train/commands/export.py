@@ -10,15 +10,20 @@ dflash.py and a model card. The result is checked before it is published.
 from __future__ import annotations
 
 import argparse
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
 
 HELP = "export a drafter checkpoint for SGLang, vLLM and Transformers"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory or Hub id")
-    parser.add_argument("--out", required=True, help="output directory (must be new or empty)")
+    parser.add_argument("--out", required=True, type=Path, help="output directory: new, empty, or an earlier export with --overwrite")
     parser.add_argument("--target", default=None, help="the target (alias, directory, .gguf or Hub id) to check against")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --out directory")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of an earlier export in --out (other files are kept)")
     parser.add_argument("--base-model", default=None, help="Hub id of the target for the model card")
     parser.add_argument("--repo-id", default=None, help="Hub repo the export will be pushed to (for the card)")
     parser.add_argument("--license", default=None, help="licence for the card's front matter (default apache-2.0)")
@@ -28,9 +33,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="shard the weights above this size")
 
 
+def _export_into(out: Path, export: Callable[[Path], Path]) -> None:
+    """Run `export(folder)` into a new folder beside `out`, then publish it into `out`: only an earlier
+    export's files are replaced there, never the folder as a whole (it may hold other files)."""
+    from dflash_train.outputs import EXPORTED, publish
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
+    try:
+        publish(export(work / "export"), out, EXPORTED)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # this run's own scratch folder
+
+
 def run(args: argparse.Namespace) -> int:
     from dflash_train.checkpoint import export_checkpoint
     from dflash_train.checkpoint.card import load_eval_reports
+    from dflash_train.outputs import EXPORTED, claim, entries, holds_output
 
     card_info = {
         "base_model": args.base_model,
@@ -39,8 +58,18 @@ def run(args: argparse.Namespace) -> int:
         "training_data": args.training_data,
         "eval": load_eval_reports(args.eval_report) or None,
     }
-    out = export_checkpoint(args.checkpoint, args.out, target=args.target, card_info=card_info,
-                            overwrite=args.overwrite, max_shard_bytes=int(args.max_shard_gb * 1024**3))
-    files = sorted(p.name for p in out.iterdir())
+    out: Path = args.out
+    claim(out, EXPORTED, inputs=[args.checkpoint, args.target, *args.eval_report], overwrite=args.overwrite,
+          reusable=False, clear=False, why="holds an earlier export" if holds_output(out, EXPORTED) else None)
+
+    def export(folder: Path) -> Path:
+        return export_checkpoint(args.checkpoint, folder, target=args.target, card_info=card_info,
+                                 max_shard_bytes=int(args.max_shard_gb * 1024**3))
+
+    if entries(out):
+        _export_into(out, export)
+    else:
+        export(out)  # a new folder: written aside and renamed into place whole
+    files = sorted(p.name for p in out.iterdir() if EXPORTED.owns(p.name))
     print(f"exported {args.checkpoint} to {out} ({', '.join(files)}); passes dflash-train check")
     return 0

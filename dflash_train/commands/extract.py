@@ -16,7 +16,9 @@ token ids and a --recompute sample of features.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Any
 
 from dflash_train.data.cli_args import TORCH_DTYPES, resolve_device, tqdm_progress
 
@@ -25,6 +27,9 @@ HELP = "store the target's features of a prepared dataset (offline training), or
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="feature store directory (resumed if it exists)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in --out: remove a store made with other settings (one with the same "
+                             "settings is resumed, so every rank may pass it); other files are kept")
     parser.add_argument("--data", type=Path, default=None, help="prepared dataset (from `dflash-train prepare`)")
     parser.add_argument("--target", default=None, help="alias, Hub id, local model directory or .gguf")
     parser.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the "
@@ -78,6 +83,29 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _store_settings(config: Any, target: Any, num_rows: int) -> dict[str, Any]:
+    """The manifest keys of a store that this run fixes before extracting (`extract` adds derived ones)."""
+    fixed = {"format": "dflash-features-v1", "target_layer_ids": list(config.layer_ids),
+             "hidden_size": target.hidden_size, "dtype": config.dtype, "num_rows": num_rows}
+    return fixed if config.rows_per_shard is None else {**fixed, "rows_per_shard": config.rows_per_shard}
+
+
+def _made_otherwise(out: Path, expected: dict[str, Any]) -> bool:
+    """Whether the store in ``out`` was made with other settings than ``expected`` (no store: False)."""
+    from dflash_train.data.features import MANIFEST
+
+    path = out / MANIFEST
+    if not path.exists():
+        return False
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError):
+        found = None
+    if not isinstance(found, dict) or found.get("format") != expected["format"]:
+        raise ValueError(f"{path} is not a feature store's manifest; move it away or pick another --out")
+    return any(found.get(key) != value for key, value in expected.items())
+
+
 def run(args: argparse.Namespace) -> int:
     if args.verify:
         return _verify(args)
@@ -87,9 +115,13 @@ def run(args: argparse.Namespace) -> int:
     from dflash_train.data.features import target_fingerprint
     from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
     from dflash_train.data.shards import rank_and_world
+    from dflash_train.outputs import FEATURES, claim, foreign_entries, holds_output, remove_owned
     from dflash_train.target import load_target
 
     rank, world = rank_and_world(args.rank, args.world_size)
+    # Checked before the target loads; a store of other settings is recognised only once it has (below).
+    claim(args.out, FEATURES, inputs=[args.data, args.target], overwrite=args.overwrite,
+          reusable=holds_output(args.out, FEATURES) or not foreign_entries(args.out, FEATURES))
     dataset = load_prepared(args.data)
     target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
     check_tokenizer(args.data, target.tokenizer, args.target)
@@ -102,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     settings = {"target": args.target, "target_hash": target_fingerprint(target.model),
                 "target_dtype": args.target_dtype, "tokenizer_hash": tokenizer_hash(target.tokenizer),
                 "vocab_size": target.vocab_size, "prepared": str(args.data)}
+    if args.overwrite and _made_otherwise(args.out, {**settings, **_store_settings(config, target, len(dataset))}):
+        remove_owned(args.out, FEATURES)
     extract(target, dataset, args.out, config, settings, rank, world, tqdm_progress("extract", "tok/s"))
     print(f"extract: shards of rank {rank}/{world} written to {args.out}; check them with "
           f"`dflash-train extract --verify --out {args.out}`")

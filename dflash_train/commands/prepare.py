@@ -30,7 +30,10 @@ HELP = "tokenise chat data with the target's template and loss masks"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf (tokenizer only)")
-    parser.add_argument("--out", type=Path, help="output directory (replaced)")  # required, except with --show
+    parser.add_argument("--out", type=Path,  # required, except with --show
+                        help="output directory: new, empty, or an earlier prepare of the same inputs (replaced)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace the files of another prepared dataset in --out (other files are kept)")
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
     parser.add_argument("--max-length", type=int, default=3072, help="tokens per row; longer rows are cut")
@@ -57,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0
-    report = prepare(tokenizer, config, args.out)
+    report = prepare(tokenizer, config, args.out, args.overwrite)
     report.totals["seconds"] = round(time.perf_counter() - start)
     report.print()
     return 0

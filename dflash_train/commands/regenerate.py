@@ -26,7 +26,9 @@ corpus for `dflash-train prepare --data DIR`.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
@@ -38,12 +40,19 @@ from dflash_train.data.cli_args import (
     tqdm_progress,
 )
 
+if TYPE_CHECKING:
+    from dflash_train.data.chat import ChatTokenizer
+    from dflash_train.data.regenerate import RegenerateConfig
+
 HELP = "regenerate responses with the target (built-in or OpenAI-compatible server)"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf")
     parser.add_argument("--out", required=True, type=Path, help="output directory (resumed if it exists)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start over in --out: remove an earlier run's files if made with other settings (a run "
+                             "with the same settings is resumed, so every rank may pass it); other files are kept")
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
     parser.add_argument("--max-new-tokens", type=int, default=1024)
@@ -75,14 +84,18 @@ def _turns(text: str) -> int | None:
     return int(text)
 
 
-def _backend(args: argparse.Namespace, tokenizer: object) -> tuple[object, dict[str, str]]:
+def _recorded(args: argparse.Namespace) -> dict[str, str]:
+    """The back end's settings recorded in the manifest (a resume must match them)."""
+    return {"backend": "openai"} if args.server_url else {"backend": "local", "dtype": args.dtype}
+
+
+def _backend(args: argparse.Namespace, tokenizer: object) -> object:
     from dflash_train.data.backends import LocalBackend, OpenAIBackend
     from dflash_train.data.generation import GenerationSettings
 
     if args.server_url:
-        backend = OpenAIBackend(args.server_url, args.server_model or args.target, args.max_new_tokens,
-                                args.temperature, thinking_value(args), args.concurrency, args.api_key)
-        return backend, {"backend": "openai"}
+        return OpenAIBackend(args.server_url, args.server_model or args.target, args.max_new_tokens,
+                             args.temperature, thinking_value(args), args.concurrency, args.api_key)
     from dflash_train.target import load_target
 
     device = resolve_device(args.device)
@@ -94,7 +107,47 @@ def _backend(args: argparse.Namespace, tokenizer: object) -> tuple[object, dict[
     pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stop_ids)
     settings = GenerationSettings(args.max_new_tokens, tuple(sorted(stop_ids)), pad, args.temperature,
                                   cuda_graphs=not args.no_cuda_graphs)
-    return LocalBackend(target.model, target.tokenizer, settings, args.batch_size), {"backend": "local", "dtype": args.dtype}
+    return LocalBackend(target.model, target.tokenizer, settings, args.batch_size)
+
+
+def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:
+    """Before the target loads: resume an earlier run in --out (`regenerate` refuses other settings), refuse a
+    folder holding other files unless --overwrite, and with --overwrite remove a run made with other settings."""
+    from dflash_train.outputs import (
+        REGENERATED,
+        claim,
+        foreign_entries,
+        holds_output,
+        refuse_inputs_inside,
+        remove_owned,
+    )
+
+    refuse_inputs_inside(out, [spec.source for spec in config.sources] + [config.settings["target"]])
+    if overwrite and holds_output(out, REGENERATED) and _made_otherwise(out, chat, config):
+        remove_owned(out, REGENERATED)
+    claim(out, REGENERATED, inputs=(), overwrite=overwrite,
+          reusable=holds_output(out, REGENERATED) or not foreign_entries(out, REGENERATED))
+
+
+def _made_otherwise(out: Path, chat: ChatTokenizer, config: RegenerateConfig) -> bool:
+    """Whether the run in ``out`` differs from this one in its first turn's manifest (the plan is redone here:
+    it depends on the prompts alone)."""
+    from dflash_train.data.regenerate import manifest_settings, plan_prompts, plan_units
+    from dflash_train.data.shards import REGEN_MANIFEST
+    from dflash_train.data.turns import count_turns, turn_directory
+
+    rows, _ = plan_prompts(chat, config)
+    if not rows:
+        return False  # `regenerate` says why
+    rounds = count_turns(rows, config.turns)
+    expected = manifest_settings(chat, config, len(rows), len(plan_units(rows, config.batch_size)))
+    if config.turns != 1:
+        expected.update(turns=config.turns, turn=1, rounds=rounds)
+    try:
+        found = json.loads((turn_directory(out, 1, rounds) / REGEN_MANIFEST).read_text())
+    except (OSError, ValueError):
+        return True
+    return any(found.get(key) != value for key, value in expected.items())
 
 
 def run(args: argparse.Namespace) -> int:
@@ -106,12 +159,13 @@ def run(args: argparse.Namespace) -> int:
     rank, world = rank_and_world(args.rank, args.world_size)
     tokenizer = load_target_tokenizer(args.target)
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
-    backend, recorded = _backend(args, tokenizer)
     config = RegenerateConfig(
         corpus_specs(args), args.max_new_tokens, args.temperature, args.seed, thinking_value(args),
         args.batch_size, args.max_prompt_tokens, not args.keep_duplicates,
-        settings={"target": args.target, **recorded}, turns=args.turns,
+        settings={"target": args.target, **_recorded(args)}, turns=args.turns,
     )
+    _claim_out(args.out, chat, config, args.overwrite)
+    backend = _backend(args, tokenizer)
     manifest = regenerate(backend, chat, config, args.out, rank, world, tqdm_progress("regenerate", "tok/s"))
     where = f"turn {manifest['turn']} of {manifest['rounds']}: " if manifest.get("rounds", 1) > 1 else ""
     print(f"regenerate: {where}{manifest['units_finished']} of {manifest['num_units']} shards in {args.out}"

@@ -7,9 +7,9 @@ A source is one of
   ``gsm_symbolic`` procedural generator; a stand-in for GSM8K, which no package ships) or ``openai-evals``
   (the chat prompts of the ``evals`` package's registry, at most ``OPENAI_EVALS_PER_TASK`` per task so that
   its few huge tasks do not swamp the ~470 others; install it with ``pip install --no-deps evals``);
-- a local ``.jsonl``/``.json`` file (read line by line / record by record, so one bad line is counted and
-  skipped), a ``.parquet`` or ``.arrow`` file, a ``save_to_disk`` directory, or the output directory of
-  ``dflash-train regenerate``;
+- a local ``.jsonl`` file (always read line by line, so one bad line is counted and skipped, even a first
+  line holding an array) or ``.json`` file (an array, read record by record, or JSON lines), a ``.parquet``
+  or ``.arrow`` file, a ``save_to_disk`` directory, or the output directory of ``dflash-train regenerate``;
 - a Hugging Face Hub dataset id (``datasets.load_dataset(id, split=...)``).
 
 :func:`open_corpus` returns a :class:`Corpus`: ``len()``, and ``record(i)`` giving a dict or a
@@ -55,6 +55,7 @@ class Corpus:
     _get: Callable[[int], dict[str, Any] | BadRecord]
     indices: list[int] | None = None
     truncated: int = 0
+    _where: Callable[[int], str] | None = None  # where a raw record is, e.g. "chats.jsonl line 7"
 
     def __len__(self) -> int:
         return self.size if self.indices is None else len(self.indices)
@@ -64,6 +65,11 @@ class Corpus:
 
     def __iter__(self) -> Iterator[dict[str, Any] | BadRecord]:
         return (self.record(i) for i in range(len(self)))
+
+    def location(self, i: int) -> str:
+        """Where record ``i`` (in iteration order) is in the source, for the summary of dropped rows."""
+        raw = i if self.indices is None else self.indices[i]
+        return self._where(raw) if self._where is not None else f"{Path(self.name).name} row {raw + 1}"
 
 
 def open_corpus(spec: CorpusSpec) -> Corpus:
@@ -128,10 +134,11 @@ def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
                 f"run the same `dflash-train regenerate` command again to finish it, or pass --allow-unfinished "
                 f"to use the finished shards only"
             )
-        lines: list[bytes] = []
+        lines: list[tuple[str, int, bytes]] = []
         for shard in shards:
-            lines.extend(line for line in shard.read_bytes().splitlines() if line.strip())
-        return Corpus(str(path), len(lines), lambda i: _decode_line(lines[i]))
+            lines.extend((shard.name, number, line) for number, line in _numbered_lines(shard.read_bytes()))
+        return Corpus(str(path), len(lines), lambda i: _decode_line(lines[i][2]),
+                      _where=lambda i: f"{lines[i][0]} line {lines[i][1]}")
     import datasets
 
     try:
@@ -150,11 +157,20 @@ def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
 
 def _json_corpus(name: str, path: Path) -> Corpus:
     data = path.read_bytes()
-    if data.lstrip()[:1] == b"[":
+    # Only a .json file may be one array: in a .jsonl a first line holding an array is one bad line, and
+    # reading the file as that array would silently drop every later line.
+    if path.suffix.lower() != ".jsonl" and data.lstrip()[:1] == b"[":
         records, truncated = recover_json_array(data.decode("utf-8", errors="surrogateescape"))
-        return Corpus(name, len(records), lambda i: _checked(records[i]), truncated=truncated)
-    lines = [line for line in data.splitlines() if line.strip()]
-    return Corpus(name, len(lines), lambda i: _decode_line(lines[i]))
+        return Corpus(name, len(records), lambda i: _checked(records[i]), truncated=truncated,
+                      _where=lambda i: f"{path.name} record {i + 1}")
+    lines = _numbered_lines(data)
+    return Corpus(name, len(lines), lambda i: _decode_line(lines[i][1]),
+                  _where=lambda i: f"{path.name} line {lines[i][0]}")
+
+
+def _numbered_lines(data: bytes) -> list[tuple[int, bytes]]:
+    """The non-blank lines with their 1-based line numbers (blank lines count, as in an editor)."""
+    return [(number, line) for number, line in enumerate(data.splitlines(), 1) if line.strip()]
 
 
 def recover_json_array(text: str) -> tuple[list[Any], int]:

@@ -11,7 +11,6 @@ renders some turns differently once later turns follow gives those turns rows of
 from __future__ import annotations
 
 import json
-import shutil
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, detect_format, rename_columns, to_messages
 from dflash_train.data.shards import REGEN_MANIFEST, write_json_atomically
+from dflash_train.outputs import PREPARED, claim, publish
 
 
 @dataclass
@@ -80,7 +80,7 @@ def iter_messages(
             fmt = fmt or detect_format(list(record))
             yield index, record, to_messages(record, fmt, prompt_only)
         except BadRecord as bad:
-            report.drop(bad.reason)
+            report.drop(bad.reason, corpus.location(index))
 
 
 def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataReport) -> Iterator[dict[str, Any]]:
@@ -90,14 +90,14 @@ def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataRepor
             try:
                 conversation = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
             except BadRecord as bad:
-                report.drop(bad.reason)
+                report.drop(bad.reason, corpus.location(index))
                 continue
             report.totals["turns not reproducible by the template"] += conversation.turns_not_reproducible
             samples = [fit_length(sample, config.max_length) for sample in conversation.samples]
             kept = [sample for sample in samples if sample.num_supervised >= config.min_supervised]
             if not kept:
                 too_long = any(sample.truncated for sample in samples)
-                report.drop("too_long" if too_long else "too_few_supervised_tokens")
+                report.drop("too_long" if too_long else "too_few_supervised_tokens", corpus.location(index))
                 continue
             report.kept += 1
             if len(kept) < len(samples):  # a turn in a row of its own (see chat.py) can be short alone
@@ -137,12 +137,17 @@ def show(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, count: int) 
     return report
 
 
-def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: Path) -> DataReport:
-    """Write the prepared dataset to ``out_dir`` (replaced atomically) and return the report."""
+def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: Path,
+            overwrite: bool = False) -> DataReport:
+    """Write the prepared dataset to ``out_dir`` and return the report. The dataset is built aside and moved
+    in once complete; an earlier dataset from the same inputs is replaced, any other non-empty folder is
+    refused unless ``overwrite`` (then only the earlier dataset's files are replaced; see ``outputs.py``)."""
     import datasets
 
     config.thinking = settings_of_regenerated(config.sources, tokenizer, config.thinking)
-    chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)
+    chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)  # refuses a bad setting first
+    claim(out_dir, PREPARED, inputs=[spec.source for spec in config.sources] + [config.target_name],
+          overwrite=overwrite, reusable=_same_settings(out_dir, _settings(tokenizer, config)), clear=False)
     report = DataReport(f"prepare -> {out_dir}")
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")),
@@ -159,9 +164,7 @@ def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: 
             staging = Path(work) / "dataset"
             dataset.save_to_disk(str(staging))
             write_json_atomically(staging / METADATA_FILE, _metadata(tokenizer, config, report))
-            if out_dir.exists():
-                shutil.rmtree(out_dir)
-            staging.rename(out_dir)
+            publish(staging, out_dir, PREPARED)
     finally:
         datasets.enable_progress_bars()
     return report
@@ -197,7 +200,21 @@ def _generate(
         failure.append(error)
 
 
+def _same_settings(out_dir: Path, settings: dict[str, Any]) -> bool:
+    """Whether ``out_dir`` holds a prepared dataset made with these settings (a re-run may replace it)."""
+    try:
+        found = json.loads((out_dir / METADATA_FILE).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(found, dict) and all(found.get(key) == value for key, value in settings.items())
+
+
 def _metadata(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, report: DataReport) -> dict[str, Any]:
+    return {**_settings(tokenizer, config), "counts": report.as_dict(), **config.extra_metadata}
+
+
+def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict[str, Any]:
+    """What the dataset is made from: a folder holding another dataset is not replaced without --overwrite."""
     return {
         "format": "dflash-prepared-v1",
         "target": config.target_name,
@@ -209,6 +226,4 @@ def _metadata(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, report:
         "block_size": config.block_size,
         "min_supervised_tokens": config.min_supervised,
         "sources": [spec.source for spec in config.sources],
-        "counts": report.as_dict(),
-        **config.extra_metadata,
     }

@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+SHOWN_LOCATIONS = 3  # per drop reason, in the summary
 WARN_DROPPED_SHARE = 0.05  # a reason that drops more of the rows read gets a warning line in the summary
 
 # What to do about a reason that drops many rows (the summary's warning line says it).
@@ -30,8 +31,14 @@ class DataReport:
     dropped: Counter[str] = field(default_factory=Counter)
     totals: Counter[str] = field(default_factory=Counter)
 
-    def drop(self, reason: str) -> None:
+    # where the first few rows of each drop reason came from, e.g. "chats.jsonl line 7", so they can be found
+    dropped_at: dict[str, list[str]] = field(default_factory=dict)
+
+    def drop(self, reason: str, where: str | None = None) -> None:
         self.dropped[reason] += 1
+        shown = self.dropped_at.setdefault(reason, [])
+        if where is not None and len(shown) < SHOWN_LOCATIONS:
+            shown.append(where)
 
     def as_dict(self) -> dict[str, Any]:
         return {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
@@ -42,7 +49,7 @@ class DataReport:
         rows += [(f"dropped: {reason}", n) for reason, n in sorted(self.dropped.items())]
         rows += sorted(self.totals.items())
         width = max(len(name) for name, _ in rows)
-        table = [f"  {name:<{width}}  {value:>12,}" for name, value in rows]
+        table = [f"  {name:<{width}}  {value:>12,}{self._where(name)}" for name, value in rows]
         return [self.title, *table, *self.warnings()]
 
     def warnings(self) -> list[str]:
@@ -54,6 +61,20 @@ class DataReport:
                 hint = f": {DROP_HINTS[reason]}" if reason in DROP_HINTS else ""
                 lines.append(f"WARNING: {n:,} of {self.read:,} rows ({n / self.read:.0%}) dropped as {reason}{hint}")
         return lines
+
+    def _where(self, row: str) -> str:
+        """`  (chats.jsonl line 3, 4, 5, ...)` after a drop reason's count: where its first rows were."""
+        reason = row.removeprefix("dropped: ")
+        shown = self.dropped_at.get(reason) if row.startswith("dropped: ") else None
+        if not shown:
+            return ""
+        parts, previous = [], None
+        for where in shown:
+            prefix, _, number = where.rpartition(" ")
+            parts.append(number if prefix and prefix == previous else where)
+            previous = prefix
+        more = ", ..." if self.dropped[reason] > len(shown) else ""
+        return f"  ({', '.join(parts)}{more})"
 
     def print(self) -> None:
         print("\n".join(self.lines()))
