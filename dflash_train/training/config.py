@@ -133,15 +133,35 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {path} not found; pass a recipe, e.g. recipes/smollm2-135m-dflash-b16.yaml")
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = _parse_yaml(path.read_text(), f"{path},") or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a mapping of sections (model, data, training, ...)")
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep:
             raise ValueError(f"override {item!r} must look like section.key=value")
-        _set_dotted(raw, key.strip(), yaml.safe_load(value))
+        _set_dotted(raw, key.strip(), _parse_yaml(value, f"override {item!r}: YAML value {value!r},"))
     return _build(TrainConfig, raw, "").validate()
+
+
+def _parse_yaml(text: str, where: str) -> Any:
+    """`yaml.safe_load`, with a syntax error as one line: where, line, column and what is wrong."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        raise ValueError(f"{where} {_yaml_problem(error)}; fix the YAML syntax (quote a value with : or # in it)") from None
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    # PyYAML's own message spans several lines and quotes the source; the marks hold what is needed.
+    if not isinstance(error, yaml.MarkedYAMLError) or error.problem_mark is None:
+        return " ".join(str(error).split())
+    mark = error.problem_mark
+    text = f"line {mark.line + 1}, column {mark.column + 1}: {error.problem or 'invalid YAML'}"
+    context = error.context_mark
+    if error.context and context is not None and (context.line, context.column) != (mark.line, mark.column):
+        text += f" ({error.context} that starts at line {context.line + 1}, column {context.column + 1})"
+    return " ".join(text.split())
 
 
 def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
