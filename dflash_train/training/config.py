@@ -42,6 +42,9 @@ class DataConfig:
     # Batches are right-padded to a multiple of this. None: to max_length where attention is compiled flex
     # (CUDA), so it compiles for one shape only, else to the longest sample. Never changes the loss.
     pad_to_multiple: int | None = None
+    # Packed training: each row holds whole chats, exactly this many tokens (one static shape), and each
+    # chat attends only to itself. None: one chat per row, right-padded.
+    pack_tokens: int | None = None
 
 
 @dataclass
@@ -60,6 +63,7 @@ class TrainingConfig:
     max_grad_norm: float = 1.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     num_anchors: int = 512
+    anchors_per_row: int | None = None  # packed rows' anchor capacity; None: from the data's anchors per token
     anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
     soft_targets: bool = False  # distil the target's next-token distribution instead of its token (online)
     loss_decay_gamma: float | None = None  # None: paper default for the block size
@@ -113,6 +117,7 @@ class TrainConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
+        self._validate_packing()
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
         if self.training.soft_targets and self.data.features is not None:
@@ -125,6 +130,21 @@ class TrainConfig:
         if self.training.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
         return self
+
+    def _validate_packing(self) -> None:
+        pack, per_row = self.data.pack_tokens, self.training.anchors_per_row
+        if pack is None:
+            if per_row is not None:
+                raise ValueError("training.anchors_per_row applies to packed rows only: set data.pack_tokens too")
+            return
+        if pack < self.data.max_length:
+            raise ValueError(f"data.pack_tokens={pack} must be >= data.max_length={self.data.max_length}: a "
+                             "packed row holds whole chats")
+        if self.data.pad_to_multiple is not None:
+            raise ValueError("data.pad_to_multiple does not apply with data.pack_tokens (rows are always "
+                             "pack_tokens long): unset one of them")
+        if per_row is not None and per_row < 1:
+            raise ValueError(f"training.anchors_per_row must be >= 1, got {per_row}")
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConfig:

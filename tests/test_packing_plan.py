@@ -1,0 +1,182 @@
+"""Packed training's data side: per-chat stats, the packing plan and the packed collate, each against a
+plain per-row computation."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import datasets
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from dflash_train.objective.blocks import anchor_candidates, partition_candidates
+from dflash_train.training.config import load_config
+from dflash_train.training.data import TrainingSamples, epoch_order
+from dflash_train.training.packing import (
+    PackedStepPlan,
+    chat_layout,
+    chat_stats,
+    collate_packed,
+    derive_anchors_per_row,
+    flat_chat_stats,
+    pack_rows,
+)
+
+
+def random_rows(seed: int, count: int = 40) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for _ in range(count):
+        n = int(torch.randint(1, 30, (1,), generator=gen))
+        rows.append((torch.rand(n, generator=gen) < 0.7).int().tolist())
+    return rows
+
+
+def brute_candidates(mask: list[int], max_length: int, partition: int | None) -> int:
+    cut = torch.tensor(mask[:max_length], dtype=torch.bool)[None]
+    found = anchor_candidates(cut) if partition is None else partition_candidates(cut, partition)
+    return int(found.sum())
+
+
+@pytest.mark.parametrize("partition", [None, 4])
+def test_flat_stats_count_each_cut_rows_candidates(partition: int | None) -> None:
+    rows = random_rows(0)
+    offsets = np.concatenate([[0], np.cumsum([len(r) for r in rows])])
+    flat = np.array([v for r in rows for v in r], dtype=np.int8)
+    stats = flat_chat_stats(flat, offsets, max_length=17, partition_block=partition)
+    assert stats.lengths.tolist() == [min(len(r), 17) for r in rows]
+    assert stats.candidates.tolist() == [brute_candidates(r, 17, partition) for r in rows]
+    assert stats.anchors(3).tolist() == [min(3, brute_candidates(r, 17, partition)) for r in rows]
+
+
+def test_prepared_and_store_stats_match_their_rows(tmp_path: pathlib.Path) -> None:
+    rows = random_rows(1, count=13)
+    ids = [[7 + i for i in range(len(r))] for r in rows]
+    features = datasets.Features({"input_ids": datasets.Sequence(datasets.Value("int32")),
+                                  "loss_mask": datasets.Sequence(datasets.Value("int8"))})
+    table = datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": rows}, features=features)
+    table.save_to_disk(str(tmp_path / "prepared"))
+    (tmp_path / "prepared" / "dflash_data.json").write_text("{}")
+    save_store(tmp_path / "store", ids, rows, rows_per_shard=5)
+    expected = [brute_candidates(r, 20, None) for r in rows]
+    for samples in (TrainingSamples(str(tmp_path / "prepared"), None, 20), TrainingSamples(None, str(tmp_path / "store"), 20)):
+        stats = chat_stats(samples)
+        assert stats.lengths.tolist() == [samples[i]["input_ids"].shape[0] for i in range(len(rows))]
+        assert stats.candidates.tolist() == expected
+    samples = TrainingSamples(str(tmp_path / "prepared"), None, 20)
+    samples.store = samples.store.select([4, 0, 9])  # a selection keeps its own row order
+    assert chat_stats(samples).candidates.tolist() == [expected[4], expected[0], expected[9]]
+
+
+def save_store(path: pathlib.Path, ids: list[list[int]], masks: list[list[int]], rows_per_shard: int) -> None:
+    path.mkdir()
+    units = range(0, len(ids), rows_per_shard)
+    for unit, start in enumerate(units):
+        part = slice(start, start + rows_per_shard)
+        lengths = [len(r) for r in ids[part]]
+        save_file({"input_ids": torch.tensor([t for r in ids[part] for t in r], dtype=torch.int32),
+                   "loss_mask": torch.tensor([m for r in masks[part] for m in r], dtype=torch.uint8),
+                   "offsets": torch.tensor([0, *np.cumsum(lengths).tolist()], dtype=torch.int64),
+                   "features": torch.zeros(sum(lengths), 4, dtype=torch.bfloat16)},
+                  str(path / f"features-{unit:06d}.safetensors"))
+    manifest = {"num_rows": len(ids), "rows_per_shard": rows_per_shard, "num_units": len(units), "dtype": "bf16"}
+    (path / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_rows_are_filled_greedily_in_order() -> None:
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 40, (60,), generator=gen).tolist()
+    anchors = torch.randint(0, 12, (60,), generator=gen).tolist()
+    order = torch.randperm(60, generator=gen).tolist()
+    rows = pack_rows(order, lengths, anchors, pack_tokens=64, anchors_per_row=20)
+    assert [c for row in rows for c in row] == order  # every chat once, in the epoch's order
+    for row, following in zip(rows, [*rows[1:], None], strict=True):
+        tokens, used = sum(lengths[c] for c in row), sum(anchors[c] for c in row)
+        assert tokens <= 64 and used <= 20
+        if following is not None:  # a row closes only when the next chat does not fit
+            assert tokens + lengths[following[0]] > 64 or used + anchors[following[0]] > 20
+
+
+def make_plan(train: list[int], lengths: list[int], anchors: list[int], **sizes: int) -> PackedStepPlan:
+    values = {"batch_size": 2, "num_processes": 1, "accumulation": 1, **sizes}
+    return PackedStepPlan(train, lengths, anchors, pack_tokens=64, anchors_per_row=24, seed=3, **values)
+
+
+def test_plan_is_a_pure_function_of_seed_and_epoch() -> None:
+    gen = torch.Generator().manual_seed(4)
+    train = sorted(torch.randperm(90, generator=gen)[:70].tolist())
+    lengths = torch.randint(4, 33, (90,), generator=gen).tolist()
+    anchors = torch.randint(0, 10, (90,), generator=gen).tolist()
+    plan, again = make_plan(train, lengths, anchors), make_plan(train, lengths, anchors)
+    epochs = [pack_rows(epoch_order(train, 3, e), lengths, anchors, 64, 24) for e in range(3)]
+    steps = [len(rows) // 2 for rows in epochs]
+    assert plan.total_steps(2.5) == steps[0] + steps[1] + int(0.5 * steps[2])
+    expected = [rows[i * 2 : i * 2 + 2] for e, rows in enumerate(epochs) for i in range(steps[e])]
+    for step in reversed(range(len(expected))):  # any access order: a resumed run starts anywhere
+        assert list(plan.micro_batches(step, 0)) == [expected[step]]
+    for step in range(len(expected)):
+        assert list(again.micro_batches(step, 0)) == [expected[step]]
+        assert plan.chats_seen(step) == sum(len(row) for batch in expected[:step] for row in batch)
+    # Two processes take their rows of the same micro-batch; accumulation splits a step in order.
+    split = make_plan(train, lengths, anchors, batch_size=1, num_processes=2)
+    accumulated = make_plan(train, lengths, anchors, batch_size=1, accumulation=2)
+    for step in range(len(expected)):
+        assert [next(split.micro_batches(step, r))[0] for r in (0, 1)] == expected[step]
+        assert [m[0] for m in accumulated.micro_batches(step, 0)] == expected[step]
+    counted = plan.counted_chats(expected[0])
+    assert counted == sum(1 for row in expected[0] for c in row if anchors[c] > 0)
+
+
+def test_a_plan_too_small_for_one_step_is_an_error() -> None:
+    plan = make_plan([0, 1], [40, 40], [1, 1], batch_size=4)
+    with pytest.raises(ValueError, match="2 packed rows do not fill one step of 4 rows"):
+        plan.total_steps(1.0)
+
+
+def test_derived_anchor_capacity_follows_the_data() -> None:
+    lengths, anchors = np.array([100, 300, 200]), np.array([30, 90, 60])  # 0.3 anchors per token
+    per_row = derive_anchors_per_row(lengths, anchors, 1000)
+    assert per_row % 16 == 0 and 300 <= per_row <= 300 * 1.125 + 16
+    assert derive_anchors_per_row(np.array([10, 1000]), np.array([0, 500]), 1000) >= 500  # the largest chat fits
+    assert derive_anchors_per_row(np.array([10]), np.array([10]), 10) == 16  # never beyond one per token (rounded)
+
+
+def test_collate_packed_restarts_positions_and_numbers_chats() -> None:
+    gen = torch.Generator().manual_seed(5)
+    sizes = [[5, 3], [7], []]
+    rows = [[{"input_ids": torch.randint(0, 50, (n,), generator=gen), "loss_mask": torch.rand(n, generator=gen) < 0.5,
+              "features": torch.randn(n, 6, generator=gen)} for n in row] for row in sizes]
+    batch = collate_packed(rows[:2], pack_tokens=10, num_rows=3)  # the third row: all padding
+    chat = 0
+    for r, row in enumerate(rows):
+        start = 0
+        for sample in row:
+            n = sample["input_ids"].shape[0]
+            assert torch.equal(batch["input_ids"][r, start : start + n], sample["input_ids"])
+            assert torch.equal(batch["loss_mask"][r, start : start + n], sample["loss_mask"])
+            assert torch.equal(batch["features"][r, start : start + n], sample["features"])
+            assert batch["position_ids"][r, start : start + n].tolist() == list(range(n))
+            assert batch["sequence_ids"][r, start : start + n].tolist() == [chat] * n
+            chat, start = chat + 1, start + n
+        assert batch["position_ids"][r, start:].tolist() == list(range(10 - start))  # padding: its own run
+        assert batch["sequence_ids"][r, start:].tolist() == [-1] * (10 - start)
+        assert not batch["loss_mask"][r, start:].any() and not batch["features"][r, start:].any()
+    assert chat_layout(batch) == [(0, 0, 5), (0, 5, 3), (1, 0, 7)]
+    unpacked = {"attention_mask": torch.tensor([[1, 1, 0], [1, 1, 1]])}
+    assert chat_layout(unpacked) == [(0, 0, 2), (1, 0, 3)]
+    with pytest.raises(ValueError, match="more than pack_tokens=6"):
+        collate_packed(rows[:1], pack_tokens=6, num_rows=1)
+
+
+def test_packing_options_are_validated() -> None:
+    base = ["data.prepared=x", "data.max_length=128"]
+    assert load_config(None, [*base, "data.pack_tokens=256"]).data.pack_tokens == 256
+    with pytest.raises(ValueError, match="pack_tokens=64 must be >= data.max_length=128"):
+        load_config(None, [*base, "data.pack_tokens=64"])
+    with pytest.raises(ValueError, match="anchors_per_row applies to packed rows only"):
+        load_config(None, [*base, "training.anchors_per_row=64"])
+    with pytest.raises(ValueError, match="pad_to_multiple does not apply"):
+        load_config(None, [*base, "data.pack_tokens=256", "data.pad_to_multiple=64"])
