@@ -8,6 +8,7 @@ output before the final norm (Hugging Face's last entry is taken after it).
 from __future__ import annotations
 
 import copy
+import difflib
 import importlib.util
 import json
 import logging
@@ -28,6 +29,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.gguf_file import check_gguf_whole, content_digest
 from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.unpacked_rows import rows_not_packed
 
@@ -81,6 +83,11 @@ DECODER_LAYER_PATHS: tuple[str, ...] = (
 )
 
 CONVERSION_MARKER = "dflash_train_source.json"
+# Content digests of GGUF files, remembered per file so that a large file is read in full only once.
+DIGESTS_DIR = "gguf-digests"
+TARGET_ADVICE = "download or copy the target again"
+# Names ending like a file, never a Hub repo: looked up locally only (a Hub lookup would retry for ~25 s).
+FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json", ".ggml")
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -276,9 +283,9 @@ def load_target(
 ) -> TargetModel:
     """Load a frozen target from an alias, a Hub id, a local Hugging Face directory or a ``.gguf`` file.
 
-    A ``.gguf`` file is converted once into a safetensors directory ``<cache_dir>/<file stem>`` (default
-    cache: ``$DFLASH_TRAIN_CACHE/targets``, else ``~/.cache/dflash_train/targets``) and loaded from there,
-    because dequantising the GGUF on every load is ten times slower.
+    A ``.gguf`` file is converted once into a safetensors directory under ``cache_dir`` (default:
+    ``$DFLASH_TRAIN_CACHE/targets``, else ``~/.cache/dflash_train/targets``), named after the file's
+    content, and loaded from there, because dequantising the GGUF on every load is ten times slower.
     """
     source = resolve_target_source(name_or_path)
     if source.endswith(".gguf"):
@@ -303,6 +310,12 @@ def resolve_target_source(name_or_path: str) -> str:
         return str(path)
     if path.is_file():
         raise ValueError(f"{name_or_path} is a file but not a .gguf; pass a model directory or a .gguf file.")
+    close = _close_aliases(name_or_path)
+    if close:  # a mistyped alias: say so now rather than after the Hub lookup's retries
+        raise ValueError(
+            f"Unknown target {name_or_path!r}: did you mean the alias {close[0]!r}? (aliases: "
+            f"{', '.join(DEFAULT_TARGET_ALIASES)}; or pass a model directory, a .gguf file or a Hub id org/name)"
+        )
     if not _looks_like_hub_id(name_or_path):
         raise ValueError(
             f"No target model at {name_or_path!r}: not an existing directory or .gguf file, nor a known alias "
@@ -311,20 +324,54 @@ def resolve_target_source(name_or_path: str) -> str:
     return name_or_path
 
 
+def _close_aliases(name: str) -> list[str]:
+    """Known aliases that `name` (no path, no Hub org) is probably a typo or a shortening of."""
+    if "/" in name:
+        return []
+    lowered = name.lower()
+    return difflib.get_close_matches(lowered, list(DEFAULT_TARGET_ALIASES), n=1, cutoff=0.6) or \
+        [alias for alias in DEFAULT_TARGET_ALIASES if lowered in alias]
+
+
 def _looks_like_hub_id(name: str) -> bool:
-    return re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is not None and not name.endswith(".gguf")
+    """Whether `name` could name a Hub repo: `org/name` or a bare legacy name, in the Hub's own spelling
+    rules, and not ending like a file."""
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is None or name.lower().endswith(FILE_SUFFIXES):
+        return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
 
 
 def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    from safetensors import SafetensorError
+
+    from dflash_train.checkpoint.weights import DamagedFileError, damaged_safetensors
+
+    damaged = damaged_safetensors(Path(source)) if Path(source).is_dir() else []
+    if damaged:  # checked up front: transformers' own error does not name the file
+        raise DamagedFileError(*damaged[0], TARGET_ADVICE)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(source)
+    except SafetensorError as error:
+        raise ValueError(f"Could not load target {source!r}: a weights file is damaged ({_first_line(error)}); "
+                         f"{TARGET_ADVICE}") from error
     except OSError as error:
         raise ValueError(
-            f"Could not load target {source!r} ({error}); pass a known alias ({', '.join(DEFAULT_TARGET_ALIASES)}), "
-            f"a local model directory, a .gguf file or a reachable Hub id."
+            f"Could not load target {source!r} ({_first_line(error)}); pass a known alias "
+            f"({', '.join(DEFAULT_TARGET_ALIASES)}), a local model directory, a .gguf file or a reachable Hub id."
         ) from error
     return model, tokenizer
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -336,29 +383,42 @@ def default_targets_cache_dir() -> Path:
     return Path(os.environ.get("DFLASH_TRAIN_CACHE") or "~/.cache/dflash_train").expanduser() / "targets"
 
 
+def _cache_root(cache_dir: str | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir else default_targets_cache_dir()
+
+
 def converted_gguf_dir(
     gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None
 ) -> Path:
-    """Where the converted copy of ``gguf_path`` lives; non-bf16 copies get their dtype in the name."""
-    root = Path(cache_dir).expanduser() if cache_dir else default_targets_cache_dir()
+    """Where the converted copy of ``gguf_path`` lives: named by the file's content digest (non-bf16
+    copies get their dtype in the name), so every copy of one file, in any clone, shares one conversion
+    and different files never evict each other's."""
+    root = _cache_root(cache_dir)
+    digest = content_digest(gguf_path, root / DIGESTS_DIR)
     suffix = "" if dtype == torch.bfloat16 else f"-{str(dtype).removeprefix('torch.')}"
-    return root / f"{gguf_path.stem}{suffix}"
+    return root / f"{digest[:24]}{suffix}"
 
 
 def ensure_converted_gguf(
     gguf_path: Path, dtype: torch.dtype = torch.bfloat16, cache_dir: str | None = None
 ) -> Path:
-    """The cached safetensors copy of ``gguf_path``, converting it first if it is missing or stale."""
+    """The cached safetensors copy of ``gguf_path``, converting it first if there is none (or it is damaged).
+
+    A conversion is published whole by a rename and never removed while whole: processes loading it
+    from other clones are never pulled out from under. Conversions of files no longer used stay; delete
+    the cache directory to reclaim them.
+    """
     out_dir = converted_gguf_dir(gguf_path, dtype, cache_dir)
-    marker = _source_marker(gguf_path, dtype)
+    marker = _source_marker(out_dir, dtype)
     if _is_converted(out_dir, marker):
         return out_dir
     with _exclusive(out_dir.parent):  # processes started together convert once
         if _is_converted(out_dir, marker):
             return out_dir
+        check_gguf_whole(gguf_path)
         logger.info("Converting %s to %s once; later loads read the converted copy.", gguf_path, out_dir)
         model, tokenizer = load_gguf(gguf_path, dtype)
-        _save_atomically(_dense_copy(model, dtype), tokenizer, out_dir, marker)
+        _save_atomically(_dense_copy(model, dtype), tokenizer, out_dir, {**marker, "converted_from": gguf_path.name})
     return out_dir
 
 
@@ -409,23 +469,25 @@ def _dense_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     return dense
 
 
-def _source_marker(gguf_path: Path, dtype: torch.dtype) -> dict[str, Any]:
-    # Identifies the file the cache was built from, so that two files with the same stem, or an updated
-    # file, do not silently reuse a stale conversion.
-    stat = gguf_path.stat()
-    return {
-        "gguf_file": str(gguf_path.resolve()),
-        "size": stat.st_size,
-        "mtime_ns": stat.st_mtime_ns,
-        "dtype": str(dtype),
-    }
+def _source_marker(out_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
+    # The folder name holds the content digest; the marker repeats it with the dtype, and goes in last.
+    return {"content": out_dir.name, "dtype": str(dtype)}
 
 
 def _is_converted(out_dir: Path, marker: dict[str, Any]) -> bool:
+    """Whether `out_dir` holds a whole conversion for `marker` (its weights files are not truncated)."""
+    from dflash_train.checkpoint.weights import damaged_safetensors
+
     try:
-        return json.loads((out_dir / CONVERSION_MARKER).read_text()) == marker
+        saved = json.loads((out_dir / CONVERSION_MARKER).read_text())
     except (OSError, ValueError):
         return False
+    if not isinstance(saved, dict) or any(saved.get(key) != value for key, value in marker.items()):
+        return False
+    damaged = damaged_safetensors(out_dir)
+    if damaged:
+        logger.warning("The converted copy %s is damaged (%s); converting again.", damaged[0][0], damaged[0][1])
+    return not damaged
 
 
 def _save_atomically(
@@ -440,14 +502,16 @@ def _save_atomically(
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / CONVERSION_MARKER).write_text(json.dumps(marker))
-        if _is_converted(out_dir, marker):
-            return  # another process published the same conversion meanwhile
         if out_dir.exists():
-            shutil.rmtree(out_dir)  # stale: built from another file of the same name
-        try:
-            os.replace(tmp, out_dir)
-        except OSError:
-            if not _is_converted(out_dir, marker):
-                raise
+            # Only a damaged copy gets here (the caller holds the lock and found no whole one): it is of
+            # no use to anyone, so it is moved aside and removed.
+            _discard(out_dir)
+        os.replace(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _discard(directory: Path) -> None:
+    aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.damaged-", dir=directory.parent))
+    os.replace(directory, aside / directory.name)
+    shutil.rmtree(aside, ignore_errors=True)

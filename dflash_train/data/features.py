@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,30 @@ def dequantize_fp8(quantized: Tensor, scales: Tensor) -> Tensor:
     return grouped.view(tokens, -1).to(torch.bfloat16)
 
 
+# Fingerprints since weights are hashed independently of their dtype carry this prefix; older stores and
+# checkpoints hold a bare 16-digit hash of the weights as loaded (dtype included).
+FINGERPRINT_PREFIX = "v2-"
+_DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}  # extract --target-dtype spellings
+
+
 def target_fingerprint(model: torch.nn.Module) -> str:
-    """A hash of the target's config and weights, cheap enough for 8B models: every tensor's name, shape
-    and dtype, and up to 1024 evenly strided values of each."""
+    """A hash of the target's config and weights that names the model, not the dtype it is loaded in:
+    every tensor's name and shape, and up to 1024 evenly strided values of each rounded through bfloat16,
+    so the same target loaded in bfloat16 or float32 has one fingerprint. Cheap enough for 8B models."""
+    return FINGERPRINT_PREFIX + _weights_digest(model, with_dtype=False)
+
+
+def legacy_target_fingerprint(model: torch.nn.Module) -> str:
+    """The fingerprint that stores and checkpoints recorded before `target_fingerprint` dropped the
+    dtype: it hashed the weights as loaded, dtype included. Kept to read those stores."""
+    return _weights_digest(model, with_dtype=True)
+
+
+def is_legacy_fingerprint(value: object) -> bool:
+    return isinstance(value, str) and not value.startswith(FINGERPRINT_PREFIX)
+
+
+def _weights_digest(model: torch.nn.Module, with_dtype: bool) -> str:
     config = model.config.to_dict()
     for volatile in ("_name_or_path", "name_or_path", "transformers_version", "torch_dtype", "dtype"):
         config.pop(volatile, None)
@@ -68,9 +90,31 @@ def target_fingerprint(model: torch.nn.Module) -> str:
     for name, tensor in sorted(model.state_dict().items()):
         flat = tensor.detach().reshape(-1)
         sample = flat[:: max(1, flat.numel() // 1024)][:1024].float().cpu()
-        digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
-        digest.update(sample.numpy().tobytes())
+        if with_dtype:
+            digest.update(f"{name}{tuple(tensor.shape)}{tensor.dtype}".encode())
+            digest.update(sample.numpy().tobytes())
+        else:
+            # float32 -> bfloat16 rounds the same way whatever the source, so bf16 and fp32 copies agree.
+            digest.update(f"{name}{tuple(tensor.shape)}".encode())
+            digest.update(sample.to(torch.bfloat16).view(torch.int16).numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class TargetIdentity:
+    """What a feature store is checked against: the loaded target's fingerprint, the dtype it is loaded
+    in, and its legacy fingerprint (for stores written before fingerprints ignored the dtype)."""
+
+    fingerprint: str
+    dtype: torch.dtype
+    legacy_fingerprint: str
+
+
+def target_identity(model: torch.nn.Module) -> TargetIdentity:
+    # The embedding's dtype is the one the target was loaded in (some models keep a few tensors in fp32).
+    embeddings = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    dtype = embeddings.weight.dtype if embeddings is not None else next(model.parameters()).dtype
+    return TargetIdentity(target_fingerprint(model), dtype, legacy_target_fingerprint(model))
 
 
 def read_manifest(store_dir: Path) -> dict[str, Any]:
@@ -154,9 +198,10 @@ class FeatureStore:
         return (self[i] for i in range(len(self)))
 
     def check_compatible(self, target_layer_ids: Sequence[int], hidden_size: int,
-                         target_hash: str | None = None, *, tokenizer_hash: str | None = None) -> None:
+                         target_hash: str | TargetIdentity | None = None, *, tokenizer_hash: str | None = None) -> None:
         """Refuse a store made for other layer ids, another hidden size, or (given their hashes) another
-        target or tokenizer."""
+        target or tokenizer. Given a `TargetIdentity`, a target loaded in another dtype than the store's
+        is refused as such, with the setting that fixes it."""
         m = self.manifest
         if list(target_layer_ids) != list(m["target_layer_ids"]):
             raise ValueError(f"{self.path}: features of layers {m['target_layer_ids']}, the drafter wants "
@@ -164,9 +209,34 @@ class FeatureStore:
         if hidden_size != m["hidden_size"]:
             raise ValueError(f"{self.path}: hidden size {m['hidden_size']} != the drafter's {hidden_size}; "
                              f"this store was made for another target")
-        if target_hash is not None and target_hash != m["target_hash"]:
-            raise ValueError(f"{self.path}: made with target {m['target']!r} (hash {m['target_hash']}), not the "
-                             f"loaded target (hash {target_hash}); extract again with this target")
+        if isinstance(target_hash, TargetIdentity):
+            self._check_target(target_hash)
+        elif target_hash is not None and target_hash != m["target_hash"]:
+            raise self._another_target(target_hash)
         if tokenizer_hash is not None and tokenizer_hash != m.get("tokenizer_hash"):
             raise ValueError(f"{self.path}: tokenised with another vocabulary than the loaded target's; prepare "
                              f"and extract again with this target")
+
+    def _check_target(self, target: TargetIdentity) -> None:
+        stored_hash = self.manifest["target_hash"]
+        stored_dtype = _DTYPE_NAMES.get(self.manifest.get("target_dtype", ""), self.manifest.get("target_dtype"))
+        loaded_dtype = str(target.dtype).removeprefix("torch.")
+        dtype_differs = stored_dtype is not None and stored_dtype != loaded_dtype
+        if is_legacy_fingerprint(stored_hash):
+            # An older store's hash includes the dtype: comparable only when the dtypes agree.
+            same_model = None if dtype_differs else stored_hash == target.legacy_fingerprint
+        else:
+            same_model = stored_hash == target.fingerprint
+        if same_model is False:
+            raise self._another_target(target.fingerprint, stored_dtype if dtype_differs else None)
+        if dtype_differs:
+            cli_name = {v: k for k, v in _DTYPE_NAMES.items()}.get(loaded_dtype, loaded_dtype)
+            raise ValueError(f"{self.path}: features were extracted with the target in {stored_dtype}, this run "
+                             f"loads it in {loaded_dtype}: set model.target_dtype={stored_dtype} (or extract again "
+                             f"with --target-dtype {cli_name})")
+
+    def _another_target(self, loaded_hash: str, stored_dtype: str | None = None) -> ValueError:
+        m = self.manifest
+        hint = f"; if it is the same model, set model.target_dtype={stored_dtype}" if stored_dtype else ""
+        return ValueError(f"{self.path}: made with target {m['target']!r} (hash {m['target_hash']}), not the loaded "
+                          f"target (hash {loaded_hash}); extract again with this target{hint}")

@@ -6,16 +6,25 @@
         trainer_state.json     step, samples seen, and what the checkpoint is compatible with
 
 A checkpoint exists only once its directory has its final name: a run killed while saving leaves a
-`*.tmp` directory, which resume ignores and the next save removes.
+`*.tmp` directory, which resume ignores and the next save removes. A checkpoint damaged later (a
+truncated copy, a disk error) is found before resuming: `resume: auto` falls back to the newest whole
+one, and saving never prunes a checkpoint newer than the one it writes, so the damaged one stays on
+disk until a new save of that step replaces it.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
+import sys
+import zipfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from dflash_train.checkpoint.weights import safetensors_damage
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
 COMPAT_KEYS = ("target_fingerprint", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
@@ -33,29 +42,103 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+def _say_on_rank_zero(message: str) -> None:
+    # Every rank resolves the same checkpoint; one of them says so.
+    if os.environ.get("RANK", "0") == "0":
+        print(message, file=sys.stderr, flush=True)
+
+
+def resolve_resume(
+    resume: str, output_dir: str | Path, say: Callable[[str], None] = _say_on_rank_zero
+) -> Path | None:
+    """The checkpoint to resume from: None (`none`, or `auto` without checkpoints), the newest whole one
+    (`auto`, saying which damaged ones it passed over), or the given path, refused if damaged."""
     if resume == "none":
         return None
     if resume == "auto":
-        found = list_checkpoints(output_dir)
-        return found[-1] if found else None
+        return newest_whole_checkpoint(output_dir, say)
     path = Path(resume)
     if not (path / "trainer_state.json").is_file():
         raise ValueError(f"training.resume={resume}: no complete checkpoint there (trainer_state.json missing)")
+    damage = checkpoint_damage(path)
+    if damage is not None:
+        raise ValueError(f"training.resume={resume}: the checkpoint is damaged ({damage}); resume from an earlier "
+                         f"checkpoint, or set training.resume=auto to take the newest whole one")
     return path
+
+
+def newest_whole_checkpoint(output_dir: str | Path, say: Callable[[str], None]) -> Path | None:
+    skipped: list[str] = []
+    for path in reversed(list_checkpoints(output_dir)):
+        damage = checkpoint_damage(path)
+        if damage is None:
+            if skipped:
+                say(f"training.resume=auto: skipping damaged checkpoint {'; '.join(skipped)}; resuming from "
+                    f"{path.name} (the damaged one is left on disk until training saves that step again)")
+            return path
+        skipped.append(f"{path.name} ({damage})")
+    if skipped:
+        raise ValueError(f"every checkpoint in {checkpoint_root(output_dir)} is damaged ({'; '.join(skipped)}); "
+                         f"copy a whole one back, or start over with training.resume=none")
+    return None
+
+
+def checkpoint_damage(path: Path) -> str | None:
+    """What makes the checkpoint at `path` unreadable (a truncated or corrupt file), or None.
+
+    Cheap: safetensors headers against file sizes, and the zip directory of torch.save files (at their
+    end, so a truncated file loses it); tensor data itself is not read.
+    """
+    try:
+        json.loads((path / "trainer_state.json").read_text())
+    except (OSError, ValueError) as error:
+        return f"trainer_state.json unreadable: {error}"
+    for file in sorted(path.rglob("*")):
+        if not file.is_file():
+            continue
+        damage = _file_damage(file)
+        if damage is not None:
+            return f"{file.relative_to(path)}: {damage}"
+    return None
+
+
+def _file_damage(file: Path) -> str | None:
+    if file.suffix == ".safetensors":
+        return safetensors_damage(file)
+    if file.suffix in (".bin", ".pt", ".pth") and _starts_like_zip(file):
+        try:
+            with zipfile.ZipFile(file):
+                return None
+        except (zipfile.BadZipFile, OSError):
+            return f"truncated or corrupt ({file.stat().st_size:,} bytes, no readable zip directory)"
+    return None
+
+
+def _starts_like_zip(file: Path) -> bool:
+    # torch.save writes zip archives; files in another format are left to their reader.
+    with file.open("rb") as handle:
+        return handle.read(4) == b"PK\x03\x04"
 
 
 def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path) -> None:
     problems = [
         f"{key}: checkpoint has {saved.get(key)!r}, this run has {current[key]!r}"
         for key in COMPAT_KEYS
-        if key in current and saved.get(key) != current[key]
+        if key in current and _comparable(key, saved.get(key)) and saved.get(key) != current[key]
     ]
     if problems:
         raise ValueError(
             f"checkpoint {path} belongs to another setup ({'; '.join(problems)}); "
             "use a new training.output_dir or training.resume=none"
         )
+
+
+def _comparable(key: str, saved_value: Any) -> bool:
+    # Checkpoints written before fingerprints ignored the dtype recorded a hash of the weights as loaded,
+    # which no fingerprint of today can equal; the other keys still check that the drafter fits.
+    from dflash_train.data.features import is_legacy_fingerprint
+
+    return not (key == "target_fingerprint" and is_legacy_fingerprint(saved_value))
 
 
 def check_launch(saved: dict[str, Any], distributed_type: str, num_processes: int, path: Path) -> None:
@@ -84,12 +167,17 @@ def staging_dir(output_dir: str | Path, step: int) -> tuple[Path, Path]:
 
 
 def finalize(tmp: Path, final: Path, trainer_state: dict[str, Any], keep_last: int) -> None:
-    """Write the marker file last, rename into place, then prune old checkpoints."""
+    """Write the marker file last, rename into place, then prune old checkpoints.
+
+    Only checkpoints up to this step count and may be pruned: a newer one exists only when resume
+    passed over it as damaged, and counting it would prune the whole ones this run resumed from.
+    """
     (tmp / "trainer_state.json").write_text(json.dumps(trainer_state, indent=2))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    for old in list_checkpoints(final.parent.parent)[:-keep_last]:
+    up_to_now = [p for p in list_checkpoints(final.parent.parent) if p.name <= final.name]
+    for old in up_to_now[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.data.features import TargetIdentity
 from dflash_train.mask_token import choose_mask_token
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel, load_target
@@ -21,10 +22,19 @@ def build_target(config: TrainConfig, device: torch.device) -> TargetModel:
 
 
 def target_fingerprint(target: TargetModel) -> str:
-    """The hash that checkpoints and offline feature stores record of the target they were made with."""
+    """The hash that checkpoints and offline feature stores record of the target they were made with; it
+    names the model, whatever dtype it is loaded in (`model.target_dtype` may change on resume)."""
     from dflash_train.data.features import target_fingerprint as fingerprint
 
     return fingerprint(target.model)
+
+
+def target_identity(target: TargetModel) -> TargetIdentity:
+    """What an offline feature store is checked against: the fingerprint and the dtype the target is
+    loaded in (features extracted in another dtype differ from what online training would capture)."""
+    from dflash_train.data.features import target_identity as identity
+
+    return identity(target.model)
 
 
 def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
@@ -77,9 +87,12 @@ def reinitialize(draft: DFlashDraftModel, prefixes: list[str]) -> None:
 
 def _load_init(path: str) -> DFlashDraftModel:
     from dflash_train.checkpoint.io import load_draft
+    from dflash_train.checkpoint.weights import DamagedFileError
 
-    draft = load_draft(path, dtype=torch.float32)
-    return draft
+    try:
+        return load_draft(path, dtype=torch.float32)
+    except DamagedFileError as error:  # say which setting pointed at the damaged file
+        raise ValueError(f"model.init_from={path}: {error}") from error
 
 
 def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size: int) -> None:

@@ -32,6 +32,7 @@ from dflash_train.training.setup import (
     build_schedule,
     build_target,
     target_fingerprint,
+    target_identity,
 )
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
 
@@ -146,7 +147,7 @@ class Trainer:
         if not self.samples.offline:
             return
         self.samples.store.check_compatible(
-            self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_fingerprint(self.target))
+            self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target))
 
     # -- one step -------------------------------------------------------------------------------
     def _features(self, batch: dict[str, torch.Tensor], real: int) -> tuple[torch.Tensor, torch.Tensor | None]:
