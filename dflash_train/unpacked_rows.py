@@ -5,7 +5,8 @@ ids describe several sequences packed into one row (``find_packed_sequence_indic
 ``.all()`` on a GPU tensor: a host sync. The sync drains the GPU's queue once per forward, so while the host
 then prepares the next batch (and launches its first kernels) the GPU idles; for a small target that is a
 tenth of extraction's time. Our captures pass one sequence per row, for which the check answers ``None``
-("not packed"), so inside :func:`rows_not_packed` it answers that without looking. Nothing else in the mask
+("not packed"), so inside :func:`rows_not_packed` it answers that without looking. Packed training passes
+per-chat position ids and runs outside it: there the check finds the chats and keeps each to itself. Nothing else in the mask
 code changes: causal, sliding-window and padding masks are built as before. The answer holds for the
 whole process while a capture runs: a forward on packed rows in another thread at the same moment would
 need its own attention mask.

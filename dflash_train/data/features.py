@@ -37,10 +37,13 @@ def shard_path(store_dir: Path, unit: int) -> Path:
 
 
 def compute_features(target: Any, input_ids: Tensor, layer_ids: Sequence[int],
-                     attention_mask: Tensor | None = None) -> Tensor:
+                     attention_mask: Tensor | None = None, position_ids: Tensor | None = None) -> Tensor:
     """``[B, S, K*H]`` bf16 features: the only capture call of both online training and extraction, so
-    the two see bit-identical features for the same batch."""
-    return target.capture_features(input_ids, layer_ids, attention_mask).to(torch.bfloat16)
+    the two see bit-identical features for the same batch. Packed rows pass their per-chat position ids
+    (Hugging Face then keeps each chat's attention inside the chat)."""
+    if position_ids is None:
+        return target.capture_features(input_ids, layer_ids, attention_mask).to(torch.bfloat16)
+    return target.capture_features(input_ids, layer_ids, attention_mask, position_ids).to(torch.bfloat16)
 
 
 def quantize_fp8(features: Tensor, num_layers: int) -> tuple[Tensor, Tensor]:

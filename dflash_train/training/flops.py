@@ -26,7 +26,8 @@ def training_step_flops(
 
 def visible_pairs(anchors_valid_counts: list[tuple[list[int], int]], block_size: int) -> int:
     """Visible (query, key) pairs of the DFlash mask: each valid block of anchor a sees a context
-    keys and its own B keys, for each of its B queries. Input: per sequence (valid anchors, S)."""
+    keys and its own B keys, for each of its B queries. Input: per sequence (valid anchors, S); in a
+    packed row an anchor is counted from its chat's start, the context it sees."""
     total = 0
     for anchors, _ in anchors_valid_counts:
         total += sum(block_size * (a + block_size) for a in anchors)

@@ -9,15 +9,16 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
-from dflash_train.objective import DFlashObjective, build_blocks
-from dflash_train.objective.blocks import sample_anchors_seeded
+from dflash_train.objective import DFlashObjective
 from dflash_train.objective.objective import expected_acceptance_length
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
@@ -25,6 +26,16 @@ from dflash_train.training.compile_report import compile_seconds, first_step_lin
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import training_step_flops, visible_pairs
+from dflash_train.training.packing import (
+    PackedStepPlan,
+    chat_layout,
+    chat_stats,
+    check_anchors_per_row,
+    collate_packed,
+    derive_anchors_per_row,
+    pack_rows,
+    packed_features_and_final_states,
+)
 from dflash_train.training.progress import TrainProgress
 from dflash_train.training.setup import (
     build_draft,
@@ -109,12 +120,17 @@ class Trainer:
         self.train_ids, self.val_ids = split_indices(
             len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
-        # Whole validation batches only: a short last batch is one more shape for compiled attention.
-        full = t.batch_size * self.accelerator.num_processes
-        if len(self.val_ids) >= full:
-            self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
-        steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
-        self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+        self.val_groups: list[list[list[int]]] = []  # packed validation micro-batches (rows of chats)
+        self.packed = self._build_packing()
+        if self.packed is None:
+            # Whole validation batches only: a short last batch is one more shape for compiled attention.
+            full = t.batch_size * self.accelerator.num_processes
+            if len(self.val_ids) >= full:
+                self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
+            steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
+            self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+        else:
+            self.total_steps = t.max_steps or self.packed.total_steps(t.epochs)
         self.configured_steps = self.total_steps  # a time budget may shorten the run, never beyond this
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
@@ -132,6 +148,8 @@ class Trainer:
         self.objective = DFlashObjective(
             block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
             num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
+            partition_anchors=t.anchors == "partition",
+            anchors_per_row=self.packed.anchors_per_row if self.packed else None,
         )
         self.compat = {
             "target": config.model.target, "target_fingerprint": target_fingerprint(self.target),
@@ -142,6 +160,29 @@ class Trainer:
         self.pad_to = padding_multiple(config, self.accelerator.device)
         self.step = 0
         self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes)
+
+    def _build_packing(self) -> PackedStepPlan | None:
+        """The packing plan of a packed run (None unpacked), from every chat's length and anchor count."""
+        d, t = self.config.data, self.config.training
+        if d.pack_tokens is None:
+            return None
+        partition = self.config.model.block_size if t.anchors == "partition" else None
+        stats = chat_stats(self.samples, partition)
+        lengths, anchors = stats.lengths, stats.anchors(t.num_anchors)
+        train = np.asarray(self.train_ids, dtype=np.int64)
+        per_row = t.anchors_per_row or derive_anchors_per_row(lengths[train], anchors[train], d.pack_tokens)
+        check_anchors_per_row(per_row, anchors)
+        plan = PackedStepPlan(self.train_ids, lengths.tolist(), anchors.tolist(), d.pack_tokens, per_row,
+                              t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps, t.seed)
+        rows = pack_rows(self.val_ids, plan.lengths, plan.anchors, d.pack_tokens, per_row)
+        self.val_groups = [rows[i : i + t.batch_size] for i in range(0, len(rows), t.batch_size)]
+        epoch = plan.epoch_rows(0)
+        token_fill, anchor_fill = plan.fill(epoch)
+        self.accelerator.print(
+            f"packing: {len(self.train_ids)} chats into {len(epoch)} rows of {d.pack_tokens} tokens and {per_row} "
+            f"anchors ({plan.steps_in_epoch(0)} steps in epoch 0): {token_fill:.1%} of the tokens and "
+            f"{anchor_fill:.1%} of the anchor slots are used")
+        return plan
 
     def _check_offline_features(self) -> None:
         if not self.samples.offline:
@@ -161,14 +202,19 @@ class Trainer:
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
         # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
         # out of every real token, and a mask would only cost host syncs in Hugging Face's mask check.
+        # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself.
         ids = batch["input_ids"][:, :real]
+        positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
         layer_ids = self.draft_config.target_layer_ids
         with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
             if self.config.training.soft_targets:
-                features, final = self.target.capture_features_and_final_states(ids, layer_ids)
+                if positions is None:
+                    features, final = self.target.capture_features_and_final_states(ids, layer_ids)
+                else:
+                    features, final = packed_features_and_final_states(self.target, ids, positions, layer_ids)
                 features = features.to(torch.bfloat16)
             else:
-                features, final = compute_features(self.target, ids, layer_ids), None
+                features, final = compute_features(self.target, ids, layer_ids, position_ids=positions), None
         padding = batch["input_ids"].shape[1] - real
         if padding:
             features = torch.nn.functional.pad(features, (0, 0, 0, padding))
@@ -181,34 +227,56 @@ class Trainer:
             batch = {k: v.pin_memory() for k, v in batch.items()}  # lets the copy overlap compute
         return batch
 
+    def _load_rows(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
+        """A packed micro-batch: always batch_size rows (missing ones all padding), one static shape."""
+        samples = [[self.samples[i] for i in row] for row in rows]
+        batch = collate_packed(samples, self.config.data.pack_tokens, self.config.training.batch_size)
+        if self.accelerator.device.type == "cuda":
+            batch = {k: v.pin_memory() for k, v in batch.items()}
+        return batch
+
     def _load_step(self, step: int) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of `step`: the chats' sample indices (in batch order) and the batch."""
         t = self.config.training
         rank = self.accelerator.process_index
+        if self.packed is not None:
+            return [([i for row in rows for i in row], self._load_rows(rows))
+                    for rows in self.packed.micro_batches(step, rank)]
         return [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
 
     def _forward(
         self, indices: list[int], seeds: list[int], cpu_batch: dict[str, torch.Tensor] | None = None
     ) -> tuple[Any, dict[str, float]]:
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
-        lengths = cpu_batch["attention_mask"].sum(1).tolist()
-        batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items()}
-        features, teacher_states = self._features(batch, max(lengths))
-        partition = self.objective.block_size if self.config.training.anchors == "partition" else None
-        anchors, valid = sample_anchors_seeded(batch["loss_mask"], self.objective.num_anchors, seeds, lengths,
-                                               partition)
-        blocks = build_blocks(batch["input_ids"], batch["loss_mask"], anchors, valid,
-                              self.objective.block_size, self.objective.mask_token_id)
+        chats = chat_layout(cpu_batch)  # read on the host: anchors are placed without a device sync
+        batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items() if k != "chats"}
+        features, teacher_states = self._features(batch, max(start + n for _, start, n in chats))
+        blocks = self.objective.seeded_blocks(batch, chats, seeds)
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
                              batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
-                             teacher_states=teacher_states)
-        stats = {"tokens": float(sum(lengths)), "flops": self._flops(batch, blocks, out, sum(lengths))}
+                             teacher_states=teacher_states, context_positions=batch.get("position_ids"))
+        tokens = sum(n for _, _, n in chats)
+        stats = {"tokens": float(tokens), "flops": self._flops(blocks, out, tokens, chats)}
         return out, stats
 
-    def _flops(self, batch: dict[str, torch.Tensor], blocks: Any, out: Any, tokens: int) -> float:
-        per_sequence = [(blocks.anchors[r][blocks.valid[r]].tolist(), batch["input_ids"].shape[1])
-                        for r in range(blocks.anchors.shape[0])]
-        return training_step_flops(self.draft_config, tokens, blocks.labels.numel(),
-                                   out.num_supervised, visible_pairs(per_sequence, self.objective.block_size))
+    def _flops(self, blocks: Any, out: Any, tokens: int, chats: list[tuple[int, int, int]]) -> float:
+        # An anchor sees the context of its own chat before it: a_j minus the chat's start.
+        context = blocks.anchors[blocks.valid]
+        if blocks.sequence is not None:
+            starts = torch.tensor([start for _, start, _ in chats], device=context.device, dtype=torch.long)
+            context = context - starts[blocks.sequence[blocks.valid]]
+        pairs = visible_pairs([(context.tolist(), 0)], self.objective.block_size)
+        return training_step_flops(self.draft_config, tokens, blocks.labels.numel(), out.num_supervised, pairs)
+
+    def _loss_share(self, indices: list[int]) -> float | None:
+        """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is
+        weighted by its share of the step's chats, so that the step's loss is the mean over all of them
+        whatever the split into processes and accumulation steps (their mean is taken afterwards)."""
+        if self.packed is None:
+            return None
+        total = self.packed.counted_chats(self.packed.step_rows(self.step))
+        mine = self.packed.counted_chats([indices])
+        return mine / max(1, total) * self.plan.num_processes * self.plan.accumulation
 
     def train_step(self, loaded: list[tuple[list[int], dict[str, torch.Tensor]]] | None = None) -> dict[str, Any]:
         """One optimizer step; `loaded` is this step's micro-batches if they were prefetched."""
@@ -220,12 +288,14 @@ class Trainer:
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
             with self.accelerator.accumulate(self.model):
                 out, stats = self._forward(indices, seeds, cpu_batch)
-                self.accelerator.backward(out.loss)
+                share = self._loss_share(indices)
+                loss = out.loss if share is None else out.loss * share
+                self.accelerator.backward(loss)
                 if self.accelerator.sync_gradients:
                     grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            totals["loss"] += float(out.loss.detach()) / self.plan.accumulation
+            totals["loss"] += float(loss.detach()) / self.plan.accumulation
             totals["tokens"] += stats["tokens"]
             totals["flops"] += stats["flops"]
             slot_correct = out.slot_correct if slot_correct is None else slot_correct + out.slot_correct
@@ -236,6 +306,8 @@ class Trainer:
         metrics = self._reduce(totals, slot_correct, slot_count)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
         metrics["lr"] = self.schedule.get_last_lr()[0]
+        if self.packed is not None:  # the whole step's rows, known on every rank from the plan
+            metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
         return metrics
 
     def _reduce(self, totals: dict[str, float], slot_correct: torch.Tensor, slot_count: torch.Tensor) -> dict[str, Any]:
@@ -259,29 +331,44 @@ class Trainer:
             return None
         self.model.eval()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        mine, size = self.val_ids[rank::world], self.config.training.batch_size
-        # Every rank runs as many forwards as the rank with the most samples: a DDP/FSDP forward is a
-        # collective, and a rank that stopped early would leave the others waiting for ever.
-        batches = math.ceil(math.ceil(len(self.val_ids) / world) / size)
         loss_sum, correct, count = 0.0, None, None
-        for start in range(0, batches * size, size):
-            indices = mine[start : start + size]
-            stand_in = not indices  # this rank ran out: a forward to keep in step, not counted
-            indices = indices or self.val_ids[:1]
+        for indices, cpu_batch, weight in self._validation_batches(rank, world):
             seeds = [anchor_seed(self.config.training.seed, 0, i) for i in indices]  # fixed anchors
             with self.accelerator.autocast():
-                out, _ = self._forward(indices, seeds)
-            if stand_in:
+                out, _ = self._forward(indices, seeds, cpu_batch)
+            if weight is None:  # a stand-in forward
                 continue
-            loss_sum += float(out.loss) * len(indices)
+            loss_sum += float(out.loss) * weight
             correct = out.slot_correct if correct is None else correct + out.slot_correct
             count = out.slot_count if count is None else count + out.slot_count
         if correct is None:  # fewer validation samples than ranks
             zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
             correct, count = zeros, zeros.clone()
         metrics = self._reduce({"loss": loss_sum, "tokens": 0.0, "flops": 0.0}, correct, count)
-        metrics["loss"] = metrics["loss"] * world / len(self.val_ids)
+        chats = len(self.val_ids) if self.packed is None else sum(map(self.packed.counted_chats, self.val_groups))
+        metrics["loss"] = metrics["loss"] * world / max(1, chats)
         return metrics
+
+    def _validation_batches(
+        self, rank: int, world: int
+    ) -> Iterator[tuple[list[int], dict[str, torch.Tensor] | None, int | None]]:
+        """This rank's validation micro-batches: (sample indices, CPU batch or None to load them, the
+        chats its loss averages over; None for a stand-in). Every rank runs as many forwards as the rank
+        with the most: a DDP/FSDP forward is a collective, and a rank that stopped early would leave the
+        others waiting for ever; a rank that ran out runs a stand-in forward, not counted."""
+        if self.packed is not None:
+            groups = self.val_groups
+            for k in range(math.ceil(len(groups) / world)):
+                mine = groups[k * world + rank] if k * world + rank < len(groups) else None
+                rows = mine or groups[0]
+                weight = self.packed.counted_chats(mine) if mine else None
+                yield [i for row in rows for i in row], self._load_rows(rows), weight
+            return
+        mine, size = self.val_ids[rank::world], self.config.training.batch_size
+        batches = math.ceil(math.ceil(len(self.val_ids) / world) / size)
+        for start in range(0, batches * size, size):
+            indices = mine[start : start + size]
+            yield indices or self.val_ids[:1], None, len(indices) if indices else None
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
@@ -307,13 +394,18 @@ class Trainer:
             draft.load_state_dict({k: v.detach().float().cpu() for k, v in state_dict.items()})
             save_draft(draft, tmp / "draft", extra_config={"dflash_train": {"step": self.step, **self.compat}})
             trainer_state = {"step": self.step, "total_steps": self.total_steps,
-                             "sequences_seen": self.step * self.plan.sequences_per_step,
+                             "sequences_seen": self._sequences_seen(),
                              "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
                              "distributed_type": self._distributed_type(),
                              "num_processes": self.accelerator.num_processes, **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
         return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
+
+    def _sequences_seen(self) -> int:
+        if self.packed is not None:
+            return self.packed.chats_seen(self.step)
+        return self.step * self.plan.sequences_per_step
 
     def _checkpoint_estimate(self) -> int:
         """Bytes of the first checkpoint before any exists: fp32 weights twice (accelerate state and the

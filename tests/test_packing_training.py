@@ -1,0 +1,75 @@
+"""Packed training end to end on a tiny target: validation equals the unpacked run's, the split of a
+step into accumulation steps does not change it, offline features train like online ones."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from dflash_train.training.config import load_config
+from dflash_train.training.tracking import read_metrics
+from dflash_train.training.trainer import Trainer, run_training
+from tests.test_training import overrides, train_losses
+from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+
+PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("packing_assets")
+    return {"target": save_tiny_target(root / "target"), "data": save_tiny_prepared(root / "data", num_rows=40)}
+
+
+@pytest.mark.parametrize("variant", [{}, {"training.soft_targets": True}, {"training.anchors": "partition"}])
+def test_packed_validation_equals_unpacked(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                           variant: dict[str, object]) -> None:
+    """Validation draws each chat's anchors from a fixed seed: before any step, the packed run sees the same
+    chats with the same anchors as the unpacked one, so the same loss and slot accuracies."""
+    results = {}
+    for name, extra in {"unpacked": {}, "packed": PACKED}.items():
+        trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **{
+            "data.max_length": 64, "data.validation_fraction": 0.3, **variant, **extra})))
+        results[name] = trainer.validate()
+    assert results["packed"]["loss"] == pytest.approx(results["unpacked"]["loss"], rel=1e-5)
+    assert results["packed"]["slot_accuracy"] == pytest.approx(results["unpacked"]["slot_accuracy"], abs=1e-5)
+
+
+def test_a_packed_step_does_not_depend_on_its_split(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """Two rows per micro-batch, or one row per micro-batch over two accumulation steps: micro-batches hold
+    different numbers of chats, and each weighs by its share of the step's chats, so the losses agree."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_training(load_config(None, overrides(assets, whole, **{**PACKED, "training.max_steps": 6})))
+    run_training(load_config(None, overrides(assets, split, **{
+        **PACKED, "training.max_steps": 6, "training.batch_size": 1, "training.gradient_accumulation_steps": 2})))
+    one, two = train_losses(whole), train_losses(split)
+    assert sorted(one) == list(range(1, 7))
+    for step, loss in one.items():
+        assert two[step] == pytest.approx(loss, rel=1e-5), step
+    records = read_metrics(whole / "metrics.jsonl")["train"]
+    assert all(0 < r["pack_token_fill"] <= 1 and 0 < r["pack_anchor_fill"] <= 1 for r in records)
+    state = json.loads((whole / "checkpoints" / "step-00000006" / "trainer_state.json").read_text())
+    assert 6 * 2 < state["sequences_seen"] <= 6 * 2 * 160 // 40  # chats, more than one per row
+
+
+def test_packed_offline_features_train_like_online(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    from dflash_train.cli import main as cli
+
+    store = tmp_path / "features"
+    assert cli(["extract", "--out", str(store), "--data", str(assets["data"]), "--target", str(assets["target"]),
+                "--layer-ids", "1,3", "--target-dtype", "bf16", "--device", "cpu", "--rows-per-shard", "9"]) == 0
+    online, offline = tmp_path / "online", tmp_path / "offline"
+    extra = {**PACKED, "training.max_steps": 4, "model.target_layer_ids": "[1, 3]", "model.target_dtype": "bfloat16"}
+    run_training(load_config(None, overrides(assets, online, **extra)))
+    offline_args = [o for o in overrides(assets, offline, **extra) if not o.startswith("data.prepared=")]
+    run_training(load_config(None, [*offline_args, f"data.features={store}"]))
+    # Online, a chat's bf16 features come from its packed row; offline from its own row: rounding apart.
+    expected = train_losses(online)
+    assert train_losses(offline) == pytest.approx(expected, rel=2e-3)
+
+
+def test_anchor_capacity_below_the_largest_chat_is_refused(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="anchors_per_row=4 is below the 8 anchors of the largest chat"):
+        Trainer(load_config(None, overrides(assets, tmp_path / "run", **{**PACKED, "training.anchors_per_row": 4})))
