@@ -196,7 +196,9 @@ class PackedStepPlan:
     def total_steps(self, epochs: float) -> int:
         whole = int(epochs)
         steps = sum(self.steps_in_epoch(e) for e in range(whole))
-        return max(1, steps + int((epochs - whole) * self.steps_in_epoch(whole)))
+        if epochs > whole:
+            steps += int((epochs - whole) * self.steps_in_epoch(whole))
+        return max(1, steps)
 
     def locate(self, step: int) -> tuple[int, int]:
         """(epoch, step within the epoch) of a global step."""
