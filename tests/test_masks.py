@@ -63,7 +63,7 @@ def test_flex_attention_equals_dense_attention() -> None:
     k = torch.randn(2, 2, kv_len, 8, generator=gen)
     v = torch.randn(2, 2, kv_len, 8, generator=gen)
     dense = attend(q, k, v, dense_mask(anchors, valid, seq_len, block))
-    block_mask = flex_mask(anchors, valid, seq_len, block, compile=False)
+    block_mask = flex_mask(anchors, valid, seq_len, block)
     flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
     padded_rows = (~valid).repeat_interleave(block, dim=1)

@@ -111,7 +111,7 @@ def test_packed_flex_attention_equals_dense_attention() -> None:
     k = torch.randn(2, 2, kv_len, 8, generator=gen)
     v = torch.randn(2, 2, kv_len, 8, generator=gen)
     dense = attend(q, k, v, packed_dense_mask(anchors, valid, sequence, batch["sequence_ids"], 16))
-    block_mask = packed_flex_mask(anchors, valid, sequence, batch["sequence_ids"], 16, compile=False)
+    block_mask = packed_flex_mask(anchors, valid, sequence, batch["sequence_ids"], 16)
     flex = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 

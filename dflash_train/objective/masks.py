@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from dflash_train.objective.block_sparsity import block_mask_from_intervals, chat_starts, training_intervals
+
 
 def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
     """Bool mask [b, 1, N*B, S + N*B] (True = visible)."""
@@ -31,16 +33,12 @@ def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, blo
     return (query_valid[:, :, None] & (sees_context | sees_block))[:, None]
 
 
-def flex_mask(
-    anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int, compile: bool = True
-) -> Any:
-    """The same predicate as `dense_mask`, as a flex-attention BlockMask."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
+def flex_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> Any:
+    """The same predicate as `dense_mask`, as a flex-attention BlockMask (its tiles computed from the
+    anchors, block_sparsity.py: no compilation, no [b, Q, K] intermediate)."""
     mask_mod = flex_mask_mod(anchors, valid, context_len, block_size)
-    b, n = anchors.shape
-    q_len, kv_len = n * block_size, context_len + n * block_size
-    return create_block_mask(mask_mod, b, None, q_len, kv_len, device=anchors.device, _compile=compile)
+    starts, ends = training_intervals(anchors, valid, torch.zeros_like(anchors), context_len, block_size)
+    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod)
 
 
 def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> Any:
@@ -70,16 +68,15 @@ def packed_dense_mask(
 
 def packed_flex_mask(
     anchors: torch.Tensor, valid: torch.Tensor, anchor_sequence: torch.Tensor, context_sequence: torch.Tensor,
-    block_size: int, compile: bool = True,
+    block_size: int,
 ) -> Any:
     """The same predicate as `packed_dense_mask`, as a flex-attention BlockMask (tiles of other chats'
     context are skipped, so attention costs what each chat's own context costs)."""
-    from torch.nn.attention.flex_attention import create_block_mask
-
     mask_mod = packed_flex_mask_mod(anchors, valid, anchor_sequence, context_sequence, block_size)
-    b, n = anchors.shape
-    q_len, kv_len = n * block_size, context_sequence.shape[1] + n * block_size
-    return create_block_mask(mask_mod, b, None, q_len, kv_len, device=anchors.device, _compile=compile)
+    context_len = context_sequence.shape[1]
+    start = chat_starts(context_sequence).gather(1, anchors.clamp(max=context_len - 1))
+    starts, ends = training_intervals(anchors, valid, start, context_len, block_size)
+    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod)
 
 
 def packed_flex_mask_mod(
