@@ -320,6 +320,7 @@ class Trainer:
         return {
             "loss": float(packed[0]) / self.accelerator.num_processes,
             "tokens": float(packed[1]), "flops": float(packed[2]),
+            "supervised_slots": float(count.sum()),  # block slots with a label: what the step learns from
             "slot_accuracy": [round(float(a), 5) for a in accuracy],
             "mean_slot_accuracy": float(torch.nan_to_num(accuracy).mean()),
             "expected_acceptance_length": float(expected_acceptance_length(accuracy)),
