@@ -115,8 +115,8 @@ def load_benchmark_target(name: str) -> Any:
 def disk_alone_seconds(out: Path, total_bytes: int, shards: int, threads: int) -> tuple[float, int]:
     """Write `total_bytes` as `shards` files from pinned host memory, `threads` files at a time, as the
     extractor's writers do."""
+    from dflash_train.atomic import write_atomically
     from dflash_train.data.safetensors_writer import write_safetensors
-    from dflash_train.data.shards import write_atomically
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

@@ -14,8 +14,6 @@ import json
 import logging
 import os
 import re
-import shutil
-import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.atomic import replace_dir, staging_dir
 from dflash_train.gguf_file import check_gguf_whole, content_digest
 from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.unpacked_rows import rows_not_packed
@@ -495,23 +494,10 @@ def _save_atomically(
 ) -> None:
     # Written to a sibling temp dir and renamed, so an interrupted conversion never leaves a half-written
     # directory that a later load would trust. The marker goes in last for the same reason.
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    tmp.chmod(0o755)  # mkdtemp's private 0700 would lock other users out of a shared cache
-    try:
+    with staging_dir(out_dir) as tmp:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / CONVERSION_MARKER).write_text(json.dumps(marker))
-        if out_dir.exists():
-            # Only a damaged copy gets here (the caller holds the lock and found no whole one): it is of
-            # no use to anyone, so it is moved aside and removed.
-            _discard(out_dir)
-        os.replace(tmp, out_dir)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _discard(directory: Path) -> None:
-    aside = Path(tempfile.mkdtemp(prefix=f".{directory.name}.damaged-", dir=directory.parent))
-    os.replace(directory, aside / directory.name)
-    shutil.rmtree(aside, ignore_errors=True)
+        # An existing copy is damaged (the caller holds the lock and found no whole one): it is of no use to
+        # anyone, so it is replaced whole.
+        replace_dir(tmp, out_dir)

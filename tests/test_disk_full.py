@@ -12,7 +12,8 @@ import pytest
 
 import dflash_train.data.regenerate as regenerate_module
 from dflash_train import cli, train
-from dflash_train.data.shards import regenerated_files, write_atomically
+from dflash_train.atomic import write_atomically
+from dflash_train.data.shards import regenerated_files
 from dflash_train.disk import disk_full_message
 from tests.training_fixtures import save_tiny_target
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.checkpoint.atomic import replace_dir, staging_dir
+from dflash_train.atomic import replace_dir, staging_dir
 from dflash_train.checkpoint.card import names_hub_model, render_card
 from dflash_train.checkpoint.check import CARD_FILE, check_against_target, check_checkpoint
 from dflash_train.checkpoint.hf_format import REMOTE_CODE_FILE, config_to_hf, merge_source_config

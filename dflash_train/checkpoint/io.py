@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.checkpoint.atomic import staging_dir, update_files
+from dflash_train.atomic import staging_dir, update_files
 from dflash_train.checkpoint.hf_format import (
     config_from_hf,
     config_to_hf,

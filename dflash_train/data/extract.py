@@ -33,9 +33,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from dflash_train.atomic import write_atomically, write_json_atomically
 from dflash_train.data.features import MANIFEST, compute_features, quantize_fp8, read_manifest, shard_path
 from dflash_train.data.safetensors_writer import write_safetensors
-from dflash_train.data.shards import check_same_settings, write_atomically, write_json_atomically
+from dflash_train.data.shards import check_same_settings
 
 
 @dataclass

@@ -20,12 +20,13 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.atomic import write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, marked_text, template_hash
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, detect_format, rename_columns, to_messages
-from dflash_train.data.shards import REGEN_MANIFEST, write_json_atomically
+from dflash_train.data.shards import REGEN_MANIFEST
 from dflash_train.outputs import PREPARED, claim, publish
 
 

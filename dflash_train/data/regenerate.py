@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from dflash_train.atomic import write_atomically, write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, template_hash
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
@@ -36,8 +37,6 @@ from dflash_train.data.shards import (
     check_same_settings,
     regenerated_files,
     regenerated_shard_path,
-    write_atomically,
-    write_json_atomically,
 )
 from dflash_train.data.turns import (
     continue_conversations,

@@ -1,8 +1,8 @@
-"""Append-only shard directories: atomic writes, rank/world discovery, and the shard names of each step.
+"""Append-only shard directories: rank/world discovery, and the shard names of each step.
 
-A shard is written to a temporary name in the same directory and renamed into place, so a file with a
-final name is always complete: a killed run leaves at most a temporary file, which the next run ignores
-and overwrites. Work is planned as numbered units from the input alone, so every rank and every resumed
+A shard is written to a temporary name in the same directory and renamed into place (``dflash_train.atomic``),
+so a file with a final name is always complete: a killed run leaves at most a temporary file, which the next
+run ignores and overwrites. Work is planned as numbered units from the input alone, so every rank and every resumed
 run agrees on what unit ``k`` contains; rank ``r`` of ``w`` owns units ``k % w == r``.
 """
 
@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,24 +24,6 @@ def rank_and_world(rank: int | None = None, world_size: int | None = None) -> tu
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside world size {world_size}; pass 0 <= --rank < --world-size")
     return rank, world_size
-
-
-def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
-    """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    tmp = Path(tmp_name)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def write_json_atomically(path: Path, payload: dict[str, Any]) -> None:
-    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(payload, indent=2) + "\n"))
 
 
 def regenerated_shard_path(out_dir: Path, unit: int) -> Path:

@@ -69,7 +69,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
 
 
 def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
-    from dflash_train.data.shards import write_json_atomically
+    from dflash_train.atomic import write_json_atomically
 
     # Atomic: a report cut short (a full disk, a kill) would read as a finished evaluation.
     write_json_atomically(out, report)
