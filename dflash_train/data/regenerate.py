@@ -31,7 +31,7 @@ from dflash_train.data.chat import ChatTokenizer, template_hash
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, Message, prompt_messages
+from dflash_train.data.records import BadRecord, prompt_messages
 from dflash_train.data.shards import (
     REGEN_MANIFEST,
     check_same_settings,
@@ -39,23 +39,13 @@ from dflash_train.data.shards import (
     regenerated_shard_path,
 )
 from dflash_train.data.turns import (
+    PromptRow,
     continue_conversations,
     count_turns,
     read_turn,
     turn_directory,
     wait_for_turn,
 )
-
-
-@dataclass
-class PromptRow:
-    row_id: int
-    messages: list[Message]
-    prompt_ids: list[int]
-    source: str
-    source_index: int
-    later_turns: list[str] = field(default_factory=list)  # the user turns after the first (turns > 1)
-    carried: dict[str, Any] | None = None  # a later round's row with nothing to answer: written as it was
 
 
 @dataclass
@@ -206,7 +196,7 @@ def regenerate(
                 print(f"regenerate: turn {turn} starts once every shard of turn {turn - 1} is in {previous}; "
                       "run this command again when the other ranks have written theirs", flush=True)
                 break
-            rows = continue_conversations(chat, config, first, read_turn(previous), turn, report)
+            rows = continue_conversations(chat, config.max_prompt_tokens, first, read_turn(previous), turn, report)
         units = plan_units(rows, config.batch_size)
         extra = {"turns": config.turns, "turn": turn, "rounds": rounds} if config.turns != 1 else {}
         settings = {**manifest_settings(chat, config, len(rows), len(units)), **extra}

@@ -16,18 +16,33 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dflash_train.data.records import BadRecord
+from dflash_train.data.records import BadRecord, Message
 from dflash_train.data.shards import regenerated_files
 
 if TYPE_CHECKING:
     from dflash_train.data.chat import ChatTokenizer
     from dflash_train.data.quality import DataReport
-    from dflash_train.data.regenerate import PromptRow, RegenerateConfig
 
 POLL_SECONDS = 2.0
+
+
+# Defined here rather than in `regenerate`, which runs the rounds: a round's rows are built here, and
+# `regenerate` imports this module, not the other way round.
+@dataclass
+class PromptRow:
+    """One conversation to answer in a round: its messages so far and their token ids."""
+
+    row_id: int
+    messages: list[Message]
+    prompt_ids: list[int]
+    source: str
+    source_index: int
+    later_turns: list[str] = field(default_factory=list)  # the user turns after the first (turns > 1)
+    carried: dict[str, Any] | None = None  # a later round's row with nothing to answer: written as it was
 
 
 def count_turns(rows: list[PromptRow], turns: int | None) -> int:
@@ -60,11 +75,10 @@ def read_turn(directory: Path) -> dict[int, dict[str, Any]]:
     return {row["row_id"]: row for row in rows}
 
 
-def continue_conversations(chat: ChatTokenizer, config: RegenerateConfig, first: list[PromptRow],
+def continue_conversations(chat: ChatTokenizer, max_prompt_tokens: int, first: list[PromptRow],
                            previous: dict[int, dict[str, Any]], turn: int, report: DataReport) -> list[PromptRow]:
-    """Round ``turn``'s rows: previous answers plus the next user turn, or the previous row carried."""
-    from dflash_train.data.regenerate import PromptRow
-
+    """Round ``turn``'s rows: previous answers plus the next user turn, or the previous row carried (also when
+    the conversation so far would exceed ``max_prompt_tokens``)."""
     rows = []
     for start in first:
         before = previous[start.row_id]
@@ -85,7 +99,7 @@ def continue_conversations(chat: ChatTokenizer, config: RegenerateConfig, first:
             report.totals[f"turn {turn}: not asked, {bad.reason}"] += 1
             rows.append(carried)
             continue
-        if len(ids) > config.max_prompt_tokens:
+        if len(ids) > max_prompt_tokens:
             report.totals[f"turn {turn}: not asked, conversation over max_prompt_tokens"] += 1
             rows.append(carried)
             continue
