@@ -14,9 +14,17 @@ from typing import Any
 
 import torch
 
+from dflash_train.training.flops import PEAK_BF16, peak_flops
+
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
 # DFLASH_BENCH_RESULTS writes the JSON files elsewhere (e.g. a scratch folder on a remote machine).
-H200_BF16_PEAK = 790e12  # measured dense bf16 matmul rate on the H200 (SPEC §6)
+# The H200's measured dense bf16 matmul rate (docs/design.md §10), for scripts that name it.
+H200_BF16_PEAK = dict(PEAK_BF16)["H200"].flops
+
+
+def device_peak_flops() -> float | None:
+    """The current CUDA device's peak bf16 FLOP/s, as the trainer's MFU uses it; None where it is not known."""
+    return peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
 
 
 def git_commit() -> str:

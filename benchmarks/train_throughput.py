@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import median, write_result
+from benchmarks.common import device_peak_flops, median, write_result
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTER, VOCAB = 4096, 32, 8, 128, 12288, 151936
 
@@ -78,8 +78,9 @@ def time_trainer(overrides: list[str], warmup: int, steps: int) -> dict[str, Any
             step_times.append(time.perf_counter() - started)
             tokens.append(metrics["tokens"])
     pool.shutdown()
+    peak = device_peak_flops()
     return {"step_s_median": median(step_times), "tokens_per_s": sum(tokens) / sum(step_times),
-            "mfu_last": metrics["flops"] / statistics.median(step_times) / 790e12}
+            "mfu_last": metrics["flops"] / statistics.median(step_times) / peak if peak else None}
 
 
 def main() -> None:

@@ -1,14 +1,62 @@
-"""Model FLOPs of a drafter training step (SPEC §6), for MFU.
+"""Model FLOPs of a drafter training step, and the peak rate MFU divides them by (docs/design.md §10).
 
     FLOPs = P·3·F_layers + P_head·2·F_head + 3·F_attn_visible + T·3·F_ctx
 
 P block rows, P_head supervised rows (the frozen head only needs the input gradient: 2×, not 3×),
 T context tokens; attention counts only visible (query, key) pairs. Forward FLOPs = 2 · MACs.
+
+Peak rate: the dense (no sparsity) bf16 tensor-core rate of the device, by device name. Where this project
+measured a device's bf16 matmul ceiling (`benchmarks.common.measure_matmul_tflops`), that rate is used;
+otherwise the vendor's data-sheet figure, which real matmuls do not reach (the H200 measured 790 of its 989
+TFLOP/s), so MFU against a data-sheet rate reads lower. ``DFLASH_PEAK_TFLOPS`` overrides the table for any
+device; on a device it does not know, MFU is not reported.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
 from dflash_train.models.config import DFlashConfig
+
+logger = logging.getLogger(__name__)
+
+PEAK_TFLOPS_ENV = "DFLASH_PEAK_TFLOPS"
+
+
+@dataclass(frozen=True)
+class PeakRate:
+    """A device's dense bf16 rate in FLOP/s, and where the figure comes from."""
+
+    flops: float
+    source: str  # "measured", "data sheet" or the override variable's name
+
+
+# Matched in order against `torch.cuda.get_device_name()` (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB"):
+# an entry applies when each of its words is a word of the name, so "L4" is not an "L40S" and "H20" not an
+# "H200"; variants (PCIe, NVL) come before the bare chip name that would also match them.
+PEAK_BF16: tuple[tuple[str, PeakRate], ...] = (
+    ("H200 NVL", PeakRate(835e12, "data sheet")),
+    ("H200", PeakRate(790e12, "measured")),  # data sheet: 989 (SXM)
+    ("H100 PCIe", PeakRate(756e12, "data sheet")),
+    ("H100 NVL", PeakRate(835e12, "data sheet")),
+    ("H100", PeakRate(989e12, "data sheet")),  # SXM
+    ("GH200", PeakRate(989e12, "data sheet")),
+    ("H20", PeakRate(148e12, "data sheet")),
+    ("B200", PeakRate(2250e12, "data sheet")),
+    ("A100", PeakRate(312e12, "data sheet")),
+    ("L40S", PeakRate(362e12, "data sheet")),
+    ("L40", PeakRate(181e12, "data sheet")),
+    ("L4", PeakRate(121e12, "data sheet")),
+    ("A10", PeakRate(125e12, "data sheet")),
+    ("RTX 4090", PeakRate(165e12, "data sheet")),  # fp32 accumulation, as torch's bf16 matmuls
+    ("MI300X", PeakRate(1307e12, "data sheet")),
+)
 
 
 def training_step_flops(
@@ -32,3 +80,42 @@ def visible_pairs(anchors_valid_counts: list[tuple[list[int], int]], block_size:
     for anchors, _ in anchors_valid_counts:
         total += sum(block_size * (a + block_size) for a in anchors)
     return total
+
+
+def peak_bf16_rate(device_name: str, env: Mapping[str, str] | None = None) -> PeakRate | None:
+    """The peak rate of one device named `device_name`: the override variable if set, else the table's
+    entry, else None (an unknown device: no MFU rather than a wrong one)."""
+    env = os.environ if env is None else env
+    override = env.get(PEAK_TFLOPS_ENV)
+    if override:
+        return PeakRate(_parse_tflops(override) * 1e12, PEAK_TFLOPS_ENV)
+    words = _words(device_name)
+    return next((rate for name, rate in PEAK_BF16 if _words(name) <= words), None)
+
+
+def _words(name: str) -> set[str]:
+    return set(re.findall(r"[a-z0-9]+", name.lower()))
+
+
+def _parse_tflops(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{PEAK_TFLOPS_ENV}={text!r}: give the device's peak bf16 rate in TFLOP/s, e.g. 989")
+    return value
+
+
+def peak_flops(device: torch.device, num_devices: int = 1) -> float | None:
+    """The summed peak FLOP/s of `num_devices` devices like `device`, the denominator of MFU; None where it
+    is not known (a CPU without the override, an unknown GPU): MFU is then not reported."""
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
+    if name is None and not os.environ.get(PEAK_TFLOPS_ENV):
+        return None
+    rate = peak_bf16_rate(name or device.type)
+    if rate is None:
+        logger.warning("No peak bf16 rate known for %s, so MFU is not reported; set %s (TFLOP/s per device).",
+                       name, PEAK_TFLOPS_ENV)
+        return None
+    return rate.flops * num_devices

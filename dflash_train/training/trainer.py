@@ -25,7 +25,7 @@ from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
-from dflash_train.training.flops import training_step_flops, visible_pairs
+from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_layout,
@@ -46,8 +46,6 @@ from dflash_train.training.setup import (
     target_identity,
 )
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
-
-PEAK_FLOPS = 790e12  # H200 bf16, SPEC §6
 
 
 @dataclass
@@ -496,7 +494,7 @@ class Trainer:
             self.output_dir.mkdir(parents=True, exist_ok=True)
         self.maybe_resume()
         logger = MetricsLogger(self.output_dir, self.config.tracking, self.config.to_dict()) if main else None
-        peak = PEAK_FLOPS * self.accelerator.num_processes if self.accelerator.device.type == "cuda" else None
+        peak = peak_flops(self.accelerator.device, self.accelerator.num_processes)  # None: MFU not shown
         metrics: dict[str, Any] = {}
         loader = ThreadPoolExecutor(max_workers=1)  # reads step n+1 from disk while step n computes
         upcoming = loader.submit(self._load_step, self.step)
