@@ -13,6 +13,9 @@ import math
 
 import torch
 
+from dflash_train.kernels._triton import HAS_TRITON
+from dflash_train.kernels.cross_entropy import cross_entropy_grad_triton
+
 DEFAULT_DECAY_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
 
 
@@ -53,6 +56,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         row_weights: torch.Tensor,
         chunk_rows: int,
         teacher_hidden: torch.Tensor | None = None,
+        fused: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # hidden [P, H], head_weight [V, H] (frozen), labels [P], row_weights [P] summing to 1;
         # teacher_hidden [P, H]: the target's final states whose logits give the soft targets.
@@ -66,6 +70,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if needs_grad else None
         for start in range(0, hidden.shape[0], chunk_rows):
             rows = slice(start, start + chunk_rows)
+            if fused and teacher_hidden is None:
+                # One kernel: loss, top-1 and the gradient written over the logits in their own dtype.
+                logits = hidden[rows].to(weight.dtype) @ weight.T
+                row_loss, correct[rows] = cross_entropy_grad_triton(logits, labels[rows], row_weights[rows], needs_grad)
+                loss += row_loss.sum()
+                if needs_grad:
+                    grad_hidden[rows] = (logits @ weight).to(hidden.dtype)
+                continue
             logits = (hidden[rows].to(weight.dtype) @ weight.T).float()  # [chunk, V]
             chunk_labels = labels[rows]
             log_norm = torch.logsumexp(logits, dim=-1)
@@ -92,9 +104,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _grad_correct: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None
+        return grad_hidden * grad_loss.to(grad_hidden.dtype), None, None, None, None, None, None
 
 
 def chunked_weighted_cross_entropy(
@@ -104,13 +116,19 @@ def chunked_weighted_cross_entropy(
     weights: torch.Tensor,
     chunk_rows: int | None = None,
     teacher_hidden: torch.Tensor | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sum_i w_i * CE(hidden_i @ W^T, label_i) / sum_i w_i, and per-row top-1 correctness (against labels).
 
     hidden [P, H] (valid rows only), head_weight [V, H], labels [P], weights [P] (>= 0). With
     teacher_hidden [P, H], the targets are softmax(teacher_hidden_i @ W^T) instead of the labels.
+    `fused` (None: on CUDA with triton) computes each chunk's loss and gradient in one Triton kernel
+    (kernels/cross_entropy.py) instead of PyTorch's separate passes; soft targets always take the latter.
     """
     chunk_rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
+    if fused is None:
+        fused = hidden.is_cuda and HAS_TRITON
     row_weights = weights.float() / weights.float().sum().clamp_min(1e-12)
     teacher = None if teacher_hidden is None else teacher_hidden.detach()
-    return _ChunkedLinearCrossEntropy.apply(hidden, head_weight.detach(), labels, row_weights, chunk_rows, teacher)
+    return _ChunkedLinearCrossEntropy.apply(hidden, head_weight.detach(), labels, row_weights, chunk_rows, teacher,
+                                            fused)
