@@ -32,9 +32,9 @@ from benchmarks.common import H200_BF16_PEAK, write_result
 VARIANTS: dict[str, list[str]] = {
     "padded": ["data.max_length=2048", "training.batch_size=16", "training.compile=true"],
     "packed": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2", "training.compile=true"],
-    "packed, 4x rows": ["data.max_length=2048", "data.pack_tokens=16384", "training.batch_size=4",
+    "packed-4x-rows": ["data.max_length=2048", "data.pack_tokens=16384", "training.batch_size=4",
                         "training.compile=true"],
-    "packed, eager layers": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
+    "packed-eager-layers": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
                              "training.compile=false"],
 }
 RESULT_PREFIX = "RESULT "
@@ -111,7 +111,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, steps: int,
 
 def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any] | None:
     """A variant in a fresh process with an empty compilation cache; None if it failed."""
-    run_dir = work / name.replace(" ", "_").replace(",", "")
+    run_dir = work / f"{name}-{time.time_ns()}"  # a fresh folder: a cold compilation cache every time
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor"), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "benchmarks.train_packing", "--one", name, "--target", str(target),
            "--prepared", str(prepared), "--workdir", str(run_dir), "--steps", str(args.steps),
@@ -158,7 +158,11 @@ def main() -> None:
     print(f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
           f"{'MFU':>6} {'first s':>8} {'setup s':>7}", flush=True)
     results, baseline, path = [], None, None
-    for name in args.variants.split(","):
+    names = [name.strip() for name in args.variants.split(",")]
+    unknown = [name for name in names if name not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
+    for name in names:
         result = launch(name, args, target, prepared, work)
         if result is None:
             continue
