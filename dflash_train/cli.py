@@ -9,16 +9,15 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dflash_train.commands import add_command_parser, inspect_target, run_parsed
 from dflash_train.commands import check as check_command
 from dflash_train.commands import eval as eval_command
 from dflash_train.commands import export as export_command
 from dflash_train.commands import extract as extract_command
-from dflash_train.commands import inspect_target
 from dflash_train.commands import prepare as prepare_command
 from dflash_train.commands import push as push_command
 from dflash_train.commands import regenerate as regenerate_command
 from dflash_train.commands import train as train_command
-from dflash_train.errors import run_with_one_line_errors
 
 COMMANDS = {"inspect": inspect_target, "train": train_command,
             "export": export_command, "check": check_command, "push": push_command,
@@ -32,14 +31,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-train", description="Train and use DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
-        module.add_arguments(sub.add_parser(name, help=module.HELP, description=module.__doc__,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+        add_command_parser(sub, name, module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return run_with_one_line_errors(f"dflash-train {args.command}", lambda: COMMANDS[args.command].run(args))
+    return run_parsed(args.command, COMMANDS[args.command], args)
 
 
 if __name__ == "__main__":

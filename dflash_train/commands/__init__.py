@@ -1,0 +1,37 @@
+"""One module per `dflash-train` subcommand, each with `HELP`, a docstring, `add_arguments(parser)` and
+`run(args) -> exit status`.
+
+`dflash_train.cli` gathers them under one parser; `run_command` runs one of them alone (``python -m
+dflash_train.commands.eval ...``) with the same arguments and the same one-line errors. Both live here,
+below the command modules and the CLI alike, so that no command module needs to import the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from types import ModuleType
+
+from dflash_train.errors import run_with_one_line_errors
+
+PROG = "dflash-train"
+
+
+def add_command_parser(subparsers: argparse._SubParsersAction, name: str, command: ModuleType) -> None:
+    """Register `command` as `dflash-train <name>`."""
+    parser = subparsers.add_parser(name, help=command.HELP, description=command.__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(parser)
+
+
+def run_parsed(name: str, command: ModuleType, args: argparse.Namespace) -> int:
+    """`command.run(args)`, a user error ending as one line `dflash-train <name>: error: ...` (status 2)."""
+    return run_with_one_line_errors(f"{PROG} {name}", lambda: command.run(args))
+
+
+def run_command(name: str, command: ModuleType, argv: Sequence[str]) -> int:
+    """Parse `argv` as `dflash-train <name>` would, and run `command`."""
+    parser = argparse.ArgumentParser(prog=f"{PROG} {name}", description=command.__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    command.add_arguments(parser)
+    return run_parsed(name, command, parser.parse_args(argv))

@@ -139,9 +139,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dflash_train.cli import main as cli_main
+    """`python -m dflash_train.commands.eval ...`: the same as `dflash-train eval ...`."""
+    from dflash_train.commands import run_command
 
-    return cli_main(["eval", *(sys.argv[1:] if argv is None else argv)])
+    return run_command("eval", sys.modules[__name__], sys.argv[1:] if argv is None else argv)
 
 
 if __name__ == "__main__":

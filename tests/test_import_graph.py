@@ -1,0 +1,133 @@
+"""The package's modules form layers: no import cycle, whether the imports run when a module is loaded or
+only when a function runs (a deferred import). The graph is read from the source with `ast`, so the test
+does not depend on the order in which modules happen to be imported."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
+
+
+def module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (a package by its own name, for its __init__.py)."""
+    modules = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        modules[".".join(parts)] = path
+    return modules
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    test = node.test
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _imports(tree: ast.AST, top_level_only: bool) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Import statements, skipping `if TYPE_CHECKING:` blocks (never run) and, if asked, function bodies."""
+    for child in ast.iter_child_nodes(tree):
+        if isinstance(child, ast.If) and _is_type_checking(child):
+            continue
+        if isinstance(child, (ast.Import, ast.ImportFrom)):
+            yield child
+        elif not (top_level_only and isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))):
+            yield from _imports(child, top_level_only)
+
+
+def _imported_names(module: str, is_package: bool, node: ast.Import | ast.ImportFrom) -> list[str]:
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    base = node.module or ""
+    if node.level:  # relative: resolved against the importing module's package
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+    # `from a import b` loads `a`, and `a.b` too when b is a submodule.
+    return [base] + [f"{base}.{alias.name}" for alias in node.names]
+
+
+def import_graph(top_level_only: bool, with_parents: bool) -> dict[str, set[str]]:
+    """module -> the package's modules it imports. `with_parents` adds the packages whose __init__.py an
+    import runs on the way (importing a.b.c runs a and a.b first)."""
+    modules = module_files()
+    graph: dict[str, set[str]] = {}
+    for module, path in modules.items():
+        tree = ast.parse(path.read_text(), filename=str(path))
+        targets: set[str] = set()
+        for node in _imports(tree, top_level_only):
+            for name in _imported_names(module, path.name == "__init__.py", node):
+                parts = name.split(".")
+                prefixes = [".".join(parts[:k]) for k in range(1, len(parts) + 1)] if with_parents else [name]
+                targets.update(prefixes)
+        # A module's own packages are loaded before it: not edges out of it.
+        graph[module] = {t for t in targets if t in modules and t != module and not module.startswith(t + ".")}
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of `graph` as [a, b, ..., a], or None (depth-first search, iterative)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: finished
+    for root in sorted(graph):
+        if root in state:
+            continue
+        path, stack = [root], [iter(sorted(graph[root]))]
+        state[root] = 1
+        while stack:
+            successor = next(stack[-1], None)
+            if successor is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(successor) == 1:
+                return path[path.index(successor):] + [successor]
+            elif successor not in state:
+                state[successor] = 1
+                path.append(successor)
+                stack.append(iter(sorted(graph[successor])))
+    return None
+
+
+def test_find_cycle_sees_a_cycle_and_a_layering() -> None:
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
+
+
+def test_relative_and_from_imports_resolve_to_modules() -> None:
+    node = ast.parse("from ..data import shards").body[0]
+    assert isinstance(node, ast.ImportFrom)
+    names = _imported_names("dflash_train.commands.eval", False, node)
+    assert names == ["dflash_train.data", "dflash_train.data.shards"]
+
+
+def test_the_graph_sees_deferred_imports() -> None:
+    # commands/eval.py imports its dependencies inside functions; a graph without them would miss edges.
+    deferred = import_graph(top_level_only=False, with_parents=False)["dflash_train.commands.eval"]
+    top = import_graph(top_level_only=True, with_parents=False)["dflash_train.commands.eval"]
+    assert "dflash_train.eval.run" in deferred - top
+
+
+def test_no_cycle_among_top_level_imports() -> None:
+    """What runs when a module is loaded, package __init__ files included: a cycle here fails at import time
+    depending on which module is imported first."""
+    cycle = find_cycle(import_graph(top_level_only=True, with_parents=True))
+    assert cycle is None, f"import cycle at load time: {' -> '.join(cycle or [])}"
+
+
+def test_no_cycle_through_deferred_imports() -> None:
+    """A module that imports a module importing it back, if only inside a function, has no layer of its own:
+    move what both need into a module below them both."""
+    cycle = find_cycle(import_graph(top_level_only=False, with_parents=False))
+    assert cycle is None, f"import cycle (deferred imports included): {' -> '.join(cycle or [])}"
+
+
+def test_every_module_imports_in_a_fresh_interpreter() -> None:
+    names = sorted(module_files())
+    script = "import importlib, sys\nfor name in sys.argv[1:]:\n    importlib.import_module(name)\n"
+    done = subprocess.run([sys.executable, "-c", script, *names], capture_output=True, text=True,
+                          cwd=PACKAGE.parent, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
