@@ -10,7 +10,7 @@ Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden
 intermediate 12288, vocabulary 151,936, bf16) with a random 5-layer drafter, batch 1, a 1,024-token
 context. Measured in the same run (CUDA events, median):
 - our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
-  step reads (all but the input embedding) / 4.3 TB/s (SPEC §6). Goal: <= 1.3x.
+  step reads (all but the input embedding) / 4.3 TB/s (docs/design.md §10). Goal: <= 1.3x.
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
 - the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step without fused q/k/v and
@@ -43,7 +43,7 @@ from dflash_train.eval.static_target import StaticTarget
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel
 
-COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (SPEC §6)
+COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (docs/design.md §10)
 QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
                 num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
                 rope_theta=1_000_000.0, tie_word_embeddings=False)

@@ -1,4 +1,4 @@
-"""The training mask against a brute-force construction from the spec's definition."""
+"""The training mask against a brute-force construction from its definition (docs/design.md §6.3)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checkpoints in the published DFlash layout (SPEC §4): save/load, export, check, import, push."""
+"""Checkpoints in the published DFlash layout (docs/design.md §9): save/load, export, check, import, push."""
 
 from dflash_train.checkpoint.check import check_checkpoint
 from dflash_train.checkpoint.export import export_checkpoint

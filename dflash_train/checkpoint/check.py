@@ -1,4 +1,4 @@
-"""Validate a drafter directory (ours or anyone's) against the export contract of SPEC §4.
+"""Validate a drafter directory (ours or anyone's) against the export contract of docs/design.md §9.
 
 Every runtime fails silently on a bad drafter (SGLang loads missing or misnamed tensors as random
 weights, vLLM defaults a missing rope_theta to 1e6, a wrong mask or layer id only lowers

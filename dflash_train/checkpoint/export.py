@@ -1,4 +1,4 @@
-"""Export a drafter checkpoint as the directory every runtime loads as is (SPEC §4).
+"""Export a drafter checkpoint as the directory every runtime loads as is (docs/design.md §9).
 
     export_checkpoint("runs/qwen3-8b/checkpoints/step-00020000", "exports/Qwen3-8B-DFlash-b16",
                       target="Qwen/Qwen3-8B")

@@ -1,4 +1,4 @@
-"""The published checkpoint layout (SPEC §4): `config.json` <-> `DFlashConfig`, and tensor names/shapes.
+"""The published checkpoint layout (docs/design.md §9): `config.json` <-> `DFlashConfig`, tensor names/shapes.
 
 `config.json` is Qwen3Config-shaped so that `AutoConfig` and every runtime read it as is. Each
 DFlash setting is written where some runtime looks for it:

@@ -1,4 +1,4 @@
-"""Acceptance-length statistics (SPEC §2).
+"""Acceptance-length statistics (docs/design.md §5).
 
 Each cycle yields one sample a+1 (accepted drafts plus the bonus token, 1..B). Reported:
 - `acceptance_length` (τ): mean over requests of each request's mean a+1 (each turn is a request), as

@@ -1,7 +1,7 @@
 """Training checkpoints: written atomically, the newest k kept, refused when they don't fit the run.
 
     <output_dir>/checkpoints/step-00001000/
-        draft/                 drafter weights + config in the export format (tensor names of SPEC §4)
+        draft/                 drafter weights + config in the export format (docs/design.md §9)
         state/                 accelerate state: model, optimizer, scheduler, RNG (sharded under DeepSpeed/FSDP)
         trainer_state.json     step, samples seen, and what the checkpoint is compatible with
 

@@ -101,7 +101,7 @@ def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size
         problems.append(f"hidden size {draft.hidden_size} != target's {target.hidden_size}")
     if draft.vocab_size != target.vocab_size:
         problems.append(f"vocab {draft.vocab_size} != target's {target.vocab_size}")
-    if max(draft.target_layer_ids) > target.num_layers - 2:  # SPEC: ids <= L-2
+    if max(draft.target_layer_ids) > target.num_layers - 2:  # ids <= L-2: docs/design.md §2
         problems.append(f"target_layer_ids {draft.target_layer_ids} reach past layer {target.num_layers - 2} "
                         f"of the target's {target.num_layers} layers")
     if draft.mask_token_id >= target.vocab_size:
