@@ -14,7 +14,7 @@ context. Measured in the same run (CUDA events, median):
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
 - the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step without fused q/k/v and
-  gate/up projections (`dflash_train/eval/fused_layer.py`);
+  gate/up projections (`dflash_train/runtime/fused_layer.py`);
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from benchmarks.common import median, time_calls, write_result
-from dflash_train.eval.engine import DecodeEngine, EngineConfig
-from dflash_train.eval.static_target import StaticTarget
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 
 COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (docs/design.md §10)
@@ -172,8 +172,8 @@ def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, it
 def attention_timings(device: torch.device, iters: int, context: int = 1024, length: int = 1280) -> dict[str, float]:
     """One layer's attention over the static cache, Qwen3-8B heads (32 query, 8 KV, D 128), for a decode step
     (1 token) and a verify block (16): the split-key kernel against SDPA with the boolean mask."""
-    from dflash_train.eval.static_target import static_attention
     from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
+    from dflash_train.runtime.static_target import static_attention
 
     k = torch.randn(1, 8, length, 128, device=device, dtype=torch.bfloat16)
     v = torch.randn_like(k)
@@ -264,8 +264,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             del engine
             gc.collect()
     # The same graphed loop without one of the step's optimisations at a time: what each is worth.
-    ablations = [("sdpa_attention", {"attention": "sdpa"}, ("target_step", "dflash_cycle")),
-                 ("unfused", {"attention": runner.attention, "fuse_projections": False}, ("target_step",))]
+    ablations = [("sdpa_attention", {"kernels": "torch"}, ("target_step", "dflash_cycle")),
+                 ("unfused", {"kernels": runner.kernels, "fuse_projections": False}, ("target_step",))]
     for label, runner_options, names in ablations:
         if label == "sdpa_attention" and runner.attention != "triton":
             continue

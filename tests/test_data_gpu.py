@@ -1,4 +1,5 @@
-"""Regeneration on CUDA: the captured-graph decode step gives exactly what Hugging Face's own loop gives.
+"""Regeneration on CUDA: the runtime (captured graph, Triton kernels, compiled step, rows refilled) gives
+exactly what Hugging Face's own loop gives.
 Extraction on CUDA: the asynchronous pipeline (pinned inputs, side-stream copies, writer threads) stores
 what the capture gives row by row."""
 
@@ -7,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.data.generation import BatchGenerator, GenerationSettings, hf_generate
+from dflash_train.runtime.config import EngineConfig
+from dflash_train.runtime.generation import Generator, hf_generate
 from tests.tiny_models import make_tiny_target
 
 pytestmark = pytest.mark.gpu
@@ -21,13 +23,14 @@ def test_graph_step_generation_equals_hf_generate_per_row(arch: str) -> None:
     model = target.model.cuda()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(7, 256, (n,), generator=g).tolist() for n in (3, 11, 7, 1, 30)]
-    settings = GenerationSettings(40, stop_ids=(2,), pad_id=0, sync_every=4)
-    generator = BatchGenerator(model, settings)
-    batched = generator.generate(prompts)
-    assert generator._current is not None and generator._current[2] is not None, "no CUDA graph was captured"
-    assert generator.generate(prompts) == batched  # the replayed graph again, same answer
+    config = EngineConfig(batch_size=3, block_size=1, max_new_tokens=40, max_length=128, stop_token_ids=(2,))
+    generator = Generator(target, config)
+    batched = generator.generate(prompts, [0] * len(prompts))
+    engine = generator.engine
+    assert engine is not None and engine.uses_cuda_graph and engine.kernels == "triton", engine.graph_error
+    assert generator.generate(prompts, [0] * len(prompts)) == batched  # the replayed graph again, same answer
     for prompt, out in zip(prompts, batched, strict=True):
-        (alone,) = hf_generate(model, [prompt], settings)
+        (alone,) = hf_generate(model, [prompt], config)
         assert out == alone
 
 

@@ -1,6 +1,6 @@
-"""Regeneration: the built-in generator against Hugging Face `generate`, resume after a kill, rank split,
-and the OpenAI-compatible back end against a real HTTP server on loopback (a tiny chat-completions server
-backed by a tiny transformers model, in this process)."""
+"""Regeneration: resume after a kill, rank split, and the OpenAI-compatible back end against a real HTTP
+server on loopback (a tiny chat-completions server backed by a tiny transformers model, in this process).
+The built-in back end's generation itself (the runtime) is tested in test_runtime_generation.py."""
 
 from __future__ import annotations
 
@@ -11,64 +11,30 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-import torch
 
 from dflash_train.data.backends import LocalBackend, OpenAIBackend
 from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.corpora import CorpusSpec
-from dflash_train.data.generation import BatchGenerator, GenerationSettings, hf_generate
 from dflash_train.data.regenerate import RegenerateConfig, regenerate
 from dflash_train.data.shards import regenerated_files
+from dflash_train.runtime.config import EngineConfig
+from dflash_train.runtime.generation import hf_generate
 from dflash_train.target import TargetModel
-from tests.tiny_models import TINY_ARCHS, make_tiny_target
+from tests.tiny_models import make_tiny_target
 
 WORDS = ["hello", "who", "are", "you", "the", "capital", "of", "france", "paris", "is", "what", "yes", "no", "brief"]
 
 
-def settings(temperature: float = 0.0, max_new: int = 12) -> GenerationSettings:
-    return GenerationSettings(max_new, stop_ids=(2,), pad_id=0, temperature=temperature, sync_every=4)
+def settings(temperature: float = 0.0, max_new: int = 12) -> EngineConfig:
+    """The runtime for these tests: 4 rows decoded at once (units of 3 rows straddle them), refilled one
+    prompt at a time."""
+    return EngineConfig(batch_size=4, block_size=1, max_new_tokens=max_new, max_length=64, temperature=temperature,
+                        stop_token_ids=(2,), kernels="torch")
 
 
 @pytest.fixture(scope="module")
 def tiny() -> TargetModel:
     return make_tiny_target("llama", num_layers=3)
-
-
-@pytest.mark.parametrize("arch", TINY_ARCHS)
-def test_batched_static_generation_equals_hf_generate_per_row(arch: str) -> None:
-    target = make_tiny_target(arch, num_layers=3)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(7, 256, (n,), generator=g).tolist() for n in (3, 11, 7, 1)]
-    batched = BatchGenerator(target.model, settings(max_new=24)).generate(prompts)
-    for prompt, out in zip(prompts, batched, strict=True):
-        (alone,) = hf_generate(target.model, [prompt], settings(max_new=24))  # unpadded, HF's own loop
-        assert out == alone
-
-
-def test_unsupported_architecture_falls_back_to_hf_generate(tiny: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
-    import dflash_train.data.generation as generation
-
-    prompts = [[10, 20, 30], [40, 50]]
-    expected = BatchGenerator(tiny.model, settings()).generate(prompts)
-    monkeypatch.setattr(generation, "supports_static_decoding", lambda model, cache_len: False)
-    monkeypatch.setattr(generation.StaticDecoder, "prefill", None)  # must not be reached
-    assert BatchGenerator(tiny.model, settings()).generate(prompts) == expected
-
-
-def test_generation_stops_on_device_and_reports_finish_reason(tiny: TargetModel) -> None:
-    prompt = [10, 20, 30]
-    (free,) = BatchGenerator(tiny.model, GenerationSettings(16, (-1,), 0)).generate([prompt])  # never stops
-    stop = free.token_ids[3]  # make the 4th generated token a stop token
-    stopped = BatchGenerator(tiny.model, GenerationSettings(16, (stop,), 0)).generate([prompt])[0]
-    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[: free.token_ids.index(stop)]
-    assert free.finish_reason == "length" and len(free.token_ids) == 16
-
-
-def test_sampling_is_seeded(tiny: TargetModel) -> None:
-    gen = BatchGenerator(tiny.model, settings(temperature=1.0, max_new=16))
-    prompts = [[10, 20, 30], [40, 50]]
-    a, b, c = gen.generate(prompts, seed=1), gen.generate(prompts, seed=1), gen.generate(prompts, seed=2)
-    assert a == b and a != c
 
 
 # ------------------------------------------------------------------------------------------ resumable runs
@@ -89,7 +55,7 @@ def run_regen(target: TargetModel, source: Path, out: Path, temperature: float =
               world: int = 1, kill_after: int | None = None, units_run: list[int] | None = None) -> dict:
     config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=10, temperature=temperature, seed=5,
                               batch_size=3)
-    backend = LocalBackend(target.model, target.tokenizer, settings(temperature, 10), config.batch_size)
+    backend = LocalBackend(target, settings(temperature, 10), config.batch_size)
 
     def progress(done: int, total: int, rate: float) -> None:
         if units_run is not None and done == 0:
@@ -166,8 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
         tokenizer = self.server.target.tokenizer
         ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
         with self.server.lock:
-            (out,) = hf_generate(self.server.target.model, [list(ids)],
-                                 GenerationSettings(body["max_tokens"], self.server.stop_ids, 0))
+            config = EngineConfig(max_new_tokens=body["max_tokens"], stop_token_ids=self.server.stop_ids)
+            (out,) = hf_generate(self.server.target.model, [list(ids)], config)
         reply = {"choices": [{"index": 0, "finish_reason": out.finish_reason,
                               "message": {"role": "assistant", "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)}}],
                  "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}}

@@ -14,9 +14,10 @@ import pytest
 from dflash_train.data.backends import LocalBackend
 from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.corpora import CorpusSpec
-from dflash_train.data.generation import BatchGenerator, GenerationSettings, hf_generate
 from dflash_train.data.regenerate import RegenerateConfig, regenerate
 from dflash_train.data.shards import regenerated_files
+from dflash_train.runtime.config import EngineConfig
+from dflash_train.runtime.generation import Generator, hf_generate
 from dflash_train.target import TargetModel
 from tests.test_data_regenerate import WORDS
 from tests.tiny_models import make_tiny_target
@@ -48,20 +49,22 @@ def stop_id(tiny: TargetModel) -> int:
     after a few tokens, a few run to the length limit."""
     chat = ChatTokenizer(tiny.tokenizer)
     prompts = [chat.encode_prompt(c[:1]) for c in conversations()]
-    outs = BatchGenerator(tiny.model, GenerationSettings(MAX_NEW, stop_ids=(-1,), pad_id=0)).generate(prompts)
+    outs = Generator(tiny, generation(None)).generate(prompts, [0] * len(prompts))
     early = {t for out in outs for t in out.token_ids[:2]}
     return Counter(t for out in outs for t in out.token_ids if t not in early).most_common(1)[0][0]
 
 
-def generation(stop: int) -> GenerationSettings:
-    return GenerationSettings(MAX_NEW, stop_ids=(stop,), pad_id=0)
+def generation(stop: int | None) -> EngineConfig:
+    """The runtime for these tests: 3 rows at once, caches for prompts of up to 200 tokens."""
+    return EngineConfig(batch_size=3, block_size=1, max_new_tokens=MAX_NEW, max_length=200 + MAX_NEW + 1,
+                        stop_token_ids=() if stop is None else (stop,), kernels="torch")
 
 
 def run(tiny: TargetModel, stop: int, source: Path, out: Path, turns: int | None, rank: int = 0, world: int = 1,
         wait: float = 0.0, kill_after: int | None = None) -> dict:
     config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=MAX_NEW, batch_size=2, turns=turns,
                               turn_wait_seconds=wait, max_prompt_tokens=200)
-    backend = LocalBackend(tiny.model, tiny.tokenizer, generation(stop), config.batch_size)
+    backend = LocalBackend(tiny, generation(stop), config.batch_size)
     calls = []
 
     def progress(done: int, total: int, rate: float) -> None:

@@ -11,7 +11,8 @@ import torch
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
 from dflash_train.data.features import FeatureStore
-from dflash_train.data.generation import BatchGenerator, GenerationSettings, hf_generate
+from dflash_train.runtime.config import EngineConfig
+from dflash_train.runtime.generation import Generator, hf_generate
 
 pytestmark = pytest.mark.slow
 DEMO = Path(__file__).parent.parent / "data" / "prompts" / "demo_prompts.jsonl"
@@ -24,9 +25,11 @@ def test_builtin_generation_equals_hf_generate_on_smollm2() -> None:
     prompts = [target.tokenizer.apply_chat_template([{"role": "user", "content": json.loads(line)["prompt"]}],
                                                     add_generation_prompt=True, return_dict=True)["input_ids"]
                for line in DEMO.read_text().splitlines()[:4]]
-    settings = GenerationSettings(24, (target.tokenizer.eos_token_id,), target.tokenizer.pad_token_id)
-    batched = BatchGenerator(target.model, settings).generate([list(p) for p in prompts])
-    assert batched == [hf_generate(target.model, [list(p)], settings)[0] for p in prompts]
+    config = EngineConfig(batch_size=3, block_size=1, max_new_tokens=24, max_length=512,
+                          stop_token_ids=(target.tokenizer.eos_token_id,))
+    batched = Generator(target, config).generate([list(p) for p in prompts], [0] * len(prompts))
+    assert batched == [hf_generate(target.model, [list(p)], config, pad_id=target.tokenizer.pad_token_id)[0]
+                       for p in prompts]
 
 
 def test_regenerate_prepare_extract_verify(tmp_path: Path) -> None:

@@ -139,12 +139,14 @@ def test_no_compile_reaches_the_engines(target_dir: Path, tmp_path: Path) -> Non
                     "--no-plot") == 0
     assert json.loads(out.read_text())["environment"]["torch_compile"] is False
     from dflash_train.eval.run import EvalSettings, Evaluator
+    from dflash_train.runtime.engine import EngineConfig
     from dflash_train.target import load_target
 
     target = load_target(str(target_dir))
-    settings = EvalSettings(block_size=4, compile=False)
+    settings = EvalSettings(EngineConfig(block_size=4, compile=False))
     assert Evaluator(target, None, settings)._engine_config(4, 256).compile is False  # type: ignore[arg-type]
-    assert Evaluator(target, None, EvalSettings(block_size=4))._engine_config(4, 256).compile is None  # type: ignore[arg-type]
+    default = EvalSettings(EngineConfig(block_size=4))
+    assert Evaluator(target, None, default)._engine_config(4, 256).compile is None  # type: ignore[arg-type]
 
 
 def test_max_autotune_reaches_the_engines_and_the_report(target_dir: Path, tmp_path: Path) -> None:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.engine import DecodeEngine, EngineConfig
 from dflash_train.inference import generate_greedy
 from dflash_train.mask_token import resolve_mask_token_id
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import TargetModel
 from tests.tiny_models import make_tiny_target
 
@@ -157,7 +157,7 @@ def test_prompt_longer_than_the_cache_is_a_clear_error(target: TargetModel) -> N
 def test_unsupported_architecture_is_a_clear_error(target: TargetModel) -> None:
     other = make_tiny_target("llama", num_layers=4)
     other.model.config.model_type = "gpt_neox"
-    with pytest.raises(ValueError, match="fast eval loop supports"):
+    with pytest.raises(ValueError, match="static-cache runtime supports"):
         engine(other, None, 1)
 
 
@@ -180,7 +180,7 @@ def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: T
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler failure costs speed, not the evaluation: first the split-key attention kernel is dropped
     (compiled with SDPA), and only if that fails too the cycle runs uncompiled; tokens stay the plain ones."""
-    from dflash_train.eval.static_target import StaticTarget
+    from dflash_train.runtime.static_target import StaticTarget
 
     def fake_compile(failing: set[str]):  # stands in for torch.compile: fails for the attention paths given
         def compiled(self: StaticTarget, options: tuple = ()) -> object:
@@ -192,7 +192,7 @@ def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: T
     expected = [own_greedy(target, p, 24) for p in prompts(2)]
     for failing, compiled_after, attention_after in [({"triton"}, True, "sdpa"), ({"triton", "sdpa"}, False, "sdpa")]:
         monkeypatch.setattr(StaticTarget, "_compiled", fake_compile(failing))
-        runner = StaticTarget(target, batch_size=1, max_length=64, attention="triton")
+        runner = StaticTarget(target, batch_size=1, max_length=64, kernels="triton")
         config = EngineConfig(batch_size=1, block_size=1, max_new_tokens=24, max_length=64, kernels="torch",
                               compile=True)
         eng = DecodeEngine(target, None, config, runner=runner)

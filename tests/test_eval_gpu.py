@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from tests.test_eval_engine import make_draft, own_greedy, prompts
 from tests.tiny_models import make_tiny_target
 

@@ -7,14 +7,15 @@ import torch
 
 from dflash_train.eval.prompts import Conversation, PromptSet
 from dflash_train.eval.run import EvalSettings, Evaluator, PassTotals, Request
-from dflash_train.eval.state import RequestOutput
+from dflash_train.runtime.engine import EngineConfig
+from dflash_train.runtime.state import RequestOutput
 from tests.test_eval_engine import make_draft, own_greedy
 from tests.tiny_models import make_tiny_target
 
 
 def test_divergent_outputs_are_counted_located_and_diagnosed() -> None:
     target = make_tiny_target("qwen3", num_layers=6, seed=1)
-    evaluator = Evaluator(target, make_draft(target), EvalSettings(block_size=4, max_new_tokens=8))
+    evaluator = Evaluator(target, make_draft(target), EvalSettings(EngineConfig(block_size=4, max_new_tokens=8)))
     prompt = [20, 31, 42, 53]
     reference = own_greedy(target, prompt, 8)
     wrong = reference[:5] + [(reference[5] + 1) % 300] + reference[6:]
@@ -43,7 +44,7 @@ def test_divergent_outputs_are_counted_located_and_diagnosed() -> None:
 
 def test_a_divergence_at_an_exact_tie_is_classified_as_one() -> None:
     target = make_tiny_target("qwen3", num_layers=6, seed=1)
-    evaluator = Evaluator(target, make_draft(target), EvalSettings(block_size=4, max_new_tokens=8))
+    evaluator = Evaluator(target, make_draft(target), EvalSettings(EngineConfig(block_size=4, max_new_tokens=8)))
     prompt = [20, 31, 42, 53]
     reference = own_greedy(target, prompt, 8)
     with torch.no_grad():  # make token 7 tie with the target's choice at position 3, in the weights themselves

@@ -14,10 +14,10 @@ from collections import Counter
 import pytest
 import torch
 
-import dflash_train.eval.engine as engine_module
-from dflash_train.eval.engine import DecodeEngine, EngineConfig
-from dflash_train.eval.sampling import speculative_sample
+import dflash_train.runtime.engine as engine_module
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.sampling import speculative_sample
 from dflash_train.target import TargetModel
 from tests.tiny_models import make_tiny_model
 

@@ -6,18 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.static_target import StaticTarget
+from dflash_train.runtime.static_target import StaticTarget
 from tests.tiny_models import make_tiny_target
 
 
 @pytest.mark.parametrize("fuse_projections", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: bool) -> None:
-    check_prefill_and_verify(arch, attention="sdpa", fuse_projections=fuse_projections)
+    check_prefill_and_verify(arch, kernels="torch", fuse_projections=fuse_projections)
 
 
-def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu", fuse_projections: bool = True) -> None:
-    """Also run with attention="triton" by tests/test_kernels_static_attention.py (kernels interpreted on CPU)."""
+def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_projections: bool = True) -> None:
+    """Also run with kernels="triton" by tests/test_kernels_static_attention.py (kernels interpreted on CPU)."""
     target = make_tiny_target(arch, num_layers=4, seed=1)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
@@ -27,7 +27,7 @@ def check_prefill_and_verify(arch: str, attention: str, device: str = "cpu", fus
     features = target.capture_features(ids, [1, 2])
     target.model.to(device)
     ids = ids.to(device)
-    runner = StaticTarget(target, batch_size=3, max_length=32, attention=attention, fuse_projections=fuse_projections)
+    runner = StaticTarget(target, batch_size=3, max_length=32, kernels=kernels, fuse_projections=fuse_projections)
     # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
     prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long, device=device)])])
     out = runner.forward(prompt, torch.arange(9, device=device).expand(2, 9), row_index=torch.tensor([2, 0], device=device),

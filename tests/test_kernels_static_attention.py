@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.static_target import static_attention
 from dflash_train.kernels._triton import HAS_TRITON, interpreting
 from dflash_train.kernels.static_attention import (
     bounds_from_positions,
@@ -19,6 +18,7 @@ from dflash_train.kernels.static_attention import (
     static_attention_reference,
     static_attention_triton,
 )
+from dflash_train.runtime.static_target import static_attention
 from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
 test_under_interpreter = under_interpreter(__file__)
@@ -95,25 +95,25 @@ def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
 @kernels_here
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
 def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None:
-    """The target runner with attention="triton" (prefill of some rows, then a verify block per row at
+    """The target runner with kernels="triton" (prefill of some rows, then a verify block per row at
     different positions; a sliding window for mistral) against the model's own forward."""
     from tests.test_eval_static_target import check_prefill_and_verify
 
-    check_prefill_and_verify(arch, attention="triton", device=DEVICE)
+    check_prefill_and_verify(arch, kernels="triton", device=DEVICE)
 
 
 def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
-    from dflash_train.eval.static_target import StaticTarget
+    from dflash_train.runtime.static_target import StaticTarget
     from tests.tiny_models import make_tiny_target
 
-    runner = StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=512, attention="triton")
+    runner = StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=512, kernels="triton")
     groups = runner.heads // runner.kv_heads
     decode = runner._masks(torch.zeros(1, 1, dtype=torch.long), 512)[None]
     prefill = runner._masks(torch.arange(400)[None], 400)[None]
     assert decode.dtype == torch.int32 and decode.shape == (1, 2, 1)
     assert prefill.dtype == torch.bool and 400 * groups > 128
-    with pytest.raises(ValueError, match="attention must be"):
-        StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=8, attention="flash")
+    with pytest.raises(ValueError, match="kernels must be"):
+        StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=8, kernels="flash")
 
 
 def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],

@@ -14,8 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.eval.engine import DecodeEngine, EngineConfig
 from dflash_train.objective import build_blocks, dense_mask
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import TargetModel
 from tests.test_eval_engine import make_draft, own_greedy, target  # noqa: F401  (target is a fixture)
 

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_train.runtime.config import KERNELS
+
 HELP = "measure acceptance length, losslessness and speedup of a drafter on prompt sets"
 
 
@@ -38,7 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                         help="auto: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--kernels", default="auto", choices=("auto", "triton", "torch"))
+    parser.add_argument("--kernels", default="auto", choices=KERNELS,
+                        help="auto: triton on CUDA when installed, else torch")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
@@ -100,12 +103,24 @@ def _load_draft(args: argparse.Namespace, target: Any, device: Any, dtype: Any) 
     return draft.eval()
 
 
+def _runtime_config(args: argparse.Namespace, target: Any, block_size: int, batch_size: int) -> Any:
+    """The runtime's settings for both engines (the caches' length is set by the evaluator)."""
+    from dflash_train.eval.run import MAX_AUTOTUNE
+    from dflash_train.runtime.config import EngineConfig, stop_token_ids
+
+    stops = () if args.ignore_eos else tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
+    return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
+                        temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
+                        cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
+                        compile_options=MAX_AUTOTUNE if args.max_autotune else ())
+
+
 def run(args: argparse.Namespace) -> int:
     from dflash_train.eval.compat import check_compatible
     from dflash_train.eval.console import print_summary, progress_bars
     from dflash_train.eval.prompts import load_prompt_set
     from dflash_train.eval.report import build_report, write_outputs
-    from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
+    from dflash_train.eval.run import EvalSettings, Evaluator
     from dflash_train.target import load_target
 
     _validate(args)
@@ -117,11 +132,7 @@ def run(args: argparse.Namespace) -> int:
     check_compatible(draft, target, block_size)
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
-    settings = EvalSettings(block_size=block_size, max_new_tokens=args.max_new_tokens,
-                            temperature=args.temperature, thinking=args.thinking == "on",
-                            batch_size=batch_size, kernels=args.kernels,
-                            cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
-                            ignore_eos=args.ignore_eos, compile_options=MAX_AUTOTUNE if args.max_autotune else ())
+    settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on")
     import torch
 
     torch.manual_seed(args.seed)

@@ -1,6 +1,7 @@
 """Regenerate the responses of chat prompts with the target (greedy or sampled), resumably.
 
-Built-in batched generation (static KV cache, CUDA graphs on GPU, no per-token host sync):
+Built-in generation through the runtime (static KV cache, CUDA graphs on GPU, no per-token host sync;
+--decode-rows rows at once, each refilled with the next prompt when it finishes):
 
     dflash-train regenerate --target smollm2-135m-instruct --data data/prompts/demo_prompts.jsonl \\
         --max-new-tokens 128 --batch-size 8 --out runs/regen-smollm2
@@ -28,7 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
@@ -39,6 +40,7 @@ from dflash_train.data.cli_args import (
     thinking_value,
     tqdm_progress,
 )
+from dflash_train.runtime.config import KERNELS
 
 if TYPE_CHECKING:
     from dflash_train.data.chat import ChatTokenizer
@@ -58,7 +60,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--batch-size", type=int, default=64, help="rows per batch and per output shard")
+    parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling at --temperature > 0")
+    parser.add_argument("--batch-size", type=int, default=64, help="rows per output shard")
     parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts are skipped")
     parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
     parser.add_argument("--turns", type=_turns, default=1,
@@ -66,7 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "N or all (default 1: the first turn)")
     parser.add_argument("--device", default=None, help="built-in back end: cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="built-in back end weights")
+    parser.add_argument("--decode-rows", type=int, default=None,
+                        help="built-in back end: rows decoded at once, each refilled with the next prompt when it "
+                             "finishes (default: 256 on a GPU, --batch-size on a CPU); does not change the output")
+    parser.add_argument("--kernels", default="auto", choices=KERNELS,
+                        help="built-in back end: auto (triton on CUDA when installed), triton or torch")
     parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
+    parser.add_argument("--no-compile", action="store_true",
+                        help="built-in back end: skip torch.compile of the decode step (starts faster, decodes slower)")
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     server.add_argument("--server-model", default=None, help="model name the server expects (default: --target)")
@@ -84,30 +94,47 @@ def _turns(text: str) -> int | None:
     return int(text)
 
 
-def _recorded(args: argparse.Namespace) -> dict[str, str]:
-    """The back end's settings recorded in the manifest (a resume must match them)."""
-    return {"backend": "openai"} if args.server_url else {"backend": "local", "dtype": args.dtype}
+def _top_p(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"--top-p takes a number in (0, 1], not {text!r}")
+    return value
+
+
+def _recorded(args: argparse.Namespace) -> dict[str, Any]:
+    """The back end's settings recorded in the manifest (a resume must match them); top_p only when it
+    filters, so that runs started before it existed still resume."""
+    nucleus = {"top_p": args.top_p} if args.top_p < 1.0 else {}
+    return {"backend": "openai", **nucleus} if args.server_url else {"backend": "local", "dtype": args.dtype, **nucleus}
 
 
 def _backend(args: argparse.Namespace, tokenizer: object) -> object:
     from dflash_train.data.backends import LocalBackend, OpenAIBackend
-    from dflash_train.data.generation import GenerationSettings
 
     if args.server_url:
         return OpenAIBackend(args.server_url, args.server_model or args.target, args.max_new_tokens,
-                             args.temperature, thinking_value(args), args.concurrency, args.api_key)
+                             args.temperature, thinking_value(args), args.concurrency, args.api_key,
+                             top_p=args.top_p)
     from dflash_train.target import load_target
 
-    device = resolve_device(args.device)
-    target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=device)
-    stop_ids = {target.tokenizer.eos_token_id}
-    eos = getattr(target.model.generation_config, "eos_token_id", None)
-    stop_ids.update(eos if isinstance(eos, list) else [eos])
-    stop_ids.discard(None)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else min(stop_ids)
-    settings = GenerationSettings(args.max_new_tokens, tuple(sorted(stop_ids)), pad, args.temperature,
-                                  cuda_graphs=not args.no_cuda_graphs)
-    return LocalBackend(target.model, target.tokenizer, settings, args.batch_size)
+    target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
+    return LocalBackend(target, _runtime_config(args, target), args.batch_size)
+
+
+def _runtime_config(args: argparse.Namespace, target: Any) -> Any:
+    """The runtime's settings: no drafter, caches long enough for the longest prompt kept and its answer."""
+    from dflash_train.runtime.config import EngineConfig, stop_token_ids
+
+    rows = args.decode_rows or (256 if target.device.type == "cuda" else args.batch_size)
+    return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
+                        max_length=args.max_prompt_tokens + args.max_new_tokens + 1, temperature=args.temperature,
+                        top_p=args.top_p, stop_token_ids=tuple(stop_token_ids(target.tokenizer,
+                                                                              target.model.generation_config)),
+                        kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
+                        compile=False if args.no_compile else None)
 
 
 def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:

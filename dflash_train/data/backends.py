@@ -1,4 +1,4 @@
-"""Regeneration back ends: the built-in batched generator, and any OpenAI-compatible server.
+"""Regeneration back ends: the target in this process through the runtime, and any OpenAI-compatible server.
 
 The server back end sends each prompt's messages to ``POST {base_url}/chat/completions`` (vLLM, SGLang,
 llama.cpp's ``llama-server`` and others serve it), ``concurrency`` requests at a time, and retries
@@ -12,33 +12,45 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from transformers.tokenization_utils_base import PreTrainedTokenizerBase
-
-from dflash_train.data.generation import BatchGenerator, GenerationSettings
 from dflash_train.data.regenerate import Completion, PromptRow
+
+if TYPE_CHECKING:
+    from dflash_train.runtime.config import EngineConfig
+    from dflash_train.runtime.generation import Generated
+    from dflash_train.target import TargetModel
 
 
 class LocalBackend:
-    """Generates with the target in this process; batches are padded to ``batch_size`` rows so that every
-    batch of a run has the same shape (one CUDA graph per cache length)."""
+    """Generates with the target in this process, through the runtime without a drafter: units are queued
+    as they start and decoded together, ``config.batch_size`` rows at once, each row refilled with the next
+    waiting prompt when it finishes. ``window`` units are in flight: twice as many prompts as rows and one
+    unit more, so that rows rarely wait while the oldest unit's slowest answers finish. Row ``r`` of a unit
+    with seed ``s`` draws from seed (s, r's row id), whatever row or company it runs in, so a resumed run
+    writes what an uninterrupted one would have."""
 
-    def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, settings: GenerationSettings,
-                 batch_size: int) -> None:
-        self.generator = BatchGenerator(model, settings)
+    def __init__(self, target: TargetModel, config: EngineConfig, unit_rows: int) -> None:
+        from dflash_train.runtime.generation import Generator
+
+        tokenizer = target.tokenizer
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)
+        self.generator = Generator(target, config, pad)
         self.tokenizer = tokenizer
-        self.batch_size = batch_size
+        self.window = 1 + 2 * -(-config.batch_size // unit_rows)
+
+    def start(self, rows: list[PromptRow], seed: int) -> Callable[[], list[Completion]]:
+        from dflash_train.runtime.sampling import request_seed
+
+        wait = self.generator.submit([row.prompt_ids for row in rows], [request_seed(seed, row.row_id) for row in rows])
+        return lambda: [self._completion(out) for out in wait()]
 
     def complete(self, rows: list[PromptRow], seed: int) -> list[Completion]:
-        prompts = [row.prompt_ids for row in rows]
-        prompts += [prompts[0]] * (self.batch_size - len(prompts))
-        outputs = self.generator.generate(prompts, seed)[: len(rows)]
-        return [
-            Completion(self.tokenizer.decode(out.token_ids, skip_special_tokens=True), out.finish_reason,
-                       len(out.token_ids))
-            for out in outputs
-        ]
+        return self.start(rows, seed)()
+
+    def _completion(self, out: Generated) -> Completion:
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return Completion(text, out.finish_reason, len(out.token_ids))
 
 
 class OpenAIBackend:
@@ -49,13 +61,14 @@ class OpenAIBackend:
 
     def __init__(self, base_url: str, model: str, max_new_tokens: int, temperature: float = 0.0,
                  thinking: bool | None = None, concurrency: int = 16, api_key: str | None = None,
-                 timeout_s: float = 600.0, retries: int = 3) -> None:
+                 timeout_s: float = 600.0, retries: int = 3, top_p: float = 1.0) -> None:
         import httpx
 
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
+        self.top_p = top_p
         self.thinking = thinking
         self.retries = retries
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -73,6 +86,8 @@ class OpenAIBackend:
     def _payload(self, row: PromptRow, seed: int) -> dict[str, Any]:
         payload: dict[str, Any] = {"model": self.model, "messages": row.messages, "max_tokens": self.max_new_tokens,
                                    "temperature": self.temperature, "seed": seed}
+        if self.top_p < 1.0:
+            payload["top_p"] = self.top_p
         if self.thinking is not None:
             payload["chat_template_kwargs"] = {"enable_thinking": self.thinking}
         return payload

@@ -8,6 +8,10 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.runtime.config import stop_token_ids
+
+__all__ = ["prompt_ids", "stop_token_ids", "supports_thinking"]
+
 logger = logging.getLogger(__name__)
 
 
@@ -28,16 +32,3 @@ def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, 
     encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
                                             return_dict=True, **kwargs)
     return list(encoded["input_ids"])
-
-
-def stop_token_ids(tokenizer: PreTrainedTokenizerBase, generation_config: Any = None) -> list[int]:
-    """The tokenizer's EOS plus the model's generation-config EOS ids (Qwen3 lists two)."""
-    ids = set()
-    if tokenizer.eos_token_id is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    eos = getattr(generation_config, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(i) for i in eos)
-    return sorted(ids)

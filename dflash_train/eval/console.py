@@ -13,7 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_train.eval.metrics import running_tau
-from dflash_train.eval.state import RequestOutput
+from dflash_train.runtime.state import RequestOutput
 
 
 class PassProgress:

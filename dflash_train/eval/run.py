@@ -12,20 +12,20 @@ Decode tokens/s exclude prefill; both engines are warmed up (and their CUDA grap
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from rich.progress import Progress
 
-from dflash_train.eval.chat import prompt_ids, stop_token_ids, supports_thinking
+from dflash_train.eval.chat import prompt_ids, supports_thinking
 from dflash_train.eval.console import PassProgress
-from dflash_train.eval.engine import DecodeEngine, EngineConfig, RunStats
 from dflash_train.eval.metrics import acceptance_metrics
 from dflash_train.eval.prompts import PromptSet
-from dflash_train.eval.state import RequestOutput
 from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig, RunStats
+from dflash_train.runtime.state import RequestOutput
 from dflash_train.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -37,16 +37,26 @@ RETOKENIZE_MARGIN = 8  # an answer decoded to text and tokenised again inside th
 
 @dataclass(frozen=True)
 class EvalSettings:
-    block_size: int
-    max_new_tokens: int = 256
-    temperature: float = 0.0
+    # How both engines run (batch, block size, new tokens, sampling, stop ids, kernels, graphs, compilation);
+    # the baseline's block size and the caches' length are set per engine.
+    runtime: EngineConfig
     thinking: bool = False
-    batch_size: int = 1
-    kernels: str = "auto"
-    cuda_graphs: bool = True
-    compile: bool | None = None  # torch.compile the cycle; None: on CUDA only
-    ignore_eos: bool = False
-    compile_options: tuple[tuple[str, Any], ...] = ()  # inductor options, e.g. MAX_AUTOTUNE
+
+    @property
+    def block_size(self) -> int:
+        return self.runtime.block_size
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.runtime.max_new_tokens
+
+    @property
+    def temperature(self) -> float:
+        return self.runtime.temperature
+
+    @property
+    def batch_size(self) -> int:
+        return self.runtime.batch_size
 
 
 @dataclass
@@ -77,7 +87,7 @@ class Evaluator:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel, settings: EvalSettings,
                  progress: Progress | None = None) -> None:
         self.target, self.draft, self.settings, self.progress = target, draft, settings, progress
-        self.stop_ids = [] if settings.ignore_eos else stop_token_ids(target.tokenizer, target.model.generation_config)
+        self.stop_ids = list(settings.runtime.stop_token_ids)
         self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
         self.engines: tuple[DecodeEngine, DecodeEngine] | None = None
         self.runner_check: dict[str, float] | None = None
@@ -86,11 +96,7 @@ class Evaluator:
             logger.warning("--thinking on has no effect: the target's chat template has no thinking switch")
 
     def _engine_config(self, block_size: int, max_length: int) -> EngineConfig:
-        s = self.settings
-        return EngineConfig(batch_size=s.batch_size, block_size=block_size, max_new_tokens=s.max_new_tokens,
-                            max_length=max_length, temperature=s.temperature, stop_token_ids=tuple(self.stop_ids),
-                            kernels=s.kernels, cuda_graphs=s.cuda_graphs, compile=s.compile,
-                            compile_options=s.compile_options)
+        return replace(self.settings.runtime, block_size=block_size, max_length=max_length)
 
     def reserve(self, prompt_sets: list[PromptSet]) -> None:
         """Build the engines once, large enough for every request of these sets: the longest conversation

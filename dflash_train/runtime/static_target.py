@@ -11,7 +11,7 @@ itself, with our attention function); the KV cache and the attention are ours:
   position p sees only slots <= p).
 - Attention: SDPA with each KV head's query heads folded into the query axis (no copy of K/V per query
   head), under a boolean mask built from positions (causal, plus the sliding window where the layer has one).
-  With `attention="triton"`, decode and verify steps (a few new tokens per row) run the split-key kernel of
+  With `kernels="triton"`, decode and verify steps (a few new tokens per row) run the split-key kernel of
   `dflash_train.kernels.static_attention` instead, given each query's first and last visible slot; prefill
   stays on SDPA.
 
@@ -31,13 +31,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.eval.fused_layer import FusedLayer
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.layer_ids import validate_target_layer_ids
+from dflash_train.runtime.fused_layer import FusedLayer
 from dflash_train.target import TargetModel
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "dflash_static"
+MEMORY_HEADROOM = 0.9  # share of the free device memory the caches may take
+
+
+def model_type(target: TargetModel) -> str:
+    return getattr(target.config.get_text_config(), "model_type", type(target.model).__name__)
+
+
+def supports(target: TargetModel) -> bool:
+    """Whether the static-cache runtime can run this target (else: Hugging Face's own loops)."""
+    return model_type(target) in SUPPORTED_MODEL_TYPES
 
 
 def static_attention(
@@ -97,26 +107,26 @@ class TargetOutput:
 
 
 class StaticTarget:
-    def __init__(self, target: TargetModel, batch_size: int, max_length: int, attention: str = "sdpa",
+    def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True) -> None:
-        """`attention`: "sdpa", or "triton" for the split-key kernel on decode and verify steps;
+        """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied)."""
-        model_type = getattr(target.config.get_text_config(), "model_type", type(target.model).__name__)
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if not supports(target):
             raise ValueError(
-                f"the fast eval loop supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not {model_type!r}; "
-                f"use the plain loop `dflash_train.inference.generate_greedy` for other architectures"
+                f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
+                f"{model_type(target)!r}; use the plain loop `dflash_train.inference.generate_greedy` for others"
             )
+        if kernels not in ("torch", "triton"):
+            raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
         _register_attention()
         self.target, self.base = target, target.model.get_decoder()
         self.layers = target.decoder_layers
         attn = self.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
-        if attention not in ("sdpa", "triton"):
-            raise ValueError(f"attention must be 'sdpa' or 'triton', not {attention!r}")
-        self.attention, self.heads, self.kv_heads = attention, attn.q_proj.out_features // attn.head_dim, kv_heads
+        self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
+        _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # [b, kv, max_len, D]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.batch_size, self.max_length = batch_size, max_length
@@ -129,11 +139,22 @@ class StaticTarget:
         self._compiled_forward: dict[tuple[tuple[str, Any], ...], Any] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
 
+    @property
+    def attention(self) -> str:
+        """The attention of decode and verify steps: "triton" (split-key kernel) or "sdpa"."""
+        return "triton" if self.kernels == "triton" else "sdpa"
+
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     @contextmanager
     def _our_attention(self) -> Iterator[None]:
+        """Hugging Face layers (unfused) call our attention through their config, switched for the forward;
+        fused layers call it directly and leave the shared config alone, so that other users of the model
+        (another thread's `generate`, say) never see the switch."""
+        if self.fused is not None:
+            yield
+            return
         saved = [config._attn_implementation for config in self._configs]
         for config in self._configs:
             config._attn_implementation = ATTENTION_NAME
@@ -146,7 +167,7 @@ class StaticTarget:
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
         """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the
         Triton path one [n, 2, T] int32 bounds tensor per window."""
-        if self.attention == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
+        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
             return {window: bounds_from_positions(positions, window) for window in dict.fromkeys(self.windows)}
         slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
         masks = {}
@@ -221,6 +242,17 @@ class StaticTarget:
         ours = self.forward(input_ids, positions, row_index=self.all_rows[:1], kv_len=len(ids)).logits[0].float()
         agreement = (reference.argmax(-1) == ours.argmax(-1)).float().mean()
         return {"max_abs_logit_diff": float((reference - ours).abs().max()), "argmax_agreement": float(agreement)}
+
+
+def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> None:
+    """A clear error before allocating caches that cannot fit, instead of an out-of-memory traceback."""
+    if device.type != "cuda":
+        return
+    free, _ = torch.cuda.mem_get_info(device)
+    if needed > MEMORY_HEADROOM * free:
+        rows, _, positions, _ = shape
+        raise ValueError(f"the KV cache of {rows} rows x {positions} positions needs {needed / 2**30:.1f} GiB, "
+                         f"{free / 2**30:.1f} GiB are free: lower the batch size or the prompt and answer lengths")
 
 
 def _sliding_window(layer: nn.Module, config: Any) -> int | None:

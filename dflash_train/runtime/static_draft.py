@@ -1,4 +1,4 @@
-"""The drafter over a static context cache, for the fast loop.
+"""The drafter over a static context cache, for the runtime with a drafter.
 
 Cache: the drafter's `DraftKVCache` storage, keys/values [L, b, kv_heads, max_len, D], slot == position.
 Row r's valid context is slots < start[r] (committed tokens before the block's anchor); after each verify
@@ -29,9 +29,9 @@ class StaticDrafter:
         self.dtype = draft.fc.weight.dtype
         self.slots = torch.arange(max_length, device=device)
         self.block_visible = torch.ones(batch_size, 1, block_size, block_size, dtype=torch.bool, device=device)
-        self.use_triton = kernels == "triton"
+        self.kernels = kernels
         self._compiled_hidden: dict[tuple[tuple[str, Any], ...], Any] = {}
-        if self.use_triton:
+        if kernels == "triton":
             self._prepare_fused(max_length)
 
     def _prepare_fused(self, max_length: int) -> None:
@@ -52,7 +52,7 @@ class StaticDrafter:
         context = self.draft.fuse_context(features.to(self.dtype))  # [n, T, H]
         n, t = positions.shape
         rows = torch.arange(n, device=positions.device) if row_index is None else row_index
-        if self.use_triton:
+        if self.kernels == "triton":
             from dflash_train.kernels.context_kv import context_kv_triton
 
             attn = self.draft.layers[0].self_attn

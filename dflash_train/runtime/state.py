@@ -1,13 +1,15 @@
-"""Per-row decoding state of the fast loop, kept on the device and updated in place (CUDA-graph safe).
+"""Per-row decoding state of the runtime, kept on the device and updated in place (CUDA-graph safe).
 
 Row r holds one request: `start[r]` is the position of its last committed token (the next block's anchor,
 not yet seen by the target), `out[r, :n_out[r]]` its generated tokens, `accept_log[r, :n_cycles[r]]` the
-a+1 of each of its cycles. A row that is `done` (finished, or idle) is carried through every cycle
-unchanged, so the batch keeps a static shape.
+a+1 of each of its cycles, `keys[r]` the key of its seeded draws, `stopped[r]` whether a stop token ended
+it. A row that is `done` (finished, or idle) is carried through every cycle unchanged, so the batch keeps
+a static shape.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -15,9 +17,10 @@ import torch
 
 @dataclass
 class RequestOutput:
-    tokens: list[int]
+    tokens: list[int]  # the generated tokens, a final stop token included
     acceptance_lengths: list[int]
     num_prompt_tokens: int
+    finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did
 
 
 class DecodeState:
@@ -33,22 +36,29 @@ class DecodeState:
         self.n_out = zeros(batch_size)
         self.accept_log = zeros(batch_size, max_new_tokens + 1)  # last column: write sink
         self.n_cycles = zeros(batch_size)
+        self.keys = zeros(batch_size, 2)
         self.block = zeros(batch_size, block_size)  # the block of the current cycle
         self.done = torch.ones(batch_size, dtype=torch.bool, device=device)  # rows start idle
+        self.stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         self.slots = torch.arange(block_size, device=device)
 
     def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
         return (tokens[..., None] == self.stop_ids).any(dim=-1)
 
-    def reset_rows(self, row_index: torch.Tensor, first_tokens: torch.Tensor, prompt_lengths: torch.Tensor) -> None:
-        """Start requests in rows row_index [n]: prompts of prompt_lengths [n] whose first token was sampled."""
+    def reset_rows(self, row_index: torch.Tensor, first_tokens: torch.Tensor, prompt_lengths: torch.Tensor,
+                   keys: torch.Tensor) -> None:
+        """Start requests in rows row_index [n]: prompts of prompt_lengths [n] whose first token was sampled,
+        with the keys [n, 2] of their seeded draws."""
         self.start[row_index] = prompt_lengths
         self.last_token[row_index] = first_tokens
         self.out[row_index, 0] = first_tokens
         self.n_out[row_index] = 1
         self.n_cycles[row_index] = 0
-        self.done[row_index] = self._is_stop(first_tokens) | (self.max_new_tokens <= 1)
+        self.keys[row_index] = keys
+        stopped = self._is_stop(first_tokens)
+        self.stopped[row_index] = stopped
+        self.done[row_index] = stopped | (self.max_new_tokens <= 1)
 
     def advance(self, accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
         """After a cycle committed accept_len [b] tokens into `out` (the last being bonus [b])."""
@@ -68,12 +78,16 @@ class DecodeState:
         self.n_out += kept * step
         self.start += accept_len * step
         self.last_token.copy_(torch.where(active, bonus, self.last_token))
+        # A stop token past max_new_tokens does not count: the output is cut before it.
+        self.stopped |= active & hit & (self.n_out <= self.max_new_tokens)
         self.done |= active & (hit | (self.n_out >= self.max_new_tokens))
 
-    def harvest(self, row: int, num_prompt_tokens: int) -> RequestOutput:
-        n_out = min(int(self.n_out[row]), self.max_new_tokens)
-        return RequestOutput(
-            tokens=self.out[row, :n_out].tolist(),
-            acceptance_lengths=self.accept_log[row, : int(self.n_cycles[row])].tolist(),
-            num_prompt_tokens=num_prompt_tokens,
-        )
+    def harvest(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> list[RequestOutput]:
+        """The outputs of finished rows, read back in one transfer per tensor."""
+        index = torch.tensor(list(rows), dtype=torch.long, device=self.out.device)
+        n_out = self.n_out[index].clamp(max=self.max_new_tokens).tolist()
+        n_cycles, stopped = self.n_cycles[index].tolist(), self.stopped[index].tolist()
+        out, log = self.out[index].tolist(), self.accept_log[index].tolist()
+        return [RequestOutput(tokens=out[i][: n_out[i]], acceptance_lengths=log[i][: n_cycles[i]],
+                              num_prompt_tokens=length, finish_reason="stop" if stopped[i] else "length")
+                for i, length in enumerate(prompt_lengths)]

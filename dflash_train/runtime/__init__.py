@@ -1,0 +1,14 @@
+"""The static-cache target runtime, shared by regeneration and evaluation.
+
+Regeneration is the runtime without a drafter (`generation.Generator`); evaluation runs it with one, and
+without one for its baseline (`engine.DecodeEngine`).
+
+- `config`: the settings (`EngineConfig`), defined once; kernel choice `auto|triton|torch`; stop ids.
+- `static_target`: the target layer by layer over a static KV cache (Llama, Mistral, Qwen2, Qwen3), with
+  fused projections (`fused_layer`) and the split-key attention kernel on decode and verify steps.
+- `static_draft`: the drafter over its static context cache.
+- `engine`: the decode loop: decisions on the device, CUDA graphs, rows refilled in prefill waves.
+- `state`: per-row state on the device; `sampling`: greedy, seeded per-request draws, top-p, speculative
+  rejection sampling.
+- `generation`: regeneration's entry point, with Hugging Face `generate` for other architectures.
+"""

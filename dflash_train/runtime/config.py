@@ -1,0 +1,76 @@
+"""The runtime's settings, defined once for regeneration and evaluation, and the choices derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+# Kept free of heavy imports: the command line reads its choices (KERNELS) before anything is loaded.
+KERNELS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    batch_size: int = 1  # rows decoded at once; a finished row takes the next waiting request
+    block_size: int = 16  # tokens verified per cycle with a drafter (1 without one)
+    max_new_tokens: int = 128
+    max_length: int = 2048  # positions held by the static caches: longest prompt + new tokens + block
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0  # nucleus sampling at temperature > 0 (1: the whole distribution)
+    seed: int = 0  # base of the per-request seeds when the caller gives none
+    stop_token_ids: tuple[int, ...] = ()
+    kernels: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA when installed)
+    cuda_graphs: bool = True  # used on CUDA only
+    compile: bool | None = None  # torch.compile the cycle's target and drafter forwards; None: on CUDA only
+    # inductor options for those compilations, e.g. (("freezing", True),): weights folded as constants, so
+    # that inductor may concatenate the q/k/v and gate/up projections (a benchmark knob)
+    compile_options: tuple[tuple[str, Any], ...] = ()
+    lookahead: int = 2  # cycles queued before the host reads a finished-row flag
+    # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
+    # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.
+    prefill_rows: int | None = None
+    prefill_tokens: int = 32768  # padded prompt tokens of one prefill forward at most (memory)
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "block_size", "max_new_tokens", "max_length"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+
+    @property
+    def wave_rows(self) -> int:
+        return min(self.prefill_rows or max(1, self.batch_size // 8), self.batch_size)
+
+
+def resolve_kernels(kernels: str, device: torch.device) -> str:
+    """"auto" -> "triton" on CUDA with triton installed, else "torch"; "triton" on CPU needs the interpreter."""
+    from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
+
+    if kernels not in KERNELS:
+        raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
+    if kernels == "auto":
+        return "triton" if device.type == "cuda" and HAS_TRITON else "torch"
+    if kernels == "triton" and device.type != "cuda" and not interpreter_ready():
+        raise ValueError("kernels='triton' on CPU needs TRITON_INTERPRET=1 set before start; use kernels='torch'")
+    return kernels
+
+
+def stop_token_ids(tokenizer: Any, generation_config: Any = None) -> list[int]:
+    """The tokenizer's EOS plus the model's generation-config EOS ids (Qwen3 lists two)."""
+    ids = set()
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    eos = getattr(generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif isinstance(eos, (list, tuple)):
+        ids.update(int(i) for i in eos)
+    return sorted(ids)

@@ -1,0 +1,423 @@
+"""The runtime's decode loop: static caches, decisions on the device, CUDA graphs, rows refilled as they finish.
+
+Regeneration is this loop without a drafter; evaluation runs it with one, and without one for the baseline
+that lossless checks and speedups are measured against. One cycle (all rows at once, shapes fixed; see
+`dflash_train.inference.greedy` for the semantics it reproduces):
+
+    positions = start + [0 .. B-1]                               [b, B]
+    block     = [last_token, MASK x (B-1)] -> drafter -> [last_token, d_1 .. d_{B-1}]
+    target    = static verify forward on the block (writes its K/V at `positions`)
+    a, bonus  = greedy: fused argmax/compare/commit; sampling: seeded draw (no drafter, B = 1) or
+                speculative rejection sampling
+    drafter context K/V <- target features of the B block positions (only the first a+1 become visible)
+    state     : out += committed tokens, start += a + 1, stop/length checks -> done
+
+Nothing in a cycle reads a value back to the host. On CUDA the whole cycle is captured once as a CUDA
+graph and replayed; the host learns which rows finished through a copy of `done` that it reads
+`lookahead` cycles later, so the GPU never waits for it.
+
+Scheduling: requests are submitted in groups (`submit`), and each group is cut into waves of at most
+`prefill_rows` requests and `prefill_tokens` padded tokens. A wave is prefilled in one forward as soon as
+that many rows are free, while the other rows keep decoding where they are: a large batch refills in a few
+forwards instead of one per finished row. A wave's make-up depends on its group alone, and a request's
+draws on its own seed, so a request's output does not depend on the row or the company it runs in.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference
+from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.config import EngineConfig, resolve_kernels
+from dflash_train.runtime.sampling import (
+    probabilities,
+    request_seed,
+    sample,
+    seed_keys,
+    seeded_sample,
+    speculative_sample,
+    top_p_filter,
+)
+from dflash_train.runtime.state import DecodeState, RequestOutput
+from dflash_train.runtime.static_draft import StaticDrafter
+from dflash_train.runtime.static_target import StaticTarget
+from dflash_train.target import TargetModel
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["DecodeEngine", "EngineConfig", "Group", "RequestOutput", "RunStats", "resolve_kernels"]
+
+
+@dataclass
+class RunStats:
+    wall_s: float = 0.0
+    prefill_s: float = 0.0
+    cycles: int = 0
+    new_tokens: int = 0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.wall_s - self.prefill_s, 1e-9)
+
+
+@dataclass
+class Group:
+    """Requests submitted together; `outputs` (by position in the group) fills in as they finish."""
+
+    size: int
+    outputs: dict[int, RequestOutput] = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return len(self.outputs) == self.size
+
+    def ordered(self) -> list[RequestOutput]:
+        return [self.outputs[i] for i in range(self.size)]
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    seed: int
+    group: Group
+    index: int  # position in its group
+    on_finish: Callable[[int, RequestOutput], None] | None
+
+
+class DecodeEngine:
+    def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, config: EngineConfig,
+                 runner: StaticTarget | None = None) -> None:
+        self.target, self.config = target, config
+        self.device = target.device
+        self.block_size = config.block_size if draft is not None else 1
+        self.kernels = resolve_kernels(config.kernels, self.device)
+        uses_draft = draft is not None and self.block_size > 1
+        self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
+        if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
+            runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels)
+        self.runner = runner
+        self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length,
+                                     self.kernels) if uses_draft else None
+        self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
+                                 list(config.stop_token_ids), self.device)
+        self.offsets = torch.arange(self.block_size, device=self.device)[None]
+        mask_id = draft.config.mask_token_id if uses_draft else 0
+        self.mask_block = torch.full((config.batch_size, self.block_size), mask_id, device=self.device)
+        self._graph: torch.cuda.CUDAGraph | None = None
+        self._prepared = False
+        self.graph_error: str | None = None
+        self.compile_error: str | None = None
+        self._flag_ring: list[torch.Tensor] | None = None
+        wants_compile = config.compile if config.compile is not None else self.device.type == "cuda"
+        self._compile = bool(wants_compile)
+        self._requests: dict[int, _Request] = {}
+        self._waves: deque[list[int]] = deque()
+        self._row_request: list[int | None] = [None] * config.batch_size
+        self._next_id = 0
+
+    @property
+    def uses_cuda_graph(self) -> bool:
+        return self._graph is not None
+
+    # ------------------------------------------------------------------ one cycle (no host sync inside)
+
+    def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.config.temperature > 0:
+            return sample(probabilities(logits, self.config.temperature))
+        return logits.argmax(dim=-1)
+
+    def _cycle(self) -> None:
+        s = self.state
+        positions = s.start[:, None] + self.offsets  # [b, B]
+        s.block.copy_(self.mask_block)
+        s.block[:, 0] = s.last_token
+        draft_logits = None
+        if self.drafter is not None:
+            drafts, draft_logits = self._propose(positions)
+            s.block[:, 1:] = drafts
+        out = self.runner.forward(s.block, positions, feature_layer_ids=self.layer_ids, compiled=self._compile,
+                                  compile_options=self.config.compile_options)
+        if self.config.temperature > 0:
+            accepted, bonus = self._sample(out.logits, draft_logits)
+            commit_tokens(s.out, s.n_out, s.block, accepted, bonus, s.done)
+            accept_len = accepted + 1
+        else:
+            accept_len, bonus = self._verify(out.logits, s.block, s.out, s.n_out, s.done)
+        if self.drafter is not None:
+            self.drafter.write_context(out.features, positions)
+        s.advance(accept_len, bonus)
+
+    def _sample(self, logits: torch.Tensor, draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(accepted drafts [b], token emitted after them [b]) at temperature > 0."""
+        c, s = self.config, self.state
+        if self.drafter is None:  # plain decoding: token n_out of each request, from its own seeded stream
+            token = seeded_sample(logits[:, 0], c.temperature, c.top_p, s.keys, s.n_out)
+            return torch.zeros_like(token), token
+        return speculative_sample(top_p_filter(logits, c.temperature, c.top_p), draft_logits, s.block[:, 1:],
+                                  c.temperature)
+
+    def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Drafts [b, B-1] for the block in `state.block` at positions [b, B], and their logits [b, B-1, V]."""
+        embeds = self.target.embed_tokens(self.state.block)
+        hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
+                                     compile_options=self.config.compile_options)  # [b, B, H]
+        draft_logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
+        if self.config.temperature > 0:
+            draft_logits = top_p_filter(draft_logits, self.config.temperature, self.config.top_p)
+        return self._pick(draft_logits), draft_logits
+
+    def _verify(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.kernels == "triton":
+            from dflash_train.kernels.greedy_verify import greedy_verify_triton
+
+            return greedy_verify_triton(*args)
+        return greedy_verify_reference(*args)
+
+    # ------------------------------------------------------------------ CUDA graph
+
+    @property
+    def uses_compile(self) -> bool:
+        return self._compile
+
+    @torch.no_grad()
+    def prepare(self) -> None:
+        """Warm up (compiles the Triton kernels and, if enabled, the torch.compile graphs) and, on CUDA,
+        capture the cycle as a graph. Call before any request is in flight; `run` calls it once."""
+        self._prepared = True
+        self.state.done.fill_(True)  # idle rows: the warm-up cycles change no state
+        try:
+            self._warm_up()
+        except Exception as error:  # a compiler failure costs speed, not the run
+            if not self._compile:
+                raise
+            self.compile_error = f"{type(error).__name__}: {error}"
+            self._recover_from_compile_error()
+        if self.device.type == "cuda" and self.config.cuda_graphs:
+            self._capture()
+
+    def _recover_from_compile_error(self) -> None:
+        """Retry compiled with SDPA in place of the split-key attention kernel, then uncompiled."""
+        if self.runner.kernels == "triton":
+            logger.warning("torch.compile failed (%s); retrying with SDPA attention", self.compile_error)
+            self.runner.kernels = "torch"
+            try:
+                self._warm_up()
+                return
+            except Exception as error:
+                self.compile_error += f"; with SDPA attention: {type(error).__name__}: {error}"
+        logger.warning("torch.compile failed (%s); running the cycle uncompiled", self.compile_error)
+        self._compile = False
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        if self.device.type != "cuda":
+            for _ in range(2 if self._compile else 1):
+                self._cycle()
+            return
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(3):
+                self._cycle()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _capture(self) -> None:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph):
+                self._cycle()
+            self._graph = graph
+        except Exception as error:  # fall back to eager cycles rather than fail the run
+            self.graph_error = f"{type(error).__name__}: {error}"
+            logger.warning("CUDA graph capture failed (%s); running eager cycles", self.graph_error)
+            torch.cuda.synchronize()
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One cycle for every row (a graph replay on CUDA); rows that are done stay unchanged."""
+        if self._graph is not None:
+            self._graph.replay()
+        else:
+            self._cycle()
+
+    # ------------------------------------------------------------------ prefill
+
+    @torch.no_grad()
+    def prefill(self, rows: Sequence[int], prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None) -> None:
+        """Start `prompts` in cache rows `rows`: one batched forward, right-padded (padding sits after each
+        prompt, so no prompt token sees it; its cache slots are overwritten before anything reads them).
+        `seeds`: of the requests' seeded draws (default: from the rows)."""
+        lengths = [len(p) for p in prompts]
+        ids = torch.zeros(len(prompts), max(lengths), dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        ids = ids.to(self.device, non_blocking=True)
+        positions = torch.arange(ids.shape[1], device=self.device).expand_as(ids)
+        row_index = torch.tensor(list(rows), device=self.device)
+        length_t = torch.tensor(lengths, device=self.device)
+        out = self.runner.forward(ids, positions, row_index=row_index, kv_len=ids.shape[1], logit_index=length_t - 1,
+                                  feature_layer_ids=self.layer_ids)
+        seeds = list(seeds) if seeds is not None else [request_seed(self.config.seed, row) for row in rows]
+        keys = seed_keys(seeds).to(self.device)
+        first = self._first_token(out.logits[:, 0], keys)
+        if self.drafter is not None:
+            self.drafter.write_context(out.features, positions, row_index)
+        self.state.reset_rows(row_index, first, length_t, keys)
+
+    def _first_token(self, logits: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        if c.temperature > 0:
+            return seeded_sample(logits, c.temperature, c.top_p, keys, torch.zeros_like(keys[:, 0]))
+        return logits.argmax(dim=-1)
+
+    # ------------------------------------------------------------------ requests and scheduling
+
+    def submit(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int] | None = None,
+               on_finish: Callable[[int, RequestOutput], None] | None = None) -> Group:
+        """Queue prompts (lists of token ids) as one group; `run` or `wait` decodes them. `seeds`: one per
+        prompt, for its seeded draws (default: from the engine's seed and the request's number);
+        `on_finish(index in the group, output)` is called as each one finishes."""
+        self._check_fits(prompts)
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+        group = Group(len(prompts))
+        ids = list(range(self._next_id, self._next_id + len(prompts)))
+        self._next_id += len(prompts)
+        for index, (request, prompt) in enumerate(zip(ids, prompts, strict=True)):
+            seed = seeds[index] if seeds is not None else request_seed(self.config.seed, request)
+            self._requests[request] = _Request(list(prompt), seed, group, index, on_finish)
+        self._waves.extend(self._cut_waves(ids))
+        return group
+
+    def _check_fits(self, prompts: Sequence[Sequence[int]]) -> None:
+        if any(len(p) == 0 for p in prompts):
+            raise ValueError("empty prompt: every request needs at least one token")
+        longest = max((len(p) for p in prompts), default=0)
+        need = longest + self.config.max_new_tokens + self.block_size
+        if need > self.runner.max_length:
+            raise ValueError(f"a prompt of {longest} tokens + {self.config.max_new_tokens} new tokens needs "
+                             f"{need} cache positions, the engine has {self.runner.max_length}; raise max_length")
+
+    def _cut_waves(self, ids: list[int]) -> list[list[int]]:
+        """Consecutive requests, at most `wave_rows` per wave and `prefill_tokens` padded tokens."""
+        waves: list[list[int]] = []
+        wave: list[int] = []
+        width = 0
+        for request in ids:
+            length = len(self._requests[request].prompt)
+            wider = max(width, length)
+            if wave and (len(wave) == self.config.wave_rows or (len(wave) + 1) * wider > self.config.prefill_tokens):
+                waves.append(wave)
+                wave, wider = [], length
+            wave.append(request)
+            width = wider
+        return waves + [wave] * bool(wave)
+
+    @torch.no_grad()
+    def wait(self, group: Group, stats: RunStats) -> list[RequestOutput]:
+        """Decode until every request of `group` has finished (others keep running); its outputs in order."""
+        self.run(lambda: group.finished, stats)
+        return group.ordered()
+
+    @torch.no_grad()
+    def run(self, until: Callable[[], bool], stats: RunStats) -> None:
+        """Prefill waves as rows free up and decode, until `until()` holds or nothing is left to run."""
+        if not self._prepared:
+            self.prepare()
+        while not until():
+            self._admit(stats)
+            active = sum(request is not None for request in self._row_request)
+            if not active:
+                return
+            free = len(self._row_request) - active
+            # Enough finished rows for the next wave, or (no wave waiting) the first one to finish.
+            self._run_until_finished(len(self._waves[0]) - free if self._waves else 1, stats)
+            self._harvest(stats)
+
+    @torch.no_grad()
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 on_finish: Callable[[int, RequestOutput], None] | None = None,
+                 seeds: Sequence[int] | None = None) -> tuple[list[RequestOutput], RunStats]:
+        """Decode every prompt (lists of token ids); returns outputs in prompt order and timing."""
+        group = self.submit(prompts, seeds, on_finish)
+        stats = RunStats()
+        started = time.perf_counter()
+        outputs = self.wait(group, stats)
+        self._synchronize()
+        stats.wall_s = time.perf_counter() - started
+        return outputs, stats
+
+    def _admit(self, stats: RunStats) -> None:
+        free = [row for row, request in enumerate(self._row_request) if request is None]
+        while self._waves and len(self._waves[0]) <= len(free):
+            wave = self._waves.popleft()
+            rows, free = free[: len(wave)], free[len(wave):]
+            self._synchronize()
+            started = time.perf_counter()
+            requests = [self._requests[r] for r in wave]
+            self.prefill(rows, [r.prompt for r in requests], [r.seed for r in requests])
+            for row, request in zip(rows, wave, strict=True):
+                self._row_request[row] = request
+            self._synchronize()
+            stats.prefill_s += time.perf_counter() - started
+
+    def _harvest(self, stats: RunStats) -> None:
+        done = self.state.done.tolist()
+        rows = [row for row, request in enumerate(self._row_request) if request is not None and done[row]]
+        if not rows:
+            return
+        requests = [self._requests.pop(self._row_request[row]) for row in rows]  # type: ignore[arg-type]
+        outputs = self.state.harvest(rows, [len(r.prompt) for r in requests])
+        for row, request, output in zip(rows, requests, outputs, strict=True):
+            self._row_request[row] = None
+            request.group.outputs[request.index] = output
+            stats.new_tokens += len(output.tokens)
+            if request.on_finish is not None:
+                request.on_finish(request.index, output)
+
+    def _run_until_finished(self, count: int, stats: RunStats) -> None:
+        """Cycles until at least `count` rows holding requests are done."""
+        watched = torch.tensor([r is not None for r in self._row_request])
+
+        def enough(flags: torch.Tensor) -> bool:
+            return int((flags & watched).sum()) >= count
+
+        if self.device.type != "cuda":
+            while not enough(self.state.done.cpu()):
+                self.step()
+                stats.cycles += 1
+            return
+        depth = max(1, self.config.lookahead)
+        if self._flag_ring is None:  # pinned host buffers, so the copies of `done` are asynchronous
+            self._flag_ring = [torch.empty(len(watched), dtype=torch.bool).pin_memory() for _ in range(depth)]
+        ring = self._flag_ring
+        in_flight: deque[tuple[torch.cuda.Event, torch.Tensor]] = deque()
+        # Rows may already be finished right after prefill (stop token first, or max_new_tokens == 1).
+        ring[0].copy_(self.state.done)
+        if enough(ring[0]):
+            return
+        while True:
+            self.step()
+            stats.cycles += 1
+            flags = ring[stats.cycles % depth]
+            flags.copy_(self.state.done, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            in_flight.append((event, flags))
+            if len(in_flight) >= depth:
+                event, flags = in_flight.popleft()
+                event.synchronize()  # the GPU is already running the cycles queued after this one
+                if enough(flags):
+                    return
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()

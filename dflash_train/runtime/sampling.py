@@ -1,0 +1,144 @@
+"""Sampling at temperature > 0 on the device, without host synchronisation (CUDA-graph safe).
+
+Two kinds of draws:
+
+- Seeded draws (`seeded_sample`), for every token the target decides alone (the first token after a
+  prompt, and each step of plain decoding): token t of a request comes from one uniform number derived
+  from the request's key and t only, by inverse-CDF sampling. A request's output therefore does not
+  depend on the row, the batch or the moment it runs in, which is what makes a regeneration resumed
+  after a kill write what an uninterrupted run would have.
+- Speculative rejection sampling (`speculative_sample`) for one DFlash block (Leviathan et al. 2023;
+  Chen et al. 2023). The drafter proposes d_1..d_{B-1}, each d_k drawn from its own distribution q_k
+  (slots are drafted in parallel, so q_k depends on the context only). The target's distribution for
+  the token at slot k is p_{k-1}. Then:
+
+    accept d_k  with probability min(1, p_{k-1}(d_k) / q_k(d_k)), in order, until the first rejection;
+    at the first rejected slot k:   emit a token from norm(max(p_{k-1} - q_k, 0));
+    if all B-1 drafts are accepted: emit a bonus token from p_{B-1}.
+
+  Each emitted token is then distributed exactly as p given the committed prefix, whatever q is. These
+  draws use the exponential race (argmax of prob / Exp(1) noise is a sample from prob) on the global
+  generator: no `torch.multinomial`, whose checks synchronise with the host and break graph capture.
+
+Top-p (nucleus) sampling keeps the smallest set of most likely tokens whose probability reaches top_p
+(always at least the most likely one) and renormalises over it; for speculative sampling the logits are
+filtered before they reach it, so the committed tokens follow the filtered target distribution.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+
+
+def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    return torch.softmax(logits.float() / temperature, dim=-1)
+
+
+def sample(probs: torch.Tensor) -> torch.Tensor:
+    """One draw per row of probs [..., V] -> [...] int64, from the global generator."""
+    noise = torch.empty_like(probs).exponential_(1.0)
+    return (probs / noise).argmax(dim=-1)
+
+
+def top_p_filter(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """logits [..., V] with the tokens outside the nucleus of softmax(logits / temperature) set to -inf."""
+    if top_p >= 1.0:
+        return logits
+    probs = probabilities(logits, temperature)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    outside_sorted = sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p  # mass before it already reaches top_p
+    outside = torch.zeros_like(outside_sorted).scatter(-1, order, outside_sorted)
+    return logits.masked_fill(outside, float("-inf"))
+
+
+def request_seed(*parts: int) -> int:
+    """A 64-bit seed from integers (a run's seed, a row id, a sample index): stable across processes."""
+    return int.from_bytes(_digest(",".join(str(int(p)) for p in parts)), "little")
+
+
+def seed_keys(seeds: list[int]) -> torch.Tensor:
+    """Per-request keys [n, 2] int64 for `seeded_uniform`: two 32-bit words hashed from each seed, so that
+    nearby seeds (0, 1, 2, ...) still give unrelated streams."""
+    words = [_digest(f"key:{int(seed)}") for seed in seeds]
+    keys = [[int.from_bytes(w[:4], "little"), int.from_bytes(w[4:], "little")] for w in words]
+    return torch.tensor(keys, dtype=torch.long).reshape(len(seeds), 2)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode(), digest_size=8).digest()
+
+
+def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
+    """x * constant mod 2^32 for x in [0, 2^32), in int64 without overflow: the constant in 16-bit halves."""
+    high, low = constant >> 16, constant & 0xFFFF
+    return (x * low + (((x * high) & 0xFFFF) << 16)) & MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(keys: torch.Tensor, counter: torch.Tensor) -> torch.Tensor:
+    """keys [b, 2], counter [b] (the index of the token drawn) -> [b] float32 uniform in [0, 1)."""
+    h = _mix32(_mix32(keys[:, 0] ^ (counter & MASK32)) ^ keys[:, 1])
+    return (h >> 8).float() * 2.0 ** -24  # 24 bits: exact in float32
+
+
+def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The index where the running sum of probs [b, V] first exceeds u [b] times the total: a draw from
+    probs. A zero-probability token never is that index (the sum does not grow there)."""
+    cdf = probs.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    below = (cdf <= u[:, None] * total).sum(dim=-1)
+    last = (cdf < total).sum(dim=-1)  # the first index reaching the total: where rounding of u * total ends
+    return torch.minimum(below, last)
+
+
+def seeded_sample(logits: torch.Tensor, temperature: float, top_p: float, keys: torch.Tensor,
+                  counter: torch.Tensor) -> torch.Tensor:
+    """One token per row of logits [b, V] at `temperature` and `top_p`, drawn with seeded_uniform(keys, counter)."""
+    probs = probabilities(logits, temperature)
+    u = seeded_uniform(keys, counter)
+    if top_p >= 1.0:
+        return inverse_cdf(probs, u)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(dim=-1) - sorted_probs >= top_p, 0.0)
+    return order.gather(1, inverse_cdf(sorted_probs, u)[:, None])[:, 0]
+
+
+def speculative_sample(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    drafts: torch.Tensor,
+    temperature: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """target_logits [b, B, V]; draft_logits [b, B-1, V] (None when B == 1); drafts [b, B-1] sampled from
+    them. Returns (a [b]: accepted drafts, token [b]: the token emitted after them)."""
+    p = probabilities(target_logits, temperature)  # [b, B, V]
+    b, width, vocab = p.shape
+    if width == 1:
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0])
+    q = probabilities(draft_logits, temperature)  # [b, B-1, V]
+    p_draft = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # p_{k-1}(d_k), [b, B-1]
+    q_draft = q.gather(-1, drafts[..., None])[..., 0]  # q_k(d_k)
+    u = torch.rand(p_draft.shape, device=p.device)
+    accept = u * q_draft < p_draft  # u < p/q without dividing by q
+    accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # a, [b]
+    # Residual at slot a: q of the rejected draft, or zero past the last draft (then it is p_{B-1} itself).
+    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [b, B, V]
+    index = accepted[:, None, None].expand(b, 1, vocab)
+    p_a, q_a = p.gather(1, index)[:, 0], q_padded.gather(1, index)[:, 0]
+    residual = (p_a - q_a).clamp_min(0.0)
+    # Rounding can leave an all-zero residual when p == q almost everywhere; p itself is then exact enough.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_a, residual)
+    return accepted, sample(residual)
