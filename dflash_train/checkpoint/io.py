@@ -68,7 +68,11 @@ def read_checkpoint(path_or_hub_id: str | Path) -> DraftCheckpoint:
 
     directory = resolve_checkpoint_dir(path_or_hub_id)
     hf_config = read_config_json(directory)
-    config = config_from_hf(hf_config)
+    try:
+        config = config_from_hf(hf_config)
+    except (TypeError, ValueError) as error:  # a value of the wrong type or range, e.g. a list where an int goes
+        raise ValueError(f"{directory / CONFIG_FILE} does not describe a drafter ({error}); fix or re-export "
+                         f"it") from error
     tensors = normalise_names(read_tensors(directory), expected_tensor_shapes(config), directory)
     return DraftCheckpoint(directory, hf_config, config, tensors)
 

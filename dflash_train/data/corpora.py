@@ -115,11 +115,20 @@ def _load_dataset(*args: Any, **kwargs: Any) -> Any:
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as error:  # datasets raises many types; the user needs the source and the cause
-        raise ValueError(f"cannot load dataset {args[0]!r}: {str(error).splitlines()[0]}") from error
+        source = kwargs.get("data_files", args[0])  # a local file, not its loader's name ("parquet")
+        cause = (str(error).strip().splitlines() or [type(error).__name__])[0]
+        raise ValueError(f"cannot load dataset {source!r}: {cause}") from error
 
 
 def _datasets_corpus(name: str, dataset: Any) -> Corpus:
-    return Corpus(name, len(dataset), lambda i: dict(dataset[i]))
+    return Corpus(name, len(dataset), lambda i: _dataset_record(dataset, i))
+
+
+def _dataset_record(dataset: Any, i: int) -> dict[str, Any] | BadRecord:
+    try:
+        return dict(dataset[i])
+    except UnicodeDecodeError:  # a damaged string in a .parquet or .arrow file: that row only, as in a .jsonl
+        return BadRecord("invalid_utf8")
 
 
 def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
@@ -143,8 +152,9 @@ def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
 
     try:
         dataset = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError) as error:
-        raise ValueError(f"{path}: not a saved dataset nor a regenerate output ({error})") from error
+    except Exception as error:  # datasets raises many types for damaged files (a KeyError for a bad state.json)
+        raise ValueError(f"{path}: not a saved dataset nor a regenerate output "
+                         f"({' '.join(str(error).split()) or type(error).__name__})") from error
     if isinstance(dataset, datasets.DatasetDict):
         dataset = dataset["train"]
     return _datasets_corpus(str(path), dataset)
@@ -184,7 +194,7 @@ def recover_json_array(text: str) -> tuple[list[Any], int]:
             return records, 0
         try:
             record, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # nested too deep to parse: as unreadable as a cut
             return records, 1  # the tail is an incomplete record
         records.append(record)
 
@@ -196,7 +206,7 @@ def _decode_line(line: bytes) -> dict[str, Any] | BadRecord:
         return BadRecord("invalid_utf8")
     try:
         record = json.loads(text)
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # RecursionError: nested deeper than Python can parse
         return BadRecord("invalid_json")
     return _checked(record)
 

@@ -19,7 +19,7 @@ import bisect
 import hashlib
 import json
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -120,14 +120,55 @@ def target_identity(model: torch.nn.Module) -> TargetIdentity:
     return TargetIdentity(target_fingerprint(model), dtype, legacy_target_fingerprint(model))
 
 
-def read_manifest(store_dir: Path) -> dict[str, Any]:
+def _is_count(value: Any, least: int = 0) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= least
+
+
+# What readers take from a manifest, and the values they can use: reading rows needs READ_KEYS,
+# verification and the compatibility checks of training more.
+MANIFEST_CHECKS: dict[str, Callable[[Any], bool]] = {
+    "num_rows": _is_count,
+    "rows_per_shard": lambda value: _is_count(value, 1),
+    "num_units": _is_count,
+    "dtype": lambda value: isinstance(value, str) and value in FEATURE_DTYPES,
+    "num_tokens": _is_count,
+    "hidden_size": lambda value: _is_count(value, 1),
+    "target_layer_ids": lambda value: isinstance(value, list) and bool(value) and all(map(_is_count, value)),
+    "target_hash": lambda value: isinstance(value, str),
+}
+READ_KEYS = ("num_rows", "rows_per_shard", "num_units", "dtype")
+
+
+def read_manifest(store_dir: Path, keys: Sequence[str] = READ_KEYS) -> dict[str, Any]:
+    """The store's manifest, checked for the `keys` its reader uses (see MANIFEST_CHECKS)."""
     path = store_dir / MANIFEST
     if not path.is_file():
         raise ValueError(f"{store_dir} is not a feature store ({MANIFEST} missing); run `dflash-train extract`")
     try:
-        return json.loads(path.read_text())
+        manifest = json.loads(path.read_text())
     except ValueError as error:
         raise ValueError(f"{path} is not valid JSON ({error}); run `dflash-train extract` again") from error
+    check_manifest(path, manifest, keys)
+    return manifest
+
+
+def check_manifest(path: Path, manifest: Any, keys: Sequence[str]) -> None:
+    """A one-line error naming `path` when `manifest` lacks one of `keys` or holds an unusable value."""
+    problem = _manifest_problem(manifest, keys)
+    if problem is not None:
+        raise ValueError(f"{path} is damaged ({problem}); run `dflash-train extract` again")
+
+
+def _manifest_problem(manifest: Any, keys: Sequence[str]) -> str | None:
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    for key in keys:
+        if not MANIFEST_CHECKS[key](manifest.get(key)):
+            return f"{key} is {manifest.get(key)!r}" if key in manifest else f"no {key}"
+    rows, per_shard, units = (manifest.get(key) for key in ("num_rows", "rows_per_shard", "num_units"))
+    if set(READ_KEYS) <= set(keys) and units != -(-rows // per_shard):
+        return f"{units} shards cannot hold {rows} rows of {per_shard}"
+    return None
 
 
 def open_shard(path: Path) -> Any:
@@ -140,6 +181,11 @@ def open_shard(path: Path) -> Any:
             f"{path}: unreadable feature shard ({error}); delete it and run `dflash-train extract` again "
             f"(it resumes and rewrites only that shard)"
         ) from error
+
+
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    what = " ".join(str(error).split()) or type(error).__name__  # one line, whatever the library wrote
+    return ValueError(f"{path}: unreadable feature shard ({what}); delete it and run `dflash-train extract` again")
 
 
 class FeatureStore:
@@ -170,8 +216,13 @@ class FeatureStore:
     def _open(self, unit: int) -> tuple[Any, list[int]]:
         """The shard's handle and row offsets; at most two shards are kept open (memory-mapped)."""
         if unit not in self._handles:
-            handle = open_shard(shard_path(self.path, unit))
-            self._handles[unit] = (handle, handle.get_tensor("offsets").tolist())
+            path = shard_path(self.path, unit)
+            handle = open_shard(path)
+            try:
+                offsets = handle.get_tensor("offsets").tolist()
+            except Exception as error:  # a shard renamed or rewritten by hand: safetensors' own error types
+                raise _unreadable(path, error) from error
+            self._handles[unit] = (handle, offsets)
             if len(self._handles) > 2:
                 self._handles.popitem(last=False)
         self._handles.move_to_end(unit)
@@ -182,20 +233,25 @@ class FeatureStore:
             raise IndexError(f"row {i} outside the store's {self._rows} rows")
         unit = bisect.bisect_right(self._starts, i) - 1
         handle, offsets = self._open(unit)
-        j = i - self._starts[unit]
-        start, end = offsets[j], offsets[j + 1]
         try:
-            features = handle.get_slice("features")[start:end]
-            if self.manifest["dtype"] == "fp8":
-                features = dequantize_fp8(features, handle.get_slice("scales")[start:end])
-            return {
-                "input_ids": handle.get_slice("input_ids")[start:end].long(),
-                "loss_mask": handle.get_slice("loss_mask")[start:end].bool(),
-                "features": features,
-            }
+            return self._row(handle, offsets, i - self._starts[unit])
         except Exception as error:
-            raise ValueError(f"{shard_path(self.path, unit)}: unreadable feature shard ({error}); delete it and "
-                             f"run `dflash-train extract` again") from error
+            raise _unreadable(shard_path(self.path, unit), error) from error
+
+    def _row(self, handle: Any, offsets: list[int], j: int) -> dict[str, Tensor]:
+        start, end = offsets[j], offsets[j + 1]
+        features = handle.get_slice("features")[start:end]
+        if self.manifest["dtype"] == "fp8":
+            features = dequantize_fp8(features, handle.get_slice("scales")[start:end])
+        row = {
+            "input_ids": handle.get_slice("input_ids")[start:end].long(),
+            "loss_mask": handle.get_slice("loss_mask")[start:end].bool(),
+            "features": features,
+        }
+        # Slicing past the end shortens a tensor silently; damaged offsets must not reach training.
+        if end <= start or any(len(tensor) != end - start for tensor in row.values()):
+            raise ValueError(f"row {j} spans tokens {start}..{end}, beyond its tensors")
+        return row
 
     def __iter__(self) -> Iterator[dict[str, Tensor]]:
         return (self[i] for i in range(len(self)))
@@ -206,6 +262,8 @@ class FeatureStore:
         target or tokenizer. Given a `TargetIdentity`, a target loaded in another dtype than the store's
         is refused as such, with the setting that fixes it."""
         m = self.manifest
+        needed = ("target_layer_ids", "hidden_size") + (("target_hash",) if target_hash is not None else ())
+        check_manifest(self.path / MANIFEST, m, needed)
         if list(target_layer_ids) != list(m["target_layer_ids"]):
             raise ValueError(f"{self.path}: features of layers {m['target_layer_ids']}, the drafter wants "
                              f"{list(target_layer_ids)}; extract again with --layer-ids or use matching layers")
@@ -222,7 +280,8 @@ class FeatureStore:
 
     def _check_target(self, target: TargetIdentity) -> None:
         stored_hash = self.manifest["target_hash"]
-        stored_dtype = _DTYPE_NAMES.get(self.manifest.get("target_dtype", ""), self.manifest.get("target_dtype"))
+        stored = self.manifest.get("target_dtype")
+        stored_dtype = _DTYPE_NAMES.get(stored, stored) if isinstance(stored, str) else None  # None: not recorded
         loaded_dtype = str(target.dtype).removeprefix("torch.")
         dtype_differs = stored_dtype is not None and stored_dtype != loaded_dtype
         if is_legacy_fingerprint(stored_hash):
@@ -241,5 +300,5 @@ class FeatureStore:
     def _another_target(self, loaded_hash: str, stored_dtype: str | None = None) -> ValueError:
         m = self.manifest
         hint = f"; if it is the same model, set model.target_dtype={stored_dtype}" if stored_dtype else ""
-        return ValueError(f"{self.path}: made with target {m['target']!r} (hash {m['target_hash']}), not the loaded "
+        return ValueError(f"{self.path}: made with target {m.get('target')!r} (hash {m['target_hash']}), not the loaded "
                           f"target (hash {loaded_hash}); extract again with this target{hint}")

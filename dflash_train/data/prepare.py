@@ -78,10 +78,18 @@ def iter_messages(
             if isinstance(record, BadRecord):
                 raise record
             record = rename_columns(record, spec.column_map)
-            fmt = fmt or detect_format(list(record))
+            fmt = fmt or _detected_format(record, corpus, index)
             yield index, record, to_messages(record, fmt, prompt_only)
         except BadRecord as bad:
             report.drop(bad.reason, corpus.location(index))
+
+
+def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
+    """The format of the first usable record; the error names its line, which may be damaged."""
+    try:
+        return detect_format(list(record))
+    except ValueError as error:
+        raise ValueError(f"{corpus.location(index)}: {error}") from None
 
 
 def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataReport) -> Iterator[dict[str, Any]]:

@@ -31,9 +31,12 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     if not meta.is_file():
         raise ValueError(f"{path} is not a prepared dataset ({METADATA_FILE} missing); run `dflash-train prepare`")
     try:
-        return json.loads(meta.read_text())
+        values = json.loads(meta.read_text())
     except ValueError as error:
         raise ValueError(f"{meta} is not valid JSON ({error}); run `dflash-train prepare` again") from error
+    if not isinstance(values, dict):
+        raise ValueError(f"{meta} is damaged (not a JSON object); run `dflash-train prepare` again")
+    return values
 
 
 def load_prepared(path: str | Path) -> Any:
@@ -43,12 +46,17 @@ def load_prepared(path: str | Path) -> Any:
     read_metadata(path)
     try:
         dataset = datasets.load_from_disk(str(path))
-    except (FileNotFoundError, ValueError, OSError) as error:
-        raise ValueError(f"{path}: cannot read the prepared dataset ({error}); run `dflash-train prepare` again") from error
+    except Exception as error:  # datasets raises many types for damaged files (a KeyError for a bad state.json)
+        raise ValueError(f"{path}: cannot read the prepared dataset ({_one_line(error)}); run `dflash-train prepare` "
+                         f"again") from error
     missing = [column for column in REQUIRED_COLUMNS if column not in dataset.column_names]
     if missing:
         raise ValueError(f"{path}: columns {missing} missing; run `dflash-train prepare` again")
     return dataset
+
+
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
 
 
 def check_tokenizer(path: str | Path, tokenizer: PreTrainedTokenizerBase, target_name: str) -> dict[str, Any]:
@@ -59,4 +67,37 @@ def check_tokenizer(path: str | Path, tokenizer: PreTrainedTokenizerBase, target
             f"{Path(path) / METADATA_FILE}: tokenised for {meta.get('target')!r}, whose vocabulary differs from "
             f"{target_name!r}'s; run `dflash-train prepare --target {target_name}` on the data again"
         )
+    check_rows(path, max(tokenizer.get_vocab().values()) + 1)
     return meta
+
+
+def check_rows(path: str | Path, vocab_size: int) -> None:
+    """Refuse rows that `prepare` cannot have written: ids the tokenizer cannot produce, a loss mask not of
+    0/1 or not as long as its row. Arrow files carry no checksum, so a damaged one still loads, and its ids
+    would end in an index error inside the target's embedding, far from the cause."""
+    import pyarrow.compute as pc
+
+    table = load_prepared(path).data
+    ids, mask = table.column("input_ids"), table.column("loss_mask")
+    problem = None
+    if ids.null_count or mask.null_count:
+        problem = "rows without token ids or loss mask"
+    elif pc.all(pc.equal(pc.list_value_length(ids), pc.list_value_length(mask))).as_py() is False:  # None: no rows
+        problem = "a loss mask is not as long as its row"
+    elif not _within(mask, 0, 1):
+        problem = "loss masks hold values other than 0 and 1"
+    elif not _within(ids, 0, vocab_size - 1):
+        problem = f"token ids outside the tokenizer's {vocab_size}"
+    if problem is not None:
+        raise ValueError(f"{path}: {problem}, so its data files are damaged; run `dflash-train prepare` again")
+
+
+def _within(column: Any, low: int, high: int) -> bool:
+    import pyarrow.compute as pc
+
+    values = pc.list_flatten(column)
+    if values.null_count:
+        return False
+    bounds = pc.min_max(values)
+    found_low, found_high = bounds["min"].as_py(), bounds["max"].as_py()
+    return found_low is None or (low <= found_low and found_high <= high)  # None: no tokens at all

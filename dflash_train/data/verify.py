@@ -9,7 +9,14 @@ from typing import Any
 
 import torch
 
-from dflash_train.data.features import FeatureStore, compute_features, open_shard, read_manifest, shard_path
+from dflash_train.data.features import (
+    READ_KEYS,
+    FeatureStore,
+    compute_features,
+    open_shard,
+    read_manifest,
+    shard_path,
+)
 
 CHUNK_TOKENS = 65536  # finiteness is checked in chunks so memory stays bounded
 
@@ -27,10 +34,12 @@ def verify_shard(path: Path, manifest: dict[str, Any], unit: int) -> int:
         _fail(path, f"tensors {sorted(names)} != {sorted(expected)}")
     offsets = handle.get_tensor("offsets")
     rows = min(manifest["rows_per_shard"], manifest["num_rows"] - unit * manifest["rows_per_shard"])
+    # Shape and dtype first: a damaged header may declare offsets that cannot be indexed or compared.
+    if offsets.dtype != torch.int64 or tuple(offsets.shape) != (rows + 1,) or int(offsets[0]) != 0 \
+            or bool((offsets.diff() <= 0).any()):
+        _fail(path, f"offsets do not describe {rows} non-empty rows")
     tokens = int(offsets[-1])
     width = len(manifest["target_layer_ids"]) * manifest["hidden_size"]
-    if len(offsets) != rows + 1 or int(offsets[0]) != 0 or bool((offsets.diff() <= 0).any()):
-        _fail(path, f"offsets do not describe {rows} non-empty rows")
     if handle.get_slice("features").get_shape() != [tokens, width]:
         _fail(path, f"features shape {handle.get_slice('features').get_shape()} != [{tokens}, {width}]")
     mask = handle.get_tensor("loss_mask")
@@ -45,7 +54,7 @@ def verify_shard(path: Path, manifest: dict[str, Any], unit: int) -> int:
 
 def verify_store(store_dir: Path, dataset: Any = None, target: Any = None, recompute: int = 0,
                  progress: Callable[[int, int], None] | None = None) -> dict[str, int]:
-    manifest = read_manifest(store_dir)
+    manifest = read_manifest(store_dir, keys=(*READ_KEYS, "num_tokens", "hidden_size", "target_layer_ids"))
     tokens = 0
     if progress:
         progress(0, manifest["num_units"])

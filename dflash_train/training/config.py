@@ -153,7 +153,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> TrainConf
         path = Path(path)
         if not path.is_file():
             raise ValueError(f"config file {path} not found; pass a recipe, e.g. recipes/smollm2-135m-dflash-b16.yaml")
-        raw = _parse_yaml(path.read_text(), f"{path},") or {}
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as error:  # a ValueError, but one that names neither the file nor a fix
+            raise ValueError(f"{path} is not UTF-8 text ({error}); fix or rewrite the recipe") from None
+        raw = _parse_yaml(text, f"{path},") or {}
         if not isinstance(raw, dict):
             raise ValueError(f"{path} must hold a mapping of sections (model, data, training, ...)")
     for item in overrides:
@@ -202,7 +206,8 @@ def _build(cls: type, values: Any, where: str) -> Any:
     for key, value in values.items():
         name = f"{where}.{key}" if where else key
         if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1)
+            # YAML keys need not be strings (`3:` is an int), and difflib compares strings only.
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
             hint = f" (did you mean {'.'.join(filter(None, [where, close[0]]))}?)" if close else ""
             raise ValueError(f"unknown config key {name}{hint}")
         hint_type = hints[key]
