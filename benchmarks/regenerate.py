@@ -111,6 +111,8 @@ def run_hf(target: TargetModel, prompts: list[list[int]], rows: int,
 
 def row(variant: str, rows: int, refill: str, outputs: list[Generated], seconds: float) -> dict[str, Any]:
     tokens = sum(len(out.token_ids) for out in outputs)
+    # Printed as measured: compiling each variant takes a while, and a run cut short keeps what it measured.
+    print(f"regenerate: {variant}, {rows} rows: {tokens:,} tokens in {seconds:.2f} s", flush=True)
     return {"variant": variant, "rows": rows, "refill": refill, "prompts": len(outputs), "tokens": tokens,
             "seconds": seconds, "tokens_per_s": tokens / seconds}
 
