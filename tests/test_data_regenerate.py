@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -52,10 +53,11 @@ class Killed(Exception):
 
 
 def run_regen(target: TargetModel, source: Path, out: Path, temperature: float = 0.0, rank: int = 0,
-              world: int = 1, kill_after: int | None = None, units_run: list[int] | None = None) -> dict:
+              world: int = 1, kill_after: int | None = None, units_run: list[int] | None = None,
+              decode_rows: int = 4) -> dict:
     config = RegenerateConfig([CorpusSpec(str(source))], max_new_tokens=10, temperature=temperature, seed=5,
                               batch_size=3)
-    backend = LocalBackend(target, settings(temperature, 10), config.batch_size)
+    backend = LocalBackend(target, replace(settings(temperature, 10), batch_size=decode_rows), config.batch_size)
 
     def progress(done: int, total: int, rate: float) -> None:
         if units_run is not None and done == 0:
@@ -86,6 +88,14 @@ def test_resume_after_kill_equals_uninterrupted_run(tiny: TargetModel, tmp_path:
     rows = [json.loads(line) for text in shard_texts(tmp_path / "full").values() for line in text.splitlines()]
     assert sorted(r["row_id"] for r in rows) == list(range(10))  # every row once
     assert all(r["messages"][-1]["role"] == "assistant" for r in rows)
+
+
+def test_the_rows_decoded_at_once_do_not_change_the_shards(tiny: TargetModel, tmp_path: Path) -> None:
+    """Sampled answers: one row at a time, or 7 rows refilled across units, write the same files."""
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    run_regen(tiny, source, tmp_path / "one", temperature=0.9, decode_rows=1)
+    run_regen(tiny, source, tmp_path / "seven", temperature=0.9, decode_rows=7)
+    assert shard_texts(tmp_path / "seven") == shard_texts(tmp_path / "one")
 
 
 def test_ranks_split_the_units(tiny: TargetModel, tmp_path: Path) -> None:
