@@ -18,10 +18,11 @@ from dflash_train.objective.blocks import (
     sample_anchors_seeded,
     sample_packed_anchors,
 )
-from dflash_train.objective.loss import chunked_weighted_cross_entropy, slot_weights
+from dflash_train.objective.loss import chunked_cross_entropy_rows, slot_weights
 from dflash_train.objective.masks import dense_mask, flex_mask, packed_dense_mask, packed_flex_mask
 
 MaskKind = Literal["auto", "dense", "flex"]
+PositionWeighting = Literal["decay", "dpace"]
 
 
 @dataclass
@@ -53,16 +54,39 @@ def sequence_normalised_weights(weights: torch.Tensor, sequence: torch.Tensor, n
     into data-parallel ranks or accumulation steps, which is what makes multi-GPU runs match.
     """
     per_sequence = torch.zeros(num_sequences, device=weights.device).index_add(0, sequence, weights)
-    present = (per_sequence > 0).sum().clamp_min(1)
-    return weights / per_sequence[sequence] / present
+    return per_sequence_mean(weights, sequence, per_sequence)
+
+
+def dpace_block_weights(ce: torch.Tensor, labelled: torch.Tensor, alpha: float) -> torch.Tensor:
+    """D-PACE weights (arXiv 2605.18810) of blocks [..., B] from their per-slot cross-entropies, detached.
+
+    q_k = exp(-CE_k) is the drafter's probability of slot k's label, smoothed to q~_k = (1-a)·q_k + a; slot
+    j weighs w_j = sum_{m >= j} prod_{i <= m} q~_i over slots 1..B-1, the gradient of the expected accepted
+    length sum_m prod_{i<=m} q~_i w.r.t. log q~_j. A slot without a label ends the block's chain (nothing
+    past it can be accepted): it and every later slot weigh 0. Slot 0, the anchor, never has a label.
+    """
+    smoothed = (1 - alpha) * torch.exp(-ce.detach().float()) + alpha
+    smoothed = torch.where(labelled, smoothed, torch.zeros_like(smoothed))
+    smoothed[..., 0] = 1.0  # the anchor is given, not drafted: it starts every chain
+    prefix = smoothed.cumprod(dim=-1)  # 0 from the first unlabelled slot on
+    weights = prefix.flip(-1).cumsum(dim=-1).flip(-1)
+    return torch.where(labelled, weights, torch.zeros_like(weights))
+
+
+def per_sequence_mean(weights: torch.Tensor, sequence: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Row weights [P] divided by their sequence's count [num_sequences] and by the number of sequences
+    that count (> 0), so that the weighted sum of row losses is a mean over sequences."""
+    present = (counts > 0).sum().clamp_min(1)
+    return weights / counts[sequence].clamp_min(1e-12) / present
 
 
 @dataclass
 class DFlashObjective:
-    """Anchors -> blocks -> masked drafter forward -> decay-weighted CE over valid slots only.
+    """Anchors -> blocks -> masked drafter forward -> position-weighted CE over valid slots only.
 
-    The loss is each sequence's decay-weighted mean CE over its supervised slots, averaged over the
-    sequences of the batch; a sequence is a row, or a chat of a packed row.
+    The loss is each sequence's decay-weighted mean CE over its supervised slots (or, with D-PACE, its
+    D-PACE-weighted CE summed over its blocks per block), averaged over the sequences of the batch; a
+    sequence is a row, or a chat of a packed row.
     """
 
     block_size: int
@@ -73,6 +97,8 @@ class DFlashObjective:
     chunk_rows: int | None = None
     partition_anchors: bool = False  # anchors on a fixed block grid instead of at random (an ablation)
     anchors_per_row: int | None = None  # anchor capacity of a packed row
+    position_weighting: PositionWeighting = "decay"  # dpace: D-PACE weights from the drafter's own CE
+    dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha)·q + alpha
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
@@ -146,21 +172,35 @@ class DFlashObjective:
         supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
         rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
         labels, row_slots = blocks.labels[supervised], slots[supervised]
-        sequence, num_sequences = self._sequences(blocks)
-        weights = sequence_normalised_weights(
-            slot_weights(self.block_size, self.loss_decay_gamma).to(hidden.device)[row_slots],
-            sequence[supervised],
-            num_sequences,
-        )
         teacher = None
         if teacher_states is not None:  # the target predicts token p from its state at p - 1 (row indices)
             batch_index = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
             teacher = teacher_states[batch_index[supervised], blocks.token_index[supervised] - 1]
-        loss, correct = chunked_weighted_cross_entropy(rows, head_weight, labels, weights, self.chunk_rows, teacher)
+        row_ce, correct = chunked_cross_entropy_rows(rows, head_weight, labels, self.chunk_rows, teacher)
+        loss = (row_ce * self.row_weights(row_ce, blocks, supervised)).sum()
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
         slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
         return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()))
+
+    def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, supervised: torch.Tensor) -> torch.Tensor:
+        """Weights [P] of the supervised rows (no gradient flows through them): the loss is sum_r w_r·CE_r,
+        a mean over the batch's sequences of each sequence's own loss."""
+        sequence, num_sequences = self._sequences(blocks)
+        if self.position_weighting == "decay":  # each sequence's decay-weighted mean CE
+            decay = slot_weights(self.block_size, self.loss_decay_gamma).to(row_ce.device)
+            return sequence_normalised_weights(decay[blocks.slots.expand_as(supervised)[supervised]],
+                                               sequence[supervised], num_sequences)
+        # D-PACE: each sequence's sum of w_j·CE_j over its blocks, divided by its number of blocks (not by
+        # the sum of the weights, which would cancel the credit the weights give a block).
+        b, block = supervised.shape[0], self.block_size
+        ce = row_ce.new_zeros(supervised.shape)
+        ce[supervised] = row_ce.detach()
+        weights = dpace_block_weights(ce.view(b, -1, block), supervised.view(b, -1, block), self.dpace_alpha)
+        anchor_sequence = sequence.reshape(b, -1, block)[:, :, 0][blocks.valid]
+        anchors = torch.zeros(num_sequences, device=row_ce.device).index_add(
+            0, anchor_sequence, torch.ones_like(anchor_sequence, dtype=torch.float32))
+        return per_sequence_mean(weights.view(b, -1)[supervised], sequence[supervised], anchors)
 
     @staticmethod
     def _sequences(blocks: Blocks) -> tuple[torch.Tensor, int]:

@@ -67,6 +67,10 @@ class TrainingConfig:
     anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
     soft_targets: bool = False  # distil the target's next-token distribution instead of its token (online)
     loss_decay_gamma: float | None = None  # None: paper default for the block size
+    # decay: exp(-(k-1)/gamma) per slot; dpace: D-PACE weights from the drafter's own per-slot CE (arXiv
+    # 2605.18810), smoothed by dpace_alpha; loss_decay_gamma is then unused.
+    position_weighting: Literal["decay", "dpace"] = "decay"
+    dpace_alpha: float = 0.5
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
     compile: bool = False
@@ -129,6 +133,8 @@ class TrainConfig:
                 raise ValueError(f"training.{name} must be > 0 minutes, got {value}")
         if self.training.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
+        if not 0 <= self.training.dpace_alpha <= 1:
+            raise ValueError(f"training.dpace_alpha must be in [0, 1], got {self.training.dpace_alpha}")
         return self
 
     def _validate_packing(self) -> None:
