@@ -62,6 +62,10 @@ class TrainingConfig:
     min_lr_ratio: float = 0.0
     max_grad_norm: float = 1.0
     adam_betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    # muon: Muon (momentum 0.95, Nesterov, 5 Newton-Schulz steps) for the weight matrices of fc and the
+    # layers at muon_learning_rate, AdamW at learning_rate for the rest; one schedule multiplies both.
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    muon_learning_rate: float = 0.02
     num_anchors: int = 512
     anchors_per_row: int | None = None  # packed rows' anchor capacity; None: from the data's anchors per token
     anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
@@ -133,6 +137,8 @@ class TrainConfig:
                 raise ValueError(f"training.{name} must be > 0 minutes, got {value}")
         if self.training.learning_rate <= 0:
             raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
+        if self.training.muon_learning_rate <= 0:
+            raise ValueError(f"training.muon_learning_rate must be > 0, got {self.training.muon_learning_rate}")
         if not 0 <= self.training.dpace_alpha <= 1:
             raise ValueError(f"training.dpace_alpha must be in [0, 1], got {self.training.dpace_alpha}")
         return self

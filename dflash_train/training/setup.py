@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,6 +14,7 @@ from dflash_train.mask_token import choose_mask_token
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel, load_target
 from dflash_train.training.config import TrainConfig
+from dflash_train.training.muon import build_muon_with_adamw
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -117,10 +119,23 @@ def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size
 
 def build_optimizer(draft: torch.nn.Module, config: TrainConfig) -> torch.optim.Optimizer:
     t = config.training
+    if t.optimizer == "muon":
+        refuse_sharded_muon()
+        return build_muon_with_adamw(draft, t.muon_learning_rate, t.learning_rate, tuple(t.adam_betas),
+                                     t.weight_decay)
     params = [p for p in draft.parameters() if p.requires_grad]
     fused = all(p.is_cuda for p in params)
     return torch.optim.AdamW(params, lr=t.learning_rate, betas=tuple(t.adam_betas), weight_decay=t.weight_decay,
                              fused=fused or None)
+
+
+def refuse_sharded_muon() -> None:
+    """Muon orthogonalises each weight matrix whole; DeepSpeed and FSDP hold shards of it (and DeepSpeed
+    wraps only optimizers it knows)."""
+    for variable, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")):
+        if os.environ.get(variable, "false").lower() == "true":
+            raise ValueError(f"training.optimizer: muon does not run under {name}: launch with a DDP or "
+                             "single-process config, or use training.optimizer: adamw")
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int | Callable[[], int], config: TrainConfig) -> Any:

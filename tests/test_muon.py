@@ -1,0 +1,170 @@
+"""training.optimizer: muon — which parameters Muon gets, its update against a hand-written Newton–Schulz
+reference, AdamW for the rest, one schedule for both, state dict and trainer resume round trips."""
+
+from __future__ import annotations
+
+import copy
+import io
+import math
+import pathlib
+
+import pytest
+import torch
+
+from dflash_train.training.config import load_config
+from dflash_train.training.muon import MuonWithAdamW, build_muon_with_adamw
+from dflash_train.training.setup import build_optimizer, build_schedule
+from dflash_train.training.trainer import run_training
+from tests.draft_helpers import tiny_draft
+from tests.test_training import overrides, train_losses
+from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+
+RECIPE = pathlib.Path(__file__).parent.parent / "recipes/smollm2-135m-dflash-b16-cpu.yaml"
+
+
+def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """Keller Jordan's quintic iteration, in float64 (Muon runs it in bf16): approximately U V^T of G = U S V^T."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.double()
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / (x.norm() + 1e-7)
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    return (x.T if tall else x).float()
+
+
+def reference_muon_step(param: torch.Tensor, grad: torch.Tensor, buf: torch.Tensor, lr: float) -> None:
+    """buf = 0.95·buf + 0.05·g; Nesterov update g + 0.95·(buf - g), orthogonalised, scaled by sqrt(max(1, A/B))."""
+    buf.mul_(0.95).add_(grad, alpha=0.05)
+    update = grad + 0.95 * (buf - grad)
+    scale = math.sqrt(max(1.0, param.shape[0] / param.shape[1]))
+    param.sub_(newton_schulz(update), alpha=lr * scale)
+
+
+def grads_for(draft: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in draft.parameters():
+        p.grad = torch.randn(p.shape, generator=gen) if p.requires_grad else None
+
+
+def test_matrices_go_to_muon_and_the_rest_to_adamw() -> None:
+    draft = tiny_draft()
+    draft.layers[1].mlp.up_proj.weight.requires_grad_(False)  # frozen: in neither group
+    opt = build_muon_with_adamw(draft, 0.02, 1e-3, (0.9, 0.999), 0.0)
+    names = {id(p): n for n, p in draft.named_parameters()}
+    muon = {names[id(p)] for g in opt.muon.param_groups for p in g["params"]}
+    adamw = {names[id(p)] for g in opt.adamw.param_groups for p in g["params"]}
+    assert "fc.weight" in muon and "layers.0.self_attn.q_proj.weight" in muon
+    assert "layers.1.mlp.down_proj.weight" in muon and "layers.1.mlp.up_proj.weight" not in muon | adamw
+    assert adamw == {n for n, p in draft.named_parameters() if p.ndim == 1}
+    assert {n for n, p in draft.named_parameters() if p.ndim == 2} - muon == {"layers.1.mlp.up_proj.weight"}
+    assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.02]  # AdamW's group first
+
+
+def test_two_steps_equal_the_reference_updates() -> None:
+    draft = tiny_draft(seed=3)
+    reference = copy.deepcopy(draft)
+    opt = build_muon_with_adamw(draft, 0.02, 1e-3, (0.9, 0.999), 0.0)
+    norms = [p for p in reference.parameters() if p.ndim == 1]
+    adamw = torch.optim.AdamW(norms, lr=1e-3, betas=(0.9, 0.999), weight_decay=0.0)
+    buffers = {n: torch.zeros_like(p) for n, p in reference.named_parameters() if p.ndim == 2}
+    for seed in (1, 2):
+        grads_for(draft, seed)
+        grads_for(reference, seed)
+        opt.step()
+        adamw.step()
+        with torch.no_grad():
+            for name, p in reference.named_parameters():
+                if p.ndim == 2:
+                    reference_muon_step(p, p.grad, buffers[name], 0.02)
+    start = dict(tiny_draft(seed=3).named_parameters())
+    for (name, got), want in zip(draft.named_parameters(), reference.parameters(), strict=True):
+        if got.ndim == 1:  # AdamW
+            torch.testing.assert_close(got, want, msg=name)
+            continue
+        # Muon iterates in bf16: its updates are the float64 reference's to about 2 %. A wrong step (no
+        # Nesterov, another momentum or learning-rate scale, no orthogonalisation) is off by 20 % or more.
+        got_update, want_update = got - start[name], want - start[name]
+        assert (got_update - want_update).norm() < 0.05 * want_update.norm(), name
+
+
+def test_one_schedule_multiplies_both_learning_rates() -> None:
+    config = load_config(RECIPE, ["training.optimizer=muon", "training.muon_learning_rate=0.05",
+                                  "training.learning_rate=1e-3", "training.warmup_ratio=0.2"])
+    draft = tiny_draft()
+    opt = build_optimizer(draft, config)
+    schedule = build_schedule(opt, 10, config)
+    for _ in range(6):
+        adamw_lr, muon_lr = (g["lr"] for g in opt.param_groups)
+        assert muon_lr / 0.05 == pytest.approx(adamw_lr / 1e-3, rel=1e-9)
+        assert opt.muon.param_groups[0]["lr"] == muon_lr and opt.adamw.param_groups[0]["lr"] == adamw_lr
+        grads_for(draft, 0)
+        opt.step()
+        schedule.step()
+    assert adamw_lr < 1e-3  # the multiplier moved: warm-up over, decaying
+
+
+def test_state_dict_round_trip_continues_the_same_run() -> None:
+    def make() -> tuple[torch.nn.Module, MuonWithAdamW]:
+        draft = tiny_draft(seed=5)
+        return draft, build_muon_with_adamw(draft, 0.02, 1e-3, (0.9, 0.999), 0.0)
+
+    straight, straight_opt = make()
+    for seed in range(4):
+        grads_for(straight, seed)
+        straight_opt.step()
+    first, first_opt = make()
+    for seed in range(2):
+        grads_for(first, seed)
+        first_opt.step()
+    buffer = io.BytesIO()
+    torch.save({"model": first.state_dict(), "optimizer": first_opt.state_dict()}, buffer)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=True)
+    resumed, resumed_opt = make()
+    resumed.load_state_dict(saved["model"])
+    resumed_opt.load_state_dict(saved["optimizer"])
+    for seed in range(2, 4):
+        grads_for(resumed, seed)
+        resumed_opt.step()
+    for (name, got), want in zip(resumed.named_parameters(), straight.parameters(), strict=True):
+        assert torch.equal(got, want), name
+    with pytest.raises(ValueError, match="not a Muon"):
+        resumed_opt.load_state_dict(torch.optim.AdamW(resumed.parameters()).state_dict())
+
+
+@pytest.mark.parametrize("variable", ["ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"])
+def test_muon_is_refused_under_sharded_launches(variable: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(variable, "true")
+    with pytest.raises(ValueError, match="training.optimizer: muon does not run under"):
+        build_optimizer(tiny_draft(), load_config(RECIPE, ["training.optimizer=muon"]))
+    assert isinstance(build_optimizer(tiny_draft(), load_config(RECIPE)), torch.optim.AdamW)
+
+
+def test_config_defaults_and_checks() -> None:
+    config = load_config(RECIPE)
+    assert (config.training.optimizer, config.training.muon_learning_rate) == ("adamw", 0.02)
+    with pytest.raises(ValueError, match="training.muon_learning_rate must be > 0, got 0.0"):
+        load_config(RECIPE, ["training.muon_learning_rate=0"])
+
+
+def test_stop_then_resume_equals_the_uninterrupted_run(tmp_path: pathlib.Path) -> None:
+    """Muon's momentum and AdamW's moments go through accelerate's checkpoint and come back."""
+    assets = {"target": save_tiny_target(tmp_path / "target"), "data": save_tiny_prepared(tmp_path / "data")}
+    muon = {"training.optimizer": "muon", "training.max_steps": 6, "training.eval_every": 0}
+    reference = tmp_path / "reference"
+    run_training(load_config(None, overrides(assets, reference, **muon)))
+    out = tmp_path / "stopped"
+    first = run_training(load_config(None, overrides(assets, out, **muon, **{"training.stop_after_minutes": 1e-9})))
+    assert first.steps == 1 and not first.finished
+    assert run_training(load_config(None, overrides(assets, out, **muon))).steps == 6
+    expected, got = train_losses(reference), train_losses(out)
+    assert sorted(got) == list(range(1, 7))
+    for step in range(1, 7):
+        assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
+    adamw = tmp_path / "adamw"
+    run_training(load_config(None, overrides(assets, adamw, **{**muon, "training.optimizer": "adamw"})))
+    assert train_losses(adamw)[6] != pytest.approx(expected[6], rel=1e-4)  # Muon did change the run
