@@ -29,6 +29,10 @@ class ModelConfig:
     init_from: str | None = None  # start from an existing drafter (ours or z-lab layout)
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen, e.g. ["layers."]
     reinit: list[str] = field(default_factory=list)  # with init_from: re-learn these, e.g. ["fc.", "hidden_norm."]
+    # A new drafter's layers start as copies of target layers (attention, MLP, layer norms): by default the
+    # target's last num_draft_layers, or init_layer_ids (one per drafter layer).
+    init_layers_from_target: bool = False
+    init_layer_ids: list[int] | None = None
 
 
 @dataclass
@@ -126,6 +130,7 @@ class TrainConfig:
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         self._validate_packing()
+        self._validate_layer_init()
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
         if self.training.soft_targets and self.data.features is not None:
@@ -142,6 +147,19 @@ class TrainConfig:
         if not 0 <= self.training.dpace_alpha <= 1:
             raise ValueError(f"training.dpace_alpha must be in [0, 1], got {self.training.dpace_alpha}")
         return self
+
+    def _validate_layer_init(self) -> None:
+        m = self.model
+        if m.init_layers_from_target and m.init_from:
+            raise ValueError("model.init_layers_from_target and model.init_from both set the drafter's layers: "
+                             "unset one of them")
+        if m.init_layer_ids is None:
+            return
+        if not m.init_layers_from_target:
+            raise ValueError("model.init_layer_ids applies only with model.init_layers_from_target: true")
+        if len(m.init_layer_ids) != m.num_draft_layers:
+            raise ValueError(f"model.init_layer_ids has {len(m.init_layer_ids)} ids for "
+                             f"model.num_draft_layers={m.num_draft_layers}: give one target layer per drafter layer")
 
     def _validate_packing(self) -> None:
         pack, per_row = self.data.pack_tokens, self.training.anchors_per_row

@@ -12,6 +12,7 @@ import torch
 from dflash_train.data.features import TargetIdentity
 from dflash_train.mask_token import choose_mask_token
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.models.init_from_target import init_layers_from_target
 from dflash_train.target import TargetModel, load_target
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.muon import build_muon_with_adamw
@@ -61,6 +62,8 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
             block_size=m.block_size, target_layer_ids=m.target_layer_ids,
         )
         draft = DFlashDraftModel(draft_config)
+        if m.init_layers_from_target:
+            init_layers_from_target(draft, target.config, target.decoder_layers, m.init_layer_ids)
     for name, param in draft.named_parameters():
         if any(name.startswith(prefix) for prefix in m.freeze):
             param.requires_grad_(False)
