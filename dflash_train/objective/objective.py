@@ -84,9 +84,9 @@ def per_sequence_mean(weights: torch.Tensor, sequence: torch.Tensor, counts: tor
 class DFlashObjective:
     """Anchors -> blocks -> masked drafter forward -> position-weighted CE over valid slots only.
 
-    The loss is each sequence's decay-weighted mean CE over its supervised slots (or, with D-PACE, its
-    D-PACE-weighted CE summed over its blocks per block), averaged over the sequences of the batch; a
-    sequence is a row, or a chat of a packed row.
+    The loss is each sequence's decay-weighted mean CE over its supervised slots (with D-PACE: its
+    D-PACE-weighted CE summed over its blocks, divided by their number), averaged over the sequences of
+    the batch; a sequence is a row, or a chat of a packed row.
     """
 
     block_size: int
