@@ -9,7 +9,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dflash_train.commands import add_command_parser, inspect_target, run_parsed
+from dflash_train.commands import (
+    OneLineErrorParser,
+    add_command_parser,
+    inspect_target,
+    parse_or_report,
+    run_parsed,
+)
 from dflash_train.commands import check as check_command
 from dflash_train.commands import eval as eval_command
 from dflash_train.commands import export as export_command
@@ -28,7 +34,7 @@ COMMANDS = {"inspect": inspect_target, "train": train_command,
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="dflash-train", description="Train and use DFlash drafters.")
+    parser = OneLineErrorParser(prog="dflash-train", description="Train and use DFlash drafters.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module in COMMANDS.items():
         add_command_parser(sub, name, module)
@@ -36,7 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse_or_report(lambda: build_parser().parse_args(argv))
+    if args is None:
+        return 2
     return run_parsed(args.command, COMMANDS[args.command], args)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
-from dflash_train.disk import disk_full_message
+from dflash_train.disk import command_output, disk_full_message
 
 
 def close_progress_bars() -> None:
@@ -18,14 +18,15 @@ def close_progress_bars() -> None:
 
 def run_with_one_line_errors(prog: str, call: Callable[[], int]) -> int:
     """`call()`, with bad input (ValueError) and a full disk as `<prog>: error: ...` and exit status 2."""
-    try:
-        return call()
-    except ValueError as error:
-        message: str | None = str(error)
-    except Exception as error:
-        message = disk_full_message(error)
-        if message is None:
-            raise
+    with command_output():  # the output folder the command notes, for a full disk's free space
+        try:
+            return call()
+        except ValueError as error:
+            message: str | None = str(error)
+        except Exception as error:
+            message = disk_full_message(error)
+            if message is None:
+                raise
     close_progress_bars()
     print(f"{prog}: error: {message}", file=sys.stderr)
     return 2

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from dflash_train.disk import note_output
+
 if TYPE_CHECKING:
     from dflash_train.training.config import TrainConfig
 
@@ -96,6 +98,7 @@ def claim(out: Path, kind: OutputKind, *, inputs: Iterable[str | Path | None], o
     is wrong with a folder that is refused (default: what it holds). `clear=False` leaves the earlier
     output in place for `publish` to replace once the new one is complete (nothing is lost if it fails)."""
     refuse_inputs_inside(out, inputs, flag)
+    note_output(out)  # a full disk is then reported with this folder's free space
     if out.exists() and not out.is_dir():
         raise ValueError(f"{flag} {out} is a file, not a folder; pick another {flag}")
     if reusable or not entries(out):

@@ -87,6 +87,8 @@ DIGESTS_DIR = "gguf-digests"
 TARGET_ADVICE = "download or copy the target again"
 # Names ending like a file, never a Hub repo: looked up locally only (a Hub lookup would retry for ~25 s).
 FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json", ".ggml")
+# How long a Hub id waits for the Hub to answer before it is refused (or read from the local Hub cache).
+HUB_PROBE_TIMEOUT_S = 3.0
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -320,7 +322,53 @@ def resolve_target_source(name_or_path: str) -> str:
             f"No target model at {name_or_path!r}: not an existing directory or .gguf file, nor a known alias "
             f"({', '.join(DEFAULT_TARGET_ALIASES)}), nor a Hub id."
         )
-    return name_or_path
+    return _hub_source(name_or_path)
+
+
+def _hub_source(repo_id: str) -> str:
+    """What `from_pretrained` should load for a Hub id: the id when the Hub answers (or offline mode is on,
+    where `from_pretrained` reads the local Hub cache only, at once); without network, the copy in the local
+    Hub cache; with neither, a one-line error now rather than after huggingface_hub's ~25 s of retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return repo_id
+    unreachable = hub_unreachable()
+    if unreachable is None:
+        return repo_id
+    cached = _cached_snapshot(repo_id)
+    if cached is not None:
+        logger.info("The Hub is unreachable (%s); loading %s from the local Hub cache.", unreachable, repo_id)
+        return cached
+    raise ValueError(
+        f"Target {repo_id!r} is not a local path and the Hub is unreachable: {unreachable}; connect to the "
+        f"network, or pass a local model directory, a .gguf file or an alias ({', '.join(DEFAULT_TARGET_ALIASES)})."
+    )
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None when the Hub answers one request within `timeout_s` (any HTTP status: it is there), else why not.
+    The request goes through the environment's proxies, as the Hub client's own requests do."""
+    try:
+        import httpx
+        from huggingface_hub import constants
+    except ImportError:  # a Hub client without httpx: let it try on its own
+        return None
+    try:
+        httpx.head(constants.ENDPOINT, timeout=timeout_s)
+    except (httpx.HTTPError, OSError) as error:
+        return f"{constants.ENDPOINT} did not answer ({_first_line(error)})"
+    return None
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local Hub cache's copy of `repo_id`, if it has one (no network)."""
+    from huggingface_hub import snapshot_download
+
+    try:
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError), or a cache it cannot read: no copy to use
+        return None
 
 
 def _close_aliases(name: str) -> list[str]:

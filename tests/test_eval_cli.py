@@ -106,7 +106,7 @@ def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: P
 
 @pytest.mark.parametrize(("extra", "message"), [
     (["--dataset", "nope"], "unknown dataset 'nope'"),
-    (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),
+    (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, not 0"),
     (["--dataset", "humaneval", "--num-prompts", "1", "--max-new-tokens", "500"], "no prompt of humaneval fits"),
     (["--dataset", "humaneval", "--max-autotune", "--no-compile"], "drop --no-compile or --max-autotune"),
 ])

@@ -20,6 +20,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.cli_args import positive_int
+from dflash_train.disk import note_output
 from dflash_train.runtime.config import KERNELS
 
 HELP = "measure acceptance length, losslessness and speedup of a drafter on prompt sets"
@@ -31,12 +33,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "untrained drafter")
     parser.add_argument("--dataset", action="append", required=True,
                         help="humaneval, mt-bench, alpaca-eval, ifeval, math-synthetic, or a .jsonl file; repeatable")
-    parser.add_argument("--block-size", type=int, default=None, help="default: the drafter's block size")
-    parser.add_argument("--max-new-tokens", type=int, default=256)
-    parser.add_argument("--num-prompts", type=int, default=None, help="first K conversations of each set")
+    parser.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's block size")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256)
+    parser.add_argument("--num-prompts", type=positive_int, default=None, help="first K conversations of each set")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
-    parser.add_argument("--batch-size", type=int, default=1, help="requests in flight at once")
+    parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                         help="auto: bfloat16 on cuda, float32 on cpu")
@@ -51,18 +53,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "(Qwen3-8B-shaped target on an H200: 5.92 instead of 6.64 ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--random-draft-layers", type=int, default=5, help="layers of a --draft random drafter")
+    parser.add_argument("--random-draft-layers", type=positive_int, default=5, help="layers of a --draft random drafter")
     parser.add_argument("--out", default="eval_report.json", help="report JSON; the PNG goes next to it")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
 
 
 def _validate(args: argparse.Namespace) -> None:
-    for name in ("max_new_tokens", "batch_size"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1")
-    if args.num_prompts is not None and args.num_prompts < 1:
-        raise ValueError("--num-prompts must be at least 1")
+    # Counts and sizes are checked while the arguments are read (positive_int).
     if args.temperature < 0:
         raise ValueError("--temperature must be >= 0")
     if args.max_autotune and args.no_compile:
@@ -115,6 +113,26 @@ def _runtime_config(args: argparse.Namespace, target: Any, block_size: int, batc
                         compile_options=MAX_AUTOTUNE if args.max_autotune else ())
 
 
+def _warn_if_trained_for_another_target(draft: Any, target: Any, target_name: str) -> None:
+    """One warning line (not an error: the run still measures the loop and the lossless property) when the
+    drafter's checkpoint records another target's fingerprint: it learned to read the features of a model
+    that is not this one, so its τ says little about what it would reach with its own."""
+    from dflash_train.data.features import is_legacy_fingerprint, target_fingerprint
+
+    recorded_by = (getattr(draft, "source_config", None) or {}).get("dflash_train") or {}
+    recorded = recorded_by.get("target_fingerprint")
+    # Nothing to compare: a published or random drafter, or an older checkpoint's hash, which depended on the
+    # dtype the target was loaded in and would differ for the same model.
+    if not isinstance(recorded, str) or is_legacy_fingerprint(recorded):
+        return
+    found = target_fingerprint(target.model)
+    if found != recorded:
+        trained_with = f" ({recorded_by['target']})" if recorded_by.get("target") else ""
+        print(f"dflash-train eval: warning: the drafter was trained with another target{trained_with} than "
+              f"{target_name} (target fingerprint {recorded}, this one {found}); expect a low τ, or pass the "
+              f"target it was trained with", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     from dflash_train.eval.compat import check_compatible
     from dflash_train.eval.console import print_summary, progress_bars
@@ -124,10 +142,12 @@ def run(args: argparse.Namespace) -> int:
     from dflash_train.target import load_target
 
     _validate(args)
+    note_output(Path(args.out).parent)  # a full disk is reported with the report folder's free space
     prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]  # fail fast on bad names
     device, dtype = _device_and_dtype(args)
     target = load_target(args.target, dtype=dtype, device=device)
     draft = _load_draft(args, target, device, dtype)
+    _warn_if_trained_for_another_target(draft, target, args.target)
     block_size = args.block_size or draft.config.block_size
     check_compatible(draft, target, block_size)
     # More rows than requests would only compute idle rows every cycle.

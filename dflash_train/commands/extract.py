@@ -20,7 +20,14 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.cli_args import TORCH_DTYPES, resolve_device, tqdm_progress
+from dflash_train.data.cli_args import (
+    TORCH_DTYPES,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    resolve_device,
+    tqdm_progress,
+)
 
 HELP = "store the target's features of a prepared dataset (offline training), or --verify a store"
 
@@ -34,27 +41,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default=None, help="alias, Hub id, local model directory or .gguf")
     parser.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the "
                                                           "drafter's defaults for --num-draft-layers)")
-    parser.add_argument("--num-draft-layers", type=int, default=5)
+    parser.add_argument("--num-draft-layers", type=positive_int, default=5)
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="stored feature dtype")
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
     parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
-    parser.add_argument("--shard-gb", type=float, default=0.5,
+    parser.add_argument("--shard-gb", type=positive_float, default=0.5,
                         help="about this many GB per shard file (pinned host memory holds up to 2 x "
                              "--window-shards shards: one window computed while the one before is written)")
-    parser.add_argument("--window-shards", type=int, default=8,  # ExtractConfig's (imported lazily)
+    parser.add_argument("--window-shards", type=positive_int, default=8,  # ExtractConfig's (imported lazily)
                         help="shards whose rows are micro-batched together: more rows sorted together pad less "
                              "and run fewer, fuller forwards (lower it, or --shard-gb, if host memory is short)")
-    parser.add_argument("--rows-per-shard", type=int, default=None,
+    parser.add_argument("--rows-per-shard", type=positive_int, default=None,
                         help="rows per shard file instead of --shard-gb (default: an existing store's own)")
-    parser.add_argument("--token-budget", type=int, default=65536,  # ExtractConfig's
+    parser.add_argument("--token-budget", type=positive_int, default=65536,  # ExtractConfig's
                         help="padded tokens per forward (lower it if the GPU runs out of memory)")
-    parser.add_argument("--write-threads", type=int, default=4,
+    parser.add_argument("--write-threads", type=positive_int, default=4,
                         help="shard files written at once (one thread copying into the page cache is slower "
                              "than the GPU, and one file takes one writer at a time)")
-    parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
-    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    parser.add_argument("--rank", type=non_negative_int, default=None, help="default: $RANK or 0")
+    parser.add_argument("--world-size", type=positive_int, default=None, help="default: $WORLD_SIZE or 1")
     parser.add_argument("--verify", action="store_true", help="check an existing store instead of writing")
-    parser.add_argument("--recompute", type=int, default=0, help="with --verify: rows to recompute and compare")
+    parser.add_argument("--recompute", type=non_negative_int, default=0, help="with --verify: rows to recompute and compare")
 
 
 def _layer_ids(args: argparse.Namespace, num_layers: int) -> list[int]:
@@ -125,9 +132,6 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_prepared(args.data)
     target = load_target(args.target, dtype=TORCH_DTYPES[args.target_dtype], device=resolve_device(args.device))
     check_tokenizer(args.data, target.tokenizer, args.target)
-    if args.shard_gb <= 0 or (args.rows_per_shard is not None and args.rows_per_shard < 1) \
-            or args.window_shards < 1 or args.token_budget < 1:
-        raise ValueError("--shard-gb must be > 0; --rows-per-shard, --window-shards and --token-budget >= 1")
     config = ExtractConfig(_layer_ids(args, target.num_layers), args.dtype, args.rows_per_shard, args.token_budget,
                            write_threads=max(1, args.write_threads), shard_bytes=int(args.shard_gb * 1e9),
                            window_shards=args.window_shards)

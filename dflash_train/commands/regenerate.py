@@ -36,6 +36,8 @@ from dflash_train.data.cli_args import (
     add_corpus_arguments,
     add_thinking_argument,
     corpus_specs,
+    non_negative_int,
+    positive_int,
     resolve_device,
     thinking_value,
     tqdm_progress,
@@ -57,19 +59,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "with the same settings is resumed, so every rank may pass it); other files are kept")
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
-    parser.add_argument("--max-new-tokens", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=positive_int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling at --temperature > 0")
-    parser.add_argument("--batch-size", type=int, default=64, help="rows per output shard")
-    parser.add_argument("--max-prompt-tokens", type=int, default=2048, help="longer prompts are skipped")
+    parser.add_argument("--batch-size", type=positive_int, default=64, help="rows per output shard")
+    parser.add_argument("--max-prompt-tokens", type=positive_int, default=2048, help="longer prompts are skipped")
     parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
     parser.add_argument("--turns", type=_turns, default=1,
                         help="user turns answered per conversation, each after the target's own earlier answers: "
                              "N or all (default 1: the first turn)")
     parser.add_argument("--device", default=None, help="built-in back end: cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="built-in back end weights")
-    parser.add_argument("--decode-rows", type=int, default=None,
+    parser.add_argument("--decode-rows", type=positive_int, default=None,
                         help="built-in back end: rows decoded at once, each refilled with the next prompt when it "
                              "finishes (default: 256 on a GPU, --batch-size on a CPU); does not change the output")
     parser.add_argument("--kernels", default="auto", choices=KERNELS,
@@ -80,10 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     server.add_argument("--server-model", default=None, help="model name the server expects (default: --target)")
-    server.add_argument("--concurrency", type=int, default=16)
+    server.add_argument("--concurrency", type=positive_int, default=16)
     server.add_argument("--api-key", default=None)
-    parser.add_argument("--rank", type=int, default=None, help="default: $RANK or 0")
-    parser.add_argument("--world-size", type=int, default=None, help="default: $WORLD_SIZE or 1")
+    parser.add_argument("--rank", type=non_negative_int, default=None, help="default: $RANK or 0")
+    parser.add_argument("--world-size", type=positive_int, default=None, help="default: $WORLD_SIZE or 1")
 
 
 def _turns(text: str) -> int | None:

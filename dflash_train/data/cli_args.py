@@ -14,6 +14,37 @@ from dflash_train.data.records import FORMATS
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
+def _bounded_int(least: int) -> Callable[[str], int]:
+    """An argparse `type` taking integers >= `least`: a 0 batch size or count is refused while the arguments are
+    read, in one line, instead of failing deep inside the run (range() with a zero step, an empty loop)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {least}, not {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be at least {least}, not {value}")
+        return value
+
+    return parse
+
+
+positive_int = _bounded_int(1)
+non_negative_int = _bounded_int(0)
+
+
+def positive_float(text: str) -> float:
+    """An argparse `type` taking numbers > 0 (sizes in GB, say)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number > 0, not {text!r}") from None
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be > 0, not {text}")
+    return value
+
+
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("input data")
     group.add_argument("--data", action="append", required=True, metavar="SOURCE",
@@ -23,7 +54,7 @@ def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="record format")
     group.add_argument("--columns", default="", metavar="OURS=THEIRS,...",
                        help="column mapping, e.g. messages=chat or prompt=question")
-    group.add_argument("--max-samples", type=int, default=None, help="rows per source (after shuffling)")
+    group.add_argument("--max-samples", type=positive_int, default=None, help="rows per source (after shuffling)")
     group.add_argument("--shuffle-seed", type=int, default=None, help="shuffle each source with this seed")
     group.add_argument("--allow-unfinished", action="store_true",
                        help="read only the finished shards of a `regenerate` output that is still incomplete")

@@ -15,14 +15,23 @@ from rich.table import Table
 from dflash_train.eval.metrics import running_tau
 from dflash_train.runtime.state import RequestOutput
 
+PLAIN_LINES_PER_PASS = 10  # a line every 10 % of a pass's requests ...
+PLAIN_LINE_MAX_REQUESTS = 20  # ... or every 20 requests, whichever comes first
+
 
 class PassProgress:
-    """Progress of one pass (a dataset round through one engine), updated as requests finish."""
+    """Progress of one pass (a dataset round through one engine), updated as requests finish: a live bar on a
+    terminal; where output goes to a file (rich draws nothing there until the run ends), plain lines: one as
+    the pass starts and one every 10 % of its requests (at most 20 apart) with τ and tokens/s so far."""
 
     def __init__(self, progress: Progress | None, label: str, total: int) -> None:
-        self.progress, self.lengths, self.tokens = progress, [], 0
+        self.progress, self.label, self.total, self.lengths, self.tokens = progress, label, total, [], 0
         self.started = time.perf_counter()
         self.task = progress.add_task(label, total=total, tau="", rate="") if progress else None
+        self.plain = progress is not None and not progress.console.is_terminal
+        self.every = max(1, min(PLAIN_LINE_MAX_REQUESTS, -(-total // PLAIN_LINES_PER_PASS)))
+        if self.plain:
+            print(f"eval {label}: {total} requests", flush=True)
 
     def finished(self, _index: int, output: RequestOutput) -> None:
         self.lengths.append(output.acceptance_lengths)
@@ -30,8 +39,14 @@ class PassProgress:
         if self.progress is None:
             return
         tau = running_tau(self.lengths)
-        rate = self.tokens / max(time.perf_counter() - self.started, 1e-9)
+        seconds = max(time.perf_counter() - self.started, 1e-9)
+        rate = self.tokens / seconds
         self.progress.update(self.task, advance=1, tau=f"τ {tau:.2f}" if tau else "", rate=f"{rate:,.0f} tok/s")
+        done = len(self.lengths)
+        if self.plain and (done % self.every == 0 or done == self.total):
+            running = f", τ {tau:.2f}" if tau else ""
+            print(f"eval {self.label}: {done}/{self.total} requests, {rate:,.0f} tok/s{running} ({seconds:.0f} s)",
+                  flush=True)
 
 
 @contextmanager

@@ -66,9 +66,13 @@ def load_prepared_dataset(path: str) -> tuple[Any, dict[str, Any]]:
 
 
 def split_indices(num_samples: int, fraction: float, max_validation: int, seed: int) -> tuple[list[int], list[int]]:
-    """A fixed random hold-out: (train indices, validation indices)."""
+    """A fixed random hold-out: (train indices, validation indices). A positive `fraction` of a small dataset
+    (fewer rows than 1 / fraction) still holds out one row: validation that was asked for is never dropped
+    without a word, and one row is enough to see the held-out loss and τ̂ move."""
     order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
-    num_val = min(int(num_samples * fraction), max_validation) if fraction > 0 else 0
+    num_val = 0
+    if fraction > 0 and max_validation > 0 and num_samples >= 2:
+        num_val = max(1, min(int(num_samples * fraction), max_validation))
     if num_samples - num_val < 1:
         raise ValueError(f"only {num_samples} samples: nothing left to train on after validation")
     return sorted(order[num_val:]), sorted(order[:num_val])
