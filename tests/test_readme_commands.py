@@ -123,10 +123,16 @@ def test_the_readme_commands_run_in_order_from_a_fresh_clone(clone: Path) -> Non
             continue  # the environment this test runs in
         else:
             pytest.fail(f"{command}: a README command this test cannot check; teach it how")
-    # The whole job ran, in the README's order: the data, a drafter trained on it, evaluated, exported, checked.
+    # The whole job ran, in the README's order: the data, a drafter trained on it, evaluated, exported, checked,
+    # then fine-tuned from its export.
     assert ran == ["inspect", "regenerate", "prepare", "extract", "extract", "train", "eval", "eval", "export",
-                   "check", "push"]
-    assert (clone / "exports" / "SmolLM2-135M-DFlash-b16" / "model.safetensors").is_file()
+                   "check", "push", "train"]
+    assert (clone / "runs" / "exports" / "SmolLM2-135M-DFlash-b16" / "model.safetensors").is_file()
+    # Everything the commands wrote is under folders that .gitignore keeps out of a clone's status.
+    written = {path.name for path in clone.iterdir()} - {"recipes", "data"}
+    assert written <= {"runs", "outputs"}, f"the README's commands wrote {sorted(written)} outside runs/ and outputs/"
+    ignored = set((REPO / ".gitignore").read_text().split())
+    assert {"/runs/", "outputs/"} <= ignored
 
 
 def run_console_script(command: Command) -> None:
