@@ -300,8 +300,7 @@ def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.d
     """(target, drafter, prompts as token lists, stop ids): SmolLM2 + chat prompts, or a tiny stand-in."""
     from dflash_train.eval.chat import prompt_ids, stop_token_ids
     from dflash_train.eval.prompts import load_prompt_set
-    from dflash_train.mask_token import resolve_mask_token_id
-    from dflash_train.target import load_target
+    from dflash_train.target import load_target, resolve_mask_token_id
 
     if args.tiny:
         target = random_target({**TINY_QWEN3, "num_hidden_layers": 6}, device, dtype)

@@ -51,7 +51,7 @@ import torch
 import dflash_train.data.extract as extract_module
 from benchmarks.common import write_result
 from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches, row_lengths
-from dflash_train.unpacked_rows import rows_not_packed
+from dflash_train.target import rows_not_packed
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 

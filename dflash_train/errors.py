@@ -5,15 +5,21 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 
+from tqdm import tqdm
+
 from dflash_train.disk import command_output, disk_full_message
 
 
 def close_progress_bars() -> None:
     """Finish any bar a failed command left open, so that its error starts on a line of its own."""
-    from tqdm import tqdm
-
     for bar in list(getattr(tqdm, "_instances", [])):
         bar.close()
+
+
+def first_line(error: BaseException) -> str:
+    """The first line of an error's message (library errors can run to pages), or its type when empty."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def run_with_one_line_errors(prog: str, call: Callable[[], int]) -> int:

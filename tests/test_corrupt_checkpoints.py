@@ -12,8 +12,8 @@ import torch
 from safetensors.torch import save_file
 
 from dflash_train.checkpoint import load_draft, save_draft
-from dflash_train.checkpoint.weights import DamagedFileError, safetensors_damage
 from dflash_train.cli import main
+from dflash_train.safetensors_io import DamagedFileError, safetensors_damage
 from dflash_train.target import load_target
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import TrainConfig

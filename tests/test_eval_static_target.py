@@ -75,7 +75,7 @@ def test_attention_implementation_is_restored() -> None:
 def test_fused_projections_copy_no_weight_and_change_nothing(arch: str) -> None:
     """The layers' q/k/v and gate/up parameters become views of the fused matrices: same values, same
     model output, same weight hash, no second copy; a second runner shares the first one's matrices."""
-    from dflash_train.data.features import target_fingerprint
+    from dflash_train.target import target_fingerprint
 
     target = make_tiny_target(arch, num_layers=2, seed=3)
     ids = torch.randint(10, 200, (1, 9), generator=torch.Generator().manual_seed(1))

@@ -119,10 +119,8 @@ def test_remote_sampling_runs_and_respects_limits(tmp_path: Path, target: Target
 def test_smollm2_export_checks_against_the_alias_and_decodes_losslessly(tmp_path: Path) -> None:
     """The real default target (Llama, tied embeddings, 30 layers): export, check, remote decode."""
     from dflash_train.checkpoint import check_checkpoint, export_checkpoint, save_draft
-    from dflash_train.checkpoint.target_info import load_target_config
-    from dflash_train.mask_token import resolve_mask_token_id
     from dflash_train.models import DFlashConfig, DFlashDraftModel
-    from dflash_train.target import load_target
+    from dflash_train.target import load_target, load_target_config, resolve_mask_token_id
 
     target = load_target("smollm2-135m-instruct", dtype=torch.float32)
     config = DFlashConfig.from_target_config(

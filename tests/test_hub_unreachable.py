@@ -11,11 +11,10 @@ import httpx
 import pytest
 import torch
 
-import dflash_train.target as target_module
-from dflash_train.checkpoint.target_info import load_target_config
+import dflash_train.target.loading as loading
 from dflash_train.cli import main
 from dflash_train.data.target_tokenizer import load_target_tokenizer
-from dflash_train.target import load_target
+from dflash_train.target import load_target, load_target_config
 from tests.training_fixtures import save_tiny_target
 
 
@@ -29,7 +28,7 @@ def hub_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.")
 
     for name in ("AutoModelForCausalLM", "AutoTokenizer"):
-        monkeypatch.setattr(getattr(target_module, name), "from_pretrained", offline)
+        monkeypatch.setattr(getattr(loading, name), "from_pretrained", offline)
     monkeypatch.setattr("transformers.AutoConfig.from_pretrained", offline)
     monkeypatch.setattr("dflash_train.data.target_tokenizer.AutoTokenizer.from_pretrained", offline)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
@@ -46,7 +45,7 @@ def no_network(monkeypatch: pytest.MonkeyPatch) -> list[float]:
         raise httpx.ConnectError("[Errno -2] Name or service not known")
 
     monkeypatch.setattr(httpx, "head", head)
-    monkeypatch.setattr("huggingface_hub.snapshot_download", _not_cached)
+    monkeypatch.setattr(loading, "snapshot_download", _not_cached)
     return timeouts
 
 
@@ -82,16 +81,16 @@ def test_the_command_line_says_so_in_one_line(hub_lookups: list[str], no_network
 def test_a_copy_in_the_local_hub_cache_is_used_without_network(tmp_path: Path, no_network: list[float],
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     cached = save_tiny_target(tmp_path / "snapshot")
-    monkeypatch.setattr("huggingface_hub.snapshot_download",
+    monkeypatch.setattr(loading, "snapshot_download",
                         lambda repo_id, local_files_only: str(cached) if local_files_only else "")
     loaded: list[str] = []
-    load_model = target_module.AutoModelForCausalLM.from_pretrained
+    load_model = loading.AutoModelForCausalLM.from_pretrained
 
     def spy(source: str, *args: object, **kwargs: object) -> object:
         loaded.append(str(source))
         return load_model(source, *args, **kwargs)
 
-    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", spy)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", spy)
     target = load_target("some-org/some-model", dtype=torch.float32)
     assert target.num_layers == 6 and loaded == [str(cached)]
 

@@ -1,6 +1,7 @@
 """The package's modules form layers: no import cycle, whether the imports run when a module is loaded or
-only when a function runs (a deferred import). The graph is read from the source with `ast`, so the test
-does not depend on the order in which modules happen to be imported."""
+only when a function runs (a deferred import), counting the package `__init__.py` files that an import runs
+on the way. The graph is read from the source with `ast`, so the test does not depend on the order in which
+modules happen to be imported."""
 
 from __future__ import annotations
 
@@ -13,11 +14,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
 
 
-def module_files() -> dict[str, Path]:
-    """Every module of the package by dotted name (a package by its own name, for its __init__.py)."""
+def module_files(package: Path = PACKAGE) -> dict[str, Path]:
+    """Every module of `package` by dotted name (a package by its own name, for its __init__.py)."""
     modules = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in sorted(package.rglob("*.py")):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts.pop()
         modules[".".join(parts)] = path
@@ -52,10 +53,10 @@ def _imported_names(module: str, is_package: bool, node: ast.Import | ast.Import
     return [base] + [f"{base}.{alias.name}" for alias in node.names]
 
 
-def import_graph(top_level_only: bool, with_parents: bool) -> dict[str, set[str]]:
+def import_graph(top_level_only: bool, with_parents: bool, package: Path = PACKAGE) -> dict[str, set[str]]:
     """module -> the package's modules it imports. `with_parents` adds the packages whose __init__.py an
     import runs on the way (importing a.b.c runs a and a.b first)."""
-    modules = module_files()
+    modules = module_files(package)
     graph: dict[str, set[str]] = {}
     for module, path in modules.items():
         tree = ast.parse(path.read_text(), filename=str(path))
@@ -118,11 +119,31 @@ def test_no_cycle_among_top_level_imports() -> None:
     assert cycle is None, f"import cycle at load time: {' -> '.join(cycle or [])}"
 
 
+def test_the_graph_sees_a_cycle_through_a_package_init(tmp_path: Path) -> None:
+    """A deferred import of `pkg.ckpt.weights` runs `pkg/ckpt/__init__.py` first, and that leads back to the
+    importer: a cycle that only the edges to parent packages show."""
+    sources = {
+        "__init__.py": "",
+        "loader.py": "def load():\n    from pkg.ckpt.weights import damaged\n",
+        "ckpt/__init__.py": "from pkg.ckpt.check import check\n",
+        "ckpt/check.py": "from pkg.ckpt.info import facts\n",
+        "ckpt/info.py": "def facts():\n    from pkg.loader import load\n",
+        "ckpt/weights.py": "damaged = None\n",
+    }
+    for name, text in sources.items():
+        (tmp_path / "pkg" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "pkg" / name).write_text(text)
+    assert find_cycle(import_graph(top_level_only=False, with_parents=False, package=tmp_path / "pkg")) is None
+    cycle = find_cycle(import_graph(top_level_only=False, with_parents=True, package=tmp_path / "pkg"))
+    assert cycle == ["pkg.ckpt", "pkg.ckpt.check", "pkg.ckpt.info", "pkg.loader", "pkg.ckpt"]
+
+
 def test_no_cycle_through_deferred_imports() -> None:
-    """A module that imports a module importing it back, if only inside a function, has no layer of its own:
-    move what both need into a module below them both."""
-    cycle = find_cycle(import_graph(top_level_only=False, with_parents=False))
-    assert cycle is None, f"import cycle (deferred imports included): {' -> '.join(cycle or [])}"
+    """A module that imports a module importing it back, if only inside a function, or through the
+    `__init__.py` of a package on the way, has no layer of its own: move what both need into a module below
+    them both."""
+    cycle = find_cycle(import_graph(top_level_only=False, with_parents=True))
+    assert cycle is None, f"import cycle (deferred imports and package __init__ files included): {' -> '.join(cycle or [])}"
 
 
 def test_every_module_imports_in_a_fresh_interpreter() -> None:

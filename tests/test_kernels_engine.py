@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash_train.mask_token import resolve_mask_token_id
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.target import resolve_mask_token_id
 from tests.tiny_models import make_tiny_target
 from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 

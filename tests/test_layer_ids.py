@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.layer_ids import default_target_layer_ids, validate_target_layer_ids
+from dflash_train.target import default_target_layer_ids, validate_target_layer_ids
 
 
 @pytest.mark.parametrize(

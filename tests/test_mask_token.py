@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from dflash_train.mask_token import (
+from dflash_train.target.mask_token import (
     RULE_DRAFT_CONFIG,
     RULE_EXPLICIT,
     RULE_RESERVED_SPECIAL,
@@ -181,7 +181,7 @@ def test_choice_is_always_a_row_and_logged(caplog: pytest.LogCaptureFixture) -> 
         (make_tiny_tokenizer(vocab_size=64), 64),
         (make_tiny_tokenizer(vocab_size=64), 5),
     ]
-    with caplog.at_level(logging.INFO, logger="dflash_train.mask_token"):
+    with caplog.at_level(logging.INFO, logger="dflash_train.target.mask_token"):
         for tokenizer, rows in cases:
             choice = choose_mask_token(tokenizer, rows)
             assert 0 <= choice.id < rows

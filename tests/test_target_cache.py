@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-import dflash_train.target as target_module
-from dflash_train.gguf_file import content_digest
-from dflash_train.target import CONVERSION_MARKER, ensure_converted_gguf, load_target
+import dflash_train.target.conversion as conversion
+from dflash_train.target import CONVERSION_MARKER, content_digest, ensure_converted_gguf, load_target
 from tests.tiny_models import make_tiny_target
 
 GGUF_NAME = "tiny.Q8_0.gguf"
@@ -50,7 +49,7 @@ def conversions(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[Path]:
         target = make_tiny_target("qwen3", num_layers=2, seed=seed)
         return target.model.to(dtype), target.tokenizer
 
-    monkeypatch.setattr(target_module, "load_gguf", fake_load_gguf)
+    monkeypatch.setattr(conversion, "load_gguf", fake_load_gguf)
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     return converted
 
@@ -95,11 +94,11 @@ def test_a_failed_conversion_leaves_nothing_behind(tmp_path: Path, conversions: 
     def disk_full(*args: object, **kwargs: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(target_module.PreTrainedModel, "save_pretrained", disk_full)
+    monkeypatch.setattr(conversion.PreTrainedModel, "save_pretrained", disk_full)
     with pytest.raises(OSError):
         ensure_converted_gguf(gguf)
     cache = tmp_path / "cache" / "targets"
-    assert [p.name for p in cache.iterdir()] == [target_module.DIGESTS_DIR]  # no partial folder, no temp dir
+    assert [p.name for p in cache.iterdir()] == [conversion.DIGESTS_DIR]  # no partial folder, no temp dir
 
 
 def test_a_damaged_conversion_is_converted_again(tmp_path: Path, conversions: list[Path]) -> None:

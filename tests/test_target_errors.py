@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
-import dflash_train.target as target_module
-from dflash_train.checkpoint.target_info import load_target_config
+import dflash_train.target.loading as loading
 from dflash_train.cli import main
-from dflash_train.target import load_target
+from dflash_train.target import load_target, load_target_config
 from tests.test_target_cache import write_tiny_gguf
 
 
@@ -24,9 +23,9 @@ def no_hub(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[str]:
         asked.append(str(source))
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection.")
 
-    monkeypatch.setattr(target_module.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(loading.AutoModelForCausalLM, "from_pretrained", offline)
     monkeypatch.setattr("transformers.AutoConfig.from_pretrained", offline)
-    monkeypatch.setattr(target_module, "hub_unreachable", lambda: None)  # the Hub answers; its lookups fail
+    monkeypatch.setattr(loading, "hub_unreachable", lambda: None)  # the Hub answers; its lookups fail
     monkeypatch.setenv("DFLASH_TRAIN_CACHE", str(tmp_path / "cache"))
     return asked
 

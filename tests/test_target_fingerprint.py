@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from dflash_train.data.extract import ExtractConfig, extract
-from dflash_train.data.features import (
-    FeatureStore,
+from dflash_train.data.features import FeatureStore
+from dflash_train.target import (
+    TargetModel,
     is_legacy_fingerprint,
     legacy_target_fingerprint,
+    load_target,
     target_fingerprint,
     target_identity,
 )
-from dflash_train.target import TargetModel, load_target
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training

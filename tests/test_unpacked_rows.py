@@ -9,8 +9,7 @@ import pytest
 import torch
 import transformers.masking_utils as masking_utils
 
-from dflash_train.target import TargetModel
-from dflash_train.unpacked_rows import rows_not_packed
+from dflash_train.target import TargetModel, rows_not_packed
 from tests.test_target import LAYER_IDS, reference_features
 from tests.tiny_models import TINY_ARCHS, make_tiny_target, tiny_batch
 

@@ -21,8 +21,9 @@ from dflash_train.checkpoint.hf_format import (
     tensor_shapes,
 )
 from dflash_train.checkpoint.io import CONFIG_FILE, TOLERATED_PREFIX, read_config_json
-from dflash_train.checkpoint.target_info import target_facts
-from dflash_train.checkpoint.weights import DamagedFileError, TensorInfo, read_tensor_infos, weight_files
+from dflash_train.checkpoint.weights import TensorInfo, read_tensor_infos, weight_files
+from dflash_train.safetensors_io import DamagedFileError
+from dflash_train.target import target_facts
 
 CARD_FILE = "README.md"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "merges.txt",

@@ -95,7 +95,7 @@ def _target_config(target: Any) -> Any:
     if target is None:
         return None
     if isinstance(target, (str, Path)):
-        from dflash_train.checkpoint.target_info import load_target_config
+        from dflash_train.target import load_target_config
 
         return load_target_config(str(target))
     # A TargetModel (has .model and .config) or a transformers config / config.json dict.

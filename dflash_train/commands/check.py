@@ -20,7 +20,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from dflash_train.checkpoint import check_checkpoint
-    from dflash_train.checkpoint.target_info import load_target_config
+    from dflash_train.target import load_target_config
 
     target_config = load_target_config(args.target) if args.target else None
     problems = check_checkpoint(args.directory, target_config)

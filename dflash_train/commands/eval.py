@@ -80,9 +80,9 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
 def _load_draft(args: argparse.Namespace, target: Any, device: Any, dtype: Any) -> Any:
     import torch
 
-    from dflash_train.mask_token import resolve_mask_token_id
     from dflash_train.models import DFlashConfig, DFlashDraftModel
     from dflash_train.models.layers import RotaryEmbedding
+    from dflash_train.target import resolve_mask_token_id
 
     if args.draft != "random":
         try:
@@ -117,7 +117,7 @@ def _warn_if_trained_for_another_target(draft: Any, target: Any, target_name: st
     """One warning line (not an error: the run still measures the loop and the lossless property) when the
     drafter's checkpoint records another target's fingerprint: it learned to read the features of a model
     that is not this one, so its τ says little about what it would reach with its own."""
-    from dflash_train.data.features import is_legacy_fingerprint, target_fingerprint
+    from dflash_train.target import is_legacy_fingerprint, target_fingerprint
 
     recorded_by = (getattr(draft, "source_config", None) or {}).get("dflash_train") or {}
     recorded = recorded_by.get("target_fingerprint")

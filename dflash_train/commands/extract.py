@@ -65,7 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layer_ids(args: argparse.Namespace, num_layers: int) -> list[int]:
-    from dflash_train.layer_ids import default_target_layer_ids, validate_target_layer_ids
+    from dflash_train.target import default_target_layer_ids, validate_target_layer_ids
 
     if args.layer_ids:
         try:
@@ -119,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
     if args.data is None or args.target is None:
         raise ValueError("extract needs --data (a prepared dataset) and --target")
     from dflash_train.data.extract import ExtractConfig, extract
-    from dflash_train.data.features import target_fingerprint
+    from dflash_train.target import target_fingerprint
     from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
     from dflash_train.data.shards import rank_and_world
     from dflash_train.outputs import FEATURES, claim, foreign_entries, holds_output, remove_owned

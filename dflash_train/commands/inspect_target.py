@@ -20,9 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.mask_token import choose_mask_token
     from dflash_train.models import DFlashConfig
-    from dflash_train.target import load_target
+    from dflash_train.target import choose_mask_token, load_target
 
     target = load_target(args.target)
     explicit = int(args.mask_token) if args.mask_token and args.mask_token.isdigit() else args.mask_token

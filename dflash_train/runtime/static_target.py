@@ -32,9 +32,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
-from dflash_train.layer_ids import validate_target_layer_ids
 from dflash_train.runtime.fused_layer import FusedLayer
-from dflash_train.target import TargetModel
+from dflash_train.target import TargetModel, validate_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "dflash_static"

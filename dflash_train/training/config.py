@@ -25,7 +25,7 @@ class ModelConfig:
     num_draft_layers: int = 5
     block_size: int = 16
     target_layer_ids: list[int] | None = None  # None: the default spread (docs/design.md §2)
-    mask_token_id: int | str | None = None  # None: the resolution order of mask_token.py
+    mask_token_id: int | str | None = None  # None: the resolution order of target/mask_token.py
     init_from: str | None = None  # start from an existing drafter (ours or z-lab layout)
     freeze: list[str] = field(default_factory=list)  # parameter-name prefixes kept frozen, e.g. ["layers."]
     reinit: list[str] = field(default_factory=list)  # with init_from: re-learn these, e.g. ["fc.", "hidden_norm."]

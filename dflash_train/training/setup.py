@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from dflash_train.data.features import TargetIdentity
-from dflash_train.mask_token import choose_mask_token
+from dflash_train.checkpoint.io import load_draft
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.init_from_target import init_layers_from_target
-from dflash_train.target import TargetModel, load_target
+from dflash_train.safetensors_io import DamagedFileError
+from dflash_train.target import TargetModel, choose_mask_token, load_target
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.muon import build_muon_with_adamw
 
@@ -22,22 +22,6 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def build_target(config: TrainConfig, device: torch.device) -> TargetModel:
     return load_target(config.model.target, dtype=DTYPES[config.model.target_dtype], device=device)
-
-
-def target_fingerprint(target: TargetModel) -> str:
-    """The hash that checkpoints and offline feature stores record of the target they were made with; it
-    names the model, whatever dtype it is loaded in (`model.target_dtype` may change on resume)."""
-    from dflash_train.data.features import target_fingerprint as fingerprint
-
-    return fingerprint(target.model)
-
-
-def target_identity(target: TargetModel) -> TargetIdentity:
-    """What an offline feature store is checked against: the fingerprint and the dtype the target is
-    loaded in (features extracted in another dtype differ from what online training would capture)."""
-    from dflash_train.data.features import target_identity as identity
-
-    return identity(target.model)
 
 
 def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
@@ -91,9 +75,6 @@ def reinitialize(draft: DFlashDraftModel, prefixes: list[str]) -> None:
 
 
 def _load_init(path: str) -> DFlashDraftModel:
-    from dflash_train.checkpoint.io import load_draft
-    from dflash_train.checkpoint.weights import DamagedFileError
-
     try:
         return load_draft(path, dtype=torch.float32)
     except DamagedFileError as error:  # say which setting pointed at the damaged file

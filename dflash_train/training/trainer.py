@@ -20,6 +20,7 @@ import torch
 
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.objective import expected_acceptance_length
+from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
@@ -42,8 +43,6 @@ from dflash_train.training.setup import (
     build_optimizer,
     build_schedule,
     build_target,
-    target_fingerprint,
-    target_identity,
 )
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
 
@@ -151,7 +150,7 @@ class Trainer:
             position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha,
         )
         self.compat = {
-            "target": config.model.target, "target_fingerprint": target_fingerprint(self.target),
+            "target": config.model.target, "target_fingerprint": target_fingerprint(self.target.model),
             "target_layer_ids": self.draft_config.target_layer_ids, "block_size": self.draft_config.block_size,
             "hidden_size": self.draft_config.hidden_size, "vocab_size": self.draft_config.vocab_size,
             "mask_token_id": self.draft_config.mask_token_id,
@@ -187,7 +186,7 @@ class Trainer:
         if not self.samples.offline:
             return
         self.samples.store.check_compatible(
-            self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target))
+            self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target.model))
 
     # -- one step -------------------------------------------------------------------------------
     def _features(self, batch: dict[str, torch.Tensor], real: int) -> tuple[torch.Tensor, torch.Tensor | None]:

