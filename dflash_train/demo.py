@@ -29,6 +29,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+from rich.table import Table
+
+from dflash_train.cli import main as cli_main
 from dflash_train.outputs import (
     EVALUATION,
     EXPORTED,
@@ -137,6 +141,7 @@ def plan_stages(out: Path, sizes: DemoSizes, device: str, target_name: str = TAR
 
 def final_checkpoint(train_dir: Path) -> Path | None:
     """The newest checkpoint if training reached its last step, else None."""
+    # Deferred, as every import of torch or huggingface_hub here: main() sets their environment first.
     from dflash_train.training.checkpointing import list_checkpoints, read_trainer_state
 
     found = list_checkpoints(train_dir)
@@ -174,10 +179,6 @@ class StageRunner:
         os.replace(tmp, self.path)
 
     def run(self, stage: Stage, index: int, total: int) -> None:
-        from rich.console import Console
-
-        from dflash_train.cli import main as cli_main
-
         console, record = Console(), self.state.get(stage.name, {})
         same = record.get("argv") == stage.argv and not self.upstream_ran
         header = f"[{index}/{total}] {stage.name}"
@@ -222,7 +223,7 @@ def run_demo(out: str | Path, sizes: DemoSizes, device: str, target: str = TARGE
         if stage.name == "train":
             checkpoint = final_checkpoint(out / "train")
             assert checkpoint is not None, "training finished without its final checkpoint"
-    from dflash_train.data.prepared import read_metadata
+    from dflash_train.data.prepared import read_metadata  # loads huggingface_hub: after main()'s environment
 
     report_path = out / "eval" / "report.json"
     return DemoResult(out, json.loads(report_path.read_text()), report_path, checkpoint, out / "export",
@@ -240,9 +241,7 @@ def _in_repo(sizes: DemoSizes) -> DemoSizes:
 
 def summary_tables(result: DemoResult, device: str) -> list[Any]:
     """The result per dataset, then where the time went."""
-    from rich.table import Table
-
-    from dflash_train.eval.console import lossless_mark
+    from dflash_train.eval.console import lossless_mark  # loads torch: after main()'s environment
 
     draft = result.report.get("settings", {})
     results = Table(title=f"DFlash demo: {result.target} + 5-layer drafter, block {draft.get('block_size', 16)}",
@@ -269,7 +268,7 @@ def _number(value: float | None, spec: str, suffix: str = "") -> str:
 
 
 def print_summary(result: DemoResult, device: str, load: tuple[tuple[float, ...], tuple[float, ...]]) -> None:
-    from dflash_train.eval.console import wide_console
+    from dflash_train.eval.console import wide_console  # loads torch: after main()'s environment
 
     console = wide_console()
     console.rule("demo finished")
@@ -307,7 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")  # the demo uses only what is installed, never the Hub
     if args.device == "cpu":
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # before torch loads: training must stay on the CPU too
-    import torch
+    import torch  # only now: torch reads CUDA_VISIBLE_DEVICES, huggingface_hub HF_HUB_OFFLINE, when imported
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("make demo: error: --device cuda but no CUDA device is visible; use --device cpu", file=sys.stderr)

@@ -17,6 +17,9 @@ import sys
 from collections.abc import Sequence
 
 from dflash_train.errors import run_with_one_line_errors
+from dflash_train.outputs import claim_training_dir
+from dflash_train.training.config import load_config
+from dflash_train.training.trainer import run_training
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -27,10 +30,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.outputs import claim_training_dir
-    from dflash_train.training.config import load_config
-    from dflash_train.training.trainer import run_training
-
     config = load_config(args.config, args.overrides)
     claim_training_dir(config, args.overwrite)
     result = run_training(config)

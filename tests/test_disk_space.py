@@ -63,7 +63,7 @@ def test_train_reports_the_free_space_of_its_output_dir(scratch: Path, monkeypat
     def fills_the_disk(config: object) -> None:
         raise RuntimeError(NO_SPACE)  # what torch's and safetensors' writers raise: no file name
 
-    monkeypatch.setattr("dflash_train.training.trainer.run_training", fills_the_disk)
+    monkeypatch.setattr("dflash_train.train.run_training", fills_the_disk)
     monkeypatch.chdir(scratch.parent)
     out = scratch / "runs" / "cpu"
     assert train.main(["--config", str(RECIPE), f"training.output_dir={out}"]) == 2
@@ -79,7 +79,7 @@ def test_eval_reports_the_free_space_of_its_report_folder(scratch: Path, tmp_pat
         raise RuntimeError(NO_SPACE)
 
     target = save_tiny_target(tmp_path / "target")
-    monkeypatch.setattr("dflash_train.eval.report.write_outputs", fills_the_disk)
+    monkeypatch.setattr("dflash_train.commands.eval.write_outputs", fills_the_disk)
     monkeypatch.chdir(scratch.parent)
     out = scratch / "eval" / "report.json"
     assert main(["eval", "--target", str(target), "--draft", "random", "--random-draft-layers", "1",

@@ -220,7 +220,7 @@ def test_demo_stage_that_starts_over_removes_only_what_it_wrote(tmp_path: Path,
         (stage.output / name).write_text("x")
     (tmp_path / "demo_state.json").write_text(json.dumps({"prepare": {"argv": ["older"], "done": True}}))
     ran: list[list[str]] = []
-    monkeypatch.setattr("dflash_train.cli.main", lambda argv: ran.append(argv) or 0)
+    monkeypatch.setattr("dflash_train.demo.cli_main", lambda argv: ran.append(argv) or 0)
     StageRunner(tmp_path).run(stage, 2, 6)
     assert ran == [stage.argv] and sorted(p.name for p in stage.output.iterdir()) == ["notes.txt"]
 

@@ -23,6 +23,7 @@ from dflash_train.checkpoint.check import CARD_FILE, check_against_target, check
 from dflash_train.checkpoint.hf_format import REMOTE_CODE_FILE, config_to_hf, merge_source_config
 from dflash_train.checkpoint.io import read_checkpoint, write_draft_files
 from dflash_train.checkpoint.weights import DEFAULT_MAX_SHARD_BYTES
+from dflash_train.target import load_target_config
 
 CARD_TEMPLATE = "model_card.md"
 
@@ -30,9 +31,7 @@ CARD_TEMPLATE = "model_card.md"
 def export_assets_dir() -> Path:
     """The `export/` folder (files shipped inside every export): in the source tree, or where a wheel
     installs it (`<prefix>/share/dflash-train/export`)."""
-    import dflash_train
-
-    candidates = [Path(dflash_train.__file__).resolve().parents[1] / "export",
+    candidates = [Path(__file__).resolve().parents[2] / "export",
                   Path(sys.prefix) / "share" / "dflash-train" / "export"]
     for assets in candidates:
         if (assets / REMOTE_CODE_FILE).is_file() and (assets / CARD_TEMPLATE).is_file():
@@ -95,8 +94,6 @@ def _target_config(target: Any) -> Any:
     if target is None:
         return None
     if isinstance(target, (str, Path)):
-        from dflash_train.target import load_target_config
-
         return load_target_config(str(target))
     # A TargetModel (has .model and .config) or a transformers config / config.json dict.
     return target.config if hasattr(target, "model") and hasattr(target, "config") else target

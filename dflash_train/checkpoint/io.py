@@ -25,6 +25,7 @@ from dflash_train.checkpoint.hf_format import (
     expected_tensor_shapes,
     merge_source_config,
 )
+from dflash_train.checkpoint.hub import resolve_checkpoint_dir
 from dflash_train.checkpoint.weights import (
     DEFAULT_MAX_SHARD_BYTES,
     INDEX_FILE,
@@ -64,8 +65,6 @@ def read_config_json(directory: Path) -> dict[str, Any]:
 
 def read_checkpoint(path_or_hub_id: str | Path) -> DraftCheckpoint:
     """Config and tensors of a drafter checkpoint, tensor names normalised and checked against the config."""
-    from dflash_train.checkpoint.hub import resolve_checkpoint_dir
-
     directory = resolve_checkpoint_dir(path_or_hub_id)
     hf_config = read_config_json(directory)
     try:

@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from huggingface_hub import HfApi, get_token
+
 from dflash_train.checkpoint.check import check_checkpoint
 from dflash_train.checkpoint.hub import describe_hub_error
 
@@ -54,8 +56,6 @@ def push_checkpoint(
     token: str | None = None,
 ) -> str:
     """Create the repo (and branch) if needed and upload `directory` in one commit; returns the commit URL."""
-    from huggingface_hub import HfApi, get_token
-
     plan = plan_push(directory, repo_id)
     token = token or get_token()
     if not token:

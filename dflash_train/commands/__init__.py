@@ -1,7 +1,7 @@
-"""One module per `dflash-train` subcommand, each with `HELP`, a docstring, `add_arguments(parser)` and
+"""One module per `dflash-train` subcommand, each with a docstring, `add_arguments(parser)` and
 `run(args) -> exit status`.
 
-`dflash_train.cli` gathers them under one parser; `run_command` runs one of them alone (``python -m
+`dflash_train.cli` gathers them under one parser (with each one's help line); `run_command` runs one of them alone (``python -m
 dflash_train.commands.eval ...``) with the same arguments and the same one-line errors. Both live here,
 below the command modules and the CLI alike, so that no command module needs to import the CLI.
 """
@@ -40,9 +40,10 @@ def parse_or_report(parse: Callable[[], argparse.Namespace]) -> argparse.Namespa
         return None
 
 
-def add_command_parser(subparsers: argparse._SubParsersAction, name: str, command: ModuleType) -> None:
+def add_command_parser(subparsers: argparse._SubParsersAction, name: str, help_line: str,
+                       command: ModuleType) -> None:
     """Register `command` as `dflash-train <name>`."""
-    parser = subparsers.add_parser(name, help=command.HELP, description=command.__doc__,
+    parser = subparsers.add_parser(name, help=help_line, description=command.__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     command.add_arguments(parser)
 

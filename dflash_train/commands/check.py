@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "validate a drafter checkpoint directory against the export contract"
+from dflash_train.checkpoint import check_checkpoint
+from dflash_train.target import load_target_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -19,9 +20,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.checkpoint import check_checkpoint
-    from dflash_train.target import load_target_config
-
     target_config = load_target_config(args.target) if args.target else None
     problems = check_checkpoint(args.directory, target_config)
     for problem in problems:

@@ -20,11 +20,27 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from dflash_train.checkpoint import load_draft
+from dflash_train.commands import run_command
 from dflash_train.data.cli_args import positive_int
 from dflash_train.disk import note_output
-from dflash_train.runtime.config import KERNELS
-
-HELP = "measure acceptance length, losslessness and speedup of a drafter on prompt sets"
+from dflash_train.eval.compat import check_compatible
+from dflash_train.eval.console import print_summary, progress_bars
+from dflash_train.eval.prompts import load_prompt_set
+from dflash_train.eval.report import build_report, write_outputs
+from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.models.layers import RotaryEmbedding
+from dflash_train.runtime.config import KERNELS, EngineConfig, stop_token_ids
+from dflash_train.target import (
+    TargetModel,
+    is_legacy_fingerprint,
+    load_target,
+    resolve_mask_token_id,
+    target_fingerprint,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -67,9 +83,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
 
 
-def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
-    import torch
-
+def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda requested but no CUDA device is visible; use --device cpu")
@@ -77,19 +91,9 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[Any, Any]:
     return device, getattr(torch, name)
 
 
-def _load_draft(args: argparse.Namespace, target: Any, device: Any, dtype: Any) -> Any:
-    import torch
-
-    from dflash_train.models import DFlashConfig, DFlashDraftModel
-    from dflash_train.models.layers import RotaryEmbedding
-    from dflash_train.target import resolve_mask_token_id
-
+def _load_draft(args: argparse.Namespace, target: TargetModel, device: torch.device,
+                dtype: torch.dtype) -> DFlashDraftModel:
     if args.draft != "random":
-        try:
-            from dflash_train.checkpoint import load_draft
-        except ImportError as error:
-            raise ValueError(f"cannot load drafter checkpoints in this installation ({error}); update dflash-train, "
-                             f"or pass --draft random") from error
         return load_draft(args.draft, device=device, dtype=dtype).eval()
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
     config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id,
@@ -101,11 +105,9 @@ def _load_draft(args: argparse.Namespace, target: Any, device: Any, dtype: Any) 
     return draft.eval()
 
 
-def _runtime_config(args: argparse.Namespace, target: Any, block_size: int, batch_size: int) -> Any:
+def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: int,
+                    batch_size: int) -> EngineConfig:
     """The runtime's settings for both engines (the caches' length is set by the evaluator)."""
-    from dflash_train.eval.run import MAX_AUTOTUNE
-    from dflash_train.runtime.config import EngineConfig, stop_token_ids
-
     stops = () if args.ignore_eos else tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
     return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
@@ -113,12 +115,10 @@ def _runtime_config(args: argparse.Namespace, target: Any, block_size: int, batc
                         compile_options=MAX_AUTOTUNE if args.max_autotune else ())
 
 
-def _warn_if_trained_for_another_target(draft: Any, target: Any, target_name: str) -> None:
+def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:
     """One warning line (not an error: the run still measures the loop and the lossless property) when the
     drafter's checkpoint records another target's fingerprint: it learned to read the features of a model
     that is not this one, so its τ says little about what it would reach with its own."""
-    from dflash_train.target import is_legacy_fingerprint, target_fingerprint
-
     recorded_by = (getattr(draft, "source_config", None) or {}).get("dflash_train") or {}
     recorded = recorded_by.get("target_fingerprint")
     # Nothing to compare: a published or random drafter, or an older checkpoint's hash, which depended on the
@@ -134,13 +134,6 @@ def _warn_if_trained_for_another_target(draft: Any, target: Any, target_name: st
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.eval.compat import check_compatible
-    from dflash_train.eval.console import print_summary, progress_bars
-    from dflash_train.eval.prompts import load_prompt_set
-    from dflash_train.eval.report import build_report, write_outputs
-    from dflash_train.eval.run import EvalSettings, Evaluator
-    from dflash_train.target import load_target
-
     _validate(args)
     note_output(Path(args.out).parent)  # a full disk is reported with the report folder's free space
     prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]  # fail fast on bad names
@@ -153,8 +146,6 @@ def run(args: argparse.Namespace) -> int:
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
     settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on")
-    import torch
-
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress)
@@ -171,8 +162,6 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m dflash_train.commands.eval ...`: the same as `dflash-train eval ...`."""
-    from dflash_train.commands import run_command
-
     return run_command("eval", sys.modules[__name__], sys.argv[1:] if argv is None else argv)
 
 

@@ -15,7 +15,9 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-HELP = "export a drafter checkpoint for SGLang, vLLM and Transformers"
+from dflash_train.checkpoint import export_checkpoint
+from dflash_train.checkpoint.card import load_eval_reports
+from dflash_train.outputs import EXPORTED, claim, entries, holds_output, publish
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +38,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _export_into(out: Path, export: Callable[[Path], Path]) -> None:
     """Run `export(folder)` into a new folder beside `out`, then publish it into `out`: only an earlier
     export's files are replaced there, never the folder as a whole (it may hold other files)."""
-    from dflash_train.outputs import EXPORTED, publish
-
     out.parent.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
     try:
@@ -47,10 +47,6 @@ def _export_into(out: Path, export: Callable[[Path], Path]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.checkpoint import export_checkpoint
-    from dflash_train.checkpoint.card import load_eval_reports
-    from dflash_train.outputs import EXPORTED, claim, entries, holds_output
-
     card_info = {
         "base_model": args.base_model,
         "repo_id": args.repo_id,

@@ -28,8 +28,19 @@ from dflash_train.data.cli_args import (
     resolve_device,
     tqdm_progress,
 )
-
-HELP = "store the target's features of a prepared dataset (offline training), or --verify a store"
+from dflash_train.data.extract import ExtractConfig, extract
+from dflash_train.data.features import MANIFEST
+from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
+from dflash_train.data.shards import rank_and_world
+from dflash_train.data.verify import verify_store
+from dflash_train.outputs import FEATURES, claim, foreign_entries, holds_output, remove_owned
+from dflash_train.target import (
+    TargetModel,
+    default_target_layer_ids,
+    load_target,
+    target_fingerprint,
+    validate_target_layer_ids,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,12 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shard-gb", type=positive_float, default=0.5,
                         help="about this many GB per shard file (pinned host memory holds up to 2 x "
                              "--window-shards shards: one window computed while the one before is written)")
-    parser.add_argument("--window-shards", type=positive_int, default=8,  # ExtractConfig's (imported lazily)
+    parser.add_argument("--window-shards", type=positive_int, default=ExtractConfig.window_shards,
                         help="shards whose rows are micro-batched together: more rows sorted together pad less "
                              "and run fewer, fuller forwards (lower it, or --shard-gb, if host memory is short)")
     parser.add_argument("--rows-per-shard", type=positive_int, default=None,
                         help="rows per shard file instead of --shard-gb (default: an existing store's own)")
-    parser.add_argument("--token-budget", type=positive_int, default=65536,  # ExtractConfig's
+    parser.add_argument("--token-budget", type=positive_int, default=ExtractConfig.token_budget,
                         help="padded tokens per forward (lower it if the GPU runs out of memory)")
     parser.add_argument("--write-threads", type=positive_int, default=4,
                         help="shard files written at once (one thread copying into the page cache is slower "
@@ -65,8 +76,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _layer_ids(args: argparse.Namespace, num_layers: int) -> list[int]:
-    from dflash_train.target import default_target_layer_ids, validate_target_layer_ids
-
     if args.layer_ids:
         try:
             ids = [int(x) for x in args.layer_ids.split(",")]
@@ -77,10 +86,6 @@ def _layer_ids(args: argparse.Namespace, num_layers: int) -> list[int]:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from dflash_train.data.prepared import load_prepared
-    from dflash_train.data.verify import verify_store
-    from dflash_train.target import load_target
-
     dataset = load_prepared(args.data) if args.data else None
     target = None
     if args.target and args.recompute:
@@ -90,7 +95,7 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _store_settings(config: Any, target: Any, num_rows: int) -> dict[str, Any]:
+def _store_settings(config: ExtractConfig, target: TargetModel, num_rows: int) -> dict[str, Any]:
     """The manifest keys of a store that this run fixes before extracting (`extract` adds derived ones)."""
     fixed = {"format": "dflash-features-v1", "target_layer_ids": list(config.layer_ids),
              "hidden_size": target.hidden_size, "dtype": config.dtype, "num_rows": num_rows}
@@ -99,8 +104,6 @@ def _store_settings(config: Any, target: Any, num_rows: int) -> dict[str, Any]:
 
 def _made_otherwise(out: Path, expected: dict[str, Any]) -> bool:
     """Whether the store in ``out`` was made with other settings than ``expected`` (no store: False)."""
-    from dflash_train.data.features import MANIFEST
-
     path = out / MANIFEST
     if not path.exists():
         return False
@@ -118,13 +121,6 @@ def run(args: argparse.Namespace) -> int:
         return _verify(args)
     if args.data is None or args.target is None:
         raise ValueError("extract needs --data (a prepared dataset) and --target")
-    from dflash_train.data.extract import ExtractConfig, extract
-    from dflash_train.target import target_fingerprint
-    from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
-    from dflash_train.data.shards import rank_and_world
-    from dflash_train.outputs import FEATURES, claim, foreign_entries, holds_output, remove_owned
-    from dflash_train.target import load_target
-
     rank, world = rank_and_world(args.rank, args.world_size)
     # Checked before the target loads; a store of other settings is recognised only once it has (below).
     claim(args.out, FEATURES, inputs=[args.data, args.target], overwrite=args.overwrite,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "show a target's shape, default layer ids and mask token"
+from dflash_train.models import DFlashConfig
+from dflash_train.target import choose_mask_token, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,9 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.models import DFlashConfig
-    from dflash_train.target import choose_mask_token, load_target
-
     target = load_target(args.target)
     explicit = int(args.mask_token) if args.mask_token and args.mask_token.isdigit() else args.mask_token
     choice = choose_mask_token(target.tokenizer, target.vocab_size, explicit=explicit)

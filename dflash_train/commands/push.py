@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import argparse
 
-HELP = "upload an exported drafter to the Hugging Face Hub"
+from dflash_train.checkpoint.push import plan_push, push_checkpoint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -23,8 +23,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.checkpoint.push import plan_push, push_checkpoint
-
     if args.dry_run:
         plan = plan_push(args.directory, args.repo_id)
         for name, size in plan.files:

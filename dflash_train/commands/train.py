@@ -5,6 +5,4 @@
 
 from dflash_train.train import add_arguments, run
 
-HELP = "train a drafter from a YAML recipe"
-
-__all__ = ["HELP", "add_arguments", "run"]
+__all__ = ["add_arguments", "run"]

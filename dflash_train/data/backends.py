@@ -12,14 +12,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import httpx
 
 from dflash_train.data.regenerate import Completion, PromptRow
-
-if TYPE_CHECKING:
-    from dflash_train.runtime.config import EngineConfig
-    from dflash_train.runtime.generation import Generated
-    from dflash_train.target import TargetModel
+from dflash_train.runtime.config import EngineConfig
+from dflash_train.runtime.generation import Generated, Generator
+from dflash_train.runtime.sampling import request_seed
+from dflash_train.target import TargetModel
 
 
 class LocalBackend:
@@ -31,8 +32,6 @@ class LocalBackend:
     writes what an uninterrupted one would have."""
 
     def __init__(self, target: TargetModel, config: EngineConfig, unit_rows: int) -> None:
-        from dflash_train.runtime.generation import Generator
-
         tokenizer = target.tokenizer
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)
         self.generator = Generator(target, config, pad)
@@ -40,8 +39,6 @@ class LocalBackend:
         self.window = 1 + 2 * -(-config.batch_size // unit_rows)
 
     def start(self, rows: list[PromptRow], seed: int) -> Callable[[], list[Completion]]:
-        from dflash_train.runtime.sampling import request_seed
-
         wait = self.generator.submit([row.prompt_ids for row in rows], [request_seed(seed, row.row_id) for row in rows])
         return lambda: [self._completion(out) for out in wait()]
 
@@ -62,8 +59,6 @@ class OpenAIBackend:
     def __init__(self, base_url: str, model: str, max_new_tokens: int, temperature: float = 0.0,
                  thinking: bool | None = None, concurrency: int = 16, api_key: str | None = None,
                  timeout_s: float = 600.0, retries: int = 3, top_p: float = 1.0) -> None:
-        import httpx
-
         self.url = base_url.rstrip("/") + "/chat/completions"
         self.model = model
         self.max_new_tokens = max_new_tokens
@@ -93,8 +88,6 @@ class OpenAIBackend:
         return payload
 
     def _one(self, row: PromptRow, seed: int) -> Completion:
-        import httpx
-
         for attempt in range(self.retries + 1):
             try:
                 response = self.client.post(self.url, json=self._payload(row, seed))

@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable
 
 import torch
+from tqdm import tqdm
 
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.records import FORMATS
@@ -99,8 +100,6 @@ def resolve_device(requested: str | None) -> str:
 
 def tqdm_progress(description: str, unit: str) -> Callable[..., None]:
     """A progress callback ``(done, total, ..., rate)`` drawing one tqdm bar with the last rate."""
-    from tqdm import tqdm
-
     bar: list[tqdm] = []
 
     def update(done: int, total: int, *rest: float) -> None:

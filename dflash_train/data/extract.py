@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 from torch import Tensor
 
@@ -63,8 +64,6 @@ def bytes_per_token(num_layers: int, hidden: int, dtype: str) -> int:
 
 def row_lengths(dataset: Any) -> list[int]:
     """Token count of every row, read from the Arrow column without materialising the lists."""
-    import pyarrow.compute as pc
-
     return pc.list_value_length(dataset.data.column("input_ids")).to_pylist()
 
 

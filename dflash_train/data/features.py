@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 from torch import Tensor
 
 from dflash_train.target.fingerprint import TargetIdentity, is_legacy_fingerprint
@@ -117,8 +118,6 @@ def _manifest_problem(manifest: Any, keys: Sequence[str]) -> str | None:
 
 
 def open_shard(path: Path) -> Any:
-    from safetensors import safe_open
-
     try:
         return safe_open(str(path), framework="pt")
     except Exception as error:  # safetensors raises its own error types for corrupt headers

@@ -10,10 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+import datasets
+import pyarrow.compute as pc
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 METADATA_FILE = "dflash_data.json"
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
@@ -41,8 +42,6 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
 
 def load_prepared(path: str | Path) -> Any:
     """The ``datasets.Dataset`` of a prepared directory, checked for the two required columns."""
-    import datasets
-
     read_metadata(path)
     try:
         dataset = datasets.load_from_disk(str(path))
@@ -75,8 +74,6 @@ def check_rows(path: str | Path, vocab_size: int) -> None:
     """Refuse rows that `prepare` cannot have written: ids the tokenizer cannot produce, a loss mask not of
     0/1 or not as long as its row. Arrow files carry no checksum, so a damaged one still loads, and its ids
     would end in an index error inside the target's embedding, far from the cause."""
-    import pyarrow.compute as pc
-
     table = load_prepared(path).data
     ids, mask = table.column("input_ids"), table.column("loss_mask")
     problem = None
@@ -93,8 +90,6 @@ def check_rows(path: str | Path, vocab_size: int) -> None:
 
 
 def _within(column: Any, low: int, high: int) -> bool:
-    import pyarrow.compute as pc
-
     values = pc.list_flatten(column)
     if values.null_count:
         return False

@@ -7,11 +7,11 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.target import ensure_converted_gguf, resolve_target_source
+
 
 def load_target_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     """Tokenizer of an alias, Hub id, local directory or ``.gguf`` file (as ``load_target`` resolves them)."""
-    from dflash_train.target import ensure_converted_gguf, resolve_target_source
-
     source = resolve_target_source(name_or_path)
     if source.endswith(".gguf"):
         source = str(ensure_converted_gguf(Path(source)))

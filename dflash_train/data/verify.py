@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
+from dflash_train.data.extract import shard_rows
 from dflash_train.data.features import (
     READ_KEYS,
     FeatureStore,
@@ -77,10 +79,6 @@ def verify_store(store_dir: Path, dataset: Any = None, target: Any = None, recom
 
 def _compare_with_dataset(store: FeatureStore, dataset: Any) -> None:
     """Token ids and loss masks of every shard against the prepared dataset, shard by shard (no features read)."""
-    import numpy as np
-
-    from dflash_train.data.extract import shard_rows
-
     if len(dataset) != len(store):
         raise ValueError(f"{store.path}: {len(store)} rows, the prepared dataset has {len(dataset)}; extract again")
     per_shard = store.manifest["rows_per_shard"]

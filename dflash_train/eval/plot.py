@@ -5,17 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+# A bare Figure, not pyplot: no backend to choose and no global figure state, in any process.
+from matplotlib.figure import Figure
+
 
 def plot_report(report: dict[str, Any], path: Path) -> Path:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError as error:
-        raise ValueError("the eval figure needs matplotlib: `pip install matplotlib` (or pass --no-plot)") from error
     rows = list(report["datasets"].items())
-    fig, axes = plt.subplots(len(rows), 2, figsize=(10, 2.8 * len(rows)), squeeze=False)
+    fig = Figure(figsize=(10, 2.8 * len(rows)))
+    axes = fig.subplots(len(rows), 2, squeeze=False)
     for (name, row), (left, right) in zip(rows, axes, strict=True):
         counts = row["histogram"]
         total = max(sum(counts), 1)
@@ -35,5 +32,4 @@ def plot_report(report: dict[str, Any], path: Path) -> Path:
         right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path

@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import transformers
 
+from dflash_train.atomic import write_json_atomically
+from dflash_train.eval.plot import plot_report
 from dflash_train.eval.run import Evaluator
 from dflash_train.target import TargetModel
 
@@ -69,13 +71,9 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
 
 
 def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
-    from dflash_train.atomic import write_json_atomically
-
     # Atomic: a report cut short (a full disk, a kill) would read as a finished evaluation.
     write_json_atomically(out, report)
     paths = [out]
     if plot:
-        from dflash_train.eval.plot import plot_report
-
         paths.append(plot_report(report, out.with_suffix(".png")))
     return paths

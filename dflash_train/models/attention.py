@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
 
 # A dense bool tensor [b, 1, Q, K], a flex-attention BlockMask, or None (every key visible).
 AttentionMask = Any
@@ -22,8 +23,6 @@ def is_block_mask(mask: AttentionMask) -> bool:
 
 @functools.cache
 def _compiled_flex_attention() -> Any:
-    from torch.nn.attention.flex_attention import flex_attention
-
     return torch.compile(flex_attention, dynamic=False)
 
 
@@ -32,8 +31,6 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMas
     if is_block_mask(mask):
         if q.is_cuda and not torch.compiler.is_compiling():
             return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
-        from torch.nn.attention.flex_attention import flex_attention
-
         return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.nn.attention.flex_attention import BlockMask
 
 TILE = 128  # flex attention's default block size, in queries and in keys
 QUERY_TILES_PER_CHUNK = 64  # bounds the [b, chunk rows, key tiles] intermediates
@@ -73,8 +74,6 @@ def block_mask_from_intervals(
 ) -> Any:
     """A flex-attention BlockMask whose rows see (a subset, decided by `mask_mod`, of) the key intervals
     [starts, ends) — [b, Q] or [b, Q, I] — and nothing outside them."""
-    from torch.nn.attention.flex_attention import BlockMask
-
     partial, full = tile_lists(starts, ends, num_keys, tile)
     kv_num, kv_indices = _as_lists(partial)
     full_num, full_indices = _as_lists(full)

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
+
 if TYPE_CHECKING:
     import torch
 
-# Kept free of heavy imports: the command line reads its choices (KERNELS) before anything is loaded.
 KERNELS = ("auto", "triton", "torch")
 
 
@@ -52,8 +53,6 @@ class EngineConfig:
 
 def resolve_kernels(kernels: str, device: torch.device) -> str:
     """"auto" -> "triton" on CUDA with triton installed, else "torch"; "triton" on CPU needs the interpreter."""
-    from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
-
     if kernels not in KERNELS:
         raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {kernels!r}")
     if kernels == "auto":

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference
+from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference, greedy_verify_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import EngineConfig, resolve_kernels
 from dflash_train.runtime.sampling import (
@@ -175,8 +175,6 @@ class DecodeEngine:
 
     def _verify(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kernels == "triton":
-            from dflash_train.kernels.greedy_verify import greedy_verify_triton
-
             return greedy_verify_triton(*args)
         return greedy_verify_reference(*args)
 

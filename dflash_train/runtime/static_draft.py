@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.models import DFlashDraftModel
 
 
@@ -53,8 +54,6 @@ class StaticDrafter:
         n, t = positions.shape
         rows = torch.arange(n, device=positions.device) if row_index is None else row_index
         if self.kernels == "triton":
-            from dflash_train.kernels.context_kv import context_kv_triton
-
             attn = self.draft.layers[0].self_attn
             kv = F.linear(context, self.kv_weight, self.kv_bias)
             kv = kv.view(n * t, len(self.draft.layers), 2, attn.num_kv_heads, attn.head_dim)

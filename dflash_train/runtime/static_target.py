@@ -30,6 +30,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface
 
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.runtime.fused_layer import FusedLayer
@@ -76,8 +77,6 @@ def static_attention(
 
 
 def _register_attention() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(ATTENTION_NAME, static_attention)
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.safetensors_io import safetensors_damage
+from dflash_train.target import is_legacy_fingerprint
 
 CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
 COMPAT_KEYS = ("target_fingerprint", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
@@ -136,8 +137,6 @@ def check_compatible(saved: dict[str, Any], current: dict[str, Any], path: Path)
 def _comparable(key: str, saved_value: Any) -> bool:
     # Checkpoints written before fingerprints ignored the dtype recorded a hash of the weights as loaded,
     # which no fingerprint of today can equal; the other keys still check that the drafter fits.
-    from dflash_train.target import is_legacy_fingerprint
-
     return not (key == "target_fingerprint" and is_legacy_fingerprint(saved_value))
 
 

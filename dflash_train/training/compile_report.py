@@ -7,14 +7,19 @@ dynamo's own timers (an internal API: without it, nothing is reported).
 
 from __future__ import annotations
 
+try:  # dynamo's own timers: a private API that may move, and the report is optional
+    from torch._dynamo.utils import compile_times
+except ImportError:
+    compile_times = None  # type: ignore[assignment]
+
 MIN_SECONDS = 1.0  # less compile time than this in the first step is not worth a line
 
 
 def compile_seconds() -> dict[str, float]:
     """Seconds spent so far compiling forward graphs (dynamo + inductor) and backward graphs."""
+    if compile_times is None:
+        return {}
     try:
-        from torch._dynamo.utils import compile_times
-
         names, values = compile_times(repr="csv")
     except Exception:  # noqa: BLE001  (a private API that may change: the report is optional)
         return {}

@@ -15,6 +15,9 @@ from typing import Any
 
 import torch
 
+from dflash_train.data.features import FeatureStore
+from dflash_train.data.prepared import load_prepared
+
 
 class TrainingSamples:
     """Prepared token data (online features) or an offline feature store, indexed uniformly."""
@@ -23,8 +26,6 @@ class TrainingSamples:
         self.max_length = max_length
         self.offline = features is not None
         if features is not None:
-            from dflash_train.data.features import FeatureStore
-
             self.store: Any = FeatureStore(features)
             self.metadata: dict[str, Any] = dict(self.store.manifest)
         else:
@@ -45,18 +46,7 @@ class TrainingSamples:
 
 
 def load_prepared_dataset(path: str) -> tuple[Any, dict[str, Any]]:
-    try:
-        from dflash_train.data import load_prepared
-    except ImportError:  # fall back to the on-disk format itself
-        load_prepared = None
-    if load_prepared is not None:
-        dataset = load_prepared(path)
-    else:
-        import datasets
-
-        if not (Path(path) / "dataset_info.json").is_file() and not (Path(path) / "state.json").is_file():
-            raise ValueError(f"{path} is not a prepared dataset; create it with `dflash-train prepare`")
-        dataset = datasets.load_from_disk(path)
+    dataset = load_prepared(path)
     meta_path = Path(path) / "dflash_data.json"
     metadata = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
     missing = {"input_ids", "loss_mask"} - set(dataset.column_names)

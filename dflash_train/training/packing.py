@@ -16,8 +16,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import pyarrow.compute as pc
 import torch
 
+from dflash_train.data.features import open_shard, shard_path
 from dflash_train.training.data import epoch_order
 
 ANCHOR_SLACK = 1.125  # anchor capacity over the data's mean anchors per token: rows rarely close on anchors
@@ -72,8 +74,6 @@ def concat_stats(parts: Sequence[ChatStats]) -> ChatStats:
 
 def prepared_chat_stats(dataset: Any, max_length: int, partition_block: int | None = None) -> ChatStats:
     """Stats of a prepared `datasets.Dataset`, read from its Arrow column chunk by chunk."""
-    import pyarrow.compute as pc
-
     parts = []
     for chunk in dataset.data.table.column("loss_mask").chunks:
         offsets = np.concatenate([[0], np.cumsum(pc.list_value_length(chunk).to_numpy(zero_copy_only=False))])
@@ -88,8 +88,6 @@ def prepared_chat_stats(dataset: Any, max_length: int, partition_block: int | No
 
 def store_chat_stats(store: Any, max_length: int, partition_block: int | None = None) -> ChatStats:
     """Stats of an offline feature store, from each shard's loss mask and row offsets."""
-    from dflash_train.data.features import open_shard, shard_path
-
     parts = []
     for unit in range(store.num_units):
         handle = open_shard(shard_path(store.path, unit))

@@ -8,6 +8,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+# A bare Figure, not pyplot: no backend to choose and no global figure state, in any process.
+from matplotlib.figure import Figure
+
 from dflash_train.training.config import TrackingConfig
 
 
@@ -39,7 +42,7 @@ class MetricsLogger:
         self.run = None
         if tracking.report_to == "wandb":
             try:
-                import wandb
+                import wandb  # only runs that report to wandb pay for its import (a quarter second)
             except ImportError as error:
                 raise ValueError("tracking.report_to=wandb needs `pip install wandb` (or set report_to: none)") from error
             self.run = wandb.init(
@@ -75,13 +78,9 @@ def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
 
 
 def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     metrics = read_metrics(metrics_path)
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig = Figure(figsize=(15, 4))
+    axes = fig.subplots(1, 3)
     for split, style in (("train", "-"), ("validation", "o-")):
         records = metrics.get(split, [])
         if not records:
@@ -97,5 +96,4 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
         ax.legend()
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
-    plt.close(fig)
     return out_path

@@ -17,7 +17,12 @@ from typing import Any
 
 import numpy as np
 import torch
+from accelerate import Accelerator
 
+from dflash_train.checkpoint.io import save_draft
+from dflash_train.data.features import compute_features
+from dflash_train.data.prepared import check_tokenizer
+from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.objective import expected_acceptance_length
 from dflash_train.target import target_fingerprint, target_identity
@@ -93,8 +98,6 @@ def refuse_fsdp_without_cuda() -> None:
 
 class Trainer:
     def __init__(self, config: TrainConfig) -> None:
-        from accelerate import Accelerator
-
         self.config = config
         t = config.training
         refuse_fsdp_without_cuda()
@@ -111,8 +114,6 @@ class Trainer:
         self.target = build_target(config, self.accelerator.device)
         self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
         if config.data.prepared is not None:
-            from dflash_train.data.prepared import check_tokenizer
-
             check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
         self.train_ids, self.val_ids = split_indices(
             len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
@@ -194,8 +195,6 @@ class Trainer:
         `real` is the longest unpadded sequence of the batch."""
         if "features" in batch:
             return batch["features"], None
-        from dflash_train.data.features import compute_features
-
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
         # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
@@ -371,9 +370,6 @@ class Trainer:
 
     # -- checkpoints ----------------------------------------------------------------------------
     def save_checkpoint(self) -> Path:
-        from dflash_train.checkpoint.io import save_draft
-        from dflash_train.models import DFlashDraftModel
-
         t = self.config.training
         tmp, final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}.tmp", None
         if self.accelerator.is_main_process:
