@@ -10,15 +10,21 @@ Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden
 intermediate 12288, vocabulary 151,936, bf16) with a random 5-layer drafter, batch 1, a 1,024-token
 context. Measured in the same run (CUDA events, median):
 - our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
-  step reads (all but the input embedding) / 4.3 TB/s (docs/design.md §10). Goal: <= 1.3x.
-- one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.5x.
+  step reads (all but the input embedding) / 4.3 TB/s (docs/design.md §10). Goal: <= 1.2x.
+- one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.25x.
 - the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
-  and one layer's attention alone, both ways, for 1 and 16 new tokens; the step without fused q/k/v and
-  gate/up projections (`dflash_train/runtime/fused_layer.py`);
+  and one layer's attention alone, both ways, for 1 and 16 new tokens; the step with the attention
+  prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
+  (`dflash_train.kernels.rope_cache`), and that kernel alone against its PyTorch reference; the step
+  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`);
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
   the run if the 10-minute limit of a command is near.
+- launches per step and per layer for each loop variant: the kernels (and memory copies or sets) one
+  call puts on the GPU, counted with the profiler, CUDA-graph replays included (`*_launches`; the
+  step's launches over its layers, so embedding, head and token choice are spread over the layers too;
+  `launches_per_layer_saved_by_rope_cache`: the PyTorch prologue's per layer minus the fused kernel's).
 Section smollm2: SmolLM2-135M-Instruct (bf16) with a drafter (`--draft`; default: random, so τ ~ 1 and
 the numbers show loop overhead only), batch 1, greedy, `--prompts` MT-Bench/HumanEval prompts: tokens/s of
 our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-only loop and of HF
@@ -122,6 +128,34 @@ def kernel_profile(step: Callable[[], Any], device: torch.device, iters: int = 1
                                      max_name_column_width=90)
 
 
+def launches_per_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> float:
+    """Kernels, memory copies and sets that one call of `step` puts on the GPU, counted with the profiler
+    over `iters` calls (kernels inside a replayed CUDA graph included). On a CPU: the top-level operators
+    of a call, a stand-in that keeps this code exercised by the CPU tests."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(iters):
+            step()
+        if cuda:
+            torch.cuda.synchronize(device)
+    if cuda:
+        count = sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
+    else:
+        count = sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
+    return count / iters
+
+
+def record_launches(result: dict[str, Any], key: str, step: Callable[[], Any], device: torch.device,
+                    layers: int) -> None:
+    """`{key}_launches` per step and `{key}_launches_per_layer`."""
+    launches = launches_per_step(step, device)
+    result[f"{key}_launches"], result[f"{key}_launches_per_layer"] = launches, launches / layers
+    show(result, f"{key}_launches", f"{key}_launches_per_layer")
+
+
 def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) -> float:
     """A Hugging Face decode step: dynamic cache, eager, cropped back after each step."""
     from transformers import DynamicCache
@@ -154,6 +188,7 @@ def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, it
     n_out = torch.zeros(1, dtype=torch.long, device=device)
     done = torch.zeros(1, dtype=torch.bool, device=device)
     config, cache = draft.config, draft.new_cache(1, 2048)
+    rope = rope_cache_timings(device, iters)
     kv = torch.randn(block, config.num_hidden_layers, 2, config.num_key_value_heads, config.head_dim, device=device,
                      dtype=torch.bfloat16)
     norm = torch.ones(config.num_hidden_layers, config.head_dim, device=device, dtype=torch.bfloat16)
@@ -161,7 +196,7 @@ def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, it
     positions, rows = torch.arange(1000, 1000 + block, device=device), torch.zeros(block, dtype=torch.long, device=device)
     args = (kv, norm, 1e-6, cos, cos, positions, rows, cache.keys, cache.values)
     verify = (logits, tokens, out, n_out, done)
-    return attention_timings(device, iters) | {
+    return attention_timings(device, iters) | rope | {
         "greedy_verify_triton_ms": time_ms(lambda: greedy_verify_triton(*verify), device, 5, iters),
         "greedy_verify_torch_ms": time_ms(lambda: greedy_verify_reference(*verify), device, 5, iters),
         "context_kv_triton_ms": time_ms(lambda: context_kv_triton(*args), device, 5, iters),
@@ -188,6 +223,29 @@ def attention_timings(device: torch.device, iters: int, context: int = 1024, len
         result[f"attention_t{tokens}_max_diff"] = float((ours().float() - sdpa()[0].float()).abs().max())
         result[f"attention_t{tokens}_triton_ms"] = time_ms(ours, device, 5, iters)
         result[f"attention_t{tokens}_sdpa_ms"] = time_ms(sdpa, device, 5, iters)
+    return result
+
+
+def rope_cache_timings(device: torch.device, iters: int, context: int = 1024) -> dict[str, float]:
+    """One layer's attention prologue at Qwen3-8B heads (32 query, 8 KV, D 128, q/k norms), for a decode
+    step (1 token) and a verify block (16): the fused kernel against its PyTorch reference (eager)."""
+    from dflash_train.kernels.rope_cache import rope_cache_reference, rope_cache_triton
+
+    heads, kv_heads, dim, length = 32, 8, 128, 2048
+    cache_k = torch.zeros(1, kv_heads, length, dim, device=device, dtype=torch.bfloat16)
+    cache_v = torch.zeros_like(cache_k)
+    norms = torch.ones(dim, device=device, dtype=torch.bfloat16)
+    result = {}
+    for tokens in (1, 16):
+        qkv = torch.randn(1, tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
+        positions = torch.arange(context, context + tokens, device=device)[None]
+        cos = torch.randn(1, tokens, dim, device=device, dtype=torch.bfloat16)
+        args = (qkv, heads, norms, norms, 1e-6, cos, cos, positions, torch.zeros(1, dtype=torch.long, device=device),
+                cache_k, cache_v)
+        result[f"rope_cache_t{tokens}_max_diff"] = float((rope_cache_triton(*args).float()
+                                                          - rope_cache_reference(*args).float()).abs().max())
+        result[f"rope_cache_t{tokens}_triton_ms"] = time_ms(lambda a=args: rope_cache_triton(*a), device, 5, iters)
+        result[f"rope_cache_t{tokens}_torch_ms"] = time_ms(lambda a=args: rope_cache_reference(*a), device, 5, iters)
     return result
 
 
@@ -256,18 +314,22 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
             result[f"{name}{suffix}_setup_s"] = setup["seconds"]
             show(result, f"{name}{suffix}_ms", f"{name}{suffix}_setup_s")
+            record_launches(result, f"{name}{suffix}", engine.step, device, shape["num_hidden_layers"])
             if suffix == "":
                 result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
                 result[f"{name}_attention"], result[f"{name}_compile_error"] = engine.runner.attention, engine.compile_error
+                result[f"{name}_prologue"] = engine.runner.prologue
                 if args.profile:
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
             del engine
             gc.collect()
     # The same graphed loop without one of the step's optimisations at a time: what each is worth.
     ablations = [("sdpa_attention", {"kernels": "torch"}, ("target_step", "dflash_cycle")),
+                 ("torch_prologue", {"kernels": runner.kernels, "fuse_prologue": False}, ("target_step",)),
                  ("unfused", {"kernels": runner.kernels, "fuse_projections": False}, ("target_step",))]
     for label, runner_options, names in ablations:
-        if label == "sdpa_attention" and runner.attention != "triton":
+        if (label == "sdpa_attention" and runner.attention != "triton") or (
+                label == "torch_prologue" and runner.prologue != "triton"):
             continue
         other = StaticTarget(target, 1, length, **runner_options)
         for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
@@ -278,6 +340,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
             engine = DecodeEngine(target, draft_model, config, runner=other)
             result[f"{name}_{label}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
             show(result, f"{name}_{label}_ms")
+            record_launches(result, f"{name}_{label}", engine.step, device, shape["num_hidden_layers"])
             del engine
             gc.collect()
         del other
@@ -289,6 +352,9 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     result["floor_ms"] = weight_bytes / COPY_BANDWIDTH * 1e3
     result["target_step_over_floor"] = result["target_step_ms"] / result["floor_ms"]
     result["cycle_over_target_step"] = result["dflash_cycle_ms"] / result["target_step_ms"]
+    if "target_step_torch_prologue_launches" in result:  # what the fused prologue saves, per layer
+        result["launches_per_layer_saved_by_rope_cache"] = (result["target_step_torch_prologue_launches_per_layer"]
+                                                            - result["target_step_launches_per_layer"])
     if device.type == "cuda":
         result["kernels"] = kernel_timings(device, shape["vocab_size"], draft, args.iters)
     del target, draft, runner
@@ -398,15 +464,16 @@ def plot(results: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     if "qwen3_8b" in results:
         q = results["qwen3_8b"]
-        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, unfused", "ours step, no graph",
-                 "ours step, eager", "HF step", "DFlash cycle", "cycle, SDPA attention", "cycle, no graph",
-                 "cycle, eager"]
+        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, PyTorch prologue",
+                 "ours step, unfused", "ours step, no graph", "ours step, eager", "HF step", "DFlash cycle",
+                 "cycle, SDPA attention", "cycle, no graph", "cycle, eager"]
         values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_sdpa_attention_ms", 0.0),
-                  q.get("target_step_unfused_ms", 0.0), q["target_step_no_graph_ms"], q["target_step_eager_ms"],
-                  q["hf_step_ms"], q["dflash_cycle_ms"], q.get("dflash_cycle_sdpa_attention_ms", 0.0),
-                  q["dflash_cycle_no_graph_ms"], q["dflash_cycle_eager_ms"]]
-        colors = ["grey", "tab:blue", "steelblue", "navy", "tab:cyan", "lightblue", "tab:red", "tab:green",
-                  "seagreen", "tab:olive", "palegreen"]
+                  q.get("target_step_torch_prologue_ms", 0.0), q.get("target_step_unfused_ms", 0.0),
+                  q["target_step_no_graph_ms"], q["target_step_eager_ms"], q["hf_step_ms"], q["dflash_cycle_ms"],
+                  q.get("dflash_cycle_sdpa_attention_ms", 0.0), q["dflash_cycle_no_graph_ms"],
+                  q["dflash_cycle_eager_ms"]]
+        colors = ["grey", "tab:blue", "steelblue", "slateblue", "navy", "tab:cyan", "lightblue", "tab:red",
+                  "tab:green", "seagreen", "tab:olive", "palegreen"]
         axes[0].barh(names, values, color=colors)
         axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
         axes[0].set_title("Qwen3-8B shapes: step times")

@@ -10,19 +10,41 @@ No weight is copied: the fused tensors are built once per layer, and the layer's
 are unchanged, and the memory is the same. The layer forward below is the one of the Llama family in
 transformers (Llama, Mistral, Qwen2 with q/k/v biases, Qwen3 with q/k norms): pre-norm attention and
 SwiGLU MLP, each with a residual; the static target checks it against the model's own forward.
+
+With `fused_prologue` on the cache (the runtime's Triton kernels), what runs between the q/k/v matmul and
+the attention (q/k norms, RoPE, the K/V cache write) is one kernel, `dflash_train.kernels.rope_cache`,
+instead of several; the PyTorch path below stays the reference, and takes over for a layer the kernel
+does not cover (a q/k norm other than an RMSNorm over the head, RoPE over part of the head).
 """
 
 from __future__ import annotations
 
 import importlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
+
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
+
+
+class LayerCache(Protocol):
+    """The cache a fused layer writes its K/V to (`static_target._WriteCache`)."""
+
+    fused_prologue: bool  # q/k norms + RoPE + cache write by the fused kernel
+    rows: torch.Tensor  # [n] cache row of each input row
+    positions: torch.Tensor  # [n, T] position (= cache slot) of each token
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int) -> tuple[
+            torch.Tensor, torch.Tensor]: ...
+
+    def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def visible(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def fuse_linears(linears: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -73,9 +95,11 @@ class FusedLayer:
         self.head_dim, self.scaling, self.layer_idx = attn.head_dim, attn.scaling, attn.layer_idx
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
         self.apply_rope = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb
+        self.heads = attn.q_proj.out_features // self.head_dim
+        self.prologue_supported = _norms_supported(self.q_norm, self.k_norm, self.head_dim)
 
     def __call__(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                 attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+                 attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         hidden = hidden + self._attention(self.layer.input_layernorm(hidden), position_embeddings, attention_mask,
                                           cache)
         x = self.layer.post_attention_layernorm(hidden)
@@ -83,14 +107,58 @@ class FusedLayer:
         return hidden + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
 
     def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                   attention_mask: torch.Tensor, cache: Any) -> torch.Tensor:
+                   attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         n, t = x.shape[:2]
-        q, k, v = F.linear(x, self.weights["qkv"], self.weights["qkv_bias"]).split(self.splits, dim=-1)
-        q, k, v = (p.view(n, t, -1, self.head_dim) for p in (q, k, v))
+        qkv = F.linear(x, self.weights["qkv"], self.weights["qkv_bias"])
+        if self._use_kernel(qkv, position_embeddings[0], cache):
+            q, keys, values = self._prologue_kernel(qkv, position_embeddings, cache)
+        else:
+            q, keys, values = self._prologue_torch(qkv, position_embeddings, cache)
+        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
+        return self.attn.o_proj(out.reshape(n, t, -1))
+
+    def _use_kernel(self, qkv: torch.Tensor, cos: torch.Tensor, cache: LayerCache) -> bool:
+        """Shapes and dtypes only (static under torch.compile): the kernel rounds as the PyTorch path only
+        when the norm weights have the activations' dtype."""
+        if not (cache.fused_prologue and self.prologue_supported):
+            return False
+        norms = [norm.weight.dtype for norm in (self.q_norm, self.k_norm) if norm is not None]
+        return supports_rope(cos, self.head_dim) and all(dtype == qkv.dtype for dtype in norms)
+
+    def _prologue_kernel(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                         cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(q [n, heads, T, D], visible keys, visible values) with one launch for norms, RoPE and cache write."""
+        cos, sin = position_embeddings
+        keys, values = cache.storage(self.layer_idx)
+        q_weight, k_weight, eps, k_eps = self._norm_arguments()
+        q = rope_cache_triton(qkv, self.heads, q_weight, k_weight, eps, cos, sin, cache.positions, cache.rows, keys,
+                              values, k_eps=k_eps)
+        return (q.transpose(1, 2), *cache.visible(self.layer_idx))
+
+    def _norm_arguments(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float, float | None]:
+        """(q_norm weight, k_norm weight, q_norm eps, k_norm eps) for the kernel; Nones without norms."""
+        if self.q_norm is None or self.k_norm is None:
+            return None, None, 0.0, None
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.variance_epsilon, self.k_norm.variance_epsilon
+
+    def _prologue_torch(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                        cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same with the model's own norms and RoPE, and the cache's indexed write (the reference)."""
+        n, t = qkv.shape[:2]
+        q, k, v = (p.view(n, t, -1, self.head_dim) for p in qkv.split(self.splits, dim=-1))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         cos, sin = position_embeddings
         q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, heads, T, D]
         keys, values = cache.update(k, v.transpose(1, 2), self.layer_idx)
-        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
-        return self.attn.o_proj(out.reshape(n, t, -1))
+        return q, keys, values
+
+
+def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_dim: int) -> bool:
+    """Whether the fused kernel reproduces the layer's q/k norms: none (Llama, Mistral, Qwen2), or both an
+    RMSNorm over the head as Qwen3's (a `weight` [head_dim] and a `variance_epsilon`)."""
+    if q_norm is None and k_norm is None:
+        return True
+    return all(norm is not None and isinstance(getattr(norm, "variance_epsilon", None), float)
+               and getattr(norm, "weight", None) is not None and tuple(norm.weight.shape) == (head_dim,)
+               for norm in (q_norm, k_norm))

@@ -14,6 +14,9 @@ itself, with our attention function); the KV cache and the attention are ours:
   With `kernels="triton"`, decode and verify steps (a few new tokens per row) run the split-key kernel of
   `dflash_train.kernels.static_attention` instead, given each query's first and last visible slot; prefill
   stays on SDPA.
+- Attention prologue: with `kernels="triton"` and fused projections, the q/k norms (Qwen3), RoPE and the
+  K/V cache write of a layer are one kernel (`dflash_train.kernels.rope_cache`, fed the rotary
+  embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
 
 Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
 layer loop: no hooks.
@@ -81,18 +84,29 @@ def _register_attention() -> None:
 
 
 class _WriteCache:
-    """The cache object handed to Hugging Face layers: `update` writes K/V at the tokens' positions."""
+    """The cache object handed to the layers: `update` writes K/V at the tokens' positions (Hugging Face
+    layers and the PyTorch path of fused ones); the fused prologue kernel writes `storage` itself."""
 
     def __init__(self, runner: StaticTarget, row_index: torch.Tensor | None, positions: torch.Tensor,
                  kv_len: int) -> None:
         self.runner, self.row_index, self.positions, self.kv_len = runner, row_index, positions, kv_len
+        self.rows = runner.all_rows if row_index is None else row_index  # [n]
+        self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
+
+    def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's whole cache, keys and values [b, kv, max_len, D]."""
+        return self.runner.keys[layer_idx], self.runner.values[layer_idx]
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.runner.keys[layer_idx], self.runner.values[layer_idx]  # [b, kv, max_len, D]
-        rows = self.runner.all_rows[:, None] if self.row_index is None else self.row_index[:, None]
-        keys[rows, :, self.positions] = key_states.transpose(1, 2)  # [n, T, kv, D] at (row, position)
-        values[rows, :, self.positions] = value_states.transpose(1, 2)
+        keys, values = self.storage(layer_idx)
+        keys[self.rows[:, None], :, self.positions] = key_states.transpose(1, 2)  # [n, T, kv, D] at (row, position)
+        values[self.rows[:, None], :, self.positions] = value_states.transpose(1, 2)
+        return self.visible(layer_idx)
+
+    def visible(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots attention may read, [n, kv, kv_len, D], for the forward's rows."""
+        keys, values = self.storage(layer_idx)
         if self.row_index is None:
             return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
         return keys[self.row_index, :, : self.kv_len], values[self.row_index, :, : self.kv_len]
@@ -106,9 +120,10 @@ class TargetOutput:
 
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
-                 fuse_projections: bool = True) -> None:
+                 fuse_projections: bool = True, fuse_prologue: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
-        `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied)."""
+        `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
+        `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
@@ -122,6 +137,7 @@ class StaticTarget:
         attn = self.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
+        self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
@@ -141,6 +157,11 @@ class StaticTarget:
     def attention(self) -> str:
         """The attention of decode and verify steps: "triton" (split-key kernel) or "sdpa"."""
         return "triton" if self.kernels == "triton" else "sdpa"
+
+    @property
+    def prologue(self) -> str:
+        """The attention prologue of fused layers: "triton" (one kernel, for the layers it covers) or "torch"."""
+        return "triton" if self.fused is not None and self.kernels == "triton" and self.fuse_prologue else "torch"
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
