@@ -10,7 +10,11 @@ import pytest
 import torch
 
 from dflash_train.kernels._triton import HAS_TRITON
-from dflash_train.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
+from dflash_train.kernels.greedy_verify import (
+    block_argmax_triton,
+    greedy_verify_reference,
+    greedy_verify_triton,
+)
 from tests.triton_tests import DEVICE, kernels_here, under_interpreter
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -95,3 +99,11 @@ def test_full_acceptance_and_immediate_rejection() -> None:
     length, bonus = greedy_verify_triton(logits.to(DEVICE), block.to(DEVICE), out, n_out, done, block_v=16)
     assert length.tolist() == [4, 1] and bonus.tolist() == [6, 7]
     assert out[0, 2:6].tolist() == [3, 4, 5, 6] and out[1, :1].tolist() == [7]
+
+
+@kernels_here
+@pytest.mark.parametrize(("vocab", "block_v"), [(300, 64), (1000, None)])
+def test_block_argmax_is_torch_argmax(vocab: int, block_v: int | None) -> None:
+    logits = make_case(3, 5, vocab, torch.bfloat16, seed=vocab, ties=True)[0]
+    tokens = block_argmax_triton(logits.to(DEVICE), block_v=block_v)
+    assert torch.equal(tokens.cpu(), logits.float().argmax(-1))

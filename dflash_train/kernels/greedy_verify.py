@@ -128,3 +128,19 @@ def greedy_verify_triton(
         width, n_chunks, out.stride(0), BLOCK_B=next_power_of_2(width), BLOCK_C=next_power_of_2(n_chunks),
     )
     return accept_len, bonus
+
+
+def block_argmax_triton(logits: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+    """The target's token at every slot, logits [b, B, V] -> [b, B] int64 (torch.argmax's first index among
+    equal maxima): the verify's vocabulary pass alone, for a caller that decides acceptance itself (the
+    acceptance replay of benchmarks/decode_batch.py), then a reduction over the chunks in PyTorch."""
+    b, width, vocab = logits.shape
+    logits = logits.contiguous()
+    block_v = block_v or min(4096, next_power_of_2(vocab))
+    n_chunks = -(-vocab // block_v)
+    part_max = torch.empty(b * width, n_chunks, device=logits.device, dtype=torch.float32)
+    part_idx = torch.empty(b * width, n_chunks, device=logits.device, dtype=torch.int64)
+    jit(_argmax_chunks_kernel)[(b * width, n_chunks)](logits, part_max, part_idx, vocab, n_chunks, BLOCK_V=block_v)
+    # Chunks are in vocabulary order: the first chunk holding the maximum holds the first index.
+    best = part_max.argmax(dim=-1, keepdim=True)
+    return part_idx.gather(1, best).view(b, width)
