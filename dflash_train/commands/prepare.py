@@ -8,8 +8,10 @@
 The output is a `datasets` directory (`input_ids`, `loss_mask`, metadata columns) with `dflash_data.json`
 beside the data; `dflash_train.data.load_prepared(path)` reads it. Rows with fewer than 2 x --block-size
 supervised tokens are dropped; the summary lists rows read, kept and dropped by reason, with a warning line
-for a reason that drops more than 5 % of them. `--show N` prints N rows with the supervised text between
-⟦ ⟧ and writes nothing: look at a new target's rows before training on them.
+for a reason that drops more than 5 % of them. Rows whose system or user turns share a word 13-gram with an
+eval set (HumanEval, MT-Bench, the generated math set, and AlpacaEval and IFEval when installed) are dropped
+as overlaps_eval_set (`--no-decontaminate` keeps them). `--show N` prints N rows with the supervised text
+between ⟦ ⟧ and writes nothing: look at a new target's rows before training on them.
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16, help="drafter block size B (rows need 2B supervised)")
     parser.add_argument("--train-turns", choices=("all", "last"), default="all",
                         help="assistant turns in the loss: all of them or only the last")
+    parser.add_argument("--no-decontaminate", action="store_true",
+                        help="keep rows whose prompt turns share a word 13-gram with an eval set (dropped by default "
+                             "as overlaps_eval_set; the eval sets used are recorded in the dataset's metadata)")
     parser.add_argument("--show", type=int, metavar="N",
                         help="print N rows with their supervised text marked ⟦ ⟧ and write nothing (check a new "
                              "target's chat template before training)")
@@ -56,11 +61,15 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     tokenizer = load_target_tokenizer(args.target)
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
-                           args.train_turns, args.target)
+                           args.train_turns, args.target, decontaminate=not args.no_decontaminate)
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0
     report = prepare(tokenizer, config, args.out, args.overwrite)
     report.totals["seconds"] = round(time.perf_counter() - start)
     report.print()
+    if config.decontaminate:
+        from dflash_train.data.decontaminate import project_eval_index
+
+        print(project_eval_index().summary())
     return 0

@@ -62,6 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=1024)
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples-per-prompt", type=positive_int, default=1, metavar="K",
+                        help="answers sampled per prompt (needs --temperature > 0), each a row of its own")
     parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling at --temperature > 0")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="rows per output shard")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=2048, help="longer prompts are skipped")
@@ -192,6 +194,7 @@ def run(args: argparse.Namespace) -> int:
         corpus_specs(args), args.max_new_tokens, args.temperature, args.seed, thinking_value(args),
         args.batch_size, args.max_prompt_tokens, not args.keep_duplicates,
         settings={"target": args.target, **_recorded(args)}, turns=args.turns,
+        samples_per_prompt=args.samples_per_prompt,
     )
     _claim_out(args.out, chat, config, args.overwrite)
     backend = _backend(args, tokenizer)

@@ -2,9 +2,11 @@
 
 Rows are validated (``records.py``), rendered and masked with the target's chat template (``chat.py``),
 cut to ``max_length`` keeping whole assistant spans where possible, and dropped when fewer than
-``min_supervised`` (``2 * block_size``) tokens remain supervised. Every drop is counted by reason, and a
-reason that drops more than 5 % of the rows gets a warning line in the summary. A conversation whose template
-renders some turns differently once later turns follow gives those turns rows of their own (``chat.py``).
+``min_supervised`` (``2 * block_size``) tokens remain supervised. Rows whose prompt turns share a word
+13-gram with an eval set are dropped as ``overlaps_eval_set`` (``decontaminate.py``; the metadata lists the
+eval sets). Every drop is counted by reason, and a reason that drops more than 5 % of the rows gets a
+warning line in the summary. A conversation whose template renders some turns differently once later turns
+follow gives those turns rows of their own (``chat.py``).
 ``show`` prints rows with their supervised text marked, writing nothing.
 """
 
@@ -23,6 +25,8 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from dflash_train.atomic import write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, marked_text, template_hash
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
+from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
+from dflash_train.data.decontaminate import project_eval_index
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, detect_format, rename_columns, to_messages
@@ -39,6 +43,7 @@ class PrepareConfig:
     train_turns: str = "all"
     target_name: str = "target"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
+    decontaminate: bool = True  # drop rows whose prompt turns share a word 13-gram with an eval set
 
     @property
     def min_supervised(self) -> int:
@@ -93,9 +98,13 @@ def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
 
 
 def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataReport) -> Iterator[dict[str, Any]]:
+    evals = project_eval_index() if config.decontaminate else None
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
+            if evals is not None and evals.overlaps(messages):
+                report.drop(EVAL_OVERLAP, corpus.location(index))
+                continue
             try:
                 conversation = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
             except BadRecord as bad:
@@ -219,7 +228,9 @@ def _same_settings(out_dir: Path, settings: dict[str, Any]) -> bool:
 
 
 def _metadata(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, report: DataReport) -> dict[str, Any]:
-    return {**_settings(tokenizer, config), "counts": report.as_dict(), **config.extra_metadata}
+    decontamination = project_eval_index().describe() if config.decontaminate else None
+    return {**_settings(tokenizer, config), "counts": report.as_dict(), "decontamination": decontamination,
+            **config.extra_metadata}
 
 
 def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict[str, Any]:

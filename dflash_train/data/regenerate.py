@@ -8,7 +8,9 @@ shard ``part-<k>.jsonl`` written atomically. A resumed run skips units whose sha
 lost or duplicated, and a unit's output depends only on its rows and ``seed + k``: a resumed run writes
 exactly what an uninterrupted one would have. With ``turns`` > 1 the conversations' later user turns
 are answered too, one round per turn, each conditioned on the target's own earlier answers
-(``dflash_train.data.turns``).
+(``dflash_train.data.turns``). With ``samples_per_prompt`` K > 1 (sampling only) each prompt becomes K rows,
+row ids ``prompt * K + sample``: the plan fixes every row's id and unit, so each sample draws from its own
+seed, the same in a resumed run, and K answers to one prompt differ.
 
 Output rows: ``{"messages": [...prompt, {"role": "assistant", "content": ...}], "finish_reason",
 "prompt_tokens", "completion_tokens", "source", "source_index", "row_id"}`` — an OpenAI-messages corpus
@@ -22,7 +24,7 @@ import json
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -72,6 +74,14 @@ class RegenerateConfig:
     settings: dict[str, Any] = field(default_factory=dict)  # recorded; a resume must match them
     turns: int | None = 1  # user turns answered per conversation (None: all of them)
     turn_wait_seconds: float = 3600.0  # how long a rank waits for the other ranks to finish a turn
+    samples_per_prompt: int = 1  # answers sampled per prompt, each a row (and conversation) of its own
+
+    def __post_init__(self) -> None:
+        if self.samples_per_prompt < 1:
+            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: give 1 or more")
+        if self.samples_per_prompt > 1 and self.temperature <= 0:
+            raise ValueError(f"--samples-per-prompt {self.samples_per_prompt} needs --temperature > 0: greedy "
+                             "answers to one prompt are all the same")
 
 
 def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[PromptRow], DataReport]:
@@ -99,7 +109,16 @@ def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[Pr
             seen.add(key)
             rows.append(PromptRow(len(rows), prompt, ids, corpus.name, index, later))
             report.kept += 1
-    return rows, report
+    return fan_out(rows, config.samples_per_prompt, report), report
+
+
+def fan_out(rows: list[PromptRow], samples: int, report: DataReport) -> list[PromptRow]:
+    """``samples`` rows per prompt, with ids ``prompt * samples + sample``: consecutive, so that a prompt's
+    samples share a unit (one prompt length) and their ids, which seed their draws, depend on the input only."""
+    if samples == 1:
+        return rows
+    report.totals[f"rows: {samples} samples per prompt"] = len(rows) * samples
+    return [replace(row, row_id=row.row_id * samples + k) for row in rows for k in range(samples)]
 
 
 def plan_units(rows: list[PromptRow], batch_size: int) -> list[list[int]]:
@@ -174,6 +193,8 @@ def manifest_settings(chat: ChatTokenizer, config: RegenerateConfig, num_rows: i
         "sources": [spec.source for spec in config.sources],
         "num_rows": num_rows,
         "num_units": num_units,
+        # only when above 1, so that runs started before it was recorded still resume
+        **({"samples_per_prompt": config.samples_per_prompt} if config.samples_per_prompt != 1 else {}),
         **config.settings,
     }
 
