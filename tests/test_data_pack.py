@@ -83,3 +83,20 @@ def test_whole_conversations_keep_every_turn_and_exclude_by_first_turn(tmp_path:
     assert main(["--source", f"{source}=10", "--exclude", str(whole), "--exclude", str(first_turns),
                  "--out", str(again)]) == 0
     assert again.read_text() == ""
+
+
+def test_interleave_mixes_the_sources_and_keeps_the_same_prompts(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text("".join(json.dumps({"prompt": f"Question a{i} about apples."}) + "\n" for i in range(30)))
+    b.write_text("".join(json.dumps({"prompt": f"Question b{i} about boats."}) + "\n" for i in range(30)))
+    plain, mixed = tmp_path / "plain.jsonl", tmp_path / "mixed.jsonl"
+    assert main(["--source", f"{a}=30", "--source", f"{b}=30", "--out", str(plain)]) == 0
+    assert main(["--source", f"{a}=30", "--source", f"{b}=30", "--interleave", "--out", str(mixed)]) == 0
+
+    def prompts(path: Path) -> list[str]:
+        return [json.loads(line)["messages"][-1]["content"] for line in path.read_text().splitlines()]
+
+    assert sorted(prompts(mixed)) == sorted(prompts(plain))
+    assert all("a" in p.split()[1] for p in prompts(plain)[:30])  # without it, one source after the other
+    first_half = prompts(mixed)[:30]
+    assert 5 < sum("apples" in p for p in first_half) < 25  # with it, any prefix holds both

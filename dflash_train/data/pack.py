@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -100,6 +101,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="keep every turn (for `regenerate --turns all`), not only the first user turn")
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep prompts that share a word 13-gram with an eval set")
+    parser.add_argument("--interleave", action="store_true",
+                        help="shuffle the sources' prompts together (seeded), so every prefix of the file has the "
+                             "mix's proportions: a regeneration stopped early still trains on every source")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     sources = [_source_count(parser, item) for item in args.source]
@@ -112,6 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = DataReport(f"pack: {source}")
         rows += unique_prompts(source, count, args.seed, seen, args.whole_conversations, evals, report)
         print(source_line(source, count, report), flush=True)
+    if args.interleave:
+        random.Random(args.seed).shuffle(rows)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_suffix(".tmp")
     with tmp.open("w", encoding="utf-8") as out:
