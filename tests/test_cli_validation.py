@@ -26,6 +26,8 @@ def command(name: str, inputs: dict[str, Path], out: Path) -> list[str]:
     if name == "regenerate":
         return ["regenerate", "--target", target, "--data", str(PROMPTS), "--max-samples", "4", "--max-new-tokens",
                 "4", "--device", "cpu", "--dtype", "fp32", "--out", str(out)]
+    if name == "prepare":
+        return ["prepare", "--target", target, "--data", str(PROMPTS), "--out", str(out)]
     if name == "extract":
         return ["extract", "--target", target, "--data", str(inputs["prepared"]), "--device", "cpu",
                 "--target-dtype", "fp32", "--out", str(out)]
@@ -49,6 +51,8 @@ def one_line_error(capsys: pytest.CaptureFixture[str]) -> str:
     ("extract", "--recompute", 0),
     ("eval", "--batch-size", 1), ("eval", "--max-new-tokens", 1), ("eval", "--num-prompts", 1),
     ("eval", "--block-size", 1), ("eval", "--random-draft-layers", 1),
+    ("prepare", "--max-length", 1), ("prepare", "--block-size", 1), ("prepare", "--show", 1),
+    ("regenerate", "--samples-per-prompt", 1),
 ])
 def test_a_count_below_its_least_is_one_line_naming_the_flag(name: str, flag: str, least: int,
                                                             inputs: dict[str, Path], tmp_path: Path,

@@ -24,6 +24,7 @@ from dflash_train.data.cli_args import (
     add_corpus_arguments,
     add_thinking_argument,
     corpus_specs,
+    positive_int,
     thinking_value,
 )
 
@@ -38,14 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="replace the files of another prepared dataset in --out (other files are kept)")
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
-    parser.add_argument("--max-length", type=int, default=3072, help="tokens per row; longer rows are cut")
-    parser.add_argument("--block-size", type=int, default=16, help="drafter block size B (rows need 2B supervised)")
+    parser.add_argument("--max-length", type=positive_int, default=3072, help="tokens per row; longer rows are cut")
+    parser.add_argument("--block-size", type=positive_int, default=16, help="drafter block size B (rows need 2B supervised)")
     parser.add_argument("--train-turns", choices=("all", "last"), default="all",
                         help="assistant turns in the loss: all of them or only the last")
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep rows whose prompt turns share a word 13-gram with an eval set (dropped by default "
                              "as overlaps_eval_set; the eval sets used are recorded in the dataset's metadata)")
-    parser.add_argument("--show", type=int, metavar="N",
+    parser.add_argument("--show", type=positive_int, metavar="N",
                         help="print N rows with their supervised text marked ⟦ ⟧ and write nothing (check a new "
                              "target's chat template before training)")
 
