@@ -22,17 +22,32 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def os_error_message(error: OSError) -> str | None:
+    """A file the user named or a folder the command writes that cannot be used (missing, not allowed, a folder
+    where a file was expected): one line naming it. None for OS errors without a path (those are bugs)."""
+    if not error.filename:
+        return None
+    reason = error.strerror or type(error).__name__
+    return f"{reason}: {error.filename}; check the path and its permissions"
+
+
 def run_with_one_line_errors(prog: str, call: Callable[[], int]) -> int:
-    """`call()`, with bad input (ValueError) and a full disk as `<prog>: error: ...` and exit status 2."""
+    """`call()`, with bad input (ValueError), a full disk and an unusable path as `<prog>: error: ...` (one line,
+    whatever the message held) and exit status 2."""
     with command_output():  # the output folder the command notes, for a full disk's free space
         try:
             return call()
         except ValueError as error:
             message: str | None = str(error)
+        except OSError as error:
+            message = disk_full_message(error) or os_error_message(error)
+            if message is None:
+                raise
         except Exception as error:
             message = disk_full_message(error)
             if message is None:
                 raise
     close_progress_bars()
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    # A library's message can run over several lines; the error stays one line.
+    print(f"{prog}: error: {' '.join(message.split())}", file=sys.stderr)
     return 2
