@@ -27,8 +27,9 @@ from dflash_train.data.cli_args import (
     positive_int,
     thinking_value,
 )
-
-HELP = "tokenise chat data with the target's template and loss masks"
+from dflash_train.data.decontaminate import project_eval_index
+from dflash_train.data.prepare import PrepareConfig, prepare, show
+from dflash_train.data.target_tokenizer import load_target_tokenizer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,9 +53,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.data.prepare import PrepareConfig, prepare, show
-    from dflash_train.data.target_tokenizer import load_target_tokenizer
-
     if args.show is None and args.out is None:
         raise ValueError("prepare needs --out DIR (or --show N to look at N rows without writing anything)")
     if args.show is not None and args.show < 1:
@@ -70,7 +68,5 @@ def run(args: argparse.Namespace) -> int:
     report.totals["seconds"] = round(time.perf_counter() - start)
     report.print()
     if config.decontaminate:
-        from dflash_train.data.decontaminate import project_eval_index
-
         print(project_eval_index().summary())
     return 0

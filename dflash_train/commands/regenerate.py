@@ -29,8 +29,10 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from dflash_train.data.backends import LocalBackend, OpenAIBackend
+from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
     add_corpus_arguments,
@@ -42,13 +44,26 @@ from dflash_train.data.cli_args import (
     thinking_value,
     tqdm_progress,
 )
-from dflash_train.runtime.config import KERNELS
-
-if TYPE_CHECKING:
-    from dflash_train.data.chat import ChatTokenizer
-    from dflash_train.data.regenerate import RegenerateConfig
-
-HELP = "regenerate responses with the target (built-in or OpenAI-compatible server)"
+from dflash_train.data.regenerate import (
+    RegenerateConfig,
+    manifest_settings,
+    plan_prompts,
+    plan_units,
+    regenerate,
+)
+from dflash_train.data.shards import REGEN_MANIFEST, rank_and_world
+from dflash_train.data.target_tokenizer import load_target_tokenizer
+from dflash_train.data.turns import count_turns, turn_directory
+from dflash_train.outputs import (
+    REGENERATED,
+    claim,
+    foreign_entries,
+    holds_output,
+    refuse_inputs_inside,
+    remove_owned,
+)
+from dflash_train.runtime.config import KERNELS, EngineConfig, stop_token_ids
+from dflash_train.target import TargetModel, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -115,23 +130,17 @@ def _recorded(args: argparse.Namespace) -> dict[str, Any]:
     return {"backend": "openai", **nucleus} if args.server_url else {"backend": "local", "dtype": args.dtype, **nucleus}
 
 
-def _backend(args: argparse.Namespace, tokenizer: object) -> object:
-    from dflash_train.data.backends import LocalBackend, OpenAIBackend
-
+def _backend(args: argparse.Namespace, tokenizer: object) -> LocalBackend | OpenAIBackend:
     if args.server_url:
         return OpenAIBackend(args.server_url, args.server_model or args.target, args.max_new_tokens,
                              args.temperature, thinking_value(args), args.concurrency, args.api_key,
                              top_p=args.top_p)
-    from dflash_train.target import load_target
-
     target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
     return LocalBackend(target, _runtime_config(args, target), args.batch_size)
 
 
-def _runtime_config(args: argparse.Namespace, target: Any) -> Any:
+def _runtime_config(args: argparse.Namespace, target: TargetModel) -> EngineConfig:
     """The runtime's settings: no drafter, caches long enough for the longest prompt kept and its answer."""
-    from dflash_train.runtime.config import EngineConfig, stop_token_ids
-
     rows = args.decode_rows or (256 if target.device.type == "cuda" else args.batch_size)
     return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
                         max_length=args.max_prompt_tokens + args.max_new_tokens + 1, temperature=args.temperature,
@@ -144,15 +153,6 @@ def _runtime_config(args: argparse.Namespace, target: Any) -> Any:
 def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:
     """Before the target loads: resume an earlier run in --out (`regenerate` refuses other settings), refuse a
     folder holding other files unless --overwrite, and with --overwrite remove a run made with other settings."""
-    from dflash_train.outputs import (
-        REGENERATED,
-        claim,
-        foreign_entries,
-        holds_output,
-        refuse_inputs_inside,
-        remove_owned,
-    )
-
     refuse_inputs_inside(out, [spec.source for spec in config.sources] + [config.settings["target"]])
     if overwrite and holds_output(out, REGENERATED) and _made_otherwise(out, chat, config):
         remove_owned(out, REGENERATED)
@@ -163,10 +163,6 @@ def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwri
 def _made_otherwise(out: Path, chat: ChatTokenizer, config: RegenerateConfig) -> bool:
     """Whether the run in ``out`` differs from this one in its first turn's manifest (the plan is redone here:
     it depends on the prompts alone)."""
-    from dflash_train.data.regenerate import manifest_settings, plan_prompts, plan_units
-    from dflash_train.data.shards import REGEN_MANIFEST
-    from dflash_train.data.turns import count_turns, turn_directory
-
     rows, _ = plan_prompts(chat, config)
     if not rows:
         return False  # `regenerate` says why
@@ -182,11 +178,6 @@ def _made_otherwise(out: Path, chat: ChatTokenizer, config: RegenerateConfig) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    from dflash_train.data.chat import ChatTokenizer
-    from dflash_train.data.regenerate import RegenerateConfig, regenerate
-    from dflash_train.data.shards import rank_and_world
-    from dflash_train.data.target_tokenizer import load_target_tokenizer
-
     rank, world = rank_and_world(args.rank, args.world_size)
     tokenizer = load_target_tokenizer(args.target)
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)

@@ -32,7 +32,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import datasets
+
+from dflash_train.data.code_prompts import code_prompts
 from dflash_train.data.records import SHAREGPT_ROLES, BadRecord
+from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 GENERATED_DEFAULT_SIZE = 2000
@@ -131,8 +135,6 @@ def _open_source(spec: CorpusSpec) -> Corpus:
 
 
 def _load_dataset(*args: Any, **kwargs: Any) -> Any:
-    import datasets
-
     try:
         return datasets.load_dataset(*args, **kwargs)
     except Exception as error:  # datasets raises many types; the user needs the source and the cause
@@ -153,8 +155,6 @@ def _dataset_record(dataset: Any, i: int) -> dict[str, Any] | BadRecord:
 
 
 def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
-    from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
-
     if (path / REGEN_MANIFEST).is_file():
         manifest = json.loads((path / REGEN_MANIFEST).read_text())
         shards = regenerated_files(path)
@@ -169,8 +169,6 @@ def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
             lines.extend((shard.name, number, line) for number, line in _numbered_lines(shard.read_bytes()))
         return Corpus(str(path), len(lines), lambda i: _decode_line(lines[i][2]),
                       _where=lambda i: f"{lines[i][0]} line {lines[i][1]}")
-    import datasets
-
     try:
         dataset = datasets.load_from_disk(str(path))
     except Exception as error:  # datasets raises many types for damaged files (a KeyError for a bad state.json)
@@ -255,8 +253,6 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
     if name == "openai-evals":
         root = _packaged_path("evals", OPENAI_EVALS_DATA, "evals==3.0.1.post1 --no-deps")
         return _openai_evals(root, _per_task(option))
-    from dflash_train.data.code_prompts import code_prompts
-
     records = code_prompts()
     return Corpus(name, len(records), lambda i: records[i])
 
@@ -349,7 +345,7 @@ def _generated(name: str, generators: tuple[str, ...], size: int, seed: int) -> 
     """``size`` problems, taken from the generators in turn; each is made when it is read, so a large ``size``
     costs only the problems used."""
     try:
-        import reasoning_gym
+        import reasoning_gym  # the optional `data` extra: a missing one is a one-line error for this source only
     except ImportError:
         raise ValueError(f"the {name} source needs reasoning-gym; run `pip install reasoning-gym`") from None
     per_generator = -(-size // len(generators))

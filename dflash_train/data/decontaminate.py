@@ -27,6 +27,9 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
 
+from dflash_train.eval.math_prompts import SUFFIX
+from dflash_train.eval.prompts import DATASETS, HUMANEVAL_FORMAT
+
 NGRAM = 13
 MIN_WORDS = 8
 PROMPT_ROLES = ("system", "user")
@@ -118,9 +121,6 @@ def build_index(texts: Mapping[str, Iterable[str]], unavailable: Mapping[str, st
 def eval_set_texts() -> tuple[dict[str, list[str]], dict[str, str]]:
     """The prompt turns of every eval set ``dflash_train.eval.prompts`` knows, without the harness's fixed
     wording; and the sets that cannot be read here, with the reason."""
-    from dflash_train.eval.math_prompts import SUFFIX
-    from dflash_train.eval.prompts import DATASETS, HUMANEVAL_FORMAT
-
     wrappers = [tuple(HUMANEVAL_FORMAT.split("{}")), ("", SUFFIX)]
     texts, unavailable = {}, {}
     for name, load in DATASETS.items():

@@ -20,6 +20,7 @@ from itertools import islice
 from pathlib import Path
 from typing import Any
 
+import datasets
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.atomic import write_json_atomically
@@ -160,8 +161,6 @@ def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: 
     """Write the prepared dataset to ``out_dir`` and return the report. The dataset is built aside and moved
     in once complete; an earlier dataset from the same inputs is replaced, any other non-empty folder is
     refused unless ``overwrite`` (then only the earlier dataset's files are replaced; see ``outputs.py``)."""
-    import datasets
-
     config.thinking = settings_of_regenerated(config.sources, tokenizer, config.thinking)
     chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)  # refuses a bad setting first
     claim(out_dir, PREPARED, inputs=[spec.source for spec in config.sources] + [config.target_name],
@@ -190,8 +189,6 @@ def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: 
 
 def _build(chat: ChatTokenizer, config: PrepareConfig, report: DataReport, features: Any, cache_dir: Path) -> Any:
     """The tokenised rows as an Arrow-backed dataset, written incrementally under ``cache_dir``."""
-    import datasets
-
     failure: list[ValueError] = []
     try:
         dataset = datasets.Dataset.from_generator(
