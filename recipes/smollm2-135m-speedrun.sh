@@ -1,0 +1,128 @@
+#!/usr/bin/env bash
+# The speedrun: the best SmolLM2-135M-Instruct drafter one GPU trains from nothing in about 25 minutes,
+# everything included: prompts -> the target regenerates the answers -> tokenised chats -> packed training
+# -> τ and speedup on HumanEval, MT-Bench and a math set -> export and check. One table at the end.
+#
+#   bash recipes/smollm2-135m-speedrun.sh all
+#   bash recipes/smollm2-135m-speedrun.sh prompts|data|train|eval|summary     # one stage
+#
+# Each stage is an ordinary dflash-train command (printed before it runs), resumes where it stopped and is
+# skipped once finished, so the run can be split across time-limited calls of a GPU machine (one stage a
+# call). Nothing here is specific to SmolLM2 beyond the defaults: TARGET, MIX and the budgets scale it.
+# Settings (environment):
+#   TARGET          alias, local directory or .gguf (default: smollm2-135m-instruct)
+#   OUT             where everything goes (default: outputs/speedrun)
+#   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
+#   MIX             `dflash_train.data.pack` sources (default: ~200k distinct prompts, decontaminated:
+#                   15.6k ShareGPT, 93k openai-evals, 60k generated math, 32k code-writing prompts)
+#   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
+#   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
+#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
+#   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
+#   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
+#   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|data|train|eval|summary}
+TARGET=${TARGET:-smollm2-135m-instruct}
+OUT=${OUT:-outputs/speedrun}
+PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
+MIX=${MIX:-sharegpt=20000 openai-evals:1000=110000 reasoning-gym-math=60000 code-prompts=40000}
+SAMPLES=${SAMPLES:-1}
+TEMPERATURE=${TEMPERATURE:-0.7}
+REGEN_MINUTES=${REGEN_MINUTES:-8}
+TRAIN_MINUTES=${TRAIN_MINUTES:-10}
+TRAIN_EXTRA=${TRAIN_EXTRA:-}
+EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+FP32_PROMPTS=${FP32_PROMPTS:-16}
+MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
+MAX_LENGTH=${MAX_LENGTH:-2048}
+DECODE_ROWS=${DECODE_ROWS:-512}
+DFLASH=(python3 -m dflash_train.cli)
+mkdir -p "$OUT"
+
+run() {  # print, then run, a command
+  echo "+ $*" >&2
+  "$@"
+}
+
+timed() {  # stage name, then the function: its seconds are appended to $OUT/times.tsv
+  local name=$1 started=$SECONDS; shift
+  "$@"
+  printf '%s\t%s\n' "$name" "$(( SECONDS - started ))" >> "$OUT/times.tsv"
+}
+
+prompts() {
+  [[ -f "$PROMPTS" ]] && return 0
+  local sources=()
+  for source in $MIX; do sources+=(--source "$source"); done
+  # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
+  run python3 -m dflash_train.data.pack "${sources[@]}" --interleave --out "$PROMPTS"
+}
+
+data() {
+  local partial=() sampled=()
+  (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
+  if [[ ! -f "$OUT/prepared/dflash_data.json" ]]; then
+    run timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+      --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
+      --decode-rows "$DECODE_ROWS" \
+      "${sampled[@]}" --out "$OUT/regen" || {
+      local code=$?
+      [[ $code == 124 ]] || return $code
+      echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES: training on its finished shards" >&2
+      partial=(--allow-unfinished)
+    }
+    run "${DFLASH[@]}" prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
+      --block-size 16 --out "$OUT/prepared"
+  fi
+}
+
+train() {
+  # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
+  run "${DFLASH[@]}" train --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
+    "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/main" "training.time_budget_minutes=$TRAIN_MINUTES" \
+    "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" $TRAIN_EXTRA
+}
+
+final_draft() {
+  python3 -c "import sys; from pathlib import Path; from dflash_train.demo import final_checkpoint
+found = final_checkpoint(Path(sys.argv[1])); print(found / 'draft' if found else '')" "$OUT/train/main"
+}
+
+evaluate() {
+  local draft; draft=$(final_draft)
+  [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
+  mkdir -p "$OUT/eval"
+  [[ -f "$OUT/eval/main-b16.json" ]] ||
+    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
+      --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress \
+      --out "$OUT/eval/main-b16.json"
+  # bf16 kernels may round a near-tie differently with and without the drafter; float32 is exact.
+  [[ -f "$OUT/eval/main-fp32.json" ]] ||
+    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
+      --num-prompts "$FP32_PROMPTS" --max-new-tokens 128 --dtype float32 --no-compile --batch-size 8 \
+      --no-progress --out "$OUT/eval/main-fp32.json"
+  run "${DFLASH[@]}" export "$draft" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" --overwrite \
+    --out "$OUT/export"
+  run "${DFLASH[@]}" check "$OUT/export" --target "$TARGET"
+}
+
+summary() {
+  echo "minutes per stage ($OUT/times.tsv):"
+  awk -F '\t' '{ total += $2; printf "  %-8s %6.1f\n", $1, $2 / 60 } END { printf "  %-8s %6.1f\n", "total", total / 60 }' \
+    "$OUT/times.tsv"
+  python3 -m dflash_train.eval.summary "$OUT"
+}
+
+case "$STAGE" in
+  prompts) timed prompts prompts ;;
+  data) timed data data ;;
+  train) timed train train ;;
+  eval) timed eval evaluate ;;
+  summary) summary ;;
+  all)  # one statement each: a function called inside an && list would run without set -e
+    timed prompts prompts; timed data data; timed train train; timed eval evaluate; summary ;;
+  *) echo "unknown stage $STAGE: use all, prompts, data, train, eval or summary" >&2; exit 2 ;;
+esac

@@ -1,0 +1,48 @@
+"""`recipes/smollm2-135m-speedrun.sh all` end to end at toy sizes on the real SmolLM2 (CPU): pack prompts,
+regenerate, prepare, packed training, the three eval sets, the float32 lossless check, export, check, and the
+table of minutes per stage; then a second `all` skips every finished stage."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers.markers import needs_smollm2
+from tests.helpers.paths import REPO
+
+TOY = {"MIX": f"{REPO / 'data/prompts/demo_prompts.jsonl'}=8", "MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256",
+       "DECODE_ROWS": "4", "TRAIN_MINUTES": "0.3", "EVAL_PROMPTS": "1", "FP32_PROMPTS": "1",
+       "TRAIN_EXTRA": "training.compile=false training.mixed_precision=no model.target_dtype=float32 "
+                      "data.validation_fraction=0.25 data.max_length=256 data.pack_tokens=512 training.batch_size=1 "
+                      "training.num_anchors=8"}
+
+
+def speedrun(stage: str, out: pathlib.Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **TOY, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
+           "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    return subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=1800)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Path) -> None:
+    out = tmp_path / "run"
+    first = speedrun("all", out)
+    assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
+    stages = [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()]
+    assert stages == ["prompts", "data", "train", "eval"]
+    rows = json.loads((out / "summary.json").read_text())
+    datasets = {(row["dataset"], row["dtype"]) for row in rows}
+    assert {("humaneval", "float32"), ("mt-bench", "float32"), ("math-synthetic", "float32")} <= datasets
+    assert all(row["lossless"] == "yes" for row in rows)
+    assert (out / "export" / "config.json").is_file()
+    assert "total" in first.stdout
+    again = speedrun("all", out)
+    assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
+    assert "dflash_train.cli regenerate" not in again.stderr and "dflash_train.cli eval" not in again.stderr
