@@ -142,7 +142,7 @@ def setup(work: Path, cpu: bool, rows: int, seq_len: int, layers: int) -> tuple[
     if (data / "dflash_data.json").exists():
         return target, data  # a continued benchmark
     if cpu:
-        from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+        from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
         save_tiny_target(target), save_tiny_prepared(data, num_rows=rows)
     else:
@@ -238,7 +238,7 @@ def run_data_checks(work: Path, env: dict[str, str], cpu: bool) -> dict[str, Any
     saved = work / "rank_split.json"
     if saved.exists():
         return json.loads(saved.read_text())
-    from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+    from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
     target, data = save_tiny_target(work / "tiny-target"), save_tiny_prepared(work / "tiny-prepared", num_rows=24)
     device = ["--device", "cpu"] if cpu else []

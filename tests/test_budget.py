@@ -11,7 +11,7 @@ from dflash_train.training import budget as budget_module
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.test_training import assets, overrides, train_losses  # noqa: F401  (assets is a fixture)
+from tests.helpers.training import overrides, train_losses
 
 
 def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -70,7 +70,7 @@ def test_budget_never_lengthens_a_run() -> None:
     assert results[-1] == 50
 
 
-def test_stop_after_then_resume_equals_the_uninterrupted_run(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_stop_after_then_resume_equals_the_uninterrupted_run(assets: dict[str, pathlib.Path],
                                                              tmp_path: pathlib.Path) -> None:
     steps = 16
     reference = tmp_path / "reference"
@@ -89,7 +89,7 @@ def test_stop_after_then_resume_equals_the_uninterrupted_run(assets: dict[str, p
         assert got[step] == pytest.approx(expected[step], rel=1e-6, abs=1e-6), step
 
 
-def test_budgeted_run_keeps_its_settled_length_on_resume(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_budgeted_run_keeps_its_settled_length_on_resume(assets: dict[str, pathlib.Path],
                                                          tmp_path: pathlib.Path) -> None:
     out = tmp_path / "budgeted"
     tiny_budget = {"training.max_steps": 400, "training.time_budget_minutes": 1e-6}
@@ -101,7 +101,7 @@ def test_budgeted_run_keeps_its_settled_length_on_resume(assets: dict[str, pathl
     assert again.steps == first.steps  # resumed at its end: nothing more to do
 
 
-def test_a_finished_run_can_be_extended_by_a_larger_max_steps(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_a_finished_run_can_be_extended_by_a_larger_max_steps(assets: dict[str, pathlib.Path],
                                                               tmp_path: pathlib.Path) -> None:
     out = tmp_path / "extended"
     assert run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 4}))).steps == 4
@@ -109,7 +109,7 @@ def test_a_finished_run_can_be_extended_by_a_larger_max_steps(assets: dict[str, 
     assert longer.steps == 8 and longer.finished and sorted(train_losses(out)) == list(range(1, 9))
 
 
-def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathlib.Path],
                                                          tmp_path: pathlib.Path) -> None:
     """Every rank fits (step 12) and refits (step 62) on the same steps, through one all-reduce each: a rank
     that skipped one would hang the other. The run keeps its configured length (the budget is ample)."""
@@ -117,7 +117,8 @@ def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathl
     import sys
 
     from dflash_train.training.tracking import read_metrics
-    from tests.test_training import REPO, launch
+    from tests.helpers.paths import REPO
+    from tests.helpers.training import launch
 
     steps = budget_module.PROBE_STEPS + budget_module.REFIT_STEPS + 2
     out = tmp_path / "budgeted"

@@ -14,9 +14,9 @@ from dflash_train.data.chat import ChatTokenizer, marked_text
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare, tokenized_rows
 from dflash_train.data.quality import DataReport
-from tests.test_chat_templates_sentencepiece import ANSWER1, sentencepiece_tokenizer
-from tests.test_data_chat import byte_tokenizer, two_turns
-from tests.tiny_models import make_tiny_target
+from tests.helpers.byte_tokenizer import byte_tokenizer, two_turns
+from tests.helpers.sentencepiece_tokenizer import ANSWER1, sentencepiece_tokenizer
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def write_jsonl(path: Path, rows: list[dict]) -> Path:

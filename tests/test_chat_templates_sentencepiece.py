@@ -1,36 +1,25 @@
 """Mistral templates over a SentencePiece-style tokenizer: where the template writes a space before the answer
 (``[/INST] answer``), the supervised span starts at the ``▁``-prefixed piece the model emits.
 
-The tokenizer is built here like Mistral's ``tokenizer.json``: BPE over ``▁``-joined words (Metaspace, a ``▁``
-prepended only at the start of the text), ``<s>``/``</s>`` special, and in V3 ``[INST]``/``[/INST]`` control
-tokens. The expected rows are written by hand: the prompt the model answered, then the answer it emitted.
+The tokenizer (tests/helpers/sentencepiece_tokenizer.py) is built like Mistral's ``tokenizer.json``: BPE
+over ``▁``-joined words (Metaspace, a ``▁`` prepended only at the start of the text), ``<s>``/``</s>`` special,
+and in V3 ``[INST]``/``[/INST]`` control tokens. The expected rows are written by hand: the prompt the model
+answered, then the answer it emitted.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from dflash_train.data.chat import ChatTokenizer
-
-TEMPLATES = Path(__file__).parent / "golden" / "chat_templates"
-SYSTEM, USER1, ANSWER1, USER2, ANSWER2 = (
-    "Be brief.", "Where is Paris?", "Paris is the capital of France.", "And Rome?", "Rome is older than Paris.")
-CORPUS = [f"{SYSTEM}\n\n{USER1}", ANSWER1, USER2, ANSWER2, "[INST] [/INST]"]
-
-
-def sentencepiece_tokenizer(template: str, control: list[str]) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.BPE(unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    backend.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="first")
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-    backend.train_from_iterator(CORPUS * 10, trainer)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in ["<s>", "</s>", *control]])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
-    tokenizer.chat_template = (TEMPLATES / template).read_text().rstrip("\n")
-    return tokenizer
+from tests.helpers.sentencepiece_tokenizer import (
+    ANSWER1,
+    ANSWER2,
+    SYSTEM,
+    USER1,
+    USER2,
+    sentencepiece_tokenizer,
+)
 
 
 def messages() -> list[dict]:

@@ -13,8 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.checkpoint import check_checkpoint
 from dflash_train.target import TargetModel
-from tests.test_export_fixtures import export_tiny
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import export_tiny
+from tests.helpers.tiny_models import make_tiny_target
 
 TENSORS = "model.safetensors"
 

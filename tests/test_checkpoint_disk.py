@@ -10,14 +10,14 @@ import pytest
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.test_training import assets, overrides, train_losses  # noqa: F401  (assets is a fixture)
+from tests.helpers.training import overrides, train_losses
 
 
 def step_dirs(out: pathlib.Path) -> list[str]:
     return sorted(p.name for p in (out / "checkpoints").iterdir())
 
 
-def test_a_full_disk_stops_before_writing_and_the_run_resumes(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_a_full_disk_stops_before_writing_and_the_run_resumes(assets: dict[str, pathlib.Path],
                                                               tmp_path: pathlib.Path,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "run"
@@ -36,7 +36,7 @@ def test_a_full_disk_stops_before_writing_and_the_run_resumes(assets: dict[str, 
     assert set(train_losses(out)) == set(range(1, 7))
 
 
-def test_a_write_that_runs_out_of_space_is_reported_as_a_full_disk(assets: dict[str, pathlib.Path],  # noqa: F811
+def test_a_write_that_runs_out_of_space_is_reported_as_a_full_disk(assets: dict[str, pathlib.Path],
                                                                    tmp_path: pathlib.Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     def failing_save(self: accelerate.Accelerator, output_dir: str) -> None:

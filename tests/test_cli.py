@@ -7,7 +7,7 @@ import pathlib
 import pytest
 
 from dflash_train.cli import main
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def test_inspect_prints_layer_ids_and_mask_token(tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:

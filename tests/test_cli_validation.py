@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.paths import REPO
+from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = REPO / "data" / "prompts" / "demo_prompts.jsonl"
 
 

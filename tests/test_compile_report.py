@@ -9,7 +9,7 @@ import pytest
 from dflash_train.training.compile_report import first_step_line
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.test_training import assets, overrides  # noqa: F401  (assets is a fixture)
+from tests.helpers.training import overrides
 
 
 def test_first_step_line_splits_compile_from_the_rest() -> None:
@@ -20,7 +20,7 @@ def test_first_step_line_splits_compile_from_the_rest() -> None:
 
 
 @pytest.mark.slow
-def test_a_compiled_run_reports_its_first_step(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,  # noqa: F811
+def test_a_compiled_run_reports_its_first_step(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                                capsys: pytest.CaptureFixture[str],
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     import torch._dynamo

@@ -8,8 +8,9 @@ import pytest
 
 from dflash_train.cli import main
 from dflash_train.training.config import load_config
+from tests.helpers.paths import CPU_RECIPE
 
-RECIPE = Path(__file__).parent.parent / "recipes" / "smollm2-135m-dflash-b16-cpu.yaml"
+RECIPE = CPU_RECIPE
 
 
 def test_recipe_syntax_error_names_the_file_line_and_column(tmp_path: Path) -> None:

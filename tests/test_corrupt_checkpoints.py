@@ -18,8 +18,8 @@ from dflash_train.target import load_target
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.setup import build_draft
-from tests.test_export_fixtures import export_tiny, tiny_draft_for
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import export_tiny, tiny_draft_for
+from tests.helpers.tiny_models import make_tiny_target
 
 WEIGHTS = "model.safetensors"
 

@@ -32,7 +32,7 @@ from dflash_train.data.features import (
 from dflash_train.data.prepared import tokenizer_hash
 from dflash_train.data.verify import verify_store
 from dflash_train.target import TargetModel, target_fingerprint
-from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 LAYERS = [0, 2, 4]
 
@@ -330,7 +330,7 @@ def test_shards_micro_batched_together_hold_the_same_rows_as_one_by_one(tiny: Ta
 def test_right_padded_rows_need_no_mask_for_any_architecture(arch: str, tmp_path: Path) -> None:
     """Extraction runs right-padded micro-batches without an attention mask: every real token's features
     equal those of its row run alone, also with biases (qwen2) and a sliding window shorter than the rows."""
-    from tests.tiny_models import make_tiny_target
+    from tests.helpers.tiny_models import make_tiny_target
 
     target = make_tiny_target(arch, num_layers=6)
     if arch == "mistral":

@@ -10,7 +10,7 @@ import torch
 
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator, hf_generate
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ from dflash_train.data import load_prepared
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prepared import METADATA_FILE, check_tokenizer, tokenizer_hash
-from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 ANSWER = "paris is the capital of france ."  # 7 words
 

@@ -8,7 +8,6 @@ import json
 import threading
 from collections.abc import Iterator
 from dataclasses import replace
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,11 +18,9 @@ from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.regenerate import RegenerateConfig, regenerate
 from dflash_train.data.shards import regenerated_files
 from dflash_train.runtime.config import EngineConfig
-from dflash_train.runtime.generation import hf_generate
 from dflash_train.target import TargetModel
-from tests.tiny_models import make_tiny_target
-
-WORDS = ["hello", "who", "are", "you", "the", "capital", "of", "france", "paris", "is", "what", "yes", "no", "brief"]
+from tests.helpers.regeneration import WORDS, ChatCompletionsServer
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def settings(temperature: float = 0.0, max_new: int = 12) -> EngineConfig:
@@ -115,47 +112,6 @@ def test_resume_with_other_settings_is_refused(tiny: TargetModel, tmp_path: Path
 
 
 # ------------------------------------------------------------------ OpenAI-compatible server on loopback
-
-
-class ChatCompletionsServer(ThreadingHTTPServer):
-    """``POST /v1/chat/completions`` answered by a transformers model with its own chat template."""
-
-    def __init__(self, target: TargetModel, stop_ids: tuple[int, ...] | None = None) -> None:
-        super().__init__(("127.0.0.1", 0), _Handler)
-        self.target, self.lock, self.requests = target, threading.Lock(), []
-        self.stop_ids = stop_ids or (target.tokenizer.eos_token_id,)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _Handler(BaseHTTPRequestHandler):
-    server: ChatCompletionsServer
-
-    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
-        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        self.server.requests.append(body)
-        if self.path != "/v1/chat/completions":
-            self.send_error(404)
-            return
-        tokenizer = self.server.target.tokenizer
-        ids = tokenizer.apply_chat_template(body["messages"], add_generation_prompt=True, return_dict=True)["input_ids"]
-        with self.server.lock:
-            config = EngineConfig(max_new_tokens=body["max_tokens"], stop_token_ids=self.server.stop_ids)
-            (out,) = hf_generate(self.server.target.model, [list(ids)], config)
-        reply = {"choices": [{"index": 0, "finish_reason": out.finish_reason,
-                              "message": {"role": "assistant", "content": tokenizer.decode(out.token_ids, skip_special_tokens=True)}}],
-                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out.token_ids)}}
-        data = json.dumps(reply).encode()
-        self.send_response(200)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def log_message(self, *args: object) -> None:
-        pass
 
 
 @pytest.fixture()

@@ -19,8 +19,8 @@ from dflash_train.data.shards import regenerated_files
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator, hf_generate
 from dflash_train.target import TargetModel
-from tests.test_data_regenerate import WORDS
-from tests.tiny_models import make_tiny_target
+from tests.helpers.regeneration import WORDS, ChatCompletionsServer
+from tests.helpers.tiny_models import make_tiny_target
 
 MAX_NEW = 8
 
@@ -191,7 +191,6 @@ def test_turns_flag() -> None:
 def test_a_server_back_end_answers_every_turn_like_the_builtin_one(tiny: TargetModel, stop_id: int,
                                                                  tmp_path: Path) -> None:
     from dflash_train.data.backends import OpenAIBackend
-    from tests.test_data_regenerate import ChatCompletionsServer
 
     source = write_source(tmp_path / "chats.jsonl")
     run(tiny, stop_id, source, tmp_path / "local", None)

@@ -13,9 +13,10 @@ from dflash_train.data import load_prepared
 from dflash_train.data.features import FeatureStore
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator, hf_generate
+from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
-DEMO = Path(__file__).parent.parent / "data" / "prompts" / "demo_prompts.jsonl"
+DEMO = REPO / "data" / "prompts" / "demo_prompts.jsonl"
 
 
 def test_builtin_generation_equals_hf_generate_on_smollm2() -> None:

@@ -15,7 +15,7 @@ import torch
 from benchmarks.decode import launches_per_step, random_draft
 from benchmarks.decode_batch import Acceptance, ReplayEngine, crossing, main, measuring_order
 from dflash_train.runtime.engine import EngineConfig
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 
 @pytest.fixture(autouse=True)

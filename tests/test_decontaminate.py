@@ -21,9 +21,9 @@ from dflash_train.data.pack import main as pack_main
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prepared import METADATA_FILE
 from dflash_train.eval.math_prompts import math_prompts
-from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
+from tests.helpers.paths import REPO
+from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
-REPO = Path(__file__).resolve().parents[1]
 ANSWER = "paris is the capital of france ."
 
 

@@ -15,9 +15,8 @@ from dflash_train import cli, train
 from dflash_train.atomic import write_atomically
 from dflash_train.data.shards import regenerated_files
 from dflash_train.disk import disk_full_message
-from tests.training_fixtures import save_tiny_target
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+from tests.helpers.training import save_tiny_target
 
 
 def no_space(path: pathlib.Path) -> OSError:

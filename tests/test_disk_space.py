@@ -12,9 +12,9 @@ import pytest
 
 from dflash_train import disk, train
 from dflash_train.cli import main
-from tests.training_fixtures import save_tiny_target
+from tests.helpers.paths import REPO
+from tests.helpers.training import save_tiny_target
 
-REPO = Path(__file__).resolve().parent.parent
 RECIPE = REPO / "recipes" / "smollm2-135m-dflash-b16-cpu.yaml"
 Usage = namedtuple("Usage", "total used free")
 NO_SPACE = "Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: \"No space left on device\" })"

@@ -19,11 +19,11 @@ from dflash_train.training.config import load_config
 from dflash_train.training.data import collate
 from dflash_train.training.packing import collate_packed
 from dflash_train.training.trainer import run_training
-from tests.draft_helpers import frozen_embed_and_head, tiny_draft
-from tests.test_packing_objective import PACK, chats, drafter, run
-from tests.test_training import overrides, train_losses
-from tests.tiny_models import make_tiny_target
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.packing import PACK, chats, drafter, run
+from tests.helpers.paths import CPU_RECIPE
+from tests.helpers.tiny_drafts import frozen_embed_and_head, tiny_draft
+from tests.helpers.tiny_models import make_tiny_target
+from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target, train_losses
 
 ALPHA = 0.3
 
@@ -141,7 +141,7 @@ def test_a_packed_batch_equals_its_chats_unpacked(target: TargetModel) -> None:
 
 
 def test_config_selects_dpace_and_checks_alpha() -> None:
-    recipe = pathlib.Path(__file__).parent.parent / "recipes/smollm2-135m-dflash-b16-cpu.yaml"
+    recipe = CPU_RECIPE
     assert load_config(recipe).training.position_weighting == "decay"  # off by default
     config = load_config(recipe, ["training.position_weighting=dpace", "training.dpace_alpha=0.25"])
     assert (config.training.position_weighting, config.training.dpace_alpha) == ("dpace", 0.25)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dflash_train.objective import DFlashObjective, build_blocks, dense_mask
-from tests.draft_helpers import frozen_embed_and_head, tiny_config, tiny_draft
+from tests.helpers.tiny_drafts import frozen_embed_and_head, tiny_config, tiny_draft
 
 
 def test_parameter_names_match_published_checkpoints() -> None:

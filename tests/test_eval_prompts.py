@@ -12,7 +12,7 @@ import pytest
 from dflash_train.eval.chat import prompt_ids, stop_token_ids, supports_thinking
 from dflash_train.eval.math_prompts import math_prompts
 from dflash_train.eval.prompts import DATASETS, conversation_from_row, load_prompt_file, load_prompt_set
-from tests.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_tokenizer
 
 
 def test_humaneval_and_mt_bench_ship_with_the_repo() -> None:

@@ -9,8 +9,8 @@ from dflash_train.eval.prompts import Conversation, PromptSet
 from dflash_train.eval.run import EvalSettings, Evaluator, PassTotals, Request
 from dflash_train.runtime.engine import EngineConfig
 from dflash_train.runtime.state import RequestOutput
-from tests.test_eval_engine import make_draft, own_greedy
-from tests.tiny_models import make_tiny_target
+from tests.helpers.decoding import make_draft, own_greedy
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def test_divergent_outputs_are_counted_located_and_diagnosed() -> None:

@@ -19,7 +19,7 @@ from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.sampling import speculative_sample
 from dflash_train.target import TargetModel
-from tests.tiny_models import make_tiny_model
+from tests.helpers.tiny_models import make_tiny_model
 
 VOCAB, PROMPT, TEMPERATURE, SAMPLES, NEW = 12, [3, 7, 1, 4], 0.8, 6000, 3
 

@@ -7,41 +7,14 @@ import pytest
 import torch
 
 from dflash_train.runtime.static_target import StaticTarget
-from tests.tiny_models import make_tiny_target
+from tests.helpers.static_target import check_prefill_and_verify
+from tests.helpers.tiny_models import make_tiny_target
 
 
 @pytest.mark.parametrize("fuse_projections", [True, False])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: bool) -> None:
     check_prefill_and_verify(arch, kernels="torch", fuse_projections=fuse_projections)
-
-
-def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_projections: bool = True) -> None:
-    """Also run with kernels="triton" by tests/test_kernels_static_attention.py (kernels interpreted on CPU)."""
-    target = make_tiny_target(arch, num_layers=4, seed=1)
-    if arch == "mistral":
-        target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
-    ids = torch.randint(10, 200, (2, 14), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = target.model(ids).logits
-    features = target.capture_features(ids, [1, 2])
-    target.model.to(device)
-    ids = ids.to(device)
-    runner = StaticTarget(target, batch_size=3, max_length=32, kernels=kernels, fuse_projections=fuse_projections)
-    # Prompts of 9 and 6 tokens into rows 2 and 0, right-padded to 9.
-    prompt = torch.stack([ids[0, :9], torch.cat([ids[1, :6], torch.zeros(3, dtype=torch.long, device=device)])])
-    out = runner.forward(prompt, torch.arange(9, device=device).expand(2, 9), row_index=torch.tensor([2, 0], device=device),
-                         kv_len=9, logit_index=torch.tensor([8, 5], device=device), feature_layer_ids=[1, 2])
-    torch.testing.assert_close(out.logits[:, 0].cpu(), torch.stack([reference[0, 8], reference[1, 5]]), atol=1e-5,
-                               rtol=1e-4)
-    torch.testing.assert_close(out.features[0].cpu(), features[0, :9], atol=1e-5, rtol=1e-4)
-    # One verify over all rows: row 0 continues at position 6, row 2 at 9 (row 1 is idle garbage).
-    block = torch.stack([ids[1, 6:11], ids[0, 3:8], ids[0, 9:14]])
-    positions = torch.stack([torch.arange(6, 11), torch.arange(3, 8), torch.arange(9, 14)]).to(device)
-    out = runner.forward(block, positions, feature_layer_ids=[1, 2])
-    torch.testing.assert_close(out.logits[0].cpu(), reference[1, 6:11], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.logits[2].cpu(), reference[0, 9:14], atol=1e-5, rtol=1e-4)
-    torch.testing.assert_close(out.features[2].cpu(), features[0, 9:14], atol=1e-5, rtol=1e-4)
 
 
 def test_sliding_window_is_applied() -> None:

@@ -8,27 +8,11 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import AutoModel
 
 from dflash_train.inference import generate_greedy
 from dflash_train.target import TargetModel
-from tests.test_export_fixtures import export_tiny
-from tests.tiny_models import make_tiny_target
-
-
-def load_remote(directory: Path) -> Any:
-    model, info = AutoModel.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32,
-                                            output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
-    return model
-
-
-def reference_greedy(target: TargetModel, input_ids: torch.Tensor, num_tokens: int) -> list[int]:
-    """Greedy decoding by full recomputation each step: no cache, nothing shared with the loop."""
-    ids = input_ids
-    for _ in range(num_tokens):
-        ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
-    return ids[0, input_ids.shape[1] :].tolist()
+from tests.helpers.checkpoints import export_tiny, load_remote, reference_greedy
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def prompt(seed: int, length: int = 9) -> torch.Tensor:

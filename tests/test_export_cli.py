@@ -10,8 +10,8 @@ import torch
 
 from dflash_train.checkpoint import save_draft
 from dflash_train.cli import main
-from tests.test_export_fixtures import tiny_draft_for, write_zlab_checkpoint
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import tiny_draft_for, write_zlab_checkpoint
+from tests.helpers.tiny_models import make_tiny_target
 
 
 @pytest.fixture

@@ -11,9 +11,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dflash_train.checkpoint import check_checkpoint, export_checkpoint, load_draft, save_draft
+from dflash_train.checkpoint.hf_format import config_from_hf, expected_tensor_shapes
 from dflash_train.checkpoint.weights import INDEX_FILE, read_tensors
-from tests.test_export_fixtures import tiny_draft_for, write_zlab_checkpoint, zlab_tiny_config
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import (
+    ZLAB_QWEN3_8B_CONFIG,
+    tiny_draft_for,
+    write_zlab_checkpoint,
+    zlab_tensors,
+    zlab_tiny_config,
+)
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def stored(directory: Path) -> dict[str, torch.Tensor]:
@@ -24,6 +31,21 @@ def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     assert sorted(a) == sorted(b)
     for name in a:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name].view(torch.int16), b[name].view(torch.int16)), name
+
+
+def test_published_config_parses_to_the_published_drafter() -> None:
+    config = config_from_hf(ZLAB_QWEN3_8B_CONFIG)
+    assert (config.num_hidden_layers, config.hidden_size, config.block_size) == (5, 4096, 16)
+    assert config.mask_token_id == 151669 and config.target_layer_ids == [1, 9, 17, 25, 33]
+    assert (config.num_target_layers, config.rope_theta, config.rope_scaling) == (36, 1e6, None)
+    shapes = expected_tensor_shapes(config)
+    assert shapes["fc.weight"] == (4096, 5 * 4096)
+    assert shapes["layers.4.self_attn.k_proj.weight"] == (8 * 128, 4096)
+    assert shapes["layers.0.self_attn.q_norm.weight"] == (128,)
+    assert len(shapes) == 3 + 5 * 11
+    # the hand-written names of the tiny fixture agree with the package's expectation
+    tiny = zlab_tiny_config()
+    assert {k: tuple(v.shape) for k, v in zlab_tensors(tiny).items()} == expected_tensor_shapes(config_from_hf(tiny))
 
 
 def test_zlab_layout_imports_with_every_setting(tmp_path: Path) -> None:

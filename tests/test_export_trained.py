@@ -12,8 +12,8 @@ from dflash_train.checkpoint import check_checkpoint, export_checkpoint, load_dr
 from dflash_train.target import load_target
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.test_export import load_remote, reference_greedy
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.checkpoints import load_remote, reference_greedy
+from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
 
 def test_trained_checkpoint_exports_checks_and_decodes_losslessly(tmp_path: Path) -> None:

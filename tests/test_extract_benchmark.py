@@ -31,7 +31,7 @@ def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path,
 
     import dflash_train.data.extract as extract_module
     from benchmarks.extract import to_host_seconds
-    from tests.tiny_models import make_tiny_target
+    from tests.helpers.tiny_models import make_tiny_target
 
     saved, capture, batches = extract_module._save_shard, extract_module.compute_features, []
 

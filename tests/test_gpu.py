@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dflash_train.objective import DFlashObjective
-from tests.draft_helpers import frozen_embed_and_head, tiny_draft
+from tests.helpers.tiny_drafts import frozen_embed_and_head, tiny_draft
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -18,10 +18,10 @@ from dflash_train.checkpoint.io import load_draft
 from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import run_training
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.paths import REPO
+from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("launch_config", ["deepspeed_zero2.yaml", "fsdp2.yaml"])

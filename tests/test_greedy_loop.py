@@ -8,7 +8,7 @@ import torch
 from dflash_train.inference import accepted_prefix_length, generate_greedy
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel, resolve_mask_token_id
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def reference_greedy(target: TargetModel, input_ids: torch.Tensor, num_tokens: int) -> list[int]:

@@ -15,7 +15,7 @@ import dflash_train.target.loading as loading
 from dflash_train.cli import main
 from dflash_train.data.target_tokenizer import load_target_tokenizer
 from dflash_train.target import load_target, load_target_config
-from tests.training_fixtures import save_tiny_target
+from tests.helpers.training import save_tiny_target
 
 
 @pytest.fixture

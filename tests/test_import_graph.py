@@ -11,7 +11,9 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-PACKAGE = Path(__file__).resolve().parents[1] / "dflash_train"
+from tests.helpers.paths import REPO
+
+PACKAGE = REPO / "dflash_train"
 
 
 def module_files(package: Path = PACKAGE) -> dict[str, Path]:

@@ -14,7 +14,7 @@ from dflash_train.objective.masks import dense_mask
 from dflash_train.target import TargetModel
 from dflash_train.training.config import TrainConfig, load_config
 from dflash_train.training.setup import build_draft
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 COPIED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
           "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight",

@@ -12,7 +12,7 @@ from dflash_train.cli import main
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 ANSWER = "paris is the capital of france ."
 

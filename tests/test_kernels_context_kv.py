@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash_train.kernels.context_kv import context_kv_reference, context_kv_triton
-from tests.draft_helpers import tiny_draft
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.tiny_drafts import tiny_draft
 
 test_under_interpreter = under_interpreter(__file__)
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.kernels.cross_entropy import cross_entropy_grad_reference, cross_entropy_grad_triton
 from dflash_train.objective.loss import chunked_weighted_cross_entropy
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 

@@ -8,8 +8,8 @@ import torch
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import resolve_mask_token_id
-from tests.tiny_models import make_tiny_target
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.tiny_models import make_tiny_target
 
 test_under_interpreter = under_interpreter(__file__)
 

@@ -15,7 +15,7 @@ from dflash_train.kernels.greedy_verify import (
     greedy_verify_reference,
     greedy_verify_triton,
 )
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 

@@ -24,9 +24,8 @@ from dflash_train.kernels.rope_cache import (
 from dflash_train.runtime.fused_layer import FusedLayer
 from dflash_train.runtime.static_target import StaticTarget, static_attention
 from dflash_train.target import TargetModel
-from tests.test_kernels_static_attention import compile_for_h100
-from tests.tiny_models import make_tiny_config, make_tiny_target, make_tiny_tokenizer
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, under_interpreter
+from tests.helpers.tiny_models import make_tiny_config, make_tiny_target, make_tiny_tokenizer
 
 test_under_interpreter = under_interpreter(__file__)
 

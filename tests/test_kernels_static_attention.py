@@ -19,7 +19,7 @@ from dflash_train.kernels.static_attention import (
     static_attention_triton,
 )
 from dflash_train.runtime.static_target import static_attention
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, under_interpreter
 
 test_under_interpreter = under_interpreter(__file__)
 
@@ -97,14 +97,14 @@ def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
 def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None:
     """The target runner with kernels="triton" (prefill of some rows, then a verify block per row at
     different positions; a sliding window for mistral) against the model's own forward."""
-    from tests.test_eval_static_target import check_prefill_and_verify
+    from tests.helpers.static_target import check_prefill_and_verify
 
     check_prefill_and_verify(arch, kernels="triton", device=DEVICE)
 
 
 def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
     from dflash_train.runtime.static_target import StaticTarget
-    from tests.tiny_models import make_tiny_target
+    from tests.helpers.tiny_models import make_tiny_target
 
     runner = StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=512, kernels="triton")
     groups = runner.heads // runner.kv_heads
@@ -114,23 +114,6 @@ def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
     assert prefill.dtype == torch.bool and 400 * groups > 128
     with pytest.raises(ValueError, match="kernels must be"):
         StaticTarget(make_tiny_target("llama", num_layers=1), batch_size=1, max_length=8, kernels="flash")
-
-
-def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],
-                     float_type: str) -> None:
-    """Compile a kernel body to sm_90 machine code here (no GPU needed), with every scalar argument
-    typed as a launcher would type it: torch.compile hands Python floats over as fp64."""
-    import inspect
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    names = list(inspect.signature(kernel).parameters)  # type: ignore[arg-type]
-    signature = {name: pointer_types.get(name, "constexpr" if name in constants else
-                                         (float_type if name == "scale" else "i32")) for name in names}
-    constexprs = {(names.index(name),): value for name, value in constants.items()}
-    source = triton.compiler.ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")

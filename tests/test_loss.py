@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dflash_train.objective import DFlashObjective, chunked_weighted_cross_entropy, slot_weights
 from dflash_train.objective.objective import expected_acceptance_length
-from tests.draft_helpers import frozen_embed_and_head, tiny_draft
+from tests.helpers.tiny_drafts import frozen_embed_and_head, tiny_draft
 
 
 def naive_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.objective.loss import chunked_cross_entropy_rows
-from tests.triton_tests import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 
 test_under_interpreter = under_interpreter(__file__)
 

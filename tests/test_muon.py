@@ -15,11 +15,11 @@ from dflash_train.training.config import load_config
 from dflash_train.training.muon import MuonWithAdamW, build_muon_with_adamw
 from dflash_train.training.setup import build_optimizer, build_schedule
 from dflash_train.training.trainer import run_training
-from tests.draft_helpers import tiny_draft
-from tests.test_training import overrides, train_losses
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.paths import CPU_RECIPE
+from tests.helpers.tiny_drafts import tiny_draft
+from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target, train_losses
 
-RECIPE = pathlib.Path(__file__).parent.parent / "recipes/smollm2-135m-dflash-b16-cpu.yaml"
+RECIPE = CPU_RECIPE
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5) -> torch.Tensor:

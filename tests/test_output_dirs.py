@@ -18,12 +18,13 @@ from dflash_train.data.prepared import METADATA_FILE
 from dflash_train.demo import StageRunner, plan_stages
 from dflash_train.outputs import EXPORTED, FEATURES, PREPARED, REGENERATED, TRAINING, claim_training_dir
 from dflash_train.training.config import load_config
-from tests.test_export_fixtures import tiny_draft_for
-from tests.tiny_models import make_tiny_target, make_tiny_tokenizer
-from tests.training_fixtures import save_tiny_prepared
+from tests.helpers.checkpoints import tiny_draft_for
+from tests.helpers.paths import CPU_RECIPE
+from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
+from tests.helpers.training import save_tiny_prepared
 
 ANSWER = "paris is the capital of france ."
-RECIPE = Path(__file__).parent.parent / "recipes" / "smollm2-135m-dflash-b16-cpu.yaml"
+RECIPE = CPU_RECIPE
 
 
 def write_chats(path: Path, n: int = 3) -> Path:

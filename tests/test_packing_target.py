@@ -8,7 +8,7 @@ import torch
 
 from dflash_train.data.features import compute_features
 from dflash_train.training.packing import collate_packed, packed_features_and_final_states
-from tests.tiny_models import TINY_ARCHS, make_tiny_target
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 
 LAYERS = [0, 2, 3]
 

@@ -11,8 +11,7 @@ import pytest
 from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
-from tests.test_training import overrides, train_losses
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target, train_losses
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 

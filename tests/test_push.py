@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from dflash_train.cli import main
-from tests.test_export_fixtures import export_tiny
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import export_tiny
+from tests.helpers.tiny_models import make_tiny_target
 
 
 @pytest.fixture

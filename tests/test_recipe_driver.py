@@ -14,9 +14,9 @@ import time
 
 import pytest
 
-from tests.test_target import needs_smollm2
+from tests.helpers.markers import needs_smollm2
+from tests.helpers.paths import REPO
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
 TOY = {"MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256", "TRAIN_MINUTES": "0.5", "ABLATION_STEPS": "3",
        "EVAL_PROMPTS": "1", "ABLATION_EVAL_PROMPTS": "1", "TRACKING": "none", "BATCH_SIZE": "1", "NUM_ANCHORS": "8",
        "PROMPTS": f"--data {REPO / 'data/prompts/demo_prompts.jsonl'} --max-samples 8",

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.regenerate import main
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 
 def test_quick_regeneration_benchmark_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

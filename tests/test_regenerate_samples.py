@@ -20,7 +20,7 @@ from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator
 from dflash_train.runtime.sampling import request_seed
 from dflash_train.target import TargetModel
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target
 
 WORDS = ["hello", "who", "are", "you", "the", "capital", "of", "france", "paris", "is", "what", "yes", "no"]
 SEED, MAX_NEW, UNIT_ROWS = 7, 10, 4

@@ -16,8 +16,8 @@ from transformers import AutoModel
 
 from dflash_train.checkpoint import load_draft
 from dflash_train.checkpoint.export import export_assets_dir
-from tests.test_export_fixtures import export_tiny
-from tests.tiny_models import make_tiny_target
+from tests.helpers.checkpoints import export_tiny
+from tests.helpers.tiny_models import make_tiny_target
 
 TF457_PYTHON = Path(os.environ.get("DFLASH_TRAIN_TF457_PYTHON", "/tmp/venv457/bin/python"))
 

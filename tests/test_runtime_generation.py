@@ -16,7 +16,7 @@ from dflash_train.runtime.engine import DecodeEngine
 from dflash_train.runtime.generation import Generated, Generator, hf_generate
 from dflash_train.runtime.sampling import request_seed, seed_keys, seeded_sample, seeded_uniform
 from dflash_train.target import TargetModel
-from tests.tiny_models import TINY_ARCHS, make_tiny_target
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 
 PROMPT_LENGTHS = (3, 11, 7, 1, 16, 5, 9)
 MAX_NEW = 20

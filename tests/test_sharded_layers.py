@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.draft_helpers import tiny_draft
+from tests.helpers.tiny_drafts import tiny_draft
 
 
 @pytest.fixture

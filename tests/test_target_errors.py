@@ -11,7 +11,7 @@ import pytest
 import dflash_train.target.loading as loading
 from dflash_train.cli import main
 from dflash_train.target import load_target, load_target_config
-from tests.test_target_cache import write_tiny_gguf
+from tests.helpers.tiny_models import write_tiny_gguf
 
 
 @pytest.fixture

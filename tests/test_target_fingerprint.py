@@ -24,7 +24,7 @@ from dflash_train.target import (
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
+from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
 LAYERS = [1, 3]
 

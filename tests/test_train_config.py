@@ -7,8 +7,9 @@ import pathlib
 import pytest
 
 from dflash_train.training.config import load_config
+from tests.helpers.paths import REPO
 
-RECIPES = sorted((pathlib.Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)

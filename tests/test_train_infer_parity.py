@@ -17,7 +17,7 @@ import torch
 from dflash_train.objective import build_blocks, dense_mask
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import TargetModel
-from tests.test_eval_engine import make_draft, own_greedy, target  # noqa: F401  (target is a fixture)
+from tests.helpers.decoding import make_draft, own_greedy
 
 
 class RecordingEngine(DecodeEngine):
@@ -48,7 +48,7 @@ def training_predictions(model: TargetModel, draft, sequence: torch.Tensor, anch
 
 @pytest.mark.parametrize("block_size", [4, 16])
 @torch.no_grad()
-def test_eval_drafts_equal_the_training_forward_at_every_cycle(target: TargetModel, block_size: int) -> None:  # noqa: F811
+def test_eval_drafts_equal_the_training_forward_at_every_cycle(target: TargetModel, block_size: int) -> None:
     draft = make_draft(target, block_size, seed=3)
     prompt = torch.randint(10, 200, (9,), generator=torch.Generator().manual_seed(5)).tolist()
     new = 40
@@ -87,7 +87,7 @@ def per_anchor_hits(model: TargetModel, draft, sequence: torch.Tensor, prompt_le
     return hits
 
 
-def test_teacher_forced_accuracy_and_the_acceptance_it_implies(target: TargetModel) -> None:  # noqa: F811
+def test_teacher_forced_accuracy_and_the_acceptance_it_implies(target: TargetModel) -> None:
     """TeacherForcedAccuracy counts exactly what a per-anchor loop counts; and at the decode cycles' starts the
     leading run of correct slots is each cycle's accepted length (greedy), for a drafter trained to be right
     often on this answer."""

@@ -19,33 +19,8 @@ from dflash_train.checkpoint.io import load_draft
 from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import run_training
-from tests.training_fixtures import save_tiny_prepared, save_tiny_target
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    root = tmp_path_factory.mktemp("train_assets")
-    return {"target": save_tiny_target(root / "target"), "data": save_tiny_prepared(root / "data")}
-
-
-def overrides(assets: dict[str, pathlib.Path], out: pathlib.Path, **extra: object) -> list[str]:
-    values: dict[str, object] = {
-        "model.target": assets["target"], "model.target_dtype": "float32", "model.num_draft_layers": 2,
-        "model.block_size": 4, "data.prepared": assets["data"], "data.max_length": 64,
-        "data.validation_fraction": 0.2, "training.output_dir": out, "training.max_steps": 12,
-        "training.batch_size": 2, "training.num_anchors": 8, "training.loss_decay_gamma": 4,
-        "training.mixed_precision": "no", "training.learning_rate": 3e-3, "training.log_every": 1,
-        "training.eval_every": 6, "training.save_every": 3, "training.keep_last": 2,
-        "training.deterministic": True, "tracking.report_to": "none",
-    }
-    values.update(extra)
-    return [f"{k}={v}" for k, v in values.items()]
-
-
-def train_losses(out: pathlib.Path) -> dict[int, float]:
-    return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")["train"]}
+from tests.helpers.paths import REPO
+from tests.helpers.training import launch, overrides, save_tiny_target, train_losses
 
 
 def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
@@ -62,13 +37,6 @@ def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_
     assert draft.config.block_size == 4 and len(draft.layers) == 2
     state = json.loads((out / "checkpoints" / "step-00000040" / "trainer_state.json").read_text())
     assert state["step"] == 40 and state["block_size"] == 4
-
-
-def launch(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "CUDA_VISIBLE_DEVICES": "", **(env_extra or {})}
-    # Own process group: a launch that hangs is stopped with the workers it started.
-    return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            start_new_session=True)
 
 
 def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:

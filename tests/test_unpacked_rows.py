@@ -10,8 +10,8 @@ import torch
 import transformers.masking_utils as masking_utils
 
 from dflash_train.target import TargetModel, rows_not_packed
-from tests.test_target import LAYER_IDS, reference_features
-from tests.tiny_models import TINY_ARCHS, make_tiny_target, tiny_batch
+from tests.helpers.features import LAYER_IDS, reference_features
+from tests.helpers.tiny_models import tiny_batch
 
 
 @pytest.fixture
@@ -26,11 +26,6 @@ def check_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 
     monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", spy)
     yield calls
-
-
-@pytest.fixture(scope="module", params=TINY_ARCHS)
-def tiny(request: pytest.FixtureRequest) -> TargetModel:
-    return make_tiny_target(request.param)
 
 
 def test_capture_skips_the_check_and_gives_the_same_features(tiny: TargetModel, check_calls: list[int]) -> None:

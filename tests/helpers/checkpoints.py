@@ -1,4 +1,5 @@
-"""Checkpoints written by hand for the export/import/check tests, independently of the exporter.
+"""Checkpoints for the export/import/check tests: written by hand, independently of the exporter, or
+exported from a tiny random drafter; and an export loaded back through Transformers remote code.
 
 `ZLAB_QWEN3_8B_CONFIG` is the config.json of the published z-lab/Qwen3-8B-DFlash-b16;
 `write_zlab_checkpoint` writes a checkpoint in that layout (its tensor names spelled out here, not
@@ -14,9 +15,9 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from transformers import AutoModel
 
 from dflash_train.checkpoint import export_checkpoint, save_draft
-from dflash_train.checkpoint.hf_format import config_from_hf, expected_tensor_shapes
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.target import TargetModel
 
@@ -127,16 +128,16 @@ def export_tiny(tmp_path: Path, target: TargetModel, name: str = "export", **dra
     return out
 
 
-def test_published_config_parses_to_the_published_drafter() -> None:
-    config = config_from_hf(ZLAB_QWEN3_8B_CONFIG)
-    assert (config.num_hidden_layers, config.hidden_size, config.block_size) == (5, 4096, 16)
-    assert config.mask_token_id == 151669 and config.target_layer_ids == [1, 9, 17, 25, 33]
-    assert (config.num_target_layers, config.rope_theta, config.rope_scaling) == (36, 1e6, None)
-    shapes = expected_tensor_shapes(config)
-    assert shapes["fc.weight"] == (4096, 5 * 4096)
-    assert shapes["layers.4.self_attn.k_proj.weight"] == (8 * 128, 4096)
-    assert shapes["layers.0.self_attn.q_norm.weight"] == (128,)
-    assert len(shapes) == 3 + 5 * 11
-    # the hand-written names of the tiny fixture agree with the package's expectation
-    tiny = zlab_tiny_config()
-    assert {k: tuple(v.shape) for k, v in zlab_tensors(tiny).items()} == expected_tensor_shapes(config_from_hf(tiny))
+def load_remote(directory: Path) -> Any:
+    model, info = AutoModel.from_pretrained(directory, trust_remote_code=True, dtype=torch.float32,
+                                            output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
+    return model
+
+
+def reference_greedy(target: TargetModel, input_ids: torch.Tensor, num_tokens: int) -> list[int]:
+    """Greedy decoding by full recomputation each step: no cache, nothing shared with the loop."""
+    ids = input_ids
+    for _ in range(num_tokens):
+        ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, input_ids.shape[1] :].tolist()

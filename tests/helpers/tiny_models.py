@@ -1,12 +1,15 @@
 """Tiny random causal LMs and tokenizers built locally, for fast CPU tests.
 
-Import these helpers from any test: ``make_tiny_tokenizer``, ``make_tiny_model``, ``make_tiny_target``.
+Import these helpers from any test: ``make_tiny_tokenizer``, ``make_tiny_model``, ``make_tiny_target``;
+``write_tiny_gguf`` writes a small well-formed GGUF file.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+import numpy as np
 import torch
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers
 from transformers import (
@@ -153,3 +156,20 @@ def tiny_batch(
     """Random token ids of ordinary words (above the tiny tokenizer's special tokens)."""
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(low, high, (batch, seq_len), generator=generator)
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
+    """A small well-formed GGUF file (header, metadata, two float32 tensors); `seed` changes the values."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    rng = np.random.default_rng(seed)
+    writer.add_tensor("token_embd.weight", rng.standard_normal((64, 32), dtype=np.float32))
+    writer.add_tensor("output_norm.weight", np.ones(32, np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

@@ -1,4 +1,5 @@
-"""What every Triton kernel test file shares: where its kernels run, and the re-run under the interpreter.
+"""What every Triton kernel test file shares: where its kernels run, the re-run under the interpreter, and
+compiling a kernel for the GPU without one.
 
 On a GPU the kernels run in the test process. On CPU they run under TRITON_INTERPRET=1, which only works
 when set before triton is first imported; a file imported without it re-runs itself in a subprocess that
@@ -28,3 +29,20 @@ def under_interpreter(test_file: str) -> Callable[[], None]:
         assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
 
     return test_under_interpreter
+
+
+def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],
+                     float_type: str) -> None:
+    """Compile a kernel body to sm_90 machine code here (no GPU needed), with every scalar argument
+    typed as a launcher would type it: torch.compile hands Python floats over as fp64."""
+    import inspect
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    names = list(inspect.signature(kernel).parameters)  # type: ignore[arg-type]
+    signature = {name: pointer_types.get(name, "constexpr" if name in constants else
+                                         (float_type if name == "scale" else "i32")) for name in names}
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    source = triton.compiler.ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
+    triton.compile(source, target=GPUTarget("cuda", 90, 32))

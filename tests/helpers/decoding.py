@@ -1,0 +1,33 @@
+"""What the decode-loop tests share: a random drafter for a target, prompts, and the target's own greedy
+decoding by full recomputation (the lossless reference)."""
+
+from __future__ import annotations
+
+import torch
+
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import TargetModel, resolve_mask_token_id
+
+PROMPT_LENGTHS = (11, 6, 15, 9, 4)
+
+
+def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=2,
+                                             block_size=block_size)
+    return DFlashDraftModel(config).eval()
+
+
+def prompts(count: int = 3) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(7)
+    return [torch.randint(10, 200, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS[:count]]
+
+
+def own_greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
+    """The target's greedy decoding by full recomputation: no cache, nothing shared with either loop."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(count):
+            ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids[0, len(prompt) :].tolist()
