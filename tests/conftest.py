@@ -1,16 +1,22 @@
-"""Test-wide settings, and the fixtures that test files share (plain helpers live in tests/helpers/)."""
+"""Test-wide settings.
+
+Layout: tests/<package>/test_<module>.py mirrors dflash_train/<package>/<module>.py (data, eval, runtime,
+inference, kernels, objective, training, models, checkpoint, target); tests/commands/ holds the command-line
+tests and those that cross every command (full disk, output folders, corrupt files, fuzzed inputs);
+tests/benchmarks/ tests benchmarks/; tests/recipes/ runs the recipe scripts, the README's commands and the
+demo end to end; tests of top-level modules (errors.py, the import layers) sit here in tests/. Every folder
+is a package (tests.data.test_prepare), so one basename may appear in several folders.
+
+Fixtures shared by the files of one folder live in that folder's conftest.py; plain helpers (tiny models,
+reference implementations, skip markers, paths) live in tests/helpers/, and no test module imports another.
+"""
 
 from __future__ import annotations
 
-import pathlib
 from collections.abc import Iterator
 
 import pytest
 import torch
-
-from dflash_train.target import TargetModel
-from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
-from tests.helpers.training import save_tiny_prepared, save_tiny_target
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -21,23 +27,3 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
-    """A saved tiny target and a tiny prepared dataset, for `tests.helpers.training.overrides`."""
-    root = tmp_path_factory.mktemp("train_assets")
-    return {"target": save_tiny_target(root / "target"), "data": save_tiny_prepared(root / "data")}
-
-
-@pytest.fixture(scope="module")
-def target() -> TargetModel:
-    """The decode-loop tests' target: a tiny Qwen3 of 6 layers."""
-    torch.manual_seed(0)
-    return make_tiny_target("qwen3", num_layers=6, seed=1)
-
-
-@pytest.fixture(scope="module", params=TINY_ARCHS)
-def tiny(request: pytest.FixtureRequest) -> TargetModel:
-    """A tiny target of each architecture."""
-    return make_tiny_target(request.param)

@@ -1,6 +1,6 @@
 """Regeneration: resume after a kill, rank split, and the OpenAI-compatible back end against a real HTTP
 server on loopback (a tiny chat-completions server backed by a tiny transformers model, in this process).
-The built-in back end's generation itself (the runtime) is tested in test_runtime_generation.py."""
+The built-in back end's generation itself (the runtime) is tested in tests/runtime/test_generation.py."""
 
 from __future__ import annotations
 
