@@ -179,9 +179,8 @@ other_evals() {  # the ablations, block 8 and float32, at ABLATION_EVAL_BATCH re
     evaluate "ablation-$run" "ablation-$run" "$ABLATION_EVAL_PROMPTS" "${batch[@]}" || failed=1
   done
   evaluate main main-b8 "$ABLATION_EVAL_PROMPTS" --block-size 8 "${batch[@]}" || failed=1
-  # bf16 verification of a block and one-token decoding may round a near-tie differently; in float32 the
-  # lossless check is exact (uncompiled: a correctness check need not wait for compilation). Last: the
-  # slowest of these.
+  # The lossless check is exact in bf16 as well; float32 repeats it at another precision (uncompiled: a
+  # correctness check need not wait for compilation). Last: the slowest of these.
   evaluate main main-fp32 "$ABLATION_EVAL_PROMPTS" --dtype float32 --no-compile "${batch[@]}" || failed=1
   return $failed
 }

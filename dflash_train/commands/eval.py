@@ -1,5 +1,5 @@
 """Measure a drafter's acceptance length (τ) and speedup on prompt sets, checking that greedy speculative
-decoding reproduces the target's own output on every prompt.
+decoding reproduces the target's own output on every prompt, token for token in any dtype.
 
     dflash-train eval --target smollm2-135m-instruct --draft runs/smollm2/final --dataset mt-bench \\
         --dataset humaneval --num-prompts 20 --max-new-tokens 256 --out eval/report.json
@@ -8,9 +8,11 @@ decoding reproduces the target's own output on every prompt.
     dflash-train eval --target smollm2-135m-instruct --draft random --dataset prompts.jsonl --device cpu
 
 Both the target alone and target + drafter run through the same fast loop (static caches, decisions on
-the device, CUDA graphs and Triton kernels on GPU). `--draft random` builds an untrained drafter: τ near
-1, useful to check the loop and the lossless property. Writes the JSON report, a PNG next to it, and a
-summary table.
+the device, CUDA graphs and Triton kernels on GPU). The speedup is measured against the target alone
+decoding one token per step; the lossless check compares against a third pass, the target alone through
+the drafter run's own verify pass with every draft refused, which makes it exact in bf16 too
+(`dflash_train.eval.run`). `--draft random` builds an untrained drafter: τ near 1, useful to check the loop
+and the lossless property. Writes the JSON report, a PNG next to it, and a summary table.
 """
 
 from __future__ import annotations
@@ -68,6 +70,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="compile with inductor's autotuned matmuls: minutes more compiling, a faster step "
                              "(Qwen3-8B-shaped target on an H200: 5.92 instead of 6.64 ms)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
+    parser.add_argument("--no-lossless-check", action="store_true",
+                        help="skip the lossless check's pass (the target alone through the drafter run's verify "
+                             "pass, about one more target-only pass over the prompts); lossless reads n/a")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--random-draft-layers", type=positive_int, default=5, help="layers of a --draft random drafter")
     parser.add_argument("--out", default="eval_report.json", help="report JSON; the PNG goes next to it")
@@ -107,7 +112,7 @@ def _load_draft(args: argparse.Namespace, target: TargetModel, device: torch.dev
 
 def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: int,
                     batch_size: int) -> EngineConfig:
-    """The runtime's settings for both engines (the caches' length is set by the evaluator)."""
+    """The runtime's settings for every engine (block size and the caches' length are set by the evaluator)."""
     stops = () if args.ignore_eos else tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
     return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
@@ -145,7 +150,8 @@ def run(args: argparse.Namespace) -> int:
     check_compatible(draft, target, block_size)
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
-    settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on")
+    settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on",
+                            lossless_check=not args.no_lossless_check)
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress)

@@ -17,7 +17,7 @@ from dflash_train.target import TargetModel
 
 def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evaluator,
                  results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    engines = evaluator.engines
+    dflash = evaluator.engines.dflash if evaluator.engines else None
     settings = evaluator.settings
     return {
         "target": args.target,
@@ -33,18 +33,19 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "stop_token_ids": evaluator.stop_ids,
             "dtype": str(target.dtype).removeprefix("torch."),
             "seed": args.seed,
+            "lossless_check": evaluator.checks_lossless,
         },
         "environment": {
             "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "kernels": engines[1].kernels if engines else None,
-            "cuda_graphs": bool(engines and engines[1].uses_cuda_graph),
-            "cuda_graph_error": engines[1].graph_error if engines else None,
-            "torch_compile": bool(engines and engines[1].uses_compile),
-            "torch_compile_error": engines[1].compile_error if engines else None,
-            "target_attention": engines[1].runner.attention if engines else None,
-            "compile_options": dict(engines[1].config.compile_options) if engines else {},
+            "kernels": dflash.kernels if dflash else None,
+            "cuda_graphs": bool(dflash and dflash.uses_cuda_graph),
+            "cuda_graph_error": dflash.graph_error if dflash else None,
+            "torch_compile": bool(dflash and dflash.uses_compile),
+            "torch_compile_error": dflash.compile_error if dflash else None,
+            "target_attention": dflash.runner.attention if dflash else None,
+            "compile_options": dict(dflash.config.compile_options) if dflash else {},
         },
         "runner_check": evaluator.runner_check,
         "definitions": {
@@ -59,12 +60,17 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "teacher_forced_acceptance_length": "1 + sum_k prod_{i<=k} teacher_forced_slot_accuracy_i: the τ those "
                                                 "accuracies imply at uniformly spread positions, beside the decode "
                                                 "loop's τ at the positions its cycles start",
-            "lossless": "greedy output with the drafter equals the target-only output of the same loop, on every "
-                        "request",
-            "lossless_up_to_ties": "every divergence starts at a floating-point tie of the target's logits (|gap| "
-                                   "<= 2 ulp of its dtype): block verification and one-token decoding round "
-                                   "differently in bf16; run with --dtype float32 for an exact check",
-            "tokens_per_s": "new tokens per second of decoding (prefill excluded), same prompts, same run",
+            "lossless": "greedy output with the drafter equals, token for token on every request, the target "
+                        "alone run through the same verify pass with every draft refused (blocks of block_size "
+                        "tokens, one token committed per cycle, same batch size, kernels and compiled graph); "
+                        "exact in any dtype, so a divergence is a bug; null when sampling or with "
+                        "--no-lossless-check",
+            "mismatches": "the first diverging requests: where the drafted output first leaves the lossless "
+                          "check's output (target_tokens) and both lengths",
+            "decode_seconds_lossless_check": "decoding time of the lossless check's target-only pass (not part of "
+                                             "any speed figure)",
+            "tokens_per_s": "new tokens per second of decoding (prefill excluded), same prompts, same run; "
+                            "target_only is the target alone decoding one token per step",
         },
         "datasets": results,
     }

@@ -1,19 +1,26 @@
-"""An evaluation run: every prompt set through the target alone and through target + drafter, both in the
+"""An evaluation run: every prompt set through the target alone and through target + drafter, all in the
 same fast loop, in the same process; lossless check, acceptance statistics and speed per set.
 
 Per prompt set, turn by turn (turn k of every conversation is one request; turn k+1 is asked after the
 target's own answer to turn k):
-1. the target alone (block 1, no drafter): its answers are the reference output and the turn history;
-2. target + drafter (block B): greedy output must equal (1) token for token (`lossless`), and its cycles give
-   the acceptance lengths.
-Decode tokens/s exclude prefill; both engines are warmed up (and their CUDA graphs captured) before timing.
+1. the target alone, one token per step (block 1, no drafter): the speed baseline; its answers are the turn
+   history and the teacher-forced accuracy's text;
+2. target + drafter (block B): its cycles give the acceptance lengths, its speed over (1) the speedup;
+3. greedy only, unless `lossless_check` is off: the target alone through (2)'s verify pass with every draft
+   refused (`DecodeEngine(refuse_drafts=True)`: [batch, B] blocks, one token committed per cycle, the same
+   batch size, caches, kernels and compiled graph). (2) must equal (3) token for token (`lossless`), exactly
+   in any dtype: both commit argmaxes of rows of the same forward shape (the guarantee is spelled out in
+   `dflash_train.runtime.engine`), so a divergence is a bug, never a rounding tie. (1) is not that
+   reference: a one-token step runs other kernels, which in bf16 may round a near-tie the other way. (3)
+   costs about one more target-only pass and is not timed into any speed figure.
+Decode tokens/s exclude prefill; every engine is warmed up (and its CUDA graph captured) before timing.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from rich.progress import Progress
@@ -26,6 +33,7 @@ from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, RunStats
 from dflash_train.runtime.state import RequestOutput
+from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -41,6 +49,7 @@ class EvalSettings:
     # the baseline's block size and the caches' length are set per engine.
     runtime: EngineConfig
     thinking: bool = False
+    lossless_check: bool = True  # greedy: the verify-shaped target-only pass that `lossless` compares against
 
     @property
     def block_size(self) -> int:
@@ -83,13 +92,19 @@ class PassTotals:
         return self.tokens / self.decode_s if self.decode_s > 0 else None
 
 
+class Engines(NamedTuple):
+    target_only: DecodeEngine  # one token per step: the speed baseline
+    dflash: DecodeEngine
+    lossless_check: DecodeEngine | None  # dflash's verify pass with every draft refused; None: no check
+
+
 class Evaluator:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel, settings: EvalSettings,
                  progress: Progress | None = None) -> None:
         self.target, self.draft, self.settings, self.progress = target, draft, settings, progress
         self.stop_ids = list(settings.runtime.stop_token_ids)
         self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
-        self.engines: tuple[DecodeEngine, DecodeEngine] | None = None
+        self.engines: Engines | None = None
         self.runner_check: dict[str, float] | None = None
         self.thinking_switch = supports_thinking(target.tokenizer) if target.tokenizer is not None else False
         if settings.thinking and not self.thinking_switch:
@@ -122,21 +137,38 @@ class Evaluator:
         if longest is not None and len(longest[1].ids) + budget <= self.context_limit:
             self._get_engines(longest[1], longest[0])
 
-    def _get_engines(self, first: Request, need: int) -> tuple[DecodeEngine, DecodeEngine]:
+    @property
+    def checks_lossless(self) -> bool:
+        return self.settings.temperature == 0 and self.settings.lossless_check
+
+    def _new_engine(self, draft: DFlashDraftModel | None, config: EngineConfig, runner: StaticTarget | None = None,
+                    refuse_drafts: bool = False) -> DecodeEngine:
+        return DecodeEngine(self.target, draft, config, runner=runner, refuse_drafts=refuse_drafts)
+
+    def _get_engines(self, first: Request, need: int) -> Engines:
         """Engines whose static caches hold `need` positions; rebuilt (and recaptured) only to grow."""
-        if self.engines is not None and self.engines[0].runner.max_length >= need:
+        if self.engines is not None and self.engines.target_only.runner.max_length >= need:
             return self.engines
         self.engines = None  # free the old caches first
         max_length = -(-need // 256) * 256
-        baseline = DecodeEngine(self.target, None, self._engine_config(1, max_length))
-        dflash = DecodeEngine(self.target, self.draft, self._engine_config(self.settings.block_size, max_length),
-                              runner=baseline.runner)
+        drafted_config = self._engine_config(self.settings.block_size, max_length)
+        baseline = self._new_engine(None, self._engine_config(1, max_length))
+        dflash = self._new_engine(self.draft, drafted_config, runner=baseline.runner)
         if self.runner_check is None:
             self.runner_check = baseline.runner.compare_with_hf(first.ids)
-        for engine in (baseline, dflash):  # untimed warm-up: kernel compilation, graph capture, allocator
+        engines = [baseline, dflash]
+        for engine in engines:  # untimed warm-up: kernel compilation, graph capture, allocator
             engine.prepare()
             engine.generate([first.ids])
-        self.engines = (baseline, dflash)
+        check = None
+        if self.checks_lossless:
+            # Built after dflash has settled its compilation (a compiler failure may have turned it off, or the
+            # shared runner's attention to SDPA): the check must run dflash's very forward, at its batch size.
+            check = self._new_engine(self.draft, replace(drafted_config, compile=dflash.uses_compile),
+                                     runner=baseline.runner, refuse_drafts=True)
+            check.prepare()
+            check.generate([first.ids])
+        self.engines = Engines(baseline, dflash, check)
         return self.engines
 
     def _requests(self, prompt_set: PromptSet, histories: list[list[dict[str, str]]], alive: list[int],
@@ -163,8 +195,8 @@ class Evaluator:
     def evaluate_set(self, prompt_set: PromptSet) -> dict[str, Any]:
         histories = [list(c.prefix) for c in prompt_set.conversations]
         alive = list(range(len(prompt_set.conversations)))
-        requests_done: list[tuple[Request, RequestOutput, RequestOutput]] = []
-        totals = {"target": PassTotals(), "dflash": PassTotals()}
+        requests_done: list[tuple[Request, RequestOutput | None, RequestOutput]] = []
+        totals = {"target": PassTotals(), "dflash": PassTotals(), "lossless_check": PassTotals()}
         teacher_forced = TeacherForcedAccuracy(self.target, self.draft, self.settings.block_size)
         too_long, turn = 0, 0
         while alive:
@@ -173,31 +205,33 @@ class Evaluator:
             if not requests:
                 break
             need = max(len(r.ids) for r in requests) + self.settings.max_new_tokens + self.settings.block_size
-            baseline, dflash = self._get_engines(requests[0], need)
-            suffix = f" turn {turn + 1}" if turn else ""
-            reference, stats = self._pass(baseline, requests, f"{prompt_set.name}{suffix} target only")
+            engines = self._get_engines(requests[0], need)
+            label = f"{prompt_set.name}{f' turn {turn + 1}' if turn else ''}"
+            alone, stats = self._pass(engines.target_only, requests, f"{label} target only")
             totals["target"].add(stats)
-            drafted, stats = self._pass(dflash, requests, f"{prompt_set.name}{suffix} dflash")
+            drafted, stats = self._pass(engines.dflash, requests, f"{label} dflash")
             totals["dflash"].add(stats)
-            for request, ref, out in zip(requests, reference, drafted, strict=True):
-                teacher_forced.add(request.ids, ref.tokens)
-                answer = self.target.tokenizer.decode(ref.tokens, skip_special_tokens=True)
+            checked: list[RequestOutput | None] = [None] * len(requests)
+            if engines.lossless_check is not None:
+                checked, stats = self._pass(engines.lossless_check, requests, f"{label} lossless check")
+                totals["lossless_check"].add(stats)
+            for request, own, out, reference in zip(requests, alone, drafted, checked, strict=True):
+                teacher_forced.add(request.ids, own.tokens)
+                answer = self.target.tokenizer.decode(own.tokens, skip_special_tokens=True)
                 histories[request.conversation] = request.messages + [{"role": "assistant", "content": answer}]
-                requests_done.append((request, ref, out))
+                requests_done.append((request, reference, out))
             alive, turn = [r.conversation for r in requests], turn + 1
         return {**self._summarise(prompt_set, requests_done, totals, too_long), **teacher_forced.result()}
 
-    def _summarise(self, prompt_set: PromptSet, done: list[tuple[Request, RequestOutput, RequestOutput]],
+    def _summarise(self, prompt_set: PromptSet, done: list[tuple[Request, RequestOutput | None, RequestOutput]],
                    totals: dict[str, PassTotals], too_long: int) -> dict[str, Any]:
+        """`done`: (request, output of the lossless check's pass or None, output with the drafter)."""
         if not done:
             raise ValueError(f"no prompt of {prompt_set.name} fits the target's context of {self.context_limit} "
                              f"tokens with --max-new-tokens {self.settings.max_new_tokens}; lower it")
-        greedy = self.settings.temperature == 0
-        diverged = [(request, ref, out) for request, ref, out in done if ref.tokens != out.tokens]
-        mismatches = [_mismatch(*d) for d in diverged]
-        for d, row in zip(diverged, mismatches, strict=True):
-            row["logit_gap"], row["tie"] = self._logit_gap(*d, row["first_divergence"])
-        ties = sum(bool(row["tie"]) for row in mismatches)
+        checked = self.checks_lossless
+        mismatches = [_mismatch(request, reference, out) for request, reference, out in done
+                      if reference is not None and reference.tokens != out.tokens]
         with_draft, alone = totals["dflash"].tokens_per_s, totals["target"].tokens_per_s
         return {
             "source": prompt_set.source,
@@ -207,11 +241,10 @@ class Evaluator:
             "skipped_rows": prompt_set.skipped_rows,
             "skipped_too_long": too_long,
             **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
-            "lossless": (not mismatches) if greedy else None,
-            "lossless_requests": len(done) - len(mismatches) if greedy else None,
-            "divergences_at_ties": ties if greedy else None,
-            "lossless_up_to_ties": (ties == len(mismatches)) if greedy else None,
-            "mismatches": mismatches[:MAX_LISTED_MISMATCHES] if greedy else [],
+            "lossless": (not mismatches) if checked else None,
+            "lossless_requests": len(done) - len(mismatches) if checked else None,
+            "mismatches": mismatches[:MAX_LISTED_MISMATCHES],
+            "decode_seconds_lossless_check": totals["lossless_check"].decode_s if checked else None,
             "new_tokens_with_draft": totals["dflash"].tokens,
             "new_tokens_target_only": totals["target"].tokens,
             "decode_seconds_with_draft": totals["dflash"].decode_s,
@@ -222,24 +255,10 @@ class Evaluator:
             "skipped": _skipped_text(prompt_set.skipped_rows, too_long),
         }
 
-    def _logit_gap(self, request: Request, reference: RequestOutput, drafted: RequestOutput,
-                   index: int) -> tuple[float | None, bool]:
-        """At the first divergence, the target's own logit of its token minus that of the drafted run's token,
-        from a plain forward, and whether that is a floating-point tie: within 2 units in the last place of
-        the target's dtype at the logits' magnitude (verifying a block and decoding one token round
-        differently in bf16; a float32 target breaks such ties the same way in both runs)."""
-        if index >= min(len(reference.tokens), len(drafted.tokens)):
-            return None, False  # one output is a prefix of the other: a stop or length difference, not a token
-        ids = torch.tensor([request.ids + reference.tokens[:index]], device=self.target.device)
-        with torch.no_grad():
-            logits = self.target.model(ids).logits[0, -1]
-        pair = logits[[reference.tokens[index], drafted.tokens[index]]].float()
-        gap = float(pair[0] - pair[1])
-        ulp = torch.finfo(logits.dtype).eps * float(pair.abs().max())
-        return gap, abs(gap) <= 2 * ulp
-
 
 def _mismatch(request: Request, reference: RequestOutput, drafted: RequestOutput) -> dict[str, int]:
+    """Where the drafted output first leaves the lossless check's (an index past the shorter output when
+    one is a prefix of the other: a stop or length difference, not a token)."""
     pairs = zip(reference.tokens, drafted.tokens, strict=False)
     first = next((i for i, (a, b) in enumerate(pairs) if a != b), min(len(reference.tokens), len(drafted.tokens)))
     return {"conversation": request.conversation, "turn": request.turn, "first_divergence": first,

@@ -11,9 +11,11 @@ launch merges the splits' partial softmaxes. The query heads that share a KV hea
 Which slots a query sees comes from `bounds` [n, 2, T] (first and last visible slot of each query, both
 inclusive): causal attention is [0, position], a sliding window [position - window + 1, position]. Slots
 past the last visible one are never read, so a step costs what the context holds, not what the cache can
-hold. Scores come from the tensor cores' bf16 dot with fp32 sums; softmax runs in fp32 (exp of scores
-minus the running max); probabilities are rounded to the cache's dtype for the P·V product, as flash
-attention does; the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
+hold. Key tiles sit at fixed cache positions (multiples of BLOCK_N), so at a given launch shape a query's
+output does not depend on the other queries of its block: the same bits as a block's first token or last.
+Scores come from the tensor cores' bf16 dot with fp32 sums; softmax runs in fp32 (exp of scores minus the
+running max); probabilities are rounded to the cache's dtype for the P·V product, as flash attention does;
+the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -81,7 +83,11 @@ def _split_kernel(
         q = q.to(tl.float32)
     lo = tl.load(bounds_ptr + row * 2 * T + token, mask=r_ok, other=1)  # padding rows: lo > hi, sees nothing
     hi = tl.load(bounds_ptr + row * 2 * T + T + token, mask=r_ok, other=0)
-    start = tl.maximum(split * split_len, tl.min(tl.where(r_ok, lo, keys), axis=0))
+    # Tiles start at multiples of BLOCK_N whatever the block's first visible slot (a sliding window moves it):
+    # a query's keys then fall into the same tiles, and sum in the same order, wherever it sits in a block,
+    # which the lossless check relies on (`dflash_train.runtime.engine`). Tiles it cannot see add exact zeros.
+    first = tl.min(tl.where(r_ok, lo, keys), axis=0)
+    start = tl.maximum(split * split_len, first // BLOCK_N * BLOCK_N)
     end = tl.minimum(tl.minimum((split + 1) * split_len, keys), tl.max(hi, axis=0) + 1)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_safe = tl.zeros([BLOCK_M], tl.float32)

@@ -1,8 +1,8 @@
 """The runtime's decode loop: static caches, decisions on the device, CUDA graphs, rows refilled as they finish.
 
-Regeneration is this loop without a drafter; evaluation runs it with one, and without one for the baseline
-that lossless checks and speedups are measured against. One cycle (all rows at once, shapes fixed; see
-`dflash_train.inference.greedy` for the semantics it reproduces):
+Regeneration is this loop without a drafter; evaluation runs it with one, without one for the speed
+baseline, and with every draft refused for the lossless check's baseline (below). One cycle (all rows at
+once, shapes fixed; see `dflash_train.inference.greedy` for the semantics it reproduces):
 
     positions = start + [0 .. B-1]                               [b, B]
     block     = [last_token, MASK x (B-1)] -> drafter -> [last_token, d_1 .. d_{B-1}]
@@ -21,6 +21,24 @@ Scheduling: requests are submitted in groups (`submit`), and each group is cut i
 that many rows are free, while the other rows keep decoding where they are: a large batch refills in a few
 forwards instead of one per finished row. A wave's make-up depends on its group alone, and a request's
 draws on its own seed, so a request's output does not depend on the row or the company it runs in.
+
+Exact lossless baseline (`refuse_drafts=True`): the target alone through a drafted run's verify pass. Each
+cycle runs the same forward as a drafted cycle (block `[last_token, MASK x (B-1)]`, [batch_size, B] tokens,
+the drafter's feature layers captured: the same compiled graph and kernels), and the verify compares slots 1..
+against -1, so it accepts no draft and commits only t_0. Every token it commits is then the argmax of one row
+of a B-token verify forward of that launch shape, and so is every token a drafted run commits (d_1 .. d_a are
+its t_0 .. t_{a-1}, the bonus its t_a). The two runs' logits at every committed position are equal bit for bit
+in any dtype, by induction over positions, given one guarantee: in a forward of a fixed launch shape (the same
+batch size, block size and static cache length), a row's result depends only on that row's inputs, not on its
+index (its slot in the block, its row in the batch) nor on the other rows' values. That holds because the
+kernel is chosen by shape and reduces every output element in the same order wherever it sits (GEMMs over K;
+norms, RoPE and the argmax per row), and attention runs per query over its own row's visible cache slots, key
+tiles at fixed cache positions (`kernels.static_attention`), masked keys adding exact zeros. A token's hidden
+states and K/V then depend only on the token, its position and the K/V before it, identical in both runs
+(prompts: the same waves, so the same prefill shapes; rows idle, finished or refilled elsewhere in the batch
+change nothing). Nothing carries across shapes: a one-token step ([batch, 1]) or another batch size may pick
+other kernels and round a near-tie the other way, so this baseline runs at the drafted run's batch and block
+size, and the one-token loop serves only as the speed baseline.
 """
 
 from __future__ import annotations
@@ -93,18 +111,27 @@ class _Request:
 
 class DecodeEngine:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, config: EngineConfig,
-                 runner: StaticTarget | None = None) -> None:
+                 runner: StaticTarget | None = None, refuse_drafts: bool = False) -> None:
+        """`draft`: None for the target alone (one token per step). `refuse_drafts`: the target alone through
+        the verify pass of a run with `draft` (the exact lossless baseline, module docstring; greedy only):
+        the drafter's block size, mask token and feature layers are used, the drafter itself never runs."""
+        if refuse_drafts and (draft is None or config.temperature > 0):
+            raise ValueError("refuse_drafts is the greedy baseline of a drafted run: it needs the drafter and "
+                             "temperature 0")
         self.target, self.config = target, config
         self.device = target.device
         self.block_size = config.block_size if draft is not None else 1
         self.kernels = resolve_kernels(config.kernels, self.device)
         uses_draft = draft is not None and self.block_size > 1
+        self.refuse_drafts = refuse_drafts and uses_draft
+        # A refusing engine captures the drafter's features too and discards them: the target forward must be
+        # the drafted run's own call (same arguments, same compiled graph), or the compiler may fuse it apart.
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
             runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels)
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length,
-                                     self.kernels) if uses_draft else None
+                                     self.kernels) if uses_draft and not self.refuse_drafts else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
                                  list(config.stop_token_ids), self.device)
         self.offsets = torch.arange(self.block_size, device=self.device)[None]
@@ -149,7 +176,9 @@ class DecodeEngine:
             commit_tokens(s.out, s.n_out, s.block, accepted, bonus, s.done)
             accept_len = accepted + 1
         else:
-            accept_len, bonus = self._verify(out.logits, s.block, s.out, s.n_out, s.done)
+            # Refused drafts: slots 1.. compared as -1, which no token equals, so a = 0 and t_0 is committed.
+            verified = torch.where(self.offsets == 0, s.block, -1) if self.refuse_drafts else s.block
+            accept_len, bonus = self._verify(out.logits, verified, s.out, s.n_out, s.done)
         if self.drafter is not None:
             self.drafter.write_context(out.features, positions)
         s.advance(accept_len, bonus)

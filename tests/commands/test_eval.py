@@ -17,7 +17,7 @@ DATASET_FIELDS = {
     "requests_with_cycles", "cycles", "lossless", "lossless_requests", "mismatches", "new_tokens_with_draft",
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
     "tokens_per_s_target_only", "speedup", "skipped", "teacher_forced_slot_accuracy",
-    "teacher_forced_acceptance_length",
+    "teacher_forced_acceptance_length", "decode_seconds_lossless_check",
 }
 
 
@@ -93,7 +93,7 @@ def test_engines_are_built_once_for_every_set_and_turn(tmp_path: Path, monkeypat
                     "--num-prompts", "2", "--max-new-tokens", "150", "--ignore-eos", "--no-plot") == 0
     report = json.loads(out.read_text())
     assert report["datasets"]["mt-bench"]["requests"] == 4  # second turns were asked
-    assert built == [512, 512]  # the baseline and the drafter engine, once
+    assert built == [512, 512, 512]  # the speed baseline, the drafter engine and the lossless check's, once
 
 
 def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: Path) -> None:
