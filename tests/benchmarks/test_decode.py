@@ -4,21 +4,11 @@ reference loop it compares against gives the fast loop's tokens and acceptance l
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import torch
 
 from benchmarks.decode import main
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:

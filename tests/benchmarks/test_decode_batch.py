@@ -5,7 +5,6 @@ end to end; the crossing of 1x is located; launches per step are counted (`bench
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,14 +15,6 @@ from benchmarks.decode import launches_per_step, random_draft
 from benchmarks.decode_batch import Acceptance, ReplayEngine, crossing, main, measuring_order
 from dflash_train.runtime.engine import EngineConfig
 from tests.helpers.tiny_models import make_tiny_target
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_geometric_acceptance_has_the_requested_mean() -> None:

@@ -19,7 +19,7 @@ from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.setup import build_draft
 from tests.helpers.checkpoints import export_tiny, tiny_draft_for
-from tests.helpers.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
 
 WEIGHTS = "model.safetensors"
 
@@ -38,11 +38,7 @@ def one_line_error(capsys: pytest.CaptureFixture[str], command: str) -> str:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("target")
-    target = make_tiny_target("qwen3", num_layers=6, seed=1)
-    target.model.save_pretrained(path)
-    target.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_target_dir(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture

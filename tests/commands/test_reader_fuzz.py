@@ -27,7 +27,7 @@ from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.training.config import load_config
 from tests.helpers.checkpoints import export_tiny
-from tests.helpers.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
 
 SEED = 20261130
 RANDOM_CASES = 10  # per kind, plus the targeted ones
@@ -174,11 +174,7 @@ def chats() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("target")
-    target = make_tiny_target("qwen3", num_layers=6, seed=1)
-    target.model.save_pretrained(path)
-    target.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_target_dir(tmp_path_factory.mktemp("target"))
 
 
 @pytest.fixture(scope="module")

@@ -173,3 +173,11 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def save_tiny_target_dir(path: Path, arch: str = "qwen3", num_layers: int = 6, seed: int = 1) -> Path:
+    """A tiny random target saved as a local model directory (weights and tokenizer), for commands to load."""
+    target = make_tiny_target(arch, num_layers=num_layers, seed=seed)
+    target.model.save_pretrained(path)
+    target.tokenizer.save_pretrained(path)
+    return path

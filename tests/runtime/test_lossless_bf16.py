@@ -35,7 +35,7 @@ from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 from tests.helpers.decoding import make_draft, own_greedy
 from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
-from tests.helpers.tiny_models import make_tiny_target
+from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
 
 BLOCK, NEW = 8, 40
 
@@ -284,11 +284,7 @@ def test_the_check_fails_for_a_wrong_drafter(targets: tuple[TargetModel, TargetM
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("target")
-    target = make_tiny_target("qwen3", num_layers=6, seed=1)
-    target.model.save_pretrained(path)
-    target.tokenizer.save_pretrained(path)
-    return path
+    return save_tiny_target_dir(tmp_path_factory.mktemp("target"))
 
 
 def run_eval(target_dir: Path, out: Path, *extra: str) -> dict[str, Any]:
