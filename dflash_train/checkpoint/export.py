@@ -17,12 +17,13 @@ from typing import Any
 
 import torch
 
-from dflash_train.atomic import replace_dir, staging_dir
+from dflash_train.atomic import staging_dir
 from dflash_train.checkpoint.card import names_hub_model, render_card
 from dflash_train.checkpoint.check import CARD_FILE, check_against_target, check_checkpoint
 from dflash_train.checkpoint.hf_format import REMOTE_CODE_FILE, config_to_hf, merge_source_config
 from dflash_train.checkpoint.io import read_checkpoint, write_draft_files
 from dflash_train.checkpoint.weights import DEFAULT_MAX_SHARD_BYTES
+from dflash_train.outputs import EXPORTED, entries, holds_output, publish, refuse_inputs_inside
 from dflash_train.target import load_target_config
 
 CARD_TEMPLATE = "model_card.md"
@@ -77,17 +78,26 @@ def export_checkpoint(
         problems = check_checkpoint(tmp, target_config)
         if problems:
             raise ValueError(f"the export of {src} fails its own check: {'; '.join(problems)}")
-        replace_dir(tmp, out_dir)
+        publish(tmp, out_dir, EXPORTED)  # only an earlier export's files are replaced; others stay
     return out_dir
 
 
 def _refuse_destination(out_dir: Path, source: Path, overwrite: bool) -> None:
-    if out_dir.resolve() == source.resolve():
-        raise ValueError(f"--out {out_dir} is the source checkpoint itself; export to another directory")
+    """Refused: a folder that is or holds the source; a non-empty folder without `overwrite`; and, with it,
+    a folder holding files of an export's names that no export wrote. The export replaces only an earlier
+    export's own files and writes beside anything else, never replacing a folder as a whole."""
+    refuse_inputs_inside(out_dir, [source])
     if out_dir.exists() and not out_dir.is_dir():
         raise ValueError(f"{out_dir} exists and is not a directory; choose another --out")
-    if out_dir.is_dir() and any(out_dir.iterdir()) and not overwrite:
-        raise ValueError(f"{out_dir} already exists and is not empty; pass --overwrite to replace it")
+    if not entries(out_dir):
+        return
+    earlier = holds_output(out_dir, EXPORTED)
+    if not overwrite:
+        what = "holds an earlier export" if earlier else "is not empty"
+        raise ValueError(f"{out_dir} {what}; pass --overwrite to replace an earlier export's files (others stay)")
+    clashing = [path.name for path in entries(out_dir) if EXPORTED.owns(path.name)]
+    if clashing and not earlier:
+        raise ValueError(f"{out_dir} holds {', '.join(clashing)} that no export wrote; choose another --out")
 
 
 def _target_config(target: Any) -> Any:

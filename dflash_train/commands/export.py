@@ -10,14 +10,11 @@ dflash.py and a model card. The result is checked before it is published.
 from __future__ import annotations
 
 import argparse
-import shutil
-import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 from dflash_train.checkpoint import export_checkpoint
 from dflash_train.checkpoint.card import load_eval_reports
-from dflash_train.outputs import EXPORTED, claim, entries, holds_output, publish
+from dflash_train.outputs import EXPORTED, claim, holds_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -35,17 +32,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-shard-gb", type=float, default=5.0, help="shard the weights above this size")
 
 
-def _export_into(out: Path, export: Callable[[Path], Path]) -> None:
-    """Run `export(folder)` into a new folder beside `out`, then publish it into `out`: only an earlier
-    export's files are replaced there, never the folder as a whole (it may hold other files)."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(prefix=f".{out.name}.export-", dir=out.parent))
-    try:
-        publish(export(work / "export"), out, EXPORTED)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # this run's own scratch folder
-
-
 def run(args: argparse.Namespace) -> int:
     card_info = {
         "base_model": args.base_model,
@@ -58,14 +44,9 @@ def run(args: argparse.Namespace) -> int:
     claim(out, EXPORTED, inputs=[args.checkpoint, args.target, *args.eval_report], overwrite=args.overwrite,
           reusable=False, clear=False, why="holds an earlier export" if holds_output(out, EXPORTED) else None)
 
-    def export(folder: Path) -> Path:
-        return export_checkpoint(args.checkpoint, folder, target=args.target, card_info=card_info,
-                                 max_shard_bytes=int(args.max_shard_gb * 1024**3))
-
-    if entries(out):
-        _export_into(out, export)
-    else:
-        export(out)  # a new folder: written aside and renamed into place whole
+    # Written aside, then only an earlier export's files are replaced in `out` (claim has refused the rest).
+    export_checkpoint(args.checkpoint, out, target=args.target, card_info=card_info, overwrite=True,
+                      max_shard_bytes=int(args.max_shard_gb * 1024**3))
     files = sorted(p.name for p in out.iterdir() if EXPORTED.owns(p.name))
     print(f"exported {args.checkpoint} to {out} ({', '.join(files)}); passes dflash-train check")
     return 0

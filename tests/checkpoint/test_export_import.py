@@ -147,15 +147,31 @@ def test_extra_config_is_kept_but_cannot_override(tmp_path: Path) -> None:
         save_draft(draft, tmp_path / "other", extra_config={"rope_theta": 1.0})
 
 
-def test_export_refuses_an_existing_directory_unless_overwrite(tmp_path: Path) -> None:
+def test_export_replaces_only_an_earlier_exports_files(tmp_path: Path) -> None:
     write_zlab_checkpoint(tmp_path / "zlab")
-    (tmp_path / "busy").mkdir()
-    (tmp_path / "busy" / "notes.txt").write_text("x")
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("x")
+    (busy / "README.md").write_text("the user's own")
+    for overwrite in (False, True):  # a file of an export's name that no export wrote is never replaced
+        with pytest.raises(ValueError, match="--overwrite" if not overwrite else "that no export wrote"):
+            export_checkpoint(tmp_path / "zlab", busy, overwrite=overwrite)
+    assert sorted(p.name for p in busy.iterdir()) == ["README.md", "notes.txt"]
+    export_checkpoint(tmp_path / "zlab", tmp_path / "out")
+    (tmp_path / "out" / "notes.txt").write_text("mine")
     with pytest.raises(ValueError, match="--overwrite"):
-        export_checkpoint(tmp_path / "zlab", tmp_path / "busy")
-    export_checkpoint(tmp_path / "zlab", tmp_path / "busy", overwrite=True)
-    assert not (tmp_path / "busy" / "notes.txt").exists()
+        export_checkpoint(tmp_path / "zlab", tmp_path / "out")
+    export_checkpoint(tmp_path / "zlab", tmp_path / "out", overwrite=True)
+    assert (tmp_path / "out" / "notes.txt").read_text() == "mine"  # the user's file stays
+    assert (tmp_path / "out" / "config.json").is_file()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_export_refuses_a_folder_that_holds_its_source(tmp_path: Path) -> None:
+    write_zlab_checkpoint(tmp_path / "run" / "zlab")
+    with pytest.raises(ValueError, match="holds the input"):
+        export_checkpoint(tmp_path / "run" / "zlab", tmp_path / "run", overwrite=True)
+    assert (tmp_path / "run" / "zlab").is_dir()
 
 
 def test_export_against_a_mismatched_target_fails_before_writing(tmp_path: Path) -> None:
