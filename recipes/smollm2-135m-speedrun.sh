@@ -4,7 +4,8 @@
 # -> τ and speedup on HumanEval, MT-Bench and a math set -> export and check. One table at the end.
 #
 #   bash recipes/smollm2-135m-speedrun.sh all
-#   bash recipes/smollm2-135m-speedrun.sh prompts|data|train|eval|summary     # one stage
+#   bash recipes/smollm2-135m-speedrun.sh prompts|regenerate|prepare|train|eval|summary   # one stage
+#   (data = regenerate + prepare)
 #
 # Each stage is an ordinary dflash-train command (printed before it runs), resumes where it stopped and is
 # skipped once finished, so the run can be split across time-limited calls of a GPU machine (one stage a
@@ -19,12 +20,13 @@
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
+#   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|data|train|eval|summary}
+STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|prepare|data|train|eval|summary}
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
@@ -34,6 +36,8 @@ TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-8}
 TRAIN_MINUTES=${TRAIN_MINUTES:-10}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
+REGEN_EXTRA=${REGEN_EXTRA:-}
+EVAL_EXTRA=${EVAL_EXTRA:-}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
 FP32_PROMPTS=${FP32_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
@@ -61,22 +65,29 @@ prompts() {
   run python3 -m dflash_train.data.pack "${sources[@]}" --interleave --out "$PROMPTS"
 }
 
-data() {
-  local partial=() sampled=()
+regen() {
+  # Stopped by REGEN_MINUTES, the run is marked budget-spent: a later call of this stage does not continue
+  # it, and prepare takes its finished shards.
+  local sampled=()
   (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
-  if [[ ! -f "$OUT/prepared/dflash_data.json" ]]; then
-    run timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
-      --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
-      --decode-rows "$DECODE_ROWS" \
-      "${sampled[@]}" --out "$OUT/regen" || {
-      local code=$?
-      [[ $code == 124 ]] || return $code
-      echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES: training on its finished shards" >&2
-      partial=(--allow-unfinished)
-    }
-    run "${DFLASH[@]}" prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
-      --block-size 16 --out "$OUT/prepared"
-  fi
+  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" ]] && return 0
+  # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
+  run timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
+    --decode-rows "$DECODE_ROWS" "${sampled[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
+    local code=$?
+    [[ $code == 124 ]] || return $code
+    echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES: training on its finished shards" >&2
+    touch "$OUT/regen.budget-spent"
+  }
+}
+
+prepare() {
+  local partial=()
+  [[ -f "$OUT/prepared/dflash_data.json" ]] && return 0
+  [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
+  run "${DFLASH[@]}" prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
+    --block-size 16 --out "$OUT/prepared"
 }
 
 train() {
@@ -97,7 +108,7 @@ evaluate() {
   mkdir -p "$OUT/eval"
   [[ -f "$OUT/eval/main-b16.json" ]] ||
     run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
-      --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress \
+      --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress $EVAL_EXTRA \
       --out "$OUT/eval/main-b16.json"
   # The bf16 evals check losslessness exactly; float32 repeats the check at another precision.
   [[ -f "$OUT/eval/main-fp32.json" ]] ||
@@ -118,11 +129,13 @@ summary() {
 
 case "$STAGE" in
   prompts) timed prompts prompts ;;
-  data) timed data data ;;
+  regenerate) timed regenerate regen ;;
+  prepare) timed prepare prepare ;;
+  data) timed regenerate regen; timed prepare prepare ;;
   train) timed train train ;;
   eval) timed eval evaluate ;;
   summary) summary ;;
   all)  # one statement each: a function called inside an && list would run without set -e
-    timed prompts prompts; timed data data; timed train train; timed eval evaluate; summary ;;
-  *) echo "unknown stage $STAGE: use all, prompts, data, train, eval or summary" >&2; exit 2 ;;
+    timed prompts prompts; timed regenerate regen; timed prepare prepare; timed train train; timed eval evaluate; summary ;;
+  *) echo "unknown stage $STAGE: use all, prompts, regenerate, prepare, data, train, eval or summary" >&2; exit 2 ;;
 esac

@@ -36,7 +36,7 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     first = speedrun("all", out)
     assert first.returncode == 0, (first.stdout + first.stderr)[-4000:]
     stages = [line.split("\t")[0] for line in (out / "times.tsv").read_text().splitlines()]
-    assert stages == ["prompts", "data", "train", "eval"]
+    assert stages == ["prompts", "regenerate", "prepare", "train", "eval"]
     rows = json.loads((out / "summary.json").read_text())
     datasets = {(row["dataset"], row["dtype"]) for row in rows}
     assert {("humaneval", "float32"), ("mt-bench", "float32"), ("math-synthetic", "float32")} <= datasets
