@@ -71,7 +71,10 @@ def wait_for_turn(directory: Path, num_units: int, wait_seconds: float) -> bool:
 
 def read_turn(directory: Path) -> dict[int, dict[str, Any]]:
     """A finished round's rows by row id."""
-    rows = (json.loads(line) for path in regenerated_files(directory) for line in path.read_text().splitlines())
+    # Bytes, split on newlines only: str.splitlines() also splits at U+2028, U+0085 and other separators that
+    # answers written with ensure_ascii=False carry raw, cutting such a row in two.
+    rows = (json.loads(line) for path in regenerated_files(directory) for line in path.read_bytes().split(b"\n")
+            if line.strip())
     return {row["row_id"]: row for row in rows}
 
 

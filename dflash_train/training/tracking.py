@@ -68,7 +68,9 @@ class MetricsLogger:
 def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
     """The last record per (split, step): a resumed run re-logs the steps after its checkpoint."""
     latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
+    for line in path.read_bytes().split(b"\n"):  # newlines only: str.splitlines() splits at U+2028 too
+        if not line.strip():
+            continue
         record = json.loads(line)
         latest[(record["split"], record["step"])] = record
     out: dict[str, list[dict[str, Any]]] = {}

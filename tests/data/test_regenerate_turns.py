@@ -16,6 +16,7 @@ from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.regenerate import RegenerateConfig, regenerate
 from dflash_train.data.shards import regenerated_files
+from dflash_train.data.turns import read_turn
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator, hf_generate
 from dflash_train.target import TargetModel
@@ -207,3 +208,13 @@ def test_a_server_back_end_answers_every_turn_like_the_builtin_one(tiny: TargetM
         server.server_close()
     assert any(len(request["messages"]) == 3 for request in server.requests)  # a second turn, with its history
     assert [r["messages"] for r in rows_of(tmp_path / "http")] == [r["messages"] for r in rows_of(tmp_path / "local")]
+
+
+def test_read_turn_keeps_answers_with_unicode_line_separators(tmp_path: Path) -> None:
+    """Shards are written with ensure_ascii=False, so U+2028, U+0085 and form feeds appear raw inside a row;
+    only a newline ends a row."""
+    rows = [{"row_id": 0, "messages": [{"role": "assistant", "content": "a\u2028b\x85c\x0cd"}]},
+            {"row_id": 1, "messages": [{"role": "assistant", "content": "plain"}]}]
+    (tmp_path / "part-000000.jsonl").write_text(
+        "\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n", encoding="utf-8")
+    assert read_turn(tmp_path) == {0: rows[0], 1: rows[1]}
