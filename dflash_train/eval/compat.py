@@ -17,10 +17,10 @@ def check_compatible(draft: DFlashDraftModel, target: TargetModel, block_size: i
         raise ValueError(f"drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}; {fix}")
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"drafter vocabulary {config.vocab_size} != target embedding rows {target.vocab_size}; {fix}")
-    too_deep = [i for i in config.target_layer_ids if not 0 <= i < target.num_layers]
-    if too_deep:
+    too_deep = [i for i in config.target_layer_ids if not 0 <= i <= target.num_layers - 2]
+    if too_deep:  # the last layer is never read: see validate_drafter_layer_ids
         raise ValueError(f"drafter reads target layers {too_deep}, but the target has {target.num_layers} layers "
-                         f"(ids 0..{target.num_layers - 1}); {fix}")
+                         f"(drafter ids 0..{target.num_layers - 2}); {fix}")
     if not 0 <= config.mask_token_id < target.vocab_size:
         raise ValueError(f"drafter mask token {config.mask_token_id} is outside the target's {target.vocab_size} "
                          f"embedding rows; {fix}")

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_train.target import default_target_layer_ids, validate_target_layer_ids
+from dflash_train.target import default_target_layer_ids, validate_drafter_layer_ids
 
 
 @dataclass
@@ -37,7 +37,7 @@ class DFlashConfig:
         if not self.target_layer_ids:
             self.target_layer_ids = default_target_layer_ids(self.num_target_layers, self.num_hidden_layers)
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
-        validate_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        validate_drafter_layer_ids(self.target_layer_ids, self.num_target_layers)
         if self.hidden_act != "silu":
             raise ValueError(f"hidden_act={self.hidden_act!r} is not supported; DFlash drafters use 'silu'")
         if self.num_attention_heads % self.num_key_value_heads:

@@ -29,7 +29,11 @@ from dflash_train.target.fingerprint import (
     target_identity,
 )
 from dflash_train.target.gguf_file import check_gguf_whole, content_digest
-from dflash_train.target.layer_ids import default_target_layer_ids, validate_target_layer_ids
+from dflash_train.target.layer_ids import (
+    default_target_layer_ids,
+    validate_drafter_layer_ids,
+    validate_target_layer_ids,
+)
 from dflash_train.target.loading import (
     DEFAULT_TARGET_ALIASES,
     PackagedFile,
@@ -67,5 +71,6 @@ __all__ = [
     "target_facts",
     "target_fingerprint",
     "target_identity",
+    "validate_drafter_layer_ids",
     "validate_target_layer_ids",
 ]

@@ -58,3 +58,16 @@ def validate_target_layer_ids(ids: Sequence[int], num_target_layers: int) -> lis
     if ids != sorted(ids):
         raise ValueError(f"target_layer_ids {ids} must be sorted in increasing order.")
     return ids
+
+
+def validate_drafter_layer_ids(ids: Sequence[int], num_target_layers: int) -> list[int]:
+    """``validate_target_layer_ids``, and the last layer refused: a drafter reads layer ``k`` as Hugging Face's
+    ``hidden_states[k + 1]``, and for the last layer that entry is taken after the final norm, so serving
+    runtimes would feed the drafter other values than it was trained on."""
+    ids = validate_target_layer_ids(ids, num_target_layers)
+    if ids[-1] > num_target_layers - 2:
+        raise ValueError(
+            f"Target layer id {ids[-1]} is the last layer of a {num_target_layers}-layer target, whose output "
+            f"serving runtimes only see after the final norm; use ids in 0..{num_target_layers - 2}."
+        )
+    return ids

@@ -44,6 +44,7 @@ def make_draft(**overrides: object) -> DFlashDraftModel:
     ({"hidden_size": 32}, "hidden size 32 != target hidden size 64"),
     ({"vocab_size": 300}, "vocabulary 300 != target embedding rows 320"),
     ({"target_layer_ids": [1, 6]}, r"reads target layers \[6\], but the target has 6 layers"),
+    ({"target_layer_ids": [1, 5]}, r"reads target layers \[5\], but the target has 6 layers \(drafter ids 0\.\.4\)"),
     ({"mask_token_id": 320}, "mask token 320 is outside the target's 320 embedding rows"),
 ])
 def test_mismatched_drafter_is_a_one_line_error(override: dict[str, object], message: str) -> None:

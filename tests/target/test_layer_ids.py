@@ -2,7 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.target import default_target_layer_ids, validate_target_layer_ids
+from dflash_train.target import (
+    default_target_layer_ids,
+    validate_drafter_layer_ids,
+    validate_target_layer_ids,
+)
+from tests.helpers.tiny_drafts import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -72,3 +77,16 @@ def test_validate_accepts_sorted_in_range_ids() -> None:
 def test_validate_rejects_bad_ids(ids: list[int], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         validate_target_layer_ids(ids, 6)
+
+
+def test_drafter_layer_ids_refuse_the_last_layer() -> None:
+    """Id k is hidden_states[k + 1] in Hugging Face, post-norm for the last layer: serving would differ."""
+    assert validate_drafter_layer_ids([0, 4], 6) == [0, 4]
+    assert validate_target_layer_ids([0, 5], 6) == [0, 5]  # capture itself may read any layer
+    with pytest.raises(ValueError, match=r"last layer of a 6-layer target.*ids in 0\.\.4"):
+        validate_drafter_layer_ids([0, 5], 6)
+
+
+def test_drafter_config_refuses_the_last_layer() -> None:
+    with pytest.raises(ValueError, match="last layer"):
+        tiny_config(num_target_layers=6, num_hidden_layers=2, target_layer_ids=[1, 5])
