@@ -35,6 +35,9 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
                     f"{draft.config.num_context_features} layers; give {draft.config.num_context_features} ids")
             draft.config.target_layer_ids = list(m.target_layer_ids)
             draft.config.num_target_layers = target.num_layers
+        if m.mask_token_id is not None:  # e.g. a new target's tokenizer: the mask embedding is the target's row
+            draft.config.mask_token_id = choose_mask_token(target.tokenizer, target.vocab_size,
+                                                           explicit=m.mask_token_id).id
         check_draft_fits_target(draft.config, target, m.block_size)
         reinitialize(draft, m.reinit)
     elif m.reinit:

@@ -1,0 +1,44 @@
+"""Building the drafter from `init_from`: what the run's settings change in the loaded drafter."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from dflash_train.checkpoint.io import save_draft
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.target import load_target
+from dflash_train.training.config import load_config
+from dflash_train.training.setup import build_draft
+from tests.helpers.training import overrides
+
+
+@pytest.fixture(scope="module")
+def saved_draft(assets: dict[str, pathlib.Path], tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    target = load_target(str(assets["target"]), dtype=torch.float32)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=5, num_hidden_layers=1, block_size=4)
+    return save_draft(DFlashDraftModel(config), tmp_path_factory.mktemp("draft") / "draft", dtype=torch.float32)
+
+
+def built(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path, **settings: object) -> DFlashDraftModel:
+    config = load_config(None, overrides(assets, tmp_path, **settings))
+    return build_draft(config, load_target(str(assets["target"]), dtype=torch.float32))
+
+
+def test_init_from_keeps_the_drafters_mask_token_unless_one_is_set(
+    assets: dict[str, pathlib.Path], saved_draft: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    base = {"model.init_from": str(saved_draft), "model.block_size": 4}
+    assert built(assets, tmp_path / "a", **base).config.mask_token_id == 5
+    assert built(assets, tmp_path / "b", **base, **{"model.mask_token_id": 7}).config.mask_token_id == 7
+
+
+def test_init_from_refuses_a_mask_token_outside_the_target(
+    assets: dict[str, pathlib.Path], saved_draft: pathlib.Path, tmp_path: pathlib.Path
+) -> None:
+    target_rows = load_target(str(assets["target"]), dtype=torch.float32).vocab_size
+    with pytest.raises(ValueError, match="mask"):
+        built(assets, tmp_path, **{"model.init_from": str(saved_draft), "model.block_size": 4,
+                                   "model.mask_token_id": target_rows + 3})
