@@ -31,6 +31,12 @@ class ObjectiveOutput:
     slot_correct: torch.Tensor  # [B] float: top-1 hits per slot (slot 0 always 0)
     slot_count: torch.Tensor  # [B] float: supervised rows per slot
     num_supervised: int
+    # Per sequence (a row, or a chat of a packed row), detached, for metrics broken down by chat (per data
+    # source in validation): each one's own loss, 0 without supervised rows ([n]; `loss` is their mean over
+    # the sequences with any), and its slot_correct / slot_count ([n, B]; they sum to the batch's).
+    sequence_loss: torch.Tensor | None = None
+    sequence_slot_correct: torch.Tensor | None = None
+    sequence_slot_count: torch.Tensor | None = None
 
     @property
     def slot_accuracy(self) -> torch.Tensor:
@@ -177,11 +183,28 @@ class DFlashObjective:
             batch_index = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
             teacher = teacher_states[batch_index[supervised], blocks.token_index[supervised] - 1]
         row_ce, correct = chunked_cross_entropy_rows(rows, head_weight, labels, self.chunk_rows, teacher)
-        loss = (row_ce * self.row_weights(row_ce, blocks, supervised)).sum()
+        weighted = row_ce * self.row_weights(row_ce, blocks, supervised)
+        loss = weighted.sum()
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
         slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
-        return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()))
+        sequence, num_sequences = self._sequences(blocks)
+        per_sequence = self._per_sequence(weighted.detach(), correct, sequence[supervised], row_slots, num_sequences)
+        return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()), *per_sequence)
+
+    def _per_sequence(
+        self, weighted: torch.Tensor, correct: torch.Tensor, sequence: torch.Tensor, slots: torch.Tensor, n: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each sequence's own loss [n] and its slot hits and counts [n, B], from the supervised rows' weighted
+        CE, top-1 hits, sequences and slots [P]. The row weights divide every sequence's loss by the number of
+        sequences with supervised rows (the loss is their mean), which is multiplied back here."""
+        cells = sequence * self.block_size + slots
+        zeros = torch.zeros(n * self.block_size, device=weighted.device)
+        hits = zeros.index_add(0, cells, correct.float()).view(n, self.block_size)
+        counts = zeros.index_add(0, cells, torch.ones_like(weighted)).view(n, self.block_size)
+        present = (counts.sum(1) > 0).sum()
+        losses = torch.zeros(n, device=weighted.device).index_add(0, sequence, weighted) * present
+        return losses, hits, counts
 
     def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, supervised: torch.Tensor) -> torch.Tensor:
         """Weights [P] of the supervised rows (no gradient flows through them): the loss is sum_r w_r·CE_r,

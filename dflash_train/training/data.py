@@ -34,6 +34,13 @@ class TrainingSamples:
     def __len__(self) -> int:
         return len(self.store)
 
+    def sources(self, indices: Sequence[int]) -> list[str] | None:
+        """The `source` name of each of these rows; None where the data keeps none (feature stores, data
+        prepared without the column)."""
+        if self.offline or "source" not in self.store.column_names:
+            return None
+        return list(self.store.select_columns(["source"])[list(indices)]["source"])
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.store[index]
         sample = {

@@ -54,15 +54,26 @@ class MetricsLogger:
         with self.path.open("a") as handle:
             handle.write(json.dumps({"step": step, "split": split, **values}) + "\n")
         if self.run is not None:
-            flat = {f"{split}/{k}": v for k, v in values.items() if not isinstance(v, list)}
-            for key, value in values.items():
-                if isinstance(value, list):
-                    flat.update({f"{split}/{key}_{i + 1}": v for i, v in enumerate(value)})
-            self.run.log(flat, step=step)
+            self.run.log(flatten(split, values), step=step)
 
     def finish(self) -> None:
         if self.run is not None:
             self.run.finish()
+
+
+def flatten(prefix: str, values: dict[str, Any]) -> dict[str, Any]:
+    """wandb keys: `validation/loss`, lists as `validation/slot_accuracy_1`..., a mapping one level down
+    (`by_source`: `validation/<source>/expected_acceptance_length`), so every source gets its own chart."""
+    flat: dict[str, Any] = {}
+    for key, value in values.items():
+        if isinstance(value, list):
+            flat.update({f"{prefix}/{key}_{i + 1}": v for i, v in enumerate(value)})
+        elif isinstance(value, dict):
+            for name, inner in value.items():
+                flat.update(flatten(f"{prefix}/{name}", inner))
+        else:
+            flat[f"{prefix}/{key}"] = value
+    return flat
 
 
 def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -79,6 +90,17 @@ def read_metrics(path: Path) -> dict[str, list[dict[str, Any]]]:
     return out
 
 
+def source_curves(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], list[float]]]:
+    """Per-source validation τ̂: source -> (steps, τ̂); empty for files written without `by_source`."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for record in records:
+        for name, values in record.get("by_source", {}).items():
+            steps, taus = curves.setdefault(name, ([], []))
+            steps.append(record["step"])
+            taus.append(values["expected_acceptance_length"])
+    return curves
+
+
 def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
     metrics = read_metrics(metrics_path)
     fig = Figure(figsize=(15, 4))
@@ -91,6 +113,8 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
         axes[0].plot(steps, [r["loss"] for r in records], style, label=split)
         axes[1].plot(steps, [r["mean_slot_accuracy"] for r in records], style, label=split)
         axes[2].plot(steps, [r["expected_acceptance_length"] for r in records], style, label=split)
+    for name, (steps, taus) in source_curves(metrics.get("validation", [])).items():
+        axes[2].plot(steps, taus, "o--", markersize=3, linewidth=1, label=f"validation: {name}")
     for ax, title in zip(axes, ("loss", "mean per-slot top-1 accuracy", "expected acceptance length τ"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")

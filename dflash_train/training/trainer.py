@@ -24,7 +24,6 @@ from dflash_train.data.features import compute_features
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DFlashObjective
-from dflash_train.objective.objective import expected_acceptance_length
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
@@ -49,6 +48,7 @@ from dflash_train.training.setup import (
     build_schedule,
     build_target,
 )
+from dflash_train.training.source_metrics import SourceTotals, slot_summary, source_line, source_names
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
 
 
@@ -130,6 +130,8 @@ class Trainer:
         else:
             self.total_steps = t.max_steps or self.packed.total_steps(t.epochs)
         self.configured_steps = self.total_steps  # a time budget may shorten the run, never beyond this
+        sources = self.samples.sources(self.val_ids) if self.val_ids else None
+        self.val_sources = dict(zip(self.val_ids, sources, strict=True)) if sources else {}
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
         self._check_offline_features()
@@ -313,14 +315,10 @@ class Trainer:
         packed = self.accelerator.reduce(packed, reduction="sum")
         correct = self.accelerator.reduce(slot_correct.double(), reduction="sum")
         count = self.accelerator.reduce(slot_count.double(), reduction="sum")
-        accuracy = (correct / count)[1:]
         return {
             "loss": float(packed[0]) / self.accelerator.num_processes,
             "tokens": float(packed[1]), "flops": float(packed[2]),
-            "supervised_slots": float(count.sum()),  # block slots with a label: what the step learns from
-            "slot_accuracy": [round(float(a), 5) for a in accuracy],
-            "mean_slot_accuracy": float(torch.nan_to_num(accuracy).mean()),
-            "expected_acceptance_length": float(expected_acceptance_length(accuracy)),
+            **slot_summary(correct, count),
         }
 
     @torch.no_grad()
@@ -330,6 +328,7 @@ class Trainer:
         self.model.eval()
         rank, world = self.accelerator.process_index, self.accelerator.num_processes
         loss_sum, correct, count = 0.0, None, None
+        by_source = self._source_totals()
         for indices, cpu_batch, weight in self._validation_batches(rank, world):
             seeds = [anchor_seed(self.config.training.seed, 0, i) for i in indices]  # fixed anchors
             with self.accelerator.autocast():
@@ -339,13 +338,25 @@ class Trainer:
             loss_sum += float(out.loss) * weight
             correct = out.slot_correct if correct is None else correct + out.slot_correct
             count = out.slot_count if count is None else count + out.slot_count
+            if by_source is not None:
+                by_source.add([self.val_sources[i] for i in indices], out)
         if correct is None:  # fewer validation samples than ranks
             zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
             correct, count = zeros, zeros.clone()
         metrics = self._reduce({"loss": loss_sum, "tokens": 0.0, "flops": 0.0}, correct, count)
         chats = len(self.val_ids) if self.packed is None else sum(map(self.packed.counted_chats, self.val_groups))
         metrics["loss"] = metrics["loss"] * world / max(1, chats)
+        if by_source is not None:
+            by_source.reduce(self.accelerator.reduce)
+            metrics["by_source"] = by_source.metrics()
         return metrics
+
+    def _source_totals(self) -> SourceTotals | None:
+        """Per-source sums for a validation split of two sources or more (None: nothing to break down)."""
+        names = source_names([self.val_sources[i] for i in self.val_ids] if self.val_sources else None)
+        if not names:
+            return None
+        return SourceTotals(names, self.objective.block_size, self.accelerator.device)
 
     def _validation_batches(
         self, rank: int, world: int
@@ -473,6 +484,8 @@ class Trainer:
             val = self.validate()
             if logger and val:
                 logger.log(self.step, "validation", val)
+                if "by_source" in val:
+                    self.accelerator.print(source_line(val["by_source"]))
         saved = self.step % t.save_every == 0 or last
         if saved:
             self.save_checkpoint()
