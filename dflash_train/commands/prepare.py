@@ -11,7 +11,8 @@ supervised tokens are dropped; the summary lists rows read, kept and dropped by 
 for a reason that drops more than 5 % of them. Rows whose system or user turns share a word 13-gram with an
 eval set (HumanEval, MT-Bench, the generated math set, and AlpacaEval and IFEval when installed) are dropped
 as overlaps_eval_set (`--no-decontaminate` keeps them). `--show N` prints N rows with the supervised text
-between ⟦ ⟧ and writes nothing: look at a new target's rows before training on them.
+between ⟦ ⟧ and writes nothing: look at a new target's rows before training on them. Rows are tokenised in
+--workers processes (default: one per core, at most 16); the dataset is the same with any number of them.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from dflash_train.data.cli_args import (
     thinking_value,
 )
 from dflash_train.data.decontaminate import project_eval_index
-from dflash_train.data.prepare import PrepareConfig, prepare, show
+from dflash_train.data.prepare import PARALLEL_MIN_ROWS, PrepareConfig, default_workers, prepare, show
 from dflash_train.data.target_tokenizer import load_target_tokenizer
 
 
@@ -47,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep rows whose prompt turns share a word 13-gram with an eval set (dropped by default "
                              "as overlaps_eval_set; the eval sets used are recorded in the dataset's metadata)")
+    parser.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
+                        help="processes tokenising the rows (default: one per core, at most 16; 1 = this process "
+                             f"alone; inputs under {PARALLEL_MIN_ROWS:,} rows always are); the output is the same")
     parser.add_argument("--show", type=positive_int, metavar="N",
                         help="print N rows with their supervised text marked ⟦ ⟧ and write nothing (check a new "
                              "target's chat template before training)")
@@ -60,7 +64,8 @@ def run(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     tokenizer = load_target_tokenizer(args.target)
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
-                           args.train_turns, args.target, decontaminate=not args.no_decontaminate)
+                           args.train_turns, args.target, decontaminate=not args.no_decontaminate,
+                           workers=args.workers)
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0

@@ -13,10 +13,14 @@ follow gives those turns rows of their own (``chat.py``).
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import tempfile
+from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass, field
-from itertools import islice
+from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import dataclass, field, replace
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +31,15 @@ from dflash_train.atomic import write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, marked_text, template_hash
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
 from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
-from dflash_train.data.decontaminate import project_eval_index
+from dflash_train.data.decontaminate import EvalIndex, project_eval_index
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, detect_format, rename_columns, to_messages
+from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
 from dflash_train.data.shards import REGEN_MANIFEST
 from dflash_train.outputs import PREPARED, claim, publish
+
+PARALLEL_MIN_ROWS = 4096  # records below which a pool costs more to start (fork, first calls) than it saves
+POOL_CHUNK = 128  # records per task sent to a pool worker
 
 
 @dataclass
@@ -45,6 +52,8 @@ class PrepareConfig:
     target_name: str = "target"
     extra_metadata: dict[str, Any] = field(default_factory=dict)
     decontaminate: bool = True  # drop rows whose prompt turns share a word 13-gram with an eval set
+    workers: int = 1  # processes tokenising the records (1: this one); the rows written are the same
+    parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
 
     @property
     def min_supervised(self) -> int:
@@ -98,31 +107,124 @@ def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
         raise ValueError(f"{corpus.location(index)}: {error}") from None
 
 
+def default_workers() -> int:
+    """Processes for tokenising: one per core this process may use, at most 16 (beyond that this process,
+    which reads the records and writes the rows, cannot keep them busy)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 16))
+
+
 def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataReport) -> Iterator[dict[str, Any]]:
+    """The rows to write, in input order. With ``config.workers`` > 1 and at least ``parallel_min_rows``
+    records, the records are tokenised in a pool of processes; rows and report are those of one process."""
     evals = project_eval_index() if config.decontaminate else None
+    for (corpus, index), outcome in _tokenized(chat, config, evals, _records(config, report)):
+        yield from _account(outcome, corpus, index, report)
+
+
+Where = tuple[Corpus, int]  # a record's corpus and index, kept in this process to count and name its rows
+Work = tuple[list[Message], str | None]  # what a worker needs of a record: its messages and finish reason
+
+
+def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where, Work]]:
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
-            if evals is not None and evals.overlaps(messages):
-                report.drop(EVAL_OVERLAP, corpus.location(index))
-                continue
-            try:
-                conversation = chat.tokenize(messages, config.train_turns, record.get("finish_reason") == "length")
-            except BadRecord as bad:
-                report.drop(bad.reason, corpus.location(index))
-                continue
-            report.totals["turns not reproducible by the template"] += conversation.turns_not_reproducible
-            samples = [fit_length(sample, config.max_length) for sample in conversation.samples]
-            kept = [sample for sample in samples if sample.num_supervised >= config.min_supervised]
-            if not kept:
-                too_long = any(sample.truncated for sample in samples)
-                report.drop("too_long" if too_long else "too_few_supervised_tokens", corpus.location(index))
-                continue
-            report.kept += 1
-            if len(kept) < len(samples):  # a turn in a row of its own (see chat.py) can be short alone
-                report.totals["rows of single turns dropped as too short"] += len(samples) - len(kept)
-            for sample in kept:
-                yield _row(sample, corpus.name, index, report)
+            yield (corpus, index), (messages, record.get("finish_reason"))
+
+
+@dataclass
+class Outcome:
+    """What tokenising one record gave: a drop reason, or the samples kept."""
+
+    drop: str | None = None
+    samples: list[TokenizedChat] = field(default_factory=list)
+    not_reproducible: int | None = None  # turns the template cannot show; None when it was not asked
+    too_short: int = 0  # rows of single turns dropped as too short
+
+
+def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None,
+                    messages: list[Message], finish_reason: str | None) -> Outcome:
+    if evals is not None and evals.overlaps(messages):
+        return Outcome(EVAL_OVERLAP)
+    try:
+        conversation = chat.tokenize(messages, config.train_turns, finish_reason == "length")
+    except BadRecord as bad:
+        return Outcome(bad.reason)
+    samples = [fit_length(sample, config.max_length) for sample in conversation.samples]
+    kept = [sample for sample in samples if sample.num_supervised >= config.min_supervised]
+    if not kept:
+        too_long = any(sample.truncated for sample in samples)
+        return Outcome("too_long" if too_long else "too_few_supervised_tokens",
+                       not_reproducible=conversation.turns_not_reproducible)
+    return Outcome(None, kept, conversation.turns_not_reproducible, len(samples) - len(kept))
+
+
+def _account(outcome: Outcome, corpus: Corpus, index: int, report: DataReport) -> Iterator[dict[str, Any]]:
+    """Count ``outcome`` in ``report`` and yield its rows."""
+    if outcome.not_reproducible is not None:  # counted, 0 included, for every record the template rendered
+        report.totals["turns not reproducible by the template"] += outcome.not_reproducible
+    if outcome.drop is not None:
+        report.drop(outcome.drop, corpus.location(index))
+        return
+    report.kept += 1
+    if outcome.too_short:  # a turn in a row of its own (see chat.py) can be short alone
+        report.totals["rows of single turns dropped as too short"] += outcome.too_short
+    for sample in outcome.samples:
+        yield _row(sample, corpus.name, index, report)
+
+
+def _tokenized(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None,
+               records: Iterator[tuple[Where, Work]]) -> Iterator[tuple[Where, Outcome]]:
+    """Each record's outcome, in order: in a pool when asked and the input is large enough to repay starting
+    it (the first ``parallel_min_rows`` records are read to find out), else here."""
+    if config.workers > 1:
+        head = list(islice(records, config.parallel_min_rows))
+        records = chain(head, records)
+        if len(head) >= config.parallel_min_rows:
+            yield from _in_pool(chat, config, evals, records)
+            return
+    for where, (messages, finish_reason) in records:
+        yield where, tokenize_record(chat, config, evals, messages, finish_reason)
+
+
+def _in_pool(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None,
+             records: Iterator[tuple[Where, Work]]) -> Iterator[tuple[Where, Outcome]]:
+    """Outcomes from ``config.workers`` forked processes, ``POOL_CHUNK`` records a task, in input order. A
+    few tasks per worker are in flight, so workers never wait on this process, nor does memory grow with
+    the input. Forked workers inherit the tokenizer and eval index instead of unpickling them."""
+    pool = ProcessPoolExecutor(config.workers, multiprocessing.get_context("fork"),
+                               initializer=_start_worker, initargs=(chat, config, evals))
+    pending: deque[tuple[tuple[Where, ...], Future[list[Outcome]]]] = deque()
+    try:
+        while chunk := list(islice(records, POOL_CHUNK)):
+            wheres, works = zip(*chunk, strict=True)
+            pending.append((wheres, pool.submit(_tokenize_chunk, list(works))))
+            if len(pending) >= 4 * config.workers:
+                yield from _results(pending.popleft())
+        while pending:
+            yield from _results(pending.popleft())
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _results(task: tuple[tuple[Where, ...], Future[list[Outcome]]]) -> Iterator[tuple[Where, Outcome]]:
+    wheres, future = task
+    yield from zip(wheres, future.result(), strict=True)  # a worker's ValueError is raised here, as it was
+
+
+_WORKER: dict[str, Any] = {}  # a pool worker's tokenizer, config and eval index
+
+
+def _start_worker(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None) -> None:
+    # The processes are the parallelism: a Rust thread pool in each as well would oversubscribe the cores.
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER.update(chat=chat, config=config, evals=evals)
+
+
+def _tokenize_chunk(works: list[Work]) -> list[Outcome]:
+    chat, config, evals = _WORKER["chat"], _WORKER["config"], _WORKER["evals"]
+    return [tokenize_record(chat, config, evals, messages, finish_reason) for messages, finish_reason in works]
 
 
 def _row(sample: TokenizedChat, source: str, index: int, report: DataReport) -> dict[str, Any]:
@@ -147,7 +249,8 @@ def show(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, count: int) 
     chat = ChatTokenizer(tokenizer, config.thinking, config.target_name)
     report = DataReport(f"prepare --show {count} (nothing written): the rows read for them")
     print("⟦...⟧ marks the supervised tokens (the loss mask)")
-    for number, row in enumerate(islice(tokenized_rows(chat, config, report), count), 1):
+    serial = replace(config, workers=1)  # a pool would read ahead, and the report counts the rows read
+    for number, row in enumerate(islice(tokenized_rows(chat, serial, report), count), 1):
         mask = row["loss_mask"]
         spans = sum(1 for k, m in enumerate(mask) if m and (k == 0 or not mask[k - 1]))
         print(f"── row {number}: {row['source']} #{row['source_index']}, {len(mask):,} tokens, "

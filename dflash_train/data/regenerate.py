@@ -23,8 +23,9 @@ import hashlib
 import json
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from itertools import islice
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,7 +34,7 @@ from dflash_train.data.chat import ChatTokenizer, template_hash
 from dflash_train.data.corpora import CorpusSpec, open_corpus
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, prompt_messages
+from dflash_train.data.records import BadRecord, Message, prompt_messages
 from dflash_train.data.shards import (
     REGEN_MANIFEST,
     check_same_settings,
@@ -48,6 +49,8 @@ from dflash_train.data.turns import (
     turn_directory,
     wait_for_turn,
 )
+
+PLAN_BATCH = 4096  # prompts tokenised per tokenizer call while planning: enough to keep every core busy
 
 
 @dataclass
@@ -85,8 +88,34 @@ class RegenerateConfig:
 
 
 def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[PromptRow], DataReport]:
+    """The rows to answer, in input order, and the report of the prompts read and dropped. Prompts are
+    rendered one by one, then tokenised ``PLAN_BATCH`` at a time (one tokenizer call spreads a list over the
+    cores); a prompt's fate still depends only on the prompts before it, as one at a time."""
     report = DataReport("regenerate: prompts")
-    rows, seen = [], set()
+    rows: list[PromptRow] = []
+    seen: set[bytes] = set()
+    for batch in _batches(_rendered(chat, config, report), PLAN_BATCH):
+        for candidate, ids in zip(batch, chat.encode_texts([c.text for c in batch]), strict=True):
+            row = _admitted(candidate, ids, len(rows), config, seen, report)
+            if row is not None:
+                rows.append(row)
+    return fan_out(rows, config.samples_per_prompt, report), report
+
+
+@dataclass
+class _Candidate:
+    """A prompt rendered with the chat template, waiting for its tokens."""
+
+    prompt: list[Message]
+    later: list[str]  # the conversation's later user turns (multi-turn regeneration)
+    text: str
+    source: str
+    index: int
+
+
+def _rendered(chat: ChatTokenizer, config: RegenerateConfig, report: DataReport) -> Iterator[_Candidate]:
+    """Every prompt the template renders, in input order; the records, special-token texts and template
+    refusals dropped on the way are counted in ``report``."""
     multi_turn = config.turns != 1  # then the whole conversation must be well-formed, not only its start
     for spec in config.sources:
         corpus = open_corpus(spec)
@@ -95,21 +124,32 @@ def plan_prompts(chat: ChatTokenizer, config: RegenerateConfig) -> tuple[list[Pr
             later = [m["content"] for m in messages if m["role"] == "user"][1:] if multi_turn else []
             try:
                 chat.check_no_special_text(prompt + [{"role": "user", "content": text} for text in later])
-                ids = chat.encode_prompt(prompt)
+                text = chat.render(prompt, add_generation_prompt=True)
             except BadRecord as bad:
                 report.drop(bad.reason)
                 continue
-            key = hashlib.sha1(json.dumps([prompt, later], sort_keys=True).encode()).digest()
-            if config.dedupe and key in seen:
-                report.drop("duplicate_prompt")
-                continue
-            if len(ids) > config.max_prompt_tokens:
-                report.drop("prompt_too_long")
-                continue
-            seen.add(key)
-            rows.append(PromptRow(len(rows), prompt, ids, corpus.name, index, later))
-            report.kept += 1
-    return fan_out(rows, config.samples_per_prompt, report), report
+            yield _Candidate(prompt, later, text, corpus.name, index)
+
+
+def _admitted(candidate: _Candidate, ids: list[int], row_id: int, config: RegenerateConfig, seen: set[bytes],
+              report: DataReport) -> PromptRow | None:
+    """The row of a tokenised prompt, or None (counted) when it repeats a kept prompt or is too long. Only
+    kept prompts are remembered: a repeat of a prompt dropped as too long is too long again."""
+    key = hashlib.sha1(json.dumps([candidate.prompt, candidate.later], sort_keys=True).encode()).digest()
+    if config.dedupe and key in seen:
+        report.drop("duplicate_prompt")
+        return None
+    if len(ids) > config.max_prompt_tokens:
+        report.drop("prompt_too_long")
+        return None
+    seen.add(key)
+    report.kept += 1
+    return PromptRow(row_id, candidate.prompt, ids, candidate.source, candidate.index, candidate.later)
+
+
+def _batches(items: Iterator[_Candidate], size: int) -> Iterator[list[_Candidate]]:
+    while batch := list(islice(items, size)):
+        yield batch
 
 
 def fan_out(rows: list[PromptRow], samples: int, report: DataReport) -> list[PromptRow]:
