@@ -108,8 +108,8 @@ def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
 
 
 def default_workers() -> int:
-    """Processes for tokenising: one per core this process may use, at most 16 (beyond that this process,
-    which reads the records and writes the rows, cannot keep them busy)."""
+    """Processes for tokenising: one per core this process may use, at most 16. This process still reads
+    every record and writes every row alone, which caps what more workers can add."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return max(1, min(cores, 16))
 
