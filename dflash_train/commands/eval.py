@@ -30,6 +30,7 @@ from dflash_train.data.cli_args import positive_int
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
+from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.prompts import load_prompt_set
 from dflash_train.eval.report import build_report, write_outputs
 from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
@@ -38,9 +39,11 @@ from dflash_train.models.layers import RotaryEmbedding
 from dflash_train.runtime.config import KERNELS, EngineConfig, stop_token_ids
 from dflash_train.target import (
     TargetModel,
+    ensure_converted_gguf,
     is_legacy_fingerprint,
     load_target,
     resolve_mask_token_id,
+    resolve_target_source,
     target_fingerprint,
 )
 
@@ -96,6 +99,17 @@ def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dty
     return device, getattr(torch, name)
 
 
+def _load_target(name: str, device: torch.device, dtype: torch.dtype, phases: PhaseTimer) -> TargetModel:
+    """`load_target`, with a .gguf file's conversion (once per file and dtype, then a cache lookup that
+    hashes the file) timed apart from reading the converted weights."""
+    source = resolve_target_source(name)
+    if source.endswith(".gguf"):
+        with phases.phase("load/gguf_conversion"):
+            source = str(ensure_converted_gguf(Path(source), dtype))
+    with phases.phase("load/target"):
+        return load_target(source, dtype=dtype, device=device)
+
+
 def _load_draft(args: argparse.Namespace, target: TargetModel, device: torch.device,
                 dtype: torch.dtype) -> DFlashDraftModel:
     if args.draft != "random":
@@ -139,13 +153,16 @@ def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetM
 
 
 def run(args: argparse.Namespace) -> int:
+    phases = PhaseTimer()
     _validate(args)
     note_output(Path(args.out).parent)  # a full disk is reported with the report folder's free space
-    prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]  # fail fast on bad names
+    with phases.phase("load/prompts"):  # fail fast on bad names
+        prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]
     device, dtype = _device_and_dtype(args)
-    target = load_target(args.target, dtype=dtype, device=device)
-    draft = _load_draft(args, target, device, dtype)
-    _warn_if_trained_for_another_target(draft, target, args.target)
+    target = _load_target(args.target, device, dtype, phases)
+    with phases.phase("load/draft"):
+        draft = _load_draft(args, target, device, dtype)
+        _warn_if_trained_for_another_target(draft, target, args.target)  # hashes the target's weights
     block_size = args.block_size or draft.config.block_size
     check_compatible(draft, target, block_size)
     # More rows than requests would only compute idle rows every cycle.
@@ -154,14 +171,14 @@ def run(args: argparse.Namespace) -> int:
                             lossless_check=not args.no_lossless_check)
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
-        evaluator = Evaluator(target, draft, settings, progress)
+        evaluator = Evaluator(target, draft, settings, progress, phases)
         evaluator.reserve(prompt_sets)
         results: dict[str, Any] = {}
         for prompt_set in prompt_sets:
             name = prompt_set.name if prompt_set.name not in results else f"{prompt_set.name}#{len(results)}"
-            results[name] = evaluator.evaluate_set(prompt_set)
+            results[name] = evaluator.evaluate_set(prompt_set, name)
     report = build_report(args, target, evaluator, results)
-    paths = write_outputs(report, Path(args.out), plot=not args.no_plot)
+    paths = write_outputs(report, Path(args.out), plot=not args.no_plot, phases=phases)
     print_summary(report, [str(p) for p in paths])
     return 0
 

@@ -13,6 +13,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from dflash_train.eval.metrics import running_tau
+from dflash_train.eval.phases import timing_line
 from dflash_train.runtime.state import RequestOutput
 
 PLAIN_LINES_PER_PASS = 10  # a line every 10 % of a pass's requests ...
@@ -92,6 +93,9 @@ def print_summary(report: dict[str, Any], paths: list[str]) -> None:
     for name, row in report["datasets"].items():
         if row.get("skipped"):
             console.print(f"{name}: skipped {row['skipped']}")
+    timing = timing_line(report)
+    if timing is not None:  # older reports have no phase times
+        console.print(timing, highlight=False)
     console.print("written: " + ", ".join(paths))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import torch
 import transformers
 
 from dflash_train.atomic import write_json_atomically
+from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.plot import plot_report
 from dflash_train.eval.run import Evaluator
 from dflash_train.target import TargetModel
@@ -71,15 +73,29 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
                                              "any speed figure)",
             "tokens_per_s": "new tokens per second of decoding (prefill excluded), same prompts, same run; "
                             "target_only is the target alone decoding one token per step",
+            "phase_seconds": "wall-clock seconds of the run's phases, which never overlap: load/* (prompt sets, "
+                             "GGUF conversion, target, drafter), warm_up/* (caches, runner check, compilation and "
+                             "graph capture per engine), prompts/* (chat templates), decode/<dataset>/<engine> "
+                             "(a whole pass, prefill included), teacher_forced/<dataset>, report/plot; total "
+                             "from argument checking to the figure, process start-up excluded",
         },
         "datasets": results,
     }
 
 
-def write_outputs(report: dict[str, Any], out: Path, plot: bool = True) -> list[Path]:
-    # Atomic: a report cut short (a full disk, a kill) would read as a finished evaluation.
-    write_json_atomically(out, report)
-    paths = [out]
-    if plot:
-        paths.append(plot_report(report, out.with_suffix(".png")))
-    return paths
+def write_outputs(report: dict[str, Any], out: Path, plot: bool = True,
+                  phases: PhaseTimer | None = None) -> list[Path]:
+    """The JSON report and its figure next to it; with `phases`, the report's `phase_seconds` (figure
+    included, so it is drawn first; the JSON is written even if drawing fails)."""
+    figures: list[Path] = []
+    out.parent.mkdir(parents=True, exist_ok=True)  # the figure is written first, before the JSON would create it
+    try:
+        if plot:
+            with phases.phase("report/plot") if phases else nullcontext():
+                figures.append(plot_report(report, out.with_suffix(".png")))
+    finally:
+        if phases is not None:
+            report["phase_seconds"] = phases.report()
+        # Atomic: a report cut short (a full disk, a kill) would read as a finished evaluation.
+        write_json_atomically(out, report)
+    return [out, *figures]

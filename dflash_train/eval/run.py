@@ -28,6 +28,7 @@ from rich.progress import Progress
 from dflash_train.eval.chat import prompt_ids, supports_thinking
 from dflash_train.eval.console import PassProgress
 from dflash_train.eval.metrics import acceptance_metrics
+from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.prompts import PromptSet
 from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
@@ -100,8 +101,9 @@ class Engines(NamedTuple):
 
 class Evaluator:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel, settings: EvalSettings,
-                 progress: Progress | None = None) -> None:
+                 progress: Progress | None = None, phases: PhaseTimer | None = None) -> None:
         self.target, self.draft, self.settings, self.progress = target, draft, settings, progress
+        self.phases = phases if phases is not None else PhaseTimer()
         self.stop_ids = list(settings.runtime.stop_token_ids)
         self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
         self.engines: Engines | None = None
@@ -117,6 +119,16 @@ class Evaluator:
         """Build the engines once, large enough for every request of these sets: the longest conversation
         with each earlier answer at its full length. A later set or turn that outgrew the caches would
         otherwise rebuild them, which on a GPU means compiling and capturing both engines again."""
+        with self.phases.phase("prompts/reserve"):  # every conversation rendered once to size the caches
+            longest = self._longest_request(prompt_sets)
+        if longest is None:
+            return
+        need, first = longest
+        if len(first.ids) + self.settings.max_new_tokens + self.settings.block_size <= self.context_limit:
+            self._get_engines(first, need)
+
+    def _longest_request(self, prompt_sets: list[PromptSet]) -> tuple[int, Request] | None:
+        """(cache positions the longest conversation needs, its first request), or None for no conversation."""
         budget = self.settings.max_new_tokens + self.settings.block_size
         longest: tuple[int, Request] | None = None
         for prompt_set in prompt_sets:
@@ -134,8 +146,7 @@ class Evaluator:
                     first = list(conversation.prefix) + [{"role": "user", "content": conversation.turns[0]}]
                     ids = prompt_ids(self.target.tokenizer, first, self.settings.thinking)
                     longest = (need, Request(index, 0, first, ids))
-        if longest is not None and len(longest[1].ids) + budget <= self.context_limit:
-            self._get_engines(longest[1], longest[0])
+        return longest
 
     @property
     def checks_lossless(self) -> bool:
@@ -152,24 +163,30 @@ class Evaluator:
         self.engines = None  # free the old caches first
         max_length = -(-need // 256) * 256
         drafted_config = self._engine_config(self.settings.block_size, max_length)
-        baseline = self._new_engine(None, self._engine_config(1, max_length))
-        dflash = self._new_engine(self.draft, drafted_config, runner=baseline.runner)
+        with self.phases.phase("warm_up/build"):  # static caches and buffers
+            baseline = self._new_engine(None, self._engine_config(1, max_length))
+            dflash = self._new_engine(self.draft, drafted_config, runner=baseline.runner)
         if self.runner_check is None:
-            self.runner_check = baseline.runner.compare_with_hf(first.ids)
-        engines = [baseline, dflash]
-        for engine in engines:  # untimed warm-up: kernel compilation, graph capture, allocator
-            engine.prepare()
-            engine.generate([first.ids])
+            with self.phases.phase("warm_up/runner_check"):
+                self.runner_check = baseline.runner.compare_with_hf(first.ids)
+        self._warm_up(baseline, first, "target_only")
+        self._warm_up(dflash, first, "dflash")
         check = None
         if self.checks_lossless:
             # Built after dflash has settled its compilation (a compiler failure may have turned it off, or the
             # shared runner's attention to SDPA): the check must run dflash's very forward, at its batch size.
             check = self._new_engine(self.draft, replace(drafted_config, compile=dflash.uses_compile),
                                      runner=baseline.runner, refuse_drafts=True)
-            check.prepare()
-            check.generate([first.ids])
+            self._warm_up(check, first, "lossless_check")
         self.engines = Engines(baseline, dflash, check)
         return self.engines
+
+    def _warm_up(self, engine: DecodeEngine, first: Request, name: str) -> None:
+        """Untimed by the speed figures: kernel compilation, graph capture (at the engine's batch shape), the
+        allocator; timed apart as warm_up/<name>, since compiling may well take longer than the decoding."""
+        with self.phases.phase(f"warm_up/{name}"):
+            engine.prepare()
+            engine.generate([first.ids])
 
     def _requests(self, prompt_set: PromptSet, histories: list[list[dict[str, str]]], alive: list[int],
                   turn: int) -> tuple[list[Request], int]:
@@ -187,41 +204,58 @@ class Evaluator:
             requests.append(Request(index, turn, messages, ids))
         return requests, too_long
 
-    def _pass(self, engine: DecodeEngine, requests: list[Request], label: str) -> tuple[list[RequestOutput], RunStats]:
+    def _pass(self, engine: DecodeEngine, requests: list[Request], label: str,
+              phase: str) -> tuple[list[RequestOutput], RunStats]:
+        """`phase`: where its wall time goes, prefill and host work included (its RunStats exclude prefill)."""
         progress = PassProgress(self.progress, label, len(requests))
-        return engine.generate([r.ids for r in requests], on_finish=progress.finished)
+        with self.phases.phase(phase):
+            return engine.generate([r.ids for r in requests], on_finish=progress.finished)
 
     @torch.no_grad()
-    def evaluate_set(self, prompt_set: PromptSet) -> dict[str, Any]:
+    def evaluate_set(self, prompt_set: PromptSet, name: str | None = None) -> dict[str, Any]:
+        """`name`: the set's key in the report and its phases' (default: the set's own name)."""
+        name = name or prompt_set.name
         histories = [list(c.prefix) for c in prompt_set.conversations]
         alive = list(range(len(prompt_set.conversations)))
         requests_done: list[tuple[Request, RequestOutput | None, RequestOutput]] = []
+        answers: list[tuple[list[int], list[int]]] = []  # (prompt, the target's own answer) per request
         totals = {"target": PassTotals(), "dflash": PassTotals(), "lossless_check": PassTotals()}
-        teacher_forced = TeacherForcedAccuracy(self.target, self.draft, self.settings.block_size)
         too_long, turn = 0, 0
         while alive:
-            requests, skipped = self._requests(prompt_set, histories, alive, turn)
+            with self.phases.phase(f"prompts/{name}"):  # chat templates and tokenisation
+                requests, skipped = self._requests(prompt_set, histories, alive, turn)
             too_long += skipped
             if not requests:
                 break
             need = max(len(r.ids) for r in requests) + self.settings.max_new_tokens + self.settings.block_size
             engines = self._get_engines(requests[0], need)
             label = f"{prompt_set.name}{f' turn {turn + 1}' if turn else ''}"
-            alone, stats = self._pass(engines.target_only, requests, f"{label} target only")
+            alone, stats = self._pass(engines.target_only, requests, f"{label} target only",
+                                      f"decode/{name}/target_only")
             totals["target"].add(stats)
-            drafted, stats = self._pass(engines.dflash, requests, f"{label} dflash")
+            drafted, stats = self._pass(engines.dflash, requests, f"{label} dflash", f"decode/{name}/dflash")
             totals["dflash"].add(stats)
             checked: list[RequestOutput | None] = [None] * len(requests)
             if engines.lossless_check is not None:
-                checked, stats = self._pass(engines.lossless_check, requests, f"{label} lossless check")
+                checked, stats = self._pass(engines.lossless_check, requests, f"{label} lossless check",
+                                            f"decode/{name}/lossless_check")
                 totals["lossless_check"].add(stats)
             for request, own, out, reference in zip(requests, alone, drafted, checked, strict=True):
-                teacher_forced.add(request.ids, own.tokens)
+                answers.append((request.ids, own.tokens))
                 answer = self.target.tokenizer.decode(own.tokens, skip_special_tokens=True)
                 histories[request.conversation] = request.messages + [{"role": "assistant", "content": answer}]
                 requests_done.append((request, reference, out))
             alive, turn = [r.conversation for r in requests], turn + 1
-        return {**self._summarise(prompt_set, requests_done, totals, too_long), **teacher_forced.result()}
+        summary = self._summarise(prompt_set, requests_done, totals, too_long)
+        return {**summary, **self._teacher_forced(answers, name)}
+
+    def _teacher_forced(self, answers: list[tuple[list[int], list[int]]], name: str) -> dict[str, Any]:
+        """Over every answer at once after the decode passes (it reads none of their state), timed as one phase."""
+        with self.phases.phase(f"teacher_forced/{name}"):
+            teacher_forced = TeacherForcedAccuracy(self.target, self.draft, self.settings.block_size)
+            for prompt, answer in answers:
+                teacher_forced.add(prompt, answer)
+            return teacher_forced.result()
 
     def _summarise(self, prompt_set: PromptSet, done: list[tuple[Request, RequestOutput | None, RequestOutput]],
                    totals: dict[str, PassTotals], too_long: int) -> dict[str, Any]:

@@ -8,9 +8,11 @@ from pathlib import Path
 from dflash_train.eval.summary import main, summary_rows
 
 
-def write_report(path: Path, block: int, rows: dict[str, dict], dtype: str = "bfloat16", batch: int = 1) -> None:
+def write_report(path: Path, block: int, rows: dict[str, dict], dtype: str = "bfloat16", batch: int = 1,
+                 **extra: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"settings": {"block_size": block, "dtype": dtype, "batch_size": batch}, "datasets": rows}))
+    path.write_text(json.dumps({"settings": {"block_size": block, "dtype": dtype, "batch_size": batch}, "datasets": rows,
+                                **extra}))
 
 
 def result(tau: float, lossless: bool, ties: bool = False, speedup: float | None = 2.0) -> dict:
@@ -26,7 +28,9 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
     write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(3.2, False, ties=True)})
     write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)}, batch=8)
-    write_report(tmp_path / "eval" / "main-fp32.json", 16, {"humaneval": result(5.4, True)}, dtype="float32")
+    # Reports with phase times and older ones without them, side by side.
+    write_report(tmp_path / "eval" / "main-fp32.json", 16, {"humaneval": result(5.4, True)}, dtype="float32",
+                 phase_seconds={"load/target": 1.5, "total": 30.0})
     rows = {(r["run"], r["block"], r["dtype"]): r for r in summary_rows(tmp_path)}
     assert rows[("main", 16, "bfloat16")]["steps"] == 300 and rows[("main", 16, "bfloat16")]["train_minutes"] == 10.0
     assert rows[("main", 8, "bfloat16")]["lossless"] == "ties (1)" and rows[("main", 16, "bfloat16")]["lossless"] == "yes"
