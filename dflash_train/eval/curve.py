@@ -1,0 +1,89 @@
+"""τ against training minutes: what more GPU time buys, from a recipe run directory's eval reports.
+
+    python -m dflash_train.eval.curve outputs/speedrun     # prints a table, writes curve.json and curve.png
+
+Each training run under `<run>/train/<name>` that has an eval report `<run>/eval/<name>[-b16|-b8].json` at
+batch 1 in the run's default precision is one point per dataset: its training minutes (from the last
+checkpoint's trainer state) against the report's τ and speedup. Runs trained for different budgets, each
+with its own schedule (the speedrun's `curve` stage), make the curve; a run continued with resume is one
+point at its total minutes.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from matplotlib.figure import Figure
+
+from dflash_train.eval.summary import summary_rows
+
+
+def curve_points(run_dir: Path) -> list[dict[str, Any]]:
+    """One point per (run, dataset), sorted by training minutes: batch-1 reports in bf16 (float32 reports
+    check losslessness, their speed is not the one a user gets), at the largest block evaluated (a `-b8`
+    report drafts fewer tokens with the same drafter)."""
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in summary_rows(run_dir):
+        if row["batch"] != 1 or row["dtype"] not in ("bfloat16", "bf16") or row["train_minutes"] is None:
+            continue
+        key = (row["run"], row["dataset"])
+        if key not in best or row["block"] > best[key]["block"]:
+            best[key] = {name: row[name] for name in ("run", "dataset", "train_minutes", "tau", "tau_teacher_forced",
+                                                      "speedup", "steps", "sequences", "block")}
+    return sorted(best.values(), key=lambda p: (p["train_minutes"], p["run"], p["dataset"]))
+
+
+def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
+    fig = Figure(figsize=(11, 3.8))
+    tau_axis, speed_axis = fig.subplots(1, 2)
+    for dataset in sorted({p["dataset"] for p in points}):
+        mine = [p for p in points if p["dataset"] == dataset]
+        minutes = [p["train_minutes"] for p in mine]
+        tau_axis.plot(minutes, [p["tau"] for p in mine], marker="o", label=dataset)
+        speeds = [(m, p["speedup"]) for m, p in zip(minutes, mine, strict=True) if p["speedup"] is not None]
+        if speeds:
+            speed_axis.plot(*zip(*speeds, strict=True), marker="o", label=dataset)
+    speed_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    for axis, label in ((tau_axis, "acceptance length τ (batch 1)"), (speed_axis, "decode speedup over the target")):
+        axis.set_xlabel("training minutes")
+        axis.set_ylabel(label)
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def table(points: list[dict[str, Any]]) -> str:
+    lines = ["| train min | run | dataset | τ | τ̂ teacher-forced | speedup | steps |", "|---|---|---|---|---|---|---|"]
+    for p in points:
+        speedup = "—" if p["speedup"] is None else f"{p['speedup']:.2f}×"
+        teacher = "—" if p["tau_teacher_forced"] is None else f"{p['tau_teacher_forced']:.2f}"
+        lines.append(f"| {p['train_minutes']} | {p['run']} | {p['dataset']} | {p['tau']:.2f} | {teacher} | "
+                     f"{speedup} | {p['steps'] if p['steps'] is not None else '—'} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m dflash_train.eval.curve RUN_DIR", file=sys.stderr)
+        return 2
+    run_dir = Path(args[0])
+    points = curve_points(run_dir)
+    if not points:
+        print(f"curve: no batch-1 bf16 eval report of a finished training run under {run_dir}; run the train and "
+              "eval stages first", file=sys.stderr)
+        return 1
+    (run_dir / "curve.json").write_text(json.dumps(points, indent=2) + "\n")
+    plot_curve(points, run_dir / "curve.png")
+    print(table(points), end="")
+    print(f"written: {run_dir / 'curve.json'}, {run_dir / 'curve.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""τ against training minutes, from a run directory's training states and eval reports."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.eval.curve import curve_points, main
+from tests.helpers.eval_reports import result, write_report
+
+
+def trained(run_dir: Path, name: str, minutes: float, step: int) -> None:
+    state = run_dir / "train" / name / "checkpoints" / f"step-{step:08d}"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"step": step, "sequences_seen": step * 16,
+                                                          "train_seconds": minutes * 60}))
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    trained(tmp_path, "curve-10min", 10, 2000)
+    trained(tmp_path, "curve-5min", 5, 1000)
+    trained(tmp_path, "main", 20, 4000)
+    write_report(tmp_path / "eval" / "curve-10min-b16.json", 16, {"mt-bench": result(2.0, True, speedup=1.2),
+                                                                  "humaneval": result(2.5, True, speedup=1.4)})
+    write_report(tmp_path / "eval" / "curve-5min-b16.json", 16, {"mt-bench": result(1.5, True, speedup=0.9)})
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": result(3.0, True, speedup=1.8)})
+    # Not points: a block-8 repeat of main, a float32 check, a batch-8 eval, a report of no training run.
+    write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(2.6, True)})
+    write_report(tmp_path / "eval" / "main-fp32.json", 16, {"mt-bench": result(3.1, True)}, dtype="float32")
+    write_report(tmp_path / "eval" / "curve-5min-x.json", 16, {"mt-bench": result(9.0, True)}, batch=8)
+    write_report(tmp_path / "eval" / "elsewhere.json", 16, {"mt-bench": result(9.0, True)})
+    return tmp_path
+
+
+def test_points_are_batch_one_bf16_at_the_largest_block_sorted_by_minutes(run_dir: Path) -> None:
+    points = [(p["train_minutes"], p["run"], p["dataset"], p["tau"], p["speedup"]) for p in curve_points(run_dir)]
+    assert points == [(5.0, "curve-5min", "mt-bench", 1.5, 0.9), (10.0, "curve-10min", "humaneval", 2.5, 1.4),
+                      (10.0, "curve-10min", "mt-bench", 2.0, 1.2), (20.0, "main", "mt-bench", 3.0, 1.8)]
+
+
+def test_main_writes_the_table_json_and_plot(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(run_dir)]) == 0
+    out = capsys.readouterr().out
+    assert "| 20.0 | main | mt-bench | 3.00 | 3.50 | 1.80× | 4000 |" in out
+    assert [p["run"] for p in json.loads((run_dir / "curve.json").read_text())] == [
+        "curve-5min", "curve-10min", "curve-10min", "main"]
+    assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_nothing_to_plot_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path)]) == 1
+    assert "run the train and eval stages first" in capsys.readouterr().err
