@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.data.chat import ChatTokenizer
+from dflash_train.data.records import BadRecord
 from dflash_train.runtime.config import stop_token_ids
 
 __all__ = ["prompt_ids", "stop_token_ids", "supports_thinking"]
@@ -21,14 +22,13 @@ def supports_thinking(tokenizer: PreTrainedTokenizerBase) -> bool:
 
 
 def prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], thinking: bool) -> list[int]:
-    """Token ids of `messages` followed by the assistant's generation prompt.
-
-    Tokenised by the template itself (not template-to-text then `encode`, which would add a second BOS for
-    templates that already write one). Without a chat template, the message contents joined by blank lines.
-    """
+    """Token ids of `messages` followed by the assistant's generation prompt: the encoding regeneration gives
+    a training prompt (`ChatTokenizer.encode_prompt`), so the drafter is evaluated on the format it was trained
+    on. Without a chat template (a base model), the message contents joined by blank lines."""
     if not getattr(tokenizer, "chat_template", None):
         return list(tokenizer("\n\n".join(m["content"] for m in messages))["input_ids"])
-    kwargs: dict[str, Any] = {"enable_thinking": thinking} if supports_thinking(tokenizer) else {}
-    encoded = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=True,
-                                            return_dict=True, **kwargs)
-    return list(encoded["input_ids"])
+    chat = ChatTokenizer(tokenizer, thinking if supports_thinking(tokenizer) else None)
+    try:
+        return chat.encode_prompt(messages)
+    except BadRecord as bad:  # a prompt the template refuses (e.g. roles that do not alternate)
+        raise ValueError(f"the chat template refuses this prompt ({bad}); fix the prompt file") from None

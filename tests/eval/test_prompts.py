@@ -9,9 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from dflash_train.data.target_tokenizer import load_target_tokenizer
 from dflash_train.eval.chat import prompt_ids, stop_token_ids, supports_thinking
 from dflash_train.eval.math_prompts import math_prompts
 from dflash_train.eval.prompts import DATASETS, conversation_from_row, load_prompt_file, load_prompt_set
+from tests.helpers.markers import needs_smollm2
 from tests.helpers.tiny_models import make_tiny_tokenizer
 
 
@@ -125,3 +127,28 @@ def test_stop_tokens_merge_tokenizer_and_generation_config() -> None:
 
 def test_every_named_set_is_registered() -> None:
     assert set(DATASETS) == {"humaneval", "mt-bench", "alpaca-eval", "ifeval", "math-synthetic"}
+
+
+@needs_smollm2
+def test_eval_prompts_are_encoded_as_the_template_tokenises_them() -> None:
+    """The template's own tokenisation (apply_chat_template with tokenize=True) is the reference: eval's ids
+    are regeneration's (`ChatTokenizer.encode_prompt`) and both equal it, system prompts and turns included."""
+    tokenizer = load_target_tokenizer("smollm2-135m-instruct")
+    conversations = [
+        [{"role": "user", "content": "Write a haiku about the sea."}],
+        [{"role": "system", "content": "You answer in French."}, {"role": "user", "content": "Hello!  How are you?"}],
+        [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+         {"role": "user", "content": "and times 3?\n\n```python\nprint(1)\n```"}],
+    ]
+    for messages in conversations:
+        expected = list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                      return_dict=True)["input_ids"])
+        assert prompt_ids(tokenizer, messages, thinking=False) == expected
+
+
+def test_a_prompt_the_template_refuses_is_a_one_line_error() -> None:
+    tokenizer = make_tiny_tokenizer()
+    tokenizer.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(ValueError, match="chat template refuses this prompt .*roles must alternate") as error:
+        prompt_ids(tokenizer, [{"role": "user", "content": "a"}], thinking=False)
+    assert "\n" not in str(error.value)
