@@ -3,7 +3,7 @@
     python -m dflash_train.eval.curve outputs/speedrun     # prints a table, writes curve.json and curve.png
 
 Each training run under `<run>/train/<name>` that has an eval report `<run>/eval/<name>[-b16|-b8].json` at
-batch 1 in the run's default precision is one point per dataset: its training minutes (from the last
+batch 1 (a `-fp32` check excepted) is one point per dataset: its training minutes (from the last
 checkpoint's trainer state) against the report's τ and speedup. Runs trained for different budgets, each
 with its own schedule (the speedrun's `curve` stage), make the curve; a run continued with resume is one
 point at its total minutes.
@@ -22,12 +22,12 @@ from dflash_train.eval.summary import summary_rows
 
 
 def curve_points(run_dir: Path) -> list[dict[str, Any]]:
-    """One point per (run, dataset), sorted by training minutes: batch-1 reports in bf16 (float32 reports
-    check losslessness, their speed is not the one a user gets), at the largest block evaluated (a `-b8`
-    report drafts fewer tokens with the same drafter)."""
+    """One point per (run, dataset), sorted by training minutes: batch-1 reports other than a `-fp32`
+    check (a float32 repeat checks losslessness; its speed is not the one a user gets), at the largest block
+    evaluated (a `-b8` report drafts fewer tokens with the same drafter)."""
     best: dict[tuple[str, str], dict[str, Any]] = {}
     for row in summary_rows(run_dir):
-        if row["batch"] != 1 or row["dtype"] not in ("bfloat16", "bf16") or row["train_minutes"] is None:
+        if row["batch"] != 1 or Path(row["report"]).stem.endswith("-fp32") or row["train_minutes"] is None:
             continue
         key = (row["run"], row["dataset"])
         if key not in best or row["block"] > best[key]["block"]:
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(args[0])
     points = curve_points(run_dir)
     if not points:
-        print(f"curve: no batch-1 bf16 eval report of a finished training run under {run_dir}; run the train and "
+        print(f"curve: no batch-1 eval report of a finished training run under {run_dir}; run the train and "
               "eval stages first", file=sys.stderr)
         return 1
     (run_dir / "curve.json").write_text(json.dumps(points, indent=2) + "\n")

@@ -25,7 +25,8 @@ def run_dir(tmp_path: Path) -> Path:
     trained(tmp_path, "main", 20, 4000)
     write_report(tmp_path / "eval" / "curve-10min-b16.json", 16, {"mt-bench": result(2.0, True, speedup=1.2),
                                                                   "humaneval": result(2.5, True, speedup=1.4)})
-    write_report(tmp_path / "eval" / "curve-5min-b16.json", 16, {"mt-bench": result(1.5, True, speedup=0.9)})
+    write_report(tmp_path / "eval" / "curve-5min-b16.json", 16, {"mt-bench": result(1.5, True, speedup=0.9)},
+                 dtype="float32")  # a CPU run's default precision
     write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": result(3.0, True, speedup=1.8)})
     # Not points: a block-8 repeat of main, a float32 check, a batch-8 eval, a report of no training run.
     write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(2.6, True)})
@@ -35,7 +36,7 @@ def run_dir(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_points_are_batch_one_bf16_at_the_largest_block_sorted_by_minutes(run_dir: Path) -> None:
+def test_points_are_batch_one_reports_at_the_largest_block_sorted_by_minutes(run_dir: Path) -> None:
     points = [(p["train_minutes"], p["run"], p["dataset"], p["tau"], p["speedup"]) for p in curve_points(run_dir)]
     assert points == [(5.0, "curve-5min", "mt-bench", 1.5, 0.9), (10.0, "curve-10min", "humaneval", 2.5, 1.4),
                       (10.0, "curve-10min", "mt-bench", 2.0, 1.2), (20.0, "main", "mt-bench", 3.0, 1.8)]
