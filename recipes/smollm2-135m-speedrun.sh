@@ -6,6 +6,8 @@
 #   bash recipes/smollm2-135m-speedrun.sh all
 #   bash recipes/smollm2-135m-speedrun.sh prompts|regenerate|prepare|train|eval|summary   # one stage
 #   (data = regenerate + prepare)
+#   bash recipes/smollm2-135m-speedrun.sh curve     # after data: τ against training minutes (CURVE_MINUTES)
+#   bash recipes/smollm2-135m-speedrun.sh ablate    # after data: recipe changes at equal minutes (ABLATIONS)
 #
 # Each stage is an ordinary dflash-train command (printed before it runs), resumes where it stopped and is
 # skipped once finished, so the run can be split across time-limited calls of a GPU machine (one stage a
@@ -21,13 +23,17 @@
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
+#   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main
+#   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 128 anchors per chat
+#                   instead of 512; learning rate 1.2e-3), each ABLATION_MINUTES (default 3) beside a baseline
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
+#   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|prepare|data|train|eval|summary}
+STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|prepare|data|train|eval|curve|ablate|summary}
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
@@ -39,7 +45,11 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-10}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
+CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
+ABLATIONS=${ABLATIONS:-anchors128:training.num_anchors=128;lr1.2e-3:training.learning_rate=1.2e-3}
+ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
 FP32_PROMPTS=${FP32_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
@@ -91,30 +101,65 @@ prepare() {
     --block-size 16 --out "$OUT/prepared"
 }
 
-train() {
+train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes
   # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
   run "${DFLASH[@]}" train --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
-    "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/main" "training.time_budget_minutes=$TRAIN_MINUTES" \
+    "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/$1" "training.time_budget_minutes=$2" \
     "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" $TRAIN_EXTRA
 }
 
-final_draft() {
+train() {
+  train_run main "$TRAIN_MINUTES"
+}
+
+final_draft() {  # name: the run's final checkpoint's drafter, or nothing while it is unfinished
   python3 -c "import sys; from pathlib import Path; from dflash_train.demo import final_checkpoint
-found = final_checkpoint(Path(sys.argv[1])); print(found / 'draft' if found else '')" "$OUT/train/main"
+found = final_checkpoint(Path(sys.argv[1])); print(found / 'draft' if found else '')" "$OUT/train/$1"
+}
+
+eval_b16() {  # name, drafter: τ, speedup and the exact check at batch 1 in bf16, once
+  [[ -f "$OUT/eval/$1-b16.json" ]] && return 0
+  # shellcheck disable=SC2086  # EVAL_EXTRA is a list of flags
+  run "${DFLASH[@]}" eval --target "$TARGET" --draft "$2" --dataset humaneval --dataset mt-bench \
+    --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress $EVAL_EXTRA \
+    --out "$OUT/eval/$1-b16.json"
+}
+
+curve() {
+  # τ against training minutes: one run per budget in CURVE_MINUTES, each with its own schedule (a cut-short
+  # longer run would not have annealed), each evaluated like main; the main run is a point too.
+  local minutes draft
+  mkdir -p "$OUT/eval"
+  for minutes in $CURVE_MINUTES; do
+    train_run "curve-${minutes}min" "$minutes"
+    draft=$(final_draft "curve-${minutes}min")
+    [[ -n "$draft" ]] || { echo "curve-${minutes}min has not finished: run the curve stage again" >&2; return 1; }
+    eval_b16 "curve-${minutes}min" "$draft"
+  done
+  run python3 -m dflash_train.eval.curve "$OUT"
+}
+
+ablate() {
+  # Recipe changes judged at equal GPU-minutes: a baseline run and one run per ABLATIONS entry, ABLATION_MINUTES
+  # each, on the same prepared data (so the same validation split), compared by held-out τ̂ per data source.
+  local entry entries
+  train_run ablation-base "$ABLATION_MINUTES"
+  IFS=';' read -ra entries <<< "$ABLATIONS"
+  for entry in "${entries[@]}"; do
+    TRAIN_EXTRA="$TRAIN_EXTRA ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
+  done
+  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-*
 }
 
 evaluate() {
-  local draft; draft=$(final_draft)
+  local draft; draft=$(final_draft main)
   [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   mkdir -p "$OUT/eval"
-  [[ -f "$OUT/eval/main-b16.json" ]] ||
-    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench \
-      --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens 256 --no-progress $EVAL_EXTRA \
-      --out "$OUT/eval/main-b16.json"
+  eval_b16 main "$draft"
   # The bf16 evals check losslessness exactly; float32 repeats the check at another precision.
   [[ -f "$OUT/eval/main-fp32.json" ]] ||
     run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
-      --num-prompts "$FP32_PROMPTS" --max-new-tokens 128 --dtype float32 --no-compile --batch-size 8 \
+      --num-prompts "$FP32_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --dtype float32 --no-compile --batch-size 8 \
       --no-progress --out "$OUT/eval/main-fp32.json"
   run "${DFLASH[@]}" export "$draft" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" --overwrite \
     --out "$OUT/export"
@@ -123,8 +168,9 @@ evaluate() {
 
 summary() {
   echo "minutes per stage ($OUT/times.tsv):"
-  awk -F '\t' '{ total += $2; printf "  %-8s %6.1f\n", $1, $2 / 60 } END { printf "  %-8s %6.1f\n", "total", total / 60 }' \
-    "$OUT/times.tsv"
+  # The curve and ablate stages' runs are extra: they are not part of the speedrun's total.
+  awk -F '\t' '{ printf "  %-10s %6.1f\n", $1, $2 / 60 } $1 != "curve" && $1 != "ablate" { total += $2 }
+    END { printf "  %-10s %6.1f\n", "total", total / 60 }' "$OUT/times.tsv"
   python3 -m dflash_train.eval.summary "$OUT"
 }
 
@@ -135,8 +181,11 @@ case "$STAGE" in
   data) timed regenerate regen; timed prepare prepare ;;
   train) timed train train ;;
   eval) timed eval evaluate ;;
+  curve) timed curve curve ;;
+  ablate) timed ablate ablate ;;
   summary) summary ;;
   all)  # one statement each: a function called inside an && list would run without set -e
     timed prompts prompts; timed regenerate regen; timed prepare prepare; timed train train; timed eval evaluate; summary ;;
-  *) echo "unknown stage $STAGE: use all, prompts, regenerate, prepare, data, train, eval or summary" >&2; exit 2 ;;
+  *) echo "unknown stage $STAGE: use all, prompts, regenerate, prepare, data, train, eval, curve, ablate or summary" >&2
+     exit 2 ;;
 esac

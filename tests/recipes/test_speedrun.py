@@ -16,14 +16,14 @@ from tests.helpers.markers import needs_smollm2
 from tests.helpers.paths import REPO
 
 TOY = {"MIX": f"{REPO / 'data/prompts/demo_prompts.jsonl'}=8", "MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256",
-       "DECODE_ROWS": "4", "TRAIN_MINUTES": "0.3", "EVAL_PROMPTS": "1", "FP32_PROMPTS": "1",
+       "DECODE_ROWS": "4", "TRAIN_MINUTES": "0.3", "EVAL_PROMPTS": "1", "FP32_PROMPTS": "1", "EVAL_NEW_TOKENS": "24",
        "TRAIN_EXTRA": "training.compile=false training.mixed_precision=no model.target_dtype=float32 "
                       "data.validation_fraction=0.25 data.max_length=256 data.pack_tokens=512 training.batch_size=1 "
                       "training.num_anchors=8"}
 
 
-def speedrun(stage: str, out: pathlib.Path) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **TOY, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
+def speedrun(stage: str, out: pathlib.Path, **settings: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, **TOY, **settings, "OUT": str(out), "CUDA_VISIBLE_DEVICES": "", "HF_HUB_OFFLINE": "1",
            "PATH": f"{pathlib.Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=1800)
@@ -46,3 +46,19 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     again = speedrun("all", out)
     assert again.returncode == 0, (again.stdout + again.stderr)[-4000:]
     assert "dflash_train.cli regenerate" not in again.stderr and "dflash_train.cli eval" not in again.stderr
+    curve = speedrun("curve", out, CURVE_MINUTES="0.2 0.3")
+    assert curve.returncode == 0, (curve.stdout + curve.stderr)[-4000:]
+    points = json.loads((out / "curve.json").read_text())
+    assert {p["run"] for p in points} == {"curve-0.2min", "curve-0.3min", "main"}
+    assert {p["dataset"] for p in points} == {"humaneval", "mt-bench", "math-synthetic"}
+    assert [p["train_minutes"] for p in points] == sorted(p["train_minutes"] for p in points)
+    ablate = speedrun("ablate", out, ABLATIONS="anchors4:training.num_anchors=4", ABLATION_MINUTES="0.2")
+    assert ablate.returncode == 0, (ablate.stdout + ablate.stderr)[-4000:]
+    table = [line for line in ablate.stdout.splitlines() if line.startswith("| ablation-")]
+    assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base"]
+    totals = speedrun("summary", out).stdout
+    stage_minutes = [(line.split()[0], float(line.split()[1])) for line in totals.splitlines()
+                     if line.startswith("  ") and len(line.split()) == 2]
+    assert {"curve", "ablate"} <= dict(stage_minutes).keys()  # shown, but not counted in the speedrun's total
+    assert dict(stage_minutes)["total"] == pytest.approx(
+        sum(v for k, v in stage_minutes if k not in ("curve", "ablate", "total")), abs=0.2)

@@ -1,0 +1,51 @@
+"""Runs side by side: each run's last validation record (a resumed run's re-logged steps count once)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from dflash_train.training.compare import main, run_row
+
+
+def write_run(run_dir: Path, records: list[dict], train_seconds: float | None = None) -> Path:
+    run_dir.mkdir(parents=True)
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    if train_seconds is not None:
+        state = run_dir / "checkpoints" / "step-00000200"
+        state.mkdir(parents=True)
+        (state / "trainer_state.json").write_text(json.dumps({"step": 200, "train_seconds": train_seconds}))
+    return run_dir
+
+
+def validation(step: int, tau: float, loss: float, **by_source: float) -> dict:
+    record = {"split": "validation", "step": step, "loss": loss, "expected_acceptance_length": tau}
+    if by_source:
+        record["by_source"] = {name: {"expected_acceptance_length": value, "loss": 1.0} for name, value in by_source.items()}
+    return record
+
+
+def test_last_validation_of_each_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = write_run(tmp_path / "ablation-base", [
+        {"split": "train", "step": 100, "loss": 3.0, "expected_acceptance_length": 1.9},
+        validation(100, 1.8, 3.1, sharegpt=1.5, math=2.2),
+        validation(200, 2.0, 2.9, sharegpt=1.6, math=2.5),
+        validation(100, 9.9, 0.1),  # a resumed run re-logs step 100: the later record wins, not the last line
+    ], train_seconds=180)
+    anchors = write_run(tmp_path / "ablation-anchors128", [validation(400, 2.3, 2.7, sharegpt=1.9)])
+    write_run(tmp_path / "ablation-early", [{"split": "train", "step": 5, "loss": 9.0}])  # no validation yet
+    row = run_row(base)
+    assert row == {"run": "ablation-base", "step": 200, "train_minutes": 3.0, "loss": 2.9, "tau_hat": 2.0,
+                   "by_source": {"sharegpt": 1.6, "math": 2.5}}
+    assert main([str(base), str(anchors), str(tmp_path / "ablation-early")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | step | train min | val loss | val τ̂ | τ̂ math | τ̂ sharegpt |"
+    assert lines[2:] == ["| ablation-base | 200 | 3.0 | 2.900 | 2.00 | 2.50 | 1.60 |",
+                         "| ablation-anchors128 | 400 | — | 2.700 | 2.30 | — | 1.90 |"]
+
+
+def test_nothing_validated_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "missing")]) == 1
+    assert "has a validation" in capsys.readouterr().err
