@@ -264,8 +264,11 @@ class Trainer:
         if blocks.sequence is not None:
             starts = torch.tensor([start for _, start, _ in chats], device=context.device, dtype=torch.long)
             context = context - starts[blocks.sequence[blocks.valid]]
-        pairs = visible_pairs([(context.tolist(), 0)], self.objective.block_size)
-        return training_step_flops(self.draft_config, tokens, blocks.labels.numel(), out.num_supervised, pairs)
+        valid_anchors = context.tolist()
+        pairs = visible_pairs([(valid_anchors, 0)], self.objective.block_size)
+        # Padded anchor slots run through the drafter too, but that work is waste, not model FLOPs.
+        block_rows = len(valid_anchors) * self.objective.block_size
+        return training_step_flops(self.draft_config, tokens, block_rows, out.num_supervised, pairs)
 
     def _loss_share(self, indices: list[int]) -> float | None:
         """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is

@@ -2,11 +2,22 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from dflash_train.training import flops
-from dflash_train.training.flops import PEAK_TFLOPS_ENV, PeakRate, peak_bf16_rate, peak_flops
+from dflash_train.training.flops import (
+    PEAK_TFLOPS_ENV,
+    PeakRate,
+    peak_bf16_rate,
+    peak_flops,
+    training_step_flops,
+    visible_pairs,
+)
+from dflash_train.training.trainer import Trainer
+from tests.helpers.tiny_drafts import tiny_config
 
 
 @pytest.mark.parametrize(
@@ -67,3 +78,16 @@ def test_gpu_rate_comes_from_the_device_name(monkeypatch: pytest.MonkeyPatch) ->
         monkeypatch.setattr(flops.torch.cuda, "get_device_name", lambda device=None, name=name: name)
         total = peak_flops(torch.device("cuda", 0), num_devices=2)
         assert total == (None if expected is None else pytest.approx(2 * expected))
+
+
+def test_step_flops_count_valid_anchors_only() -> None:
+    """A padded anchor slot's block rows are computed but are not model FLOPs: the count equals the
+    formula over the valid anchors alone, computed here by hand."""
+    config, block = tiny_config(), 4
+    anchors = torch.tensor([[3, 9, 0], [5, 0, 0]])
+    valid = torch.tensor([[True, True, False], [True, False, False]])
+    blocks = SimpleNamespace(anchors=anchors, valid=valid, sequence=None, labels=torch.zeros(2, 3, block))
+    trainer = SimpleNamespace(objective=SimpleNamespace(block_size=block), draft_config=config)
+    out = SimpleNamespace(num_supervised=10)
+    expected = training_step_flops(config, 40, 3 * block, 10, visible_pairs([([3, 9, 5], 0)], block))
+    assert Trainer._flops(trainer, blocks, out, 40, []) == expected
