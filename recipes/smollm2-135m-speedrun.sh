@@ -19,6 +19,9 @@
 #   MIX             `dflash_train.data.pack` sources (default: ~138k distinct prompts, decontaminated:
 #                   15.6k ShareGPT, 32k code-writing prompts, 60k generated math, 30k openai-evals: a mix
 #                   with all 93k of these, many of them one-word tasks, reached only τ 1.4 on MT-Bench)
+#   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
+#                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
+#                   answers; their first turns are left out of MIX
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
@@ -38,6 +41,8 @@ TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
 MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math=60000 openai-evals:1000=30000}
+CHATS=${CHATS:-}
+CHAT_TURNS=${CHAT_TURNS:-3}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-8}
@@ -69,11 +74,17 @@ timed() {  # stage name, then the function: its seconds are appended to $OUT/tim
 }
 
 prompts() {
+  local sources=() excluded=()
+  if [[ -n "$CHATS" && ! -f "$OUT/chats.jsonl" ]]; then
+    for source in $CHATS; do sources+=(--source "$source"); done
+    run python3 -m dflash_train.data.pack "${sources[@]}" --whole-conversations --out "$OUT/chats.jsonl"
+    sources=()
+  fi
   [[ -f "$PROMPTS" ]] && return 0
-  local sources=()
   for source in $MIX; do sources+=(--source "$source"); done
+  [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
   # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
-  run python3 -m dflash_train.data.pack "${sources[@]}" --interleave --out "$PROMPTS"
+  run python3 -m dflash_train.data.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"
 }
 
 regen() {
@@ -82,6 +93,12 @@ regen() {
   local sampled=()
   (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
   [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" ]] && return 0
+  # Whole conversations first, every round to the end (a conversation is only written with its last turn):
+  # the target answers each user turn after its own earlier answers, as in MT-Bench's second turn.
+  # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
+  [[ -z "$CHATS" ]] || run "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
+    --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
+    --batch-size 4096 --decode-rows "$DECODE_ROWS" $REGEN_EXTRA --out "$OUT/regen-chat"
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   run timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
@@ -96,8 +113,10 @@ regen() {
 prepare() {
   local partial=()
   [[ -f "$OUT/prepared/dflash_data.json" ]] && return 0
+  local sets=(--data "$OUT/regen")
   [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
-  run "${DFLASH[@]}" prepare --target "$TARGET" --data "$OUT/regen" "${partial[@]}" --max-length "$MAX_LENGTH" \
+  [[ -z "$CHATS" ]] || sets+=(--data "$OUT/regen-chat")
+  run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" --max-length "$MAX_LENGTH" \
     --block-size 16 --out "$OUT/prepared"
 }
 

@@ -62,3 +62,34 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     assert {"curve", "ablate"} <= dict(stage_minutes).keys()  # shown, but not counted in the speedrun's total
     assert dict(stage_minutes)["total"] == pytest.approx(
         sum(v for k, v in stage_minutes if k not in ("curve", "ablate", "total")), abs=0.2)
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_speedrun_chats_are_regenerated_turn_after_turn(tmp_path: pathlib.Path) -> None:
+    """CHATS: whole conversations, each user turn answered by the target after its own earlier answers, are
+    prepared beside the MIX answers (whose copies of the chats' first turns are left out)."""
+    questions = [("Name a fruit.", "And a vegetable?"), ("What is 2+3?", "And times 4?"),
+                 ("Say hello.", "Now in French."), ("Pick a colour.", "Why that one?")]
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps({"messages": [
+        {"role": "user", "content": first}, {"role": "assistant", "content": "placeholder one"},
+        {"role": "user", "content": second}, {"role": "assistant", "content": "placeholder two"}]}) + "\n"
+        for first, second in questions))
+    out = tmp_path / "run"
+    for stage in ("prompts", "regenerate", "prepare"):
+        done = speedrun(stage, out, CHATS=f"{chats}=4", CHAT_TURNS="2",
+                        MIX=f"{chats}=4 {REPO / 'data/prompts/demo_prompts.jsonl'}=8")
+        assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    packed = [json.loads(line)["messages"][0]["content"] for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert len(packed) == 8 and not {first for first, _ in questions} & set(packed)  # chats' first turns left out
+    rows = [json.loads(line) for path in sorted((out / "regen-chat").glob("part-*.jsonl"))
+            for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+    assert len(rows) == 4
+    for row in rows:
+        roles = [m["role"] for m in row["messages"]]
+        assert roles == ["user", "assistant", "user", "assistant"]
+        assert not any(m["content"].startswith("placeholder") for m in row["messages"])
+    summary = json.loads((out / "prepared" / "dflash_data.json").read_text())
+    assert [pathlib.Path(source).name for source in summary["sources"]] == ["regen", "regen-chat"]
+    assert summary["counts"]["read"] == 12
