@@ -67,6 +67,19 @@ def table(points: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _foreign_output(run_dir: Path) -> Path | None:
+    """An existing curve.json or curve.png that an earlier run of this command did not write, if any."""
+    data, figure = run_dir / "curve.json", run_dir / "curve.png"
+    if data.exists():
+        try:
+            points = json.loads(data.read_text())
+            ours = isinstance(points, list) and all(isinstance(p, dict) and "train_minutes" in p for p in points)
+        except (OSError, ValueError, TypeError):
+            ours = False
+        return None if ours else data
+    return figure if figure.exists() else None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -77,6 +90,11 @@ def main(argv: list[str] | None = None) -> int:
     if not points:
         print(f"curve: no batch-1 eval report of a finished training run under {run_dir}; run the train and "
               "eval stages first", file=sys.stderr)
+        return 1
+    foreign = _foreign_output(run_dir)
+    if foreign is not None:
+        print(f"curve: {foreign} was not written by this command; move it away, it is not overwritten",
+              file=sys.stderr)
         return 1
     (run_dir / "curve.json").write_text(json.dumps(points, indent=2) + "\n")
     plot_curve(points, run_dir / "curve.png")

@@ -54,3 +54,16 @@ def test_main_writes_the_table_json_and_plot(run_dir: Path, capsys: pytest.Captu
 def test_nothing_to_plot_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path)]) == 1
     assert "run the train and eval stages first" in capsys.readouterr().err
+
+
+def test_files_it_did_not_write_are_not_overwritten(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (run_dir / "curve.png").write_bytes(b"a user's figure")
+    assert main([str(run_dir)]) == 1
+    assert "not written by this command" in capsys.readouterr().err
+    assert (run_dir / "curve.png").read_bytes() == b"a user's figure"
+    (run_dir / "curve.png").unlink()
+    (run_dir / "curve.json").write_text('{"notes": "mine"}')
+    assert main([str(run_dir)]) == 1
+    assert (run_dir / "curve.json").read_text() == '{"notes": "mine"}'
+    (run_dir / "curve.json").unlink()
+    assert main([str(run_dir)]) == 0 and main([str(run_dir)]) == 0  # its own output is replaced
