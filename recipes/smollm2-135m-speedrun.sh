@@ -27,8 +27,9 @@
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main
-#   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 128 anchors per chat
-#                   instead of 512; learning rate 1.2e-3), each ABLATION_MINUTES (default 3) beside a baseline
+#   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 64 anchors per chat
+#                   instead of 128, D-PACE position weights, distilling the target's distribution, AdamW instead
+#                   of Muon), each ABLATION_MINUTES (default 3, compilation not counted) beside a baseline
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
@@ -51,7 +52,7 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
-ABLATIONS=${ABLATIONS:-anchors128:training.num_anchors=128;lr1.2e-3:training.learning_rate=1.2e-3}
+ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
@@ -161,11 +162,12 @@ curve() {
 ablate() {
   # Recipe changes judged at equal GPU-minutes: a baseline run and one run per ABLATIONS entry, ABLATION_MINUTES
   # each, on the same prepared data (so the same validation split), compared by held-out τ̂ per data source.
-  local entry entries
-  train_run ablation-base "$ABLATION_MINUTES"
+  # Compilation is not counted in their minutes: a run that changes a shape compiles anew, the others reuse.
+  local entry entries equal="$TRAIN_EXTRA training.time_budget_excludes_warmup=true"
+  TRAIN_EXTRA="$equal" train_run ablation-base "$ABLATION_MINUTES"
   IFS=';' read -ra entries <<< "$ABLATIONS"
   for entry in "${entries[@]}"; do
-    TRAIN_EXTRA="$TRAIN_EXTRA ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
+    TRAIN_EXTRA="$equal ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
   done
   run python3 -m dflash_train.training.compare "$OUT"/train/ablation-*
 }

@@ -88,6 +88,8 @@ class TrainingConfig:
     keep_last: int = 3
     resume: str = "auto"  # auto | none | path to a checkpoint directory
     time_budget_minutes: float | None = None  # fit the whole run (schedule included) into this wall time
+    # True: the budget's clock starts after the first steps (compilation), for ablations at equal minutes
+    time_budget_excludes_warmup: bool = False
     stop_after_minutes: float | None = None  # save and stop after this long; a re-launch resumes
 
 

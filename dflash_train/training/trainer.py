@@ -160,7 +160,7 @@ class Trainer:
         }
         self.pad_to = padding_multiple(config, self.accelerator.device)
         self.step = 0
-        self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes)
+        self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes, t.time_budget_excludes_warmup)
 
     def _build_packing(self) -> PackedStepPlan | None:
         """The packing plan of a packed run (None unpacked), from every chat's length and anchor count."""

@@ -56,6 +56,8 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     assert ablate.returncode == 0, (ablate.stdout + ablate.stderr)[-4000:]
     table = [line for line in ablate.stdout.splitlines() if line.startswith("| ablation-")]
     assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base"]
+    launches = [line for line in ablate.stderr.splitlines() if "dflash_train.cli train" in line]
+    assert len(launches) == 2 and all("training.time_budget_excludes_warmup=true" in line for line in launches)
     totals = speedrun("summary", out).stdout
     stage_minutes = [(line.split()[0], float(line.split()[1])) for line in totals.splitlines()
                      if line.startswith("  ") and len(line.split()) == 2]

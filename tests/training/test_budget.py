@@ -31,6 +31,23 @@ def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest
     assert budget.observe(2.0, 13, expected) is None  # settled once
 
 
+def test_budget_excluding_warmup_gives_the_compiling_steps_for_free(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(budget_module.time, "monotonic", lambda: clock[0])
+    steps = [30.0, 20.0, 10.0] + [2.0] * (budget_module.PROBE_STEPS - 3)
+    settled = {}
+    for exclude in (False, True):
+        budget = TimeBudget(total_minutes=10, stop_after_minutes=None, exclude_warmup=exclude)
+        budget.start()
+        for step, seconds in enumerate(steps, 1):
+            clock[0] += seconds
+            settled[exclude] = budget.observe(seconds, step, total_steps=10_000)
+    warm = sum(steps[budget_module.WARM_STEPS:])  # what the excluding budget has spent at the fit
+    assert settled[True] == budget_module.PROBE_STEPS + int(budget_module.MARGIN * (600 - warm) / 2.0)
+    assert settled[True] - settled[False] == int(budget_module.MARGIN * (600 - warm) / 2.0) - int(
+        budget_module.MARGIN * (600 - sum(steps)) / 2.0)
+
+
 def test_budget_refits_when_the_gpu_frees_up_but_never_past_the_configured_length(
         monkeypatch: pytest.MonkeyPatch) -> None:
     clock = [0.0]
