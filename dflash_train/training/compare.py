@@ -2,6 +2,7 @@
 minutes.
 
     python -m dflash_train.training.compare outputs/speedrun/train/ablation-*     # prints a Markdown table
+    python -m dflash_train.training.compare RUN... --plot ablations.png   # + training loss against minutes
 
 An ablation at equal GPU-minutes is a few runs on the same prepared data (so the same validation split), one
 setting changed in each, each with the same wall-time budget; this table judges them by held-out τ̂ before
@@ -11,10 +12,15 @@ helps: a mix's easy sources can hide a loss on the chat or code a user serves.
 
 from __future__ import annotations
 
+import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
+
+# A bare Figure, not pyplot: no backend to choose and no global figure state.
+from matplotlib.figure import Figure
 
 from dflash_train.training.tracking import read_metrics
 
@@ -49,17 +55,54 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def loss_curve(run_dir: Path, window: int = 5) -> tuple[list[float], list[float]]:
+    """(minutes, training loss) of a run, the loss averaged over `window` logged steps. Minutes are steps times
+    the run's median step time: the compiling first steps would otherwise shift a run's whole curve right."""
+    train = read_metrics(run_dir / "metrics.jsonl").get("train", [])
+    timed = [r["step_seconds"] for r in train if "step_seconds" in r]
+    if not train or not timed:
+        return [], []
+    per_step = statistics.median(timed) / 60
+    losses = [r["loss"] for r in train]
+    smoothed = [statistics.fmean(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
+    return [r["step"] * per_step for r in train], smoothed
+
+
+def plot(rows: list[dict[str, Any]], run_dirs: dict[str, Path], out: Path) -> Path:
+    """Training loss against minutes for every run, beside each run's last held-out τ̂."""
+    fig = Figure(figsize=(12, 4.5))
+    curves, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    for row in rows:
+        minutes, losses = loss_curve(run_dirs[row["run"]])
+        curves.plot(minutes, losses, label=f"{row['run']} (val loss {row['loss']:.2f})")
+    curves.set(title="training loss", xlabel="minutes of training (steps × median step time)", ylabel="loss",
+               yscale="log")
+    curves.grid(alpha=0.3)
+    curves.legend(fontsize=8)
+    ordered = sorted(rows, key=lambda row: row["tau_hat"])
+    bars.barh([row["run"] for row in ordered], [row["tau_hat"] for row in ordered])
+    bars.set(title="held-out τ̂ at the end", xlim=(1.0, None))
+    bars.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m dflash_train.training.compare RUN_DIR [RUN_DIR ...]", file=sys.stderr)
-        return 2
-    rows = [row for row in (run_row(Path(arg)) for arg in args) if row is not None]
+    parser = argparse.ArgumentParser(description="Training runs side by side: last validation, overall and per "
+                                                 "data source (a Markdown table)")
+    parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw training loss against minutes here")
+    args = parser.parse_args(argv)
+    found = {run: run_row(run) for run in args.runs}
+    rows = [row for row in found.values() if row is not None]
     if not rows:
-        print(f"compare: none of {len(args)} run folders has a validation in its metrics.jsonl; train them with "
-              "training.eval_every below their length", file=sys.stderr)
+        print(f"compare: none of {len(args.runs)} run folders has a validation in its metrics.jsonl; train them "
+              "with training.eval_every below their length", file=sys.stderr)
         return 1
     print(markdown(rows), end="")
+    if args.plot:
+        print(f"plot -> {plot(rows, {run.name: run for run in found}, args.plot)}")
     return 0
 
 

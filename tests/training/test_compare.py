@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.training.compare import main, run_row
+from dflash_train.training.compare import loss_curve, main, run_row
 
 
 def write_run(run_dir: Path, records: list[dict], train_seconds: float | None = None) -> Path:
@@ -49,3 +49,17 @@ def test_last_validation_of_each_run(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_nothing_validated_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main([str(tmp_path / "missing")]) == 1
     assert "has a validation" in capsys.readouterr().err
+
+
+def test_loss_curve_against_minutes_and_the_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    steps = [(10, 4.0, 30.0), (20, 3.0, 0.5), (30, 2.0, 0.5), (40, 1.0, 0.7)]  # the first step compiled
+    train = [{"split": "train", "step": s, "loss": loss, "step_seconds": sec} for s, loss, sec in steps]
+    run = write_run(tmp_path / "ablation-muon", [*train, validation(40, 1.7, 1.2)])
+    minutes, losses = loss_curve(run, window=2)
+    median = 0.6 / 60  # of 30, 0.5, 0.5, 0.7: (0.5 + 0.7) / 2
+    assert minutes == pytest.approx([10 * median, 20 * median, 30 * median, 40 * median])
+    assert losses == pytest.approx([4.0, 3.5, 2.5, 1.5])
+    out = tmp_path / "ablations.png"
+    assert main([str(run), "--plot", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot -> {out}" in capsys.readouterr().out
