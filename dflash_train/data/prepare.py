@@ -6,7 +6,10 @@ cut to ``max_length`` keeping whole assistant spans where possible, and dropped 
 13-gram with an eval set are dropped as ``overlaps_eval_set`` (``decontaminate.py``; the metadata lists the
 eval sets). Every drop is counted by reason, and a reason that drops more than 5 % of the rows gets a
 warning line in the summary. A conversation whose template renders some turns differently once later turns
-follow gives those turns rows of their own (``chat.py``).
+follow gives those turns rows of their own (``chat.py``). A row is labelled with its record's own ``source``
+and ``source_index`` where the record carries them (``pack`` mixes named sources in one file; ``regenerate``
+keeps the labels of its prompts), else with the corpus name and the record's index: training's validation
+reports one τ̂ per label (``training/source_metrics.py``).
 ``show`` prints rows with their supervised text marked, writing nothing.
 """
 
@@ -99,6 +102,20 @@ def iter_messages(
             report.drop(bad.reason, corpus.location(index))
 
 
+Label = tuple[str, int]  # the source name and index a record's rows are labelled with
+
+
+def record_label(record: dict[str, Any], corpus: Corpus, index: int) -> Label:
+    """The source name and index a record's rows are labelled with: its own string ``source`` (with its own
+    integer ``source_index``, else ``index``), else ``corpus.name`` and ``index``. Only the label: messages
+    about a record still name its file and line (``corpus.location``)."""
+    source, own_index = record.get("source"), record.get("source_index")
+    if not isinstance(source, str) or not source:
+        return corpus.name, index
+    # bool is an int subclass, and a JSON true is no index
+    return source, own_index if isinstance(own_index, int) and not isinstance(own_index, bool) else index
+
+
 def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
     """The format of the first usable record; the error names its line, which may be damaged."""
     try:
@@ -118,11 +135,12 @@ def tokenized_rows(chat: ChatTokenizer, config: PrepareConfig, report: DataRepor
     """The rows to write, in input order. With ``config.workers`` > 1 and at least ``parallel_min_rows``
     records, the records are tokenised in a pool of processes; rows and report are those of one process."""
     evals = project_eval_index() if config.decontaminate else None
-    for (corpus, index), outcome in _tokenized(chat, config, evals, _records(config, report)):
-        yield from _account(outcome, corpus, index, report)
+    for where, outcome in _tokenized(chat, config, evals, _records(config, report)):
+        yield from _account(outcome, where, report)
 
 
-Where = tuple[Corpus, int]  # a record's corpus and index, kept in this process to count and name its rows
+# A record's corpus, index and label, kept in this process to count its drops and label its rows.
+Where = tuple[Corpus, int, Label]
 Work = tuple[list[Message], str | None]  # what a worker needs of a record: its messages and finish reason
 
 
@@ -130,7 +148,7 @@ def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where,
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
-            yield (corpus, index), (messages, record.get("finish_reason"))
+            yield (corpus, index, record_label(record, corpus, index)), (messages, record.get("finish_reason"))
 
 
 @dataclass
@@ -160,8 +178,9 @@ def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex
     return Outcome(None, kept, conversation.turns_not_reproducible, len(samples) - len(kept))
 
 
-def _account(outcome: Outcome, corpus: Corpus, index: int, report: DataReport) -> Iterator[dict[str, Any]]:
+def _account(outcome: Outcome, where: Where, report: DataReport) -> Iterator[dict[str, Any]]:
     """Count ``outcome`` in ``report`` and yield its rows."""
+    corpus, index, label = where
     if outcome.not_reproducible is not None:  # counted, 0 included, for every record the template rendered
         report.totals["turns not reproducible by the template"] += outcome.not_reproducible
     if outcome.drop is not None:
@@ -171,7 +190,7 @@ def _account(outcome: Outcome, corpus: Corpus, index: int, report: DataReport) -
     if outcome.too_short:  # a turn in a row of its own (see chat.py) can be short alone
         report.totals["rows of single turns dropped as too short"] += outcome.too_short
     for sample in outcome.samples:
-        yield _row(sample, corpus.name, index, report)
+        yield _row(sample, label, report)
 
 
 def _tokenized(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None,
@@ -227,7 +246,7 @@ def _tokenize_chunk(works: list[Work]) -> list[Outcome]:
     return [tokenize_record(chat, config, evals, messages, finish_reason) for messages, finish_reason in works]
 
 
-def _row(sample: TokenizedChat, source: str, index: int, report: DataReport) -> dict[str, Any]:
+def _row(sample: TokenizedChat, label: Label, report: DataReport) -> dict[str, Any]:
     report.totals["rows written"] += 1  # more than the rows kept when turns get rows of their own
     report.totals["rows truncated"] += sample.truncated
     report.totals["tokens"] += len(sample.input_ids)
@@ -236,8 +255,8 @@ def _row(sample: TokenizedChat, source: str, index: int, report: DataReport) -> 
         "input_ids": sample.input_ids,
         "loss_mask": sample.loss_mask,
         "num_supervised": sample.num_supervised,
-        "source": source,
-        "source_index": index,
+        "source": label[0],
+        "source_index": label[1],
     }
 
 

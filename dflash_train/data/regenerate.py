@@ -1,12 +1,17 @@
 """Regenerate the responses of chat prompts with the target itself, resumably, split across ranks.
 
-Plan (from the input alone, identical for every rank and every resumed run): prompts are read, cut to
-the conversation up to the first user turn, deduplicated, tokenised with the chat template (the same
-template and thinking setting as at serving), sorted by length, and cut into units of ``batch_size``
-rows. Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one
-shard ``part-<k>.jsonl`` written atomically. A resumed run skips units whose shard exists, so no row is
-lost or duplicated, and a unit's output depends only on its rows and ``seed + k``: a resumed run writes
-exactly what an uninterrupted one would have. With ``turns`` > 1 the conversations' later user turns
+Plan (from the input and the settings alone, identical for every rank and every resumed run): prompts are
+read, cut to the conversation up to the first user turn, deduplicated and tokenised with the chat template
+(the same template and thinking setting as at serving). The rows, in input order, are cut into windows of
+``plan_window_units`` units; within a window they are sorted longest prompt first, and cut into units of
+``batch_size`` rows. Sorting within windows, not over the whole input, keeps the units in input order: the
+first k units hold the first ~k x ``batch_size`` rows, so a run stopped early (the speedrun's time limit) has
+answered a prefix of the input, with its mix of sources, not the input's longest prompts. The manifest
+records the window, so a run planned otherwise (earlier runs sorted all rows at once) is not resumed into.
+Unit ``k`` is one batch; rank ``r`` of ``w`` runs units ``k % w == r``; each finished unit is one shard
+``part-<k>.jsonl`` written atomically. A resumed run skips units whose shard exists, so no row is lost or
+duplicated, and a unit's output depends only on its rows and ``seed + k``: a resumed run writes exactly
+what an uninterrupted one would have. With ``turns`` > 1 the conversations' later user turns
 are answered too, one round per turn, each conditioned on the target's own earlier answers
 (``dflash_train.data.turns``). With ``samples_per_prompt`` K > 1 (sampling only) each prompt becomes K rows,
 row ids ``prompt * K + sample``: the plan fixes every row's id and unit, so each sample draws from its own
@@ -14,7 +19,9 @@ seed, the same in a resumed run, and K answers to one prompt differ.
 
 Output rows: ``{"messages": [...prompt, {"role": "assistant", "content": ...}], "finish_reason",
 "prompt_tokens", "completion_tokens", "source", "source_index", "row_id"}`` — an OpenAI-messages corpus
-that ``dflash-train prepare`` reads directly.
+that ``dflash-train prepare`` reads directly. ``source`` and ``source_index`` are the prompt's own labels where
+its record has them (a ``pack`` file mixes named sources), else the corpus name and the record's index; prepare
+keeps them, so training reports its validation per source.
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from typing import Any, Protocol
 from dflash_train.atomic import write_atomically, write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, template_hash
 from dflash_train.data.corpora import CorpusSpec, open_corpus
-from dflash_train.data.prepare import iter_messages
+from dflash_train.data.prepare import iter_messages, record_label
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, Message, prompt_messages
 from dflash_train.data.shards import (
@@ -51,6 +58,9 @@ from dflash_train.data.turns import (
 )
 
 PLAN_BATCH = 4096  # prompts tokenised per tokenizer call while planning: enough to keep every core busy
+# Units per window of input rows sorted by length: the runtime refills its rows continuously, so a few units'
+# worth of rows sorted together keep most of the padding a global sort saves, and a stopped run a prefix.
+PLAN_WINDOW_UNITS = 8
 
 
 @dataclass
@@ -78,8 +88,11 @@ class RegenerateConfig:
     turns: int | None = 1  # user turns answered per conversation (None: all of them)
     turn_wait_seconds: float = 3600.0  # how long a rank waits for the other ranks to finish a turn
     samples_per_prompt: int = 1  # answers sampled per prompt, each a row (and conversation) of its own
+    plan_window_units: int = PLAN_WINDOW_UNITS  # units of consecutive input rows sorted by length together
 
     def __post_init__(self) -> None:
+        if self.plan_window_units < 1:
+            raise ValueError(f"plan_window_units {self.plan_window_units}: give 1 or more")
         if self.samples_per_prompt < 1:
             raise ValueError(f"--samples-per-prompt {self.samples_per_prompt}: give 1 or more")
         if self.samples_per_prompt > 1 and self.temperature <= 0:
@@ -119,7 +132,7 @@ def _rendered(chat: ChatTokenizer, config: RegenerateConfig, report: DataReport)
     multi_turn = config.turns != 1  # then the whole conversation must be well-formed, not only its start
     for spec in config.sources:
         corpus = open_corpus(spec)
-        for index, _, messages in iter_messages(corpus, spec, report, prompt_only=not multi_turn):
+        for index, record, messages in iter_messages(corpus, spec, report, prompt_only=not multi_turn):
             prompt = prompt_messages(messages)
             later = [m["content"] for m in messages if m["role"] == "user"][1:] if multi_turn else []
             try:
@@ -128,7 +141,7 @@ def _rendered(chat: ChatTokenizer, config: RegenerateConfig, report: DataReport)
             except BadRecord as bad:
                 report.drop(bad.reason)
                 continue
-            yield _Candidate(prompt, later, text, corpus.name, index)
+            yield _Candidate(prompt, later, text, *record_label(record, corpus, index))
 
 
 def _admitted(candidate: _Candidate, ids: list[int], row_id: int, config: RegenerateConfig, seen: set[bytes],
@@ -161,9 +174,13 @@ def fan_out(rows: list[PromptRow], samples: int, report: DataReport) -> list[Pro
     return [replace(row, row_id=row.row_id * samples + k) for row in rows for k in range(samples)]
 
 
-def plan_units(rows: list[PromptRow], batch_size: int) -> list[list[int]]:
-    """Row indices of each unit: longest prompts first (ties by row id), ``batch_size`` per unit."""
-    order = sorted(range(len(rows)), key=lambda i: (-len(rows[i].prompt_ids), i))
+def plan_units(rows: list[PromptRow], batch_size: int, window_units: int = PLAN_WINDOW_UNITS) -> list[list[int]]:
+    """Row indices of each unit, ``batch_size`` per unit: windows of ``window_units`` units of consecutive
+    rows, in input order, each sorted longest prompt first (ties by input order, which keeps a prompt's
+    samples together). A window is whole units, so no unit mixes two windows."""
+    window = batch_size * window_units
+    windows = (range(start, min(start + window, len(rows))) for start in range(0, len(rows), window))
+    order = [i for rows_in in windows for i in sorted(rows_in, key=lambda i: (-len(rows[i].prompt_ids), i))]
     return [order[i: i + batch_size] for i in range(0, len(order), batch_size)]
 
 
@@ -233,6 +250,8 @@ def manifest_settings(chat: ChatTokenizer, config: RegenerateConfig, num_rows: i
         "sources": [spec.source for spec in config.sources],
         "num_rows": num_rows,
         "num_units": num_units,
+        # Always recorded: a manifest without it was planned by one sort of all rows, and differs from any value.
+        "plan_window_units": config.plan_window_units,
         # only when above 1, so that runs started before it was recorded still resume
         **({"samples_per_prompt": config.samples_per_prompt} if config.samples_per_prompt != 1 else {}),
         **config.settings,
@@ -258,7 +277,7 @@ def regenerate(
                       "run this command again when the other ranks have written theirs", flush=True)
                 break
             rows = continue_conversations(chat, config.max_prompt_tokens, first, read_turn(previous), turn, report)
-        units = plan_units(rows, config.batch_size)
+        units = plan_units(rows, config.batch_size, config.plan_window_units)
         extra = {"turns": config.turns, "turn": turn, "rounds": rounds} if config.turns != 1 else {}
         settings = {**manifest_settings(chat, config, len(rows), len(units)), **extra}
         manifest, generated = run_turn(backend, rows, units, turn_directory(out_dir, turn, rounds), settings,
