@@ -4,6 +4,7 @@ same batch and against the runtime at the old default settings, on the same prom
     python -m benchmarks.regenerate --target DIR         # writes benchmarks/results/regenerate.json
     python -m benchmarks.regenerate --target DIR --rows 256,512 --prompts 2048 --max-new-tokens 512
     python -m benchmarks.regenerate --quick --target DIR  # tiny sizes, seconds on a CPU: a check of the script
+    python -m benchmarks.regenerate --random-shape qwen3-8b  # writes benchmarks/results/regenerate-qwen3-8b.json
 
 Workload: `--prompts` chat prompts (`--data`, a .jsonl of {"prompt": ...} rows, by default the bundled demo
 prompts, repeated with a number appended so that repeats differ), encoded with the target's chat template,
@@ -15,8 +16,25 @@ different points, as in a real regeneration. Variants, all on the same prompts:
 - Hugging Face `generate` at the batch of each `--rows` variant, on the first `--hf-batches` batches of the
   prompts (it is slow: its tokens/s come from those).
 The runtime is warmed up (compilation, CUDA graph capture) before it is timed, `generate` on a short call.
-Reported per variant: generated tokens (stop tokens not counted), seconds, tokens/s, and how many answers
-equal those of the baseline (bf16 kernels of other batch shapes may break near-ties differently).
+Reported per variant: generated tokens (stop tokens not counted), seconds, tokens/s, tokens/s over the
+baseline's and over `generate`'s at the same rows (where it ran at those rows), and how many answers equal
+those of the baseline (bf16 kernels of other batch shapes may break near-ties differently). The last line
+is a verdict on the goal: the runtime's best tokens/s >= 120k for the chat target.
+
+`--random-shape qwen3-8b` (`tiny-qwen3`: the CPU check) measures a target of that shape with random weights
+instead (bf16 on CUDA, built on the device; nothing is downloaded), for the goal ">= 3x HF generate at equal
+batch" (the verdict: the best ratio of the runtime variants). A random model has no meaningful chat template,
+so its prompts are `--prompts` random token ids, their lengths drawn (seeded) between `--min-prompt` and
+`--max-prompt`, and it gets no stop ids: every answer runs to `--max-new-tokens`, all of the same length, so
+this variant measures decode throughput, not early finishes (refill only changes when the prefills run).
+The weights are Hugging Face's initialisation (normal, std 0.02), whose 36-layer bf16 logits stay finite (the
+script checks one prompt's before timing); greedy picks the first of tied maxima in both paths (torch.argmax).
+Defaults of this mode where the command line sets none: 256 prompts, `--rows 64,256`, 128 new tokens,
+`--hf-batches 1`. Expected on one H200 (an estimate from the decode benchmark's step times): 256 x 128 =
+32,768 tokens per variant; `generate` at ~30-50 ms a step takes ~5 s at 64 rows and ~10 s at 256 (with a
+prefill of 256 x 512 padded tokens); the runtime's decode at ~6-12 ms a step ~2-4 s per variant, after its
+torch.compile and CUDA-graph warm-up, the larger part (48 s for the 8B step in docs/benchmarks.md, once for
+each of the three engines); building the 16 GB of weights on the GPU, seconds: 3-5 minutes in all.
 """
 
 from __future__ import annotations
@@ -31,6 +49,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
+from benchmarks.decode import QWEN3_8B, TINY_QWEN3, random_target
 from dflash_train.eval.chat import prompt_ids
 from dflash_train.runtime.config import EngineConfig, stop_token_ids
 from dflash_train.runtime.generation import Generated, Generator, hf_generate
@@ -38,23 +57,39 @@ from dflash_train.target import TargetModel
 
 DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "demo_prompts.jsonl"
 QUICK = {"rows": "4,8", "baseline_rows": 2, "prompts": 12, "max_new_tokens": 8, "hf_batches": 1}
+RANDOM_SHAPES = {"qwen3-8b": QWEN3_8B, "tiny-qwen3": TINY_QWEN3}
+# Defaults where the command line sets none. The random 8B's are smaller: `generate` there is ~30x slower per
+# step than on SmolLM2, and its answers all run to the end, so 2048 x 512 tokens would take hours.
+DEFAULTS = {"prompts": 2048, "max_new_tokens": 512, "rows": "256,512", "hf_batches": 1}
+RANDOM_DEFAULTS = {"prompts": 256, "max_new_tokens": 128, "rows": "64,256", "hf_batches": 1}
+TOKENS_PER_S_GOAL = 120_000  # the chat target's regeneration (SmolLM2-135M, one H200)
+HF_RATIO_GOAL = 3.0  # the random Qwen3-8B's runtime over `generate` at equal batch
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="alias, local directory or .gguf")
     parser.add_argument("--data", type=Path, default=DEMO_PROMPTS, help='a .jsonl of {"prompt": ...} rows')
-    parser.add_argument("--prompts", type=int, default=2048, help="prompts answered by each variant")
-    parser.add_argument("--max-new-tokens", type=int, default=512)
-    parser.add_argument("--rows", default="256,512", help="rows of the runtime variants (comma-separated)")
+    parser.add_argument("--prompts", type=int, help=f"prompts answered by each variant (default {DEFAULTS['prompts']}; "
+                        f"random shape: {RANDOM_DEFAULTS['prompts']})")
+    parser.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}; random shape: "
+                        f"{RANDOM_DEFAULTS['max_new_tokens']}")
+    parser.add_argument("--rows", help=f"rows of the runtime variants, comma-separated (default {DEFAULTS['rows']}; "
+                        f"random shape: {RANDOM_DEFAULTS['rows']})")
     parser.add_argument("--baseline-rows", type=int, default=64, help="rows of the old default (no refill)")
-    parser.add_argument("--hf-batches", type=int, default=1, help="batches timed through `generate`")
+    parser.add_argument("--hf-batches", type=int, help="batches timed through `generate` (default 1)")
+    parser.add_argument("--random-shape", choices=sorted(RANDOM_SHAPES),
+                        help="a target of this shape with random weights, on random-token prompts (see above; "
+                        "--target and --data unused)")
+    parser.add_argument("--min-prompt", type=int, default=32, help="random shape: shortest prompt, in tokens")
+    parser.add_argument("--max-prompt", type=int, default=512, help="random shape: longest prompt, in tokens")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile of the decode step")
     parser.add_argument("--quick", action="store_true", help=f"tiny sizes for a CPU check: {QUICK}")
     args = parser.parse_args(argv)
-    if args.quick:
-        for name, value in QUICK.items():
+    defaults = QUICK if args.quick else RANDOM_DEFAULTS if args.random_shape else DEFAULTS
+    for name, value in defaults.items():
+        if args.quick or getattr(args, name) is None:
             setattr(args, name, value)
     return args
 
@@ -63,6 +98,41 @@ def load_prompts(target: TargetModel, path: Path, count: int) -> list[list[int]]
     texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
     numbered = [texts[i % len(texts)] + (f" ({i // len(texts) + 1})" if i >= len(texts) else "") for i in range(count)]
     return [prompt_ids(target.tokenizer, [{"role": "user", "content": text}], thinking=False) for text in numbered]
+
+
+def random_prompts(count: int, vocab_size: int, shortest: int, longest: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(0)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=generator).tolist()
+    return [torch.randint(0, vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def load_workload(args: argparse.Namespace, device: torch.device,
+                  dtype: torch.dtype) -> tuple[TargetModel, list[list[int]]]:
+    if args.random_shape:
+        shape = RANDOM_SHAPES[args.random_shape]
+        target = random_target(shape, device, dtype)
+        prompts = random_prompts(args.prompts, shape["vocab_size"], args.min_prompt, args.max_prompt)
+        check_finite(target, prompts[0])
+        return target, prompts
+    from dflash_train.target import load_target
+
+    target = load_target(args.target, dtype=dtype, device=device)
+    return target, load_prompts(target, args.data, args.prompts)
+
+
+@torch.no_grad()
+def check_finite(target: TargetModel, prompt: list[int]) -> None:
+    """NaN or inf logits would make every greedy pick an artifact; random deep bf16 models can overflow."""
+    logits = target.model(torch.tensor([prompt], device=target.device)).logits
+    if not torch.isfinite(logits).all():
+        raise RuntimeError("the random target's logits are not finite; its weights need a smaller std")
+
+
+def stop_ids(target: TargetModel, args: argparse.Namespace) -> tuple[int, ...]:
+    """None for a random target: its answers all run to the end (see the module docstring)."""
+    if args.random_shape:
+        return ()
+    return tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
 
 
 def timed(fn: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
@@ -79,7 +149,7 @@ def runtime_config(target: TargetModel, prompts: list[list[int]], rows: int, ref
                    args: argparse.Namespace) -> EngineConfig:
     """No refill: waves of all the rows, so a batch starts only once every row of the last one finished."""
     longest = max(len(p) for p in prompts)
-    stops = tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
+    stops = stop_ids(target, args)
     no_refill = {} if refill else {"prefill_rows": rows, "prefill_tokens": rows * longest}
     return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
                         max_length=longest + args.max_new_tokens + 1, stop_token_ids=stops,
@@ -100,7 +170,8 @@ def run_runtime(target: TargetModel, prompts: list[list[int]], rows: int, refill
 def run_hf(target: TargetModel, prompts: list[list[int]], rows: int,
            args: argparse.Namespace) -> tuple[dict[str, Any], list[Generated]]:
     config = runtime_config(target, prompts, rows, True, args)
-    pad = target.tokenizer.pad_token_id if target.tokenizer.pad_token_id is not None else 0
+    pad = getattr(target.tokenizer, "pad_token_id", None)  # a random target has no tokenizer
+    pad = 0 if pad is None else pad
     subset = prompts[: rows * args.hf_batches]
     hf_generate(target.model, subset[:2], EngineConfig(max_new_tokens=4), pad_id=pad)  # warm-up
     seconds, outputs = timed(lambda: [out for start in range(0, len(subset), rows)
@@ -121,24 +192,42 @@ def same_answers(outputs: list[Generated], reference: list[Generated]) -> int:
     return sum(a == b for a, b in zip(outputs, reference, strict=False))
 
 
+def add_ratios(results: list[dict[str, Any]], baseline: dict[str, Any]) -> None:
+    """tokens/s over the baseline's, and over `generate`'s at the same rows (None where it did not run)."""
+    hf = {r["rows"]: r["tokens_per_s"] for r in results if r["variant"] == "HF generate"}
+    for r in results:
+        r["vs_baseline"] = r["tokens_per_s"] / baseline["tokens_per_s"]
+        r["vs_hf"] = r["tokens_per_s"] / hf[r["rows"]] if r["rows"] in hf else None
+
+
 def print_table(results: list[dict[str, Any]], title: str) -> None:
     print(f"\n{title}")
     print(f"{'variant':<22} {'rows':>5} {'refill':>6} {'prompts':>7} {'tokens':>9} {'seconds':>8} {'tokens/s':>10} "
-          f"{'x baseline':>10} {'same answers':>13}")
+          f"{'x baseline':>10} {'x HF':>7} {'same answers':>13}")
     for r in results:
+        vs_hf = "-" if r["vs_hf"] is None else f"{r['vs_hf']:.2f}x"
         print(f"{r['variant']:<22} {r['rows']:>5} {r['refill']:>6} {r['prompts']:>7} {r['tokens']:>9,} "
-              f"{r['seconds']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['vs_baseline']:>9.2f}x "
+              f"{r['seconds']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['vs_baseline']:>9.2f}x {vs_hf:>7} "
               f"{r['same_answers']:>6}/{r['prompts']}")
+
+
+def verdict(results: list[dict[str, Any]], random_shape: bool) -> tuple[str, str]:
+    """The goal, and one line on it from the runtime's best variant (refilled, at one of `--rows`)."""
+    runtime = [r for r in results if r["variant"] == "runtime"]
+    if random_shape:
+        goal, best = f">= {HF_RATIO_GOAL:g}x HF generate at equal batch", max(runtime, key=lambda r: r["vs_hf"])
+        measured, met = f"{best['vs_hf']:.2f}x HF generate", best["vs_hf"] >= HF_RATIO_GOAL
+    else:
+        goal, best = f">= {TOKENS_PER_S_GOAL // 1000}k tokens/s", max(runtime, key=lambda r: r["tokens_per_s"])
+        measured, met = f"{best['tokens_per_s']:,.0f} tokens/s", best["tokens_per_s"] >= TOKENS_PER_S_GOAL
+    return goal, f"goal {goal}: {'met' if met else 'NOT met'}, runtime {measured} at {best['rows']} rows"
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    from dflash_train.target import load_target
-
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    target = load_target(args.target, dtype=dtype, device=device)
-    prompts = load_prompts(target, args.data, args.prompts)
+    target, prompts = load_workload(args, device, dtype)
     rows = [int(r) for r in args.rows.split(",")]
     baseline, reference = run_runtime(target, prompts, args.baseline_rows, False, args)
     results = [baseline]
@@ -148,16 +237,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         results += [result | {"same_answers": same_answers(outputs, reference)},
                     hf | {"same_answers": same_answers(hf_outputs, reference)}]
     baseline["same_answers"] = len(prompts)
-    for r in results:
-        r["vs_baseline"] = r["tokens_per_s"] / baseline["tokens_per_s"]
-    title = (f"regeneration, {args.target} {str(dtype).removeprefix('torch.')} on {device.type}, greedy, "
-             f"{len(prompts)} prompts, up to {args.max_new_tokens} new tokens")
+    add_ratios(results, baseline)
+    title = workload_title(args, dtype, device, len(prompts))
     print_table(results, title)
+    goal, line = verdict(results, bool(args.random_shape))
     payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
-               "workload": title, "results": results}
-    path = write_result("regenerate", payload)
-    print(f"wrote {path}")
+               "workload": title, "goal": goal, "verdict": line, "results": results}
+    path = write_result(f"regenerate-{args.random_shape}" if args.random_shape else "regenerate", payload)
+    print(f"wrote {path}\n{line}")
     return payload
+
+
+def workload_title(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, prompts: int) -> str:
+    kind = f"{str(dtype).removeprefix('torch.')} on {device.type}, greedy"
+    if args.random_shape:
+        return (f"regeneration, random {args.random_shape} {kind}, {prompts} random-token prompts of "
+                f"{args.min_prompt}..{args.max_prompt} tokens, {args.max_new_tokens} new tokens each (no stop ids)")
+    return f"regeneration, {args.target} {kind}, {prompts} prompts, up to {args.max_new_tokens} new tokens"
 
 
 if __name__ == "__main__":

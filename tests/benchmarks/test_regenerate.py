@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.regenerate import main
+from benchmarks.regenerate import main, parse_args, random_prompts
 from tests.helpers.tiny_models import make_tiny_target
 
 
@@ -26,3 +26,38 @@ def test_quick_regeneration_benchmark_on_cpu(tmp_path: Path, monkeypatch: pytest
     for r in rows.values():
         assert r["tokens"] > 0 and r["tokens_per_s"] > 0 and r["same_answers"] == r["prompts"], r
     assert rows[("runtime", 8)]["prompts"] == 12 and rows[("HF generate", 8)]["prompts"] == 8
+    assert rows[("runtime (old default)", 2)]["vs_hf"] is None and rows[("HF generate", 4)]["vs_hf"] == 1.0
+    assert result["goal"] == ">= 120k tokens/s" and result["verdict"].startswith("goal >= 120k tokens/s: NOT met, ")
+
+
+def test_quick_random_shape_benchmark_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """The random-target mode: random-token prompts, no stop ids (every answer runs to the end), the runtime's
+    answers equal `generate`'s token for token in float32, and each variant's ratio to `generate`."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    main(["--random-shape", "tiny-qwen3", "--quick", "--device", "cpu", "--min-prompt", "4", "--max-prompt", "40"])
+    result = json.loads((tmp_path / "regenerate-tiny-qwen3.json").read_text())
+    assert result["goal"] == ">= 3x HF generate at equal batch" and result["config"]["random_shape"] == "tiny-qwen3"
+    rows = {(r["variant"], r["rows"]): r for r in result["results"]}
+    assert set(rows) == {("runtime (old default)", 2), ("runtime", 4), ("HF generate", 4), ("runtime", 8),
+                         ("HF generate", 8)}
+    for r in rows.values():
+        assert r["tokens"] == 8 * r["prompts"] and r["same_answers"] == r["prompts"], r
+    assert rows[("HF generate", 8)]["vs_hf"] == 1.0 and rows[("runtime (old default)", 2)]["vs_hf"] is None
+    assert rows[("runtime", 4)]["vs_hf"] == rows[("runtime", 4)]["tokens_per_s"] / rows[("HF generate", 4)]["tokens_per_s"]
+    out = capsys.readouterr().out
+    assert "x HF" in out and out.rstrip().splitlines()[-1] == result["verdict"]
+    assert result["verdict"].startswith("goal >= 3x HF generate at equal batch: ")
+
+
+def test_random_shape_defaults_yield_to_the_command_line() -> None:
+    args = parse_args(["--random-shape", "qwen3-8b", "--rows", "128"])
+    assert (args.rows, args.prompts, args.max_new_tokens, args.hf_batches) == ("128", 256, 128, 1)
+    args = parse_args([])
+    assert (args.rows, args.prompts, args.max_new_tokens, args.random_shape) == ("256,512", 2048, 512, None)
+
+
+def test_random_prompts_are_seeded_and_within_bounds() -> None:
+    prompts = random_prompts(50, 512, 32, 40)
+    assert prompts == random_prompts(50, 512, 32, 40)
+    assert all(32 <= len(p) <= 40 and max(p) < 512 for p in prompts)
