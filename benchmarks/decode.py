@@ -17,6 +17,12 @@ context. Measured in the same run (CUDA events, median):
   prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
   (`dflash_train.kernels.rope_cache`), and that kernel alone against its PyTorch reference; the step
   without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`);
+- the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
+  graph reused by every layer, plus small graphs before and after the layers), beside the default whole-step
+  graph: step time, setup seconds (compilation and capture) and launches (`*_layer_scope_*`; it runs after
+  the default in the same process, so Triton kernels are compiled already, and inductor's on-disk cache
+  serves a second run: for cold figures give each run a fresh TORCHINDUCTOR_CACHE_DIR; on a CPU nothing is
+  compiled, so there the variant only keeps the code exercised);
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
@@ -302,12 +308,16 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     length = -(-(context + new_tokens + 32) // 256) * 256
     result: dict[str, Any] = {"shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers}
     runner = None
-    # (suffix, CUDA graph, torch.compile): the full loop, then without the graph, then plain eager.
-    variants = (("", True, True), ("_no_graph", False, True), ("_eager", False, False))
+    # (suffix, CUDA graph, torch.compile, compile scope): the full loop, the same compiled one layer at a time
+    # (one decoder layer's graph reused by every layer: setup seconds against step time), then without the
+    # graph, then plain eager.
+    variants = (("", True, True, "step"), ("_layer_scope", True, True, "layer"), ("_no_graph", False, True, "step"),
+                ("_eager", False, False, "step"))
     for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
-        for suffix, graphs, compiled in variants:
+        for suffix, graphs, compiled, scope in variants:
             config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length, cuda_graphs=graphs,
-                                  compile=compiled and device.type == "cuda")  # CPU: no compiler wait
+                                  compile=compiled and device.type == "cuda",  # CPU: no compiler wait
+                                  compile_scope=scope)
             engine = DecodeEngine(target, draft_model, config, runner=runner)
             runner = engine.runner
             setup: dict[str, float] = {}
@@ -321,6 +331,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
                 result[f"{name}_prologue"] = engine.runner.prologue
                 if args.profile:
                     result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
+            if suffix == "_layer_scope":
+                result[f"{name}_layer_scope_compile_error"] = engine.compile_error
             del engine
             gc.collect()
     # The same graphed loop without one of the step's optimisations at a time: what each is worth.
@@ -352,6 +364,10 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     result["floor_ms"] = weight_bytes / COPY_BANDWIDTH * 1e3
     result["target_step_over_floor"] = result["target_step_ms"] / result["floor_ms"]
     result["cycle_over_target_step"] = result["dflash_cycle_ms"] / result["target_step_ms"]
+    for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step, and saves
+        result[f"{name}_layer_scope_over_step_scope"] = result[f"{name}_layer_scope_ms"] / result[f"{name}_ms"]
+        result[f"{name}_layer_scope_setup_saved_s"] = (result[f"{name}_setup_s"]
+                                                       - result[f"{name}_layer_scope_setup_s"])
     if "target_step_torch_prologue_launches" in result:  # what the fused prologue saves, per layer
         result["launches_per_layer_saved_by_rope_cache"] = (result["target_step_torch_prologue_launches_per_layer"]
                                                             - result["target_step_launches_per_layer"])
@@ -464,16 +480,18 @@ def plot(results: dict[str, Any], path: Any) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     if "qwen3_8b" in results:
         q = results["qwen3_8b"]
-        names = ["floor", "ours step", "ours step, SDPA attention", "ours step, PyTorch prologue",
-                 "ours step, unfused", "ours step, no graph", "ours step, eager", "HF step", "DFlash cycle",
-                 "cycle, SDPA attention", "cycle, no graph", "cycle, eager"]
-        values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_sdpa_attention_ms", 0.0),
-                  q.get("target_step_torch_prologue_ms", 0.0), q.get("target_step_unfused_ms", 0.0),
-                  q["target_step_no_graph_ms"], q["target_step_eager_ms"], q["hf_step_ms"], q["dflash_cycle_ms"],
+        names = ["floor", "ours step", "ours step, layer scope", "ours step, SDPA attention",
+                 "ours step, PyTorch prologue", "ours step, unfused", "ours step, no graph", "ours step, eager",
+                 "HF step", "DFlash cycle", "cycle, layer scope", "cycle, SDPA attention", "cycle, no graph",
+                 "cycle, eager"]
+        values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_layer_scope_ms", 0.0),
+                  q.get("target_step_sdpa_attention_ms", 0.0), q.get("target_step_torch_prologue_ms", 0.0),
+                  q.get("target_step_unfused_ms", 0.0), q["target_step_no_graph_ms"], q["target_step_eager_ms"],
+                  q["hf_step_ms"], q["dflash_cycle_ms"], q.get("dflash_cycle_layer_scope_ms", 0.0),
                   q.get("dflash_cycle_sdpa_attention_ms", 0.0), q["dflash_cycle_no_graph_ms"],
                   q["dflash_cycle_eager_ms"]]
-        colors = ["grey", "tab:blue", "steelblue", "slateblue", "navy", "tab:cyan", "lightblue", "tab:red",
-                  "tab:green", "seagreen", "tab:olive", "palegreen"]
+        colors = ["grey", "tab:blue", "cornflowerblue", "steelblue", "slateblue", "navy", "tab:cyan", "lightblue",
+                  "tab:red", "tab:green", "mediumseagreen", "seagreen", "tab:olive", "palegreen"]
         axes[0].barh(names, values, color=colors)
         axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
         axes[0].set_title("Qwen3-8B shapes: step times")

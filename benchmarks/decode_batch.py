@@ -3,6 +3,7 @@ batch where the drafter's speedup crosses 1x.
 
     python -m benchmarks.decode_batch            # one H200, < 10 min -> results/decode_batch.{json,png}
     python -m benchmarks.decode_batch --quick    # CPU, seconds: tiny shapes (the script's smoke test)
+    python -m benchmarks.decode_batch --compile-scope layer --out benchmarks/results/decode_batch-layer.json
 
 What to run on the GPU: the first command, alone on the machine. It measures the smallest and the
 largest batch of both shapes first, then the ones between; writes the JSON after every point and prints
@@ -20,7 +21,9 @@ graph replay) is timed with all rows decoding: tokens/s = rows x tokens per cycl
 token per cycle without a drafter, tau (the replayed distribution's mean a+1) with one. The table also
 gives each variant's set-up seconds: compile (the warm-up cycles, where torch.compile and Triton
 compile), CUDA-graph capture and prefill. Each (shape, batch, drafter or not) compiles its own graph:
-compilation is most of the run's time.
+compilation is most of the run's time. `--compile-scope layer` compiles one decoder layer per variant
+instead of the whole forward, reused by every layer (`EngineConfig.compile_scope`), so that a point's
+compilation no longer grows with the depth; the JSON records the scope.
 
 Acceptance replay (`ReplayEngine`): a random drafter's drafts are all rejected, so a measured speedup
 would say nothing about a trained one. Instead each cycle's accepted length a+1 is drawn from a given
@@ -56,6 +59,7 @@ from benchmarks.common import RESULTS_DIR, stamp
 from benchmarks.decode import QWEN3_8B, TINY_QWEN3, random_draft, time_ms
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.config import COMPILE_SCOPES
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, resolve_kernels
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
@@ -205,6 +209,7 @@ class Settings:
     quick: bool
     block_size: int = 16
     draft_layers: int = 5
+    compile_scope: str = "step"  # EngineConfig.compile_scope
 
 
 def random_model(model_type: str, shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
@@ -226,7 +231,7 @@ def measure(target: TargetModel, draft: DFlashDraftModel | None, runner: StaticT
     # Rows never finish while timed: room for every cycle committing a whole block.
     new_tokens = (cycles_per_point(settings) + 2) * settings.block_size + 1
     config = EngineConfig(batch_size=batch, block_size=block, max_new_tokens=new_tokens, max_length=runner.max_length,
-                          compile=settings.compile)
+                          compile=settings.compile, compile_scope=settings.compile_scope)
     engine = ReplayEngine(target, draft, config, settings.acceptance, runner=runner)
     engine.prepare()
     prefill_s = prefill_all(engine, batch, settings, target.vocab_size)
@@ -360,6 +365,7 @@ def run(args: argparse.Namespace, settings: Settings, out: pathlib.Path) -> dict
                        "source": settings.acceptance.source},
         "context": settings.context, "block_size": settings.block_size, "draft_layers": settings.draft_layers,
         "batches": batches, "dtype": str(settings.dtype).removeprefix("torch."), "quick": settings.quick,
+        "compile_scope": settings.compile_scope,
         "budget_s": args.budget_s, "shapes": {}, "skipped": [],
     }
     models = {name: build(name, settings) for name in shapes}
@@ -451,6 +457,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20; --quick 3)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the cycle (default: on CUDA, as the runtime)")
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
+                        help="step: the whole cycle's forwards as one graph each (the runtime's default); layer: "
+                             "one decoder layer compiled and reused by every layer, so that a point's compile time "
+                             "does not grow with the depth (compare the compile s column of both)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no point that would end after this many seconds (estimated from the longest "
                              "point so far)")
@@ -474,7 +484,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = torch.device(args.device)
     settings = Settings(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         context=args.context, warmup=args.warmup, iters=args.iters, compile=args.compile,
-                        acceptance=Acceptance.parse(args.acceptance, 16), quick=args.quick)
+                        acceptance=Acceptance.parse(args.acceptance, 16), quick=args.quick,
+                        compile_scope=args.compile_scope)
     out = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR)) / "decode_batch.json")
     results = run(args, settings, out)
     plot(results, out.with_suffix(".png"))

@@ -62,7 +62,13 @@ from dflash_train.outputs import (
     refuse_inputs_inside,
     remove_owned,
 )
-from dflash_train.runtime.config import KERNELS, EngineConfig, stop_token_ids
+from dflash_train.runtime.config import (
+    COMPILE_SCOPE_HELP,
+    COMPILE_SCOPES,
+    KERNELS,
+    EngineConfig,
+    stop_token_ids,
+)
 from dflash_train.target import TargetModel, load_target
 
 
@@ -96,6 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
     parser.add_argument("--no-compile", action="store_true",
                         help="built-in back end: skip torch.compile of the decode step (starts faster, decodes slower)")
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
+                        help=f"built-in back end: {COMPILE_SCOPE_HELP}")
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     server.add_argument("--server-model", default=None, help="model name the server expects (default: --target)")
@@ -147,7 +155,7 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel) -> EngineConf
                         top_p=args.top_p, stop_token_ids=tuple(stop_token_ids(target.tokenizer,
                                                                               target.model.generation_config)),
                         kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
-                        compile=False if args.no_compile else None)
+                        compile=False if args.no_compile else None, compile_scope=args.compile_scope)
 
 
 def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:

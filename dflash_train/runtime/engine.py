@@ -170,7 +170,7 @@ class DecodeEngine:
             drafts, draft_logits = self._propose(positions)
             s.block[:, 1:] = drafts
         out = self.runner.forward(s.block, positions, feature_layer_ids=self.layer_ids, compiled=self._compile,
-                                  compile_options=self.config.compile_options)
+                                  compile_options=self.config.compile_options, compile_scope=self.config.compile_scope)
         if self.config.temperature > 0:
             accepted, bonus = self._sample(out.logits, draft_logits)
             commit_tokens(s.out, s.n_out, s.block, accepted, bonus, s.done)
@@ -196,7 +196,8 @@ class DecodeEngine:
         """Drafts [b, B-1] for the block in `state.block` at positions [b, B], and their logits [b, B-1, V]."""
         embeds = self.target.embed_tokens(self.state.block)
         hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
-                                     compile_options=self.config.compile_options)  # [b, B, H]
+                                     compile_options=self.config.compile_options,
+                                     compile_scope=self.config.compile_scope)  # [b, B, H]
         draft_logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
         if self.config.temperature > 0:
             draft_logits = top_p_filter(draft_logits, self.config.temperature, self.config.top_p)

@@ -12,13 +12,17 @@ k_norm + RoPE + cache write ("triton").
 
 from __future__ import annotations
 
-from typing import Any
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.config import check_compile_scope
 
 
 class StaticDrafter:
@@ -31,7 +35,7 @@ class StaticDrafter:
         self.slots = torch.arange(max_length, device=device)
         self.block_visible = torch.ones(batch_size, 1, block_size, block_size, dtype=torch.bool, device=device)
         self.kernels = kernels
-        self._compiled_hidden: dict[tuple[tuple[str, Any], ...], Any] = {}
+        self._compiled_hidden: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., torch.Tensor]] = {}
         if kernels == "triton":
             self._prepare_fused(max_length)
 
@@ -69,23 +73,69 @@ class StaticDrafter:
 
     @torch.no_grad()
     def hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
-               compiled: bool = False, compile_options: tuple[tuple[str, Any], ...] = ()) -> torch.Tensor:
+               compiled: bool = False, compile_options: tuple[tuple[str, Any], ...] = (),
+               compile_scope: str = "step") -> torch.Tensor:
         """Final-normed hidden states [b, B, H] of the block embeds [b, B, H] at positions [b, B]; the block
         attends to context slots < start[r] and to all of itself. `compiled`: through torch.compile (with
-        these inductor options)."""
+        these inductor options), as one graph (`compile_scope` "step") or one graph per part, the layer's
+        shared by every layer ("layer"; `dflash_train.runtime.config.COMPILE_SCOPES`)."""
+        run = self._hidden
         if compiled:
-            if compile_options not in self._compiled_hidden:
-                self._compiled_hidden[compile_options] = torch.compile(
-                    self._hidden, dynamic=False, options=dict(compile_options) or None)
-            return self._compiled_hidden[compile_options](block_embeds, positions, start)
-        return self._hidden(block_embeds, positions, start)
+            run = (self._compiled_by_layer if check_compile_scope(compile_scope) == "layer" else self._compiled)(
+                compile_options)
+        return run(block_embeds, positions, start)
 
-    def _hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    def _compiled(self, options: tuple[tuple[str, Any], ...]) -> Callable[..., torch.Tensor]:
+        """`_hidden` as one compiled graph (compile scope "step")."""
+        if ("step", options) not in self._compiled_hidden:
+            self._compiled_hidden["step", options] = _compile(self._hidden, options)
+        return self._compiled_hidden["step", options]
+
+    def _compiled_by_layer(self, options: tuple[tuple[str, Any], ...]) -> Callable[..., torch.Tensor]:
+        """`_hidden` with each part compiled on its own, one code for every layer (scope "layer"). The mask and
+        RoPE tables before the layers and the final norm after them are small graphs of their own rather than
+        eager, so that they stay a few launches (as the target runner's embedding and output)."""
+        if ("layer", options) not in self._compiled_hidden:
+            regions = _Regions(*(_compile(part, options) for part in (self._inputs, self._layer, self._norm)))
+            self._compiled_hidden["layer", options] = functools.partial(self._hidden, regions=regions)
+        return self._compiled_hidden["layer", options]
+
+    def _hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
+                regions: _Regions | None = None) -> torch.Tensor:
+        inputs, run_layer, norm = regions or (self._inputs, self._layer, self._norm)
+        h, cos, sin, mask = inputs(block_embeds, positions, start)
+        for index, layer in enumerate(self.draft.layers):
+            # The layer's cache goes in as tensors: the compiled layer never sees its index, so every layer
+            # reuses one compiled code (an index would be a guard, and a recompile, per layer).
+            h = run_layer(layer, h, cos, sin, self.cache.keys[index], self.cache.values[index], mask)
+        return norm(h)
+
+    def _inputs(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> tuple[
+            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(block rows [b, B, H] in the drafter's dtype, RoPE cos and sin, mask [b, 1, B, max_len + B])."""
         b, width = positions.shape
         context_visible = (self.slots[None, :] < start[:, None])[:, None, None, :]  # [b, 1, 1, max_len]
         mask = torch.cat([context_visible.expand(b, 1, width, -1), self.block_visible], dim=-1)
         h = block_embeds.to(self.dtype)
         cos, sin = self.draft.rotary_emb(positions, h.dtype)
-        for index, layer in enumerate(self.draft.layers):
-            h = layer(h, cos, sin, (self.cache.keys[index], self.cache.values[index]), mask)
+        return h, cos, sin, mask
+
+    @staticmethod
+    def _layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+               values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return layer(h, cos, sin, (keys, values), mask)
+
+    def _norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.draft.norm(h)
+
+
+class _Regions(NamedTuple):
+    """`_hidden`'s parts before, inside and after the layer loop, each compiled on its own (scope "layer")."""
+
+    inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
+    layer: Callable[..., torch.Tensor]
+    norm: Callable[..., torch.Tensor]
+
+
+def _compile(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False, options=dict(options) or None)

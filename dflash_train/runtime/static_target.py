@@ -24,11 +24,12 @@ layer loop: no hooks.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +37,7 @@ from torch import nn
 from transformers import AttentionInterface
 
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
+from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer
 from dflash_train.target import TargetModel, validate_target_layer_ids
 
@@ -84,32 +86,43 @@ def _register_attention() -> None:
 
 
 class _WriteCache:
-    """The cache object handed to the layers: `update` writes K/V at the tokens' positions (Hugging Face
-    layers and the PyTorch path of fused ones); the fused prologue kernel writes `storage` itself."""
+    """The cache handed to one layer's forward: `update` writes K/V at the tokens' positions (Hugging Face
+    layers and the PyTorch path of fused ones); the fused prologue kernel writes `storage` itself.
 
-    def __init__(self, runner: StaticTarget, row_index: torch.Tensor | None, positions: torch.Tensor,
+    The layer index the layers pass is ignored: the object is already that layer's. A compiled layer then
+    reads its cache through tensors only, so one compiled code serves every layer (compile scope "layer");
+    reading the index would guard on its value and recompile for each layer."""
+
+    def __init__(self, runner: StaticTarget, index: int, row_index: torch.Tensor | None, positions: torch.Tensor,
                  kv_len: int) -> None:
-        self.runner, self.row_index, self.positions, self.kv_len = runner, row_index, positions, kv_len
+        self.keys, self.values = runner.keys[index], runner.values[index]  # [b, kv, max_len, D]
+        self.row_index, self.positions, self.kv_len = row_index, positions, kv_len
         self.rows = runner.all_rows if row_index is None else row_index  # [n]
         self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
 
-    def storage(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole cache, keys and values [b, kv, max_len, D]."""
-        return self.runner.keys[layer_idx], self.runner.values[layer_idx]
+        return self.keys, self.values
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        keys, values = self.storage(layer_idx)
-        keys[self.rows[:, None], :, self.positions] = key_states.transpose(1, 2)  # [n, T, kv, D] at (row, position)
-        values[self.rows[:, None], :, self.positions] = value_states.transpose(1, 2)
-        return self.visible(layer_idx)
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int | None = None,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        self.keys[self.rows[:, None], :, self.positions] = key_states.transpose(1, 2)  # [n, T, kv, D] at (row, position)
+        self.values[self.rows[:, None], :, self.positions] = value_states.transpose(1, 2)
+        return self.visible()
 
-    def visible(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def visible(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The slots attention may read, [n, kv, kv_len, D], for the forward's rows."""
-        keys, values = self.storage(layer_idx)
         if self.row_index is None:
-            return keys[:, :, : self.kv_len], values[:, :, : self.kv_len]
-        return keys[self.row_index, :, : self.kv_len], values[self.row_index, :, : self.kv_len]
+            return self.keys[:, :, : self.kv_len], self.values[:, :, : self.kv_len]
+        return self.keys[self.row_index, :, : self.kv_len], self.values[self.row_index, :, : self.kv_len]
+
+
+class _Regions(NamedTuple):
+    """The forward's parts outside and inside the layer loop, each compiled on its own (compile scope "layer")."""
+
+    embed: Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]]
+    layer: Callable[..., torch.Tensor]
+    output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
 
 @dataclass
@@ -150,7 +163,7 @@ class StaticTarget:
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
-        self._compiled_forward: dict[tuple[tuple[str, Any], ...], Any] = {}
+        self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
 
     @property
@@ -208,48 +221,80 @@ class StaticTarget:
         feature_layer_ids: Sequence[int] = (),
         compiled: bool = False,
         compile_options: tuple[tuple[str, Any], ...] = (),
+        compile_scope: str = "step",
     ) -> TargetOutput:
         """input_ids/positions [n, T] for cache rows `row_index` [n] (None: all rows, n = batch).
 
         kv_len limits attention to the first slots (prefill); logit_index [n] picks one position per row
         for the logits (else all T); features [n, T, K*H] are the outputs of `feature_layer_ids`, in order.
-        Writes K/V of every token at its position. `compiled` runs the layers through torch.compile
-        (fixed shapes only: the decode cycle), with `compile_options` for inductor.
+        Writes K/V of every token at its position. `compiled` runs the forward through torch.compile (fixed
+        shapes only: the decode cycle), with `compile_options` for inductor; `compile_scope` "step" compiles
+        it as one graph, "layer" compiles one decoder layer whose code every layer reuses, and the embedding
+        and the output as two small graphs (`dflash_train.runtime.config.COMPILE_SCOPES`).
         """
         ids = tuple(validate_target_layer_ids(feature_layer_ids, len(self.layers))) if feature_layer_ids else ()
-        run = self._compiled(compile_options) if compiled else self._forward
+        run = self._forward
+        if compiled:
+            run = (self._compiled_by_layer if check_compile_scope(compile_scope) == "layer" else self._compiled)(
+                compile_options)
         with self._our_attention():
             logits, features = run(input_ids, positions, row_index, kv_len or self.max_length, logit_index, ids)
         return TargetOutput(logits, features)
 
-    def _compiled(self, options: tuple[tuple[str, Any], ...] = ()) -> Any:
-        if options not in self._compiled_forward:
-            self._compiled_forward[options] = torch.compile(self._forward, dynamic=False, options=dict(options) or None)
-        return self._compiled_forward[options]
+    def _compiled(self, options: tuple[tuple[str, Any], ...] = ()) -> Callable[..., Any]:
+        """The forward as one compiled graph (compile scope "step")."""
+        if ("step", options) not in self._compiled_forward:
+            self._compiled_forward["step", options] = _compile(self._forward, options)
+        return self._compiled_forward["step", options]
+
+    def _compiled_by_layer(self, options: tuple[tuple[str, Any], ...] = ()) -> Callable[..., Any]:
+        """The forward with each of its parts compiled on its own, one code for every layer (scope "layer").
+        The embedding and the output are compiled too, not left eager: each is a handful of small kernels
+        (gather, RoPE tables, masks; final norm, logits) that a graph of its own fuses into a few launches, at a
+        compile cost that does not grow with the depth either."""
+        if ("layer", options) not in self._compiled_forward:
+            regions = _Regions(*(_compile(part, options) for part in (self._embed, self._layer, self._output)))
+            self._compiled_forward["layer", options] = functools.partial(self._forward, regions=regions)
+        return self._compiled_forward["layer", options]
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, row_index: torch.Tensor | None,
-                 kv_len: int, logit_index: torch.Tensor | None,
-                 feature_layer_ids: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = _WriteCache(self, row_index, positions, kv_len)
-        masks = self._masks(positions, kv_len)
+                 kv_len: int, logit_index: torch.Tensor | None, feature_layer_ids: tuple[int, ...],
+                 regions: _Regions | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The whole forward; `regions`: its parts compiled one by one (else they run as they are, eager or
+        traced into the one graph of compile scope "step")."""
+        embed, run_layer, output = regions or (self._embed, self._layer, self._output)
+        h, position_embeddings, masks = embed(input_ids, positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
-        h = self.base.embed_tokens(input_ids)
-        position_embeddings = self.base.rotary_emb(h, positions)
-        for index, layer in enumerate(self.layers):
-            mask = masks[self.windows[index]]
-            if self.fused is not None:
-                h = self.fused[index](h, position_embeddings, mask, cache)
-            else:
-                out = layer(h, attention_mask=mask, position_ids=positions, position_embeddings=position_embeddings,
-                            use_cache=True, **{self.cache_arg: cache})
-                h = out[0] if isinstance(out, tuple) else out
+        for index, layer in enumerate(self.fused or self.layers):
+            cache = _WriteCache(self, index, row_index, positions, kv_len)
+            h = run_layer(layer, h, position_embeddings, masks[self.windows[index]], cache)
             if index in feature_layer_ids:
                 captured[index] = h
+        return output(h, logit_index, tuple(captured[i] for i in feature_layer_ids))
+
+    def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> tuple[
+            torch.Tensor, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]:
+        """(embeddings [n, T, H], the rotary embedding's cos/sin, the masks of `_masks`)."""
+        h = self.base.embed_tokens(input_ids)
+        return h, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
+
+    def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor,
+               position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
+               cache: _WriteCache) -> torch.Tensor:
+        """One decoder layer, fused or the Hugging Face one; nothing here depends on which layer it is."""
+        if isinstance(layer, FusedLayer):
+            return layer(h, position_embeddings, mask, cache)
+        out = layer(h, attention_mask=mask, position_ids=cache.positions, position_embeddings=position_embeddings,
+                    use_cache=True, **{self.cache_arg: cache})
+        return out[0] if isinstance(out, tuple) else out
+
+    def _output(self, h: torch.Tensor, logit_index: torch.Tensor | None,
+                captured: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(logits at `logit_index` or at every position, the captured features concatenated or None)."""
         if logit_index is not None:
             h = h.gather(1, logit_index[:, None, None].expand(-1, 1, h.shape[-1]))  # [n, 1, H]
         logits = self.target.lm_head(self.base.norm(h))
-        features = torch.cat([captured[i] for i in feature_layer_ids], dim=-1) if feature_layer_ids else None
-        return logits, features
+        return logits, torch.cat(captured, dim=-1) if captured else None
 
     @torch.no_grad()
     def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:
@@ -261,6 +306,10 @@ class StaticTarget:
         ours = self.forward(input_ids, positions, row_index=self.all_rows[:1], kv_len=len(ids)).logits[0].float()
         agreement = (reference.argmax(-1) == ours.argmax(-1)).float().mean()
         return {"max_abs_logit_diff": float((reference - ours).abs().max()), "argmax_agreement": float(agreement)}
+
+
+def _compile(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
+    return torch.compile(fn, dynamic=False, options=dict(options) or None)
 
 
 def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> None:
