@@ -149,10 +149,11 @@ def test_no_compile_reaches_the_engines(target_dir: Path, tmp_path: Path) -> Non
     assert Evaluator(target, None, default)._engine_config(4, 256).compile is None  # type: ignore[arg-type]
 
 
-def test_max_autotune_reaches_the_engines_and_the_report(target_dir: Path, tmp_path: Path) -> None:
+def test_max_autotune_and_compile_scope_reach_the_engines_and_the_report(target_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "report.json"
     assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "1", "--max-autotune",
-                    "--no-plot") == 0
+                    "--compile-scope", "layer", "--no-plot") == 0
     environment = json.loads(out.read_text())["environment"]
     assert environment["compile_options"] == {"max_autotune": True, "coordinate_descent_tuning": True}
+    assert environment["compile_scope"] == "layer"
     assert environment["target_attention"] == "sdpa"  # CPU: torch kernels
