@@ -16,9 +16,9 @@
 #   TARGET          alias, local directory or .gguf (default: smollm2-135m-instruct)
 #   OUT             where everything goes (default: outputs/speedrun)
 #   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
-#   MIX             `dflash_train.data.pack` sources (default: ~138k distinct prompts, decontaminated:
-#                   15.6k ShareGPT, 32k code-writing prompts, 60k generated math, 30k openai-evals: a mix
-#                   with all 93k of these, many of them one-word tasks, reached only τ 1.4 on MT-Bench)
+#   MIX             `dflash_train.data.pack` sources (default: ~98k distinct prompts, decontaminated:
+#                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math, 20k openai-evals; about
+#                   half of the target's math and openai-evals answers are too short to train on)
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
@@ -28,8 +28,9 @@
 #   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 64 anchors per chat
-#                   instead of 128, D-PACE position weights, distilling the target's distribution, AdamW instead
-#                   of Muon), each ABLATION_MINUTES (default 3, compilation not counted) beside a baseline
+#                   instead of 128, 4 rows a step instead of 2, D-PACE position weights, distilling the target's
+#                   distribution, AdamW instead of Muon), each ABLATION_MINUTES (default 3, compilation not
+#                   counted) beside a baseline; compared in a table and $OUT/ablations.png
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
@@ -41,7 +42,7 @@ STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|p
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
-MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math=60000 openai-evals:1000=30000}
+MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math=30000 openai-evals:1000=20000}
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
 SAMPLES=${SAMPLES:-1}
@@ -52,7 +53,7 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
-ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
+ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
@@ -169,7 +170,7 @@ ablate() {
   for entry in "${entries[@]}"; do
     TRAIN_EXTRA="$equal ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
   done
-  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-*
+  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png"
 }
 
 evaluate() {

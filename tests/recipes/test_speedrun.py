@@ -58,6 +58,7 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base"]
     launches = [line for line in ablate.stderr.splitlines() if "dflash_train.cli train" in line]
     assert len(launches) == 2 and all("training.time_budget_excludes_warmup=true" in line for line in launches)
+    assert (out / "ablations.png").read_bytes()[:4] == b"\x89PNG"
     totals = speedrun("summary", out).stdout
     stage_minutes = [(line.split()[0], float(line.split()[1])) for line in totals.splitlines()
                      if line.startswith("  ") and len(line.split()) == 2]
