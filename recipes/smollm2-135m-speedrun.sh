@@ -26,7 +26,10 @@
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
-#   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main
+#   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
+#                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
+#   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
+#                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 64 anchors per chat
 #                   instead of 128, 4 rows a step instead of 2, D-PACE position weights, distilling the target's
 #                   distribution, AdamW instead of Muon), each ABLATION_MINUTES (default 3, compilation not
@@ -53,9 +56,11 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
+STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+CURVE_PROMPTS=${CURVE_PROMPTS:-$EVAL_PROMPTS}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
 FP32_PROMPTS=${FP32_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
@@ -123,10 +128,12 @@ prepare() {
 }
 
 train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes
+  local stop=()
+  [[ -z "$STOP_AFTER" ]] || stop=("training.stop_after_minutes=$STOP_AFTER")
   # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
   run "${DFLASH[@]}" train --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
     "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/$1" "training.time_budget_minutes=$2" \
-    "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" $TRAIN_EXTRA
+    "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" "${stop[@]}" $TRAIN_EXTRA
 }
 
 train() {
@@ -138,12 +145,12 @@ final_draft() {  # name: the run's final checkpoint's drafter, or nothing while 
 found = final_checkpoint(Path(sys.argv[1])); print(found / 'draft' if found else '')" "$OUT/train/$1"
 }
 
-eval_b16() {  # name, drafter: τ, speedup and the exact check at batch 1 in bf16, once
+eval_b16() {  # name, drafter, prompts per set, more flags: τ, speedup (and the exact check) at batch 1 in bf16, once
   [[ -f "$OUT/eval/$1-b16.json" ]] && return 0
   # shellcheck disable=SC2086  # EVAL_EXTRA is a list of flags
   run "${DFLASH[@]}" eval --target "$TARGET" --draft "$2" --dataset humaneval --dataset mt-bench \
-    --dataset math-synthetic --num-prompts "$EVAL_PROMPTS" --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress $EVAL_EXTRA \
-    --out "$OUT/eval/$1-b16.json"
+    --dataset math-synthetic --num-prompts "$3" --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress $EVAL_EXTRA \
+    "${@:4}" --out "$OUT/eval/$1-b16.json"
 }
 
 curve() {
@@ -155,7 +162,8 @@ curve() {
     train_run "curve-${minutes}min" "$minutes"
     draft=$(final_draft "curve-${minutes}min")
     [[ -n "$draft" ]] || { echo "curve-${minutes}min has not finished: run the curve stage again" >&2; return 1; }
-    eval_b16 "curve-${minutes}min" "$draft"
+    # The main run shows losslessness; a curve point needs only τ and the speedup.
+    eval_b16 "curve-${minutes}min" "$draft" "$CURVE_PROMPTS" --no-lossless-check
   done
   run python3 -m dflash_train.eval.curve "$OUT"
 }
@@ -177,7 +185,7 @@ evaluate() {
   local draft; draft=$(final_draft main)
   [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   mkdir -p "$OUT/eval"
-  eval_b16 main "$draft"
+  eval_b16 main "$draft" "$EVAL_PROMPTS"
   # The bf16 evals check losslessness exactly; float32 repeats the check at another precision.
   [[ -f "$OUT/eval/main-fp32.json" ]] ||
     run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \

@@ -1,0 +1,57 @@
+"""What the speedrun script hands its commands, without running them: a stand-in `python3` first on PATH
+records each call's arguments (and answers the one query the script makes, the final drafter's path)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+
+from tests.helpers.paths import REPO
+
+SHIM = """#!/usr/bin/env bash
+printf '%s\\n' "$*" >> "$CALLS"
+if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
+exit 0
+"""
+
+
+def run_stage(stage: str, tmp_path: pathlib.Path, **settings: str) -> list[str]:
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "python3").write_text(SHIM)
+    (bin_dir / "python3").chmod(0o755)
+    calls.write_text("")
+    env = {**os.environ, **settings, "OUT": str(tmp_path / "run"), "CALLS": str(calls),
+           "DRAFT": str(tmp_path / "draft"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return calls.read_text().splitlines()
+
+
+def test_stop_after_reaches_every_training_run(tmp_path: pathlib.Path) -> None:
+    train = [c for c in run_stage("train", tmp_path, STOP_AFTER="8.5") if "dflash_train.cli train" in c]
+    assert len(train) == 1 and "training.stop_after_minutes=8.5" in train[0].split()
+    train = [c for c in run_stage("train", tmp_path) if "dflash_train.cli train" in c]
+    assert len(train) == 1 and "stop_after_minutes" not in train[0]
+
+
+def test_curve_points_are_evaluated_on_their_own_prompts_without_the_lossless_pass(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("curve", tmp_path, CURVE_MINUTES="5 10", CURVE_PROMPTS="12", EVAL_PROMPTS="40", STOP_AFTER="9")
+    trains = [c.split() for c in calls if "dflash_train.cli train" in c]
+    assert [next(a for a in t if a.startswith("training.time_budget_minutes=")) for t in trains] == [
+        "training.time_budget_minutes=5", "training.time_budget_minutes=10"]
+    assert all("training.stop_after_minutes=9" in t for t in trains)
+    evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
+    assert len(evals) == 2
+    for args in evals:
+        assert args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
+    assert calls[-1].startswith("-m dflash_train.eval.curve")
+
+
+def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("eval", tmp_path, EVAL_PROMPTS="40", CURVE_PROMPTS="12")
+    bf16 = [c.split() for c in calls if "dflash_train.cli eval" in c and "float32" not in c]
+    assert len(bf16) == 1
+    assert bf16[0][bf16[0].index("--num-prompts") + 1] == "40" and "--no-lossless-check" not in bf16[0]
