@@ -4,6 +4,7 @@
     python -m benchmarks.decode --section qwen3-8b
     python -m benchmarks.decode --section smollm2 --draft runs/smollm2-b16/final [--dtype float32]
     python -m benchmarks.decode --section qwen3-8b --profile   # + the step's kernel table (.profile.txt)
+    python -m benchmarks.decode --section qwen3-8b --variants default,layer_scope --profile   # a few minutes
     python -m benchmarks.decode --tiny --device cpu        # smoke test of the script on tiny shapes
 
 Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden 4096, 32/8 heads,
@@ -25,12 +26,22 @@ context. Measured in the same run (CUDA events, median):
   compiled, so there the variant only keeps the code exercised);
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
-  references. The first call of each shape compiles (a minute or two at these shapes); `--section` splits
-  the run if the 10-minute limit of a command is near.
-- launches per step and per layer for each loop variant: the kernels (and memory copies or sets) one
-  call puts on the GPU, counted with the profiler, CUDA-graph replays included (`*_launches`; the
-  step's launches over its layers, so embedding, head and token choice are spread over the layers too;
-  `launches_per_layer_saved_by_rope_cache`: the PyTorch prologue's per layer minus the fused kernel's).
+  references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
+  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, hf (ratios that
+  need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of a command
+  is near. The JSON is written after every variant (`"complete": false` until the run ends).
+- for each variant, from one profile of 10 calls (each in a `record_function` range, synchronised at its
+  end, so the GPU work between two ranges' starts is one call's; CUDA-graph replays included), means per
+  call: launches (`*_launches`, kernels and memory copies or sets; per layer: the step's launches over its
+  layers, so embedding, head and token choice are spread over the layers too;
+  `launches_per_layer_saved_by_rope_cache`: the PyTorch prologue's per layer minus the fused kernel's),
+  the time kernels run (`*_kernel_ms`, overlapping ones counted once, `*_overlap_ms` what overlap adds to
+  their plain sum), the GPU's busy span, first kernel start to last kernel end (`*_busy_ms`), the idle
+  gaps inside it (`*_gap_ms` = busy - kernel; `*_gap_per_launch_us` = gap / launches), the rest of the
+  timed `*_ms` (`*_host_ms` = step - busy: the GPU waiting for the host before, after or between its
+  launches), and kernel time and launches by category (`*_kernel_categories`: matmul, attention,
+  norm/rope/prologue, reduction/split-K, copy, other fused: inductor kernels that their names do not place,
+  other). Under the profiler a call may run slower than timed; on a CPU, top-level operators stand in.
 Section smollm2: SmolLM2-135M-Instruct (bf16) with a drafter (`--draft`; default: random, so τ ~ 1 and
 the numbers show loop overhead only), batch 1, greedy, `--prompts` MT-Bench/HumanEval prompts: tokens/s of
 our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-only loop and of HF
@@ -40,17 +51,25 @@ our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-
 from __future__ import annotations
 
 import argparse
+import bisect
 import contextlib
 import functools
 import gc
+import json
+import math
+import os
+import pathlib
+import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from benchmarks.common import median, time_calls, write_result
+from benchmarks.common import RESULTS_DIR, median, stamp, time_calls
 from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime.config import resolve_kernels
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
@@ -134,32 +153,172 @@ def kernel_profile(step: Callable[[], Any], device: torch.device, iters: int = 1
                                      max_name_column_width=90)
 
 
-def launches_per_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> float:
-    """Kernels, memory copies and sets that one call of `step` puts on the GPU, counted with the profiler
-    over `iters` calls (kernels inside a replayed CUDA graph included). On a CPU: the top-level operators
-    of a call, a stand-in that keeps this code exercised by the CPU tests."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+# The profiler range around each profiled call: the GPU work between two of them is one call's.
+CALL_MARKER = "decode_call"
+# Ordered: the first pattern found in a kernel's lower-cased name names its category. The project's Triton
+# kernels go by their function names (inductor keeps a user kernel's name); inductor's own `triton_*` kernels
+# are named after the operations fused into them, so of those only a matmul or an rsqrt (an RMS norm) can be
+# told apart. "reduce" (cuBLAS split-K reductions, aten reductions) comes before "cublas" for that reason;
+# cuBLAS's own split-K GEMMs (nvjet ..._splitK_...) stay matmuls.
+KERNEL_CATEGORIES = (
+    ("attention", r"_split_kernel|_combine_kernel|flash|fmha|attention|sdpa|softmax"),
+    ("norm/rope/prologue", r"_rope_cache_kernel|_context_kv_kernel|rms_?norm|layer_?norm|rsqrt|rope|rotary"),
+    ("reduction/split-K", r"reduce|argmax|argmin|topk"),
+    ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|(?<![a-z])(add|b)?mm(?![a-z])|linear|matmul"),
+    ("other fused", r"^triton_"),
+    ("copy", r"memcpy|memset|copy|index|gather|scatter"),
+)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel, memory copy or set on the GPU (on a CPU: one top-level operator), in profiler µs."""
+
+    name: str
+    start_us: float
+    duration_us: float
+
+
+def group_by_call(call_starts: Sequence[float], launches: Sequence[Launch]) -> list[list[Launch]]:
+    """`launches` split by call: each goes to the last call started before it (earlier ones are dropped)."""
+    starts = sorted(call_starts)
+    calls: list[list[Launch]] = [[] for _ in starts]
+    for launch in sorted(launches, key=lambda item: item.start_us):
+        index = bisect.bisect_right(starts, launch.start_us) - 1
+        if index >= 0:
+            calls[index].append(launch)
+    return calls
+
+
+def call_intervals(intervals: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
+    """(sum of the durations, time covered by at least one interval, first start to last end) of one
+    call's (start, duration) intervals: kernels overlapping on two streams count once in the second."""
+    total = covered = 0.0
+    first, covered_to = math.inf, -math.inf
+    for start, duration in sorted(intervals):
+        end = start + duration
+        total += duration
+        covered += max(0.0, end - max(start, covered_to))
+        first, covered_to = min(first, start), max(covered_to, end)
+    return total, covered, (covered_to - first) if intervals else 0.0
+
+
+def gpu_time(calls: Sequence[Sequence[tuple[float, float]]]) -> dict[str, float]:
+    """Means over `calls` (each a list of (start_us, duration_us)) of: launches, the time kernels run
+    (`kernel_ms`, overlaps counted once; `overlap_ms`: what overlapping adds to their plain sum), the busy
+    span (first start to last end), the gaps inside it (span - kernel time) and the gap per launch (µs)."""
+    n = max(len(calls), 1)
+    sums = [0.0, 0.0, 0.0, 0.0]  # launches, sum of durations, covered, span
+    for intervals in calls:
+        total, covered, span = call_intervals(intervals)
+        for i, value in enumerate((len(intervals), total, covered, span)):
+            sums[i] += value
+    launches, total, covered, span = (value / n for value in sums)
+    return {"launches": launches, "kernel_ms": covered / 1e3, "overlap_ms": (total - covered) / 1e3,
+            "busy_ms": span / 1e3, "gap_ms": (span - covered) / 1e3,
+            "gap_per_launch_us": (span - covered) / launches if launches else 0.0}
+
+
+def kernel_category(name: str) -> str:
+    lowered = name.lower()
+    return next((category for category, pattern in KERNEL_CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def kernel_categories(calls: Sequence[Sequence[Launch]]) -> dict[str, dict[str, float]]:
+    """Per category, heaviest first: mean ms of kernel time (plain sums of durations) and launches per call."""
+    totals: dict[str, list[float]] = {}
+    for launch in (launch for call in calls for launch in call):
+        entry = totals.setdefault(kernel_category(launch.name), [0.0, 0.0])
+        entry[0] += launch.duration_us
+        entry[1] += 1
+    n = max(len(calls), 1)
+    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+    return {category: {"ms": us / n / 1e3, "launches": count / n} for category, (us, count) in ranked}
+
+
+@dataclass(frozen=True)
+class CallProfile:
+    calls: list[list[Launch]]  # what each call put on the GPU
+    wall_us: list[float]  # each call's profiler range on the host: the call and its synchronisation
+
+
+def profiled_calls(step: Callable[[], Any], device: torch.device, iters: int = 10) -> CallProfile:
+    """What each of `iters` profiled calls of `step` put on the GPU: kernels, memory copies and sets
+    (kernels inside a replayed CUDA graph included), grouped by call. Each call runs inside a profiler range
+    and ends with a synchronisation, so no call's GPU work starts before its range or runs past the next
+    one's start. On a CPU: the top-level operators of a call, a stand-in that keeps this code exercised."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    # CPU activity on a GPU too: the ranges are host events (it costs the graphed loops nothing, a launch each)
+    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    with profile(activities=activities) as prof:
         for _ in range(iters):
-            step()
-        if cuda:
-            torch.cuda.synchronize(device)
-    if cuda:
-        count = sum(1 for event in prof.events() if event.device_type == DeviceType.CUDA)
-    else:
-        count = sum(1 for event in prof.events() if event.cpu_parent is None and event.name.startswith("aten::"))
-    return count / iters
+            with record_function(CALL_MARKER):
+                step()
+                if cuda:
+                    torch.cuda.synchronize(device)
+    return split_by_call(prof.events(), cuda)
 
 
-def record_launches(result: dict[str, Any], key: str, step: Callable[[], Any], device: torch.device,
-                    layers: int) -> None:
-    """`{key}_launches` per step and `{key}_launches_per_layer`."""
-    launches = launches_per_step(step, device)
+def split_by_call(events: Sequence[Any], cuda: bool) -> CallProfile:
+    """The profiler's events (`torch.autograd.profiler_util.FunctionEvent`s) as a `CallProfile`: the calls
+    are the host's `CALL_MARKER` ranges; the launches, GPU events (or on a CPU, top-level operators)."""
+    from torch.autograd import DeviceType
+
+    ranges = [event.time_range for event in events if event.name == CALL_MARKER and event.device_type == DeviceType.CPU]
+    launches = [Launch(event.name, event.time_range.start, event.time_range.elapsed_us())
+                for event in events if (on_gpu(event) if cuda else top_level_operator(event))]
+    ranges.sort(key=lambda span: span.start)
+    return CallProfile(group_by_call([span.start for span in ranges], launches),
+                       [span.elapsed_us() for span in ranges])
+
+
+def on_gpu(event: Any) -> bool:
+    """A kernel, memory copy or set (the profiler also puts record_function ranges on the GPU's timeline)."""
+    from torch.autograd import DeviceType
+
+    return (event.device_type == DeviceType.CUDA and not event.is_user_annotation
+            and event.name != CALL_MARKER)
+
+
+def top_level_operator(event: Any) -> bool:
+    parent = event.cpu_parent
+    return event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
+
+
+def launches_per_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> float:
+    """Kernels, memory copies and sets that one call of `step` puts on the GPU (`profiled_calls`)."""
+    return gpu_time(as_intervals(profiled_calls(step, device, iters).calls))["launches"]
+
+
+def as_intervals(calls: Sequence[Sequence[Launch]]) -> list[list[tuple[float, float]]]:
+    return [[(launch.start_us, launch.duration_us) for launch in call] for call in calls]
+
+
+def record_trace(result: dict[str, Any], key: str, step: Callable[[], Any], device: torch.device,
+                 layers: int) -> None:
+    """From one profile of `step`: `{key}_launches` per step and per layer, where its GPU time goes
+    (`{key}_kernel_ms`, `_gap_ms`, `_gap_per_launch_us`, `_busy_ms`, `_overlap_ms`), the host's share of
+    its timed `{key}_ms` (`_host_ms`: the time the GPU is not busy with the call), the kernel time by
+    category (`{key}_kernel_categories`) and a profiled call's host time, synchronisation included
+    (`{key}_profiled_ms`: beside `{key}_ms`, what profiling added)."""
+    profiled = profiled_calls(step, device)
+    timing = gpu_time(as_intervals(profiled.calls))
+    launches = timing.pop("launches")
     result[f"{key}_launches"], result[f"{key}_launches_per_layer"] = launches, launches / layers
-    show(result, f"{key}_launches", f"{key}_launches_per_layer")
+    result.update({f"{key}_{figure}": value for figure, value in timing.items()})
+    result[f"{key}_host_ms"] = result[f"{key}_ms"] - timing["busy_ms"]
+    result[f"{key}_profiled_ms"] = sum(profiled.wall_us) / max(len(profiled.wall_us), 1) / 1e3
+    result[f"{key}_kernel_categories"] = kernel_categories(profiled.calls)
+    show(result, f"{key}_launches", f"{key}_launches_per_layer", f"{key}_kernel_ms", f"{key}_gap_ms",
+         f"{key}_gap_per_launch_us", f"{key}_host_ms")
+    print(category_table(key, result[f"{key}_kernel_categories"]), flush=True)
+
+
+def category_table(key: str, categories: dict[str, dict[str, float]]) -> str:
+    rows = [f"  {category:<20} {entry['ms']:8.3f} ms {entry['launches']:8.1f}" for category, entry in categories.items()]
+    return "\n".join([f"decode: {key} kernel time by category (per call: ms, launches)", *rows])
 
 
 def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) -> float:
@@ -298,84 +457,146 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
     return result
 
 
-def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+# The loop variants of the qwen3-8b section, in the order they run. Loop variants: name -> (key suffix, CUDA
+# graph, torch.compile, compile scope): the full loop, the same compiled one layer at a time (one decoder
+# layer's graph reused by every layer: setup seconds against step time), then without the graph, then eager.
+LOOP_VARIANTS = {"default": ("", True, True, "step"), "layer_scope": ("_layer_scope", True, True, "layer"),
+                 "no_graph": ("_no_graph", False, True, "step"), "eager": ("_eager", False, False, "step")}
+# Ablations: the graphed loop without one of the step's optimisations at a time, what each is worth:
+# name -> (StaticTarget options over the default runner's, the loops measured).
+ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cycle")),
+             "torch_prologue": ({"fuse_prologue": False}, ("target_step",)),
+             "unfused": ({"fuse_projections": False}, ("target_step",))}
+VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, "hf")  # hf: the Hugging Face decode step, for reference
+
+
+@dataclass
+class Qwen3Bench:
+    """What every variant of the qwen3-8b section shares."""
+
+    args: argparse.Namespace
+    device: torch.device
+    target: TargetModel
+    draft: DFlashDraftModel
+    runner: StaticTarget
+    prompt: list[int]
+    length: int
+    output: Output
+
+    @property
+    def result(self) -> dict[str, Any]:
+        return self.output.results["qwen3_8b"]
+
+    def checkpoint(self) -> None:
+        """The ratios measured so far, and everything written out: a run cut short keeps what it measured."""
+        self.result.update(derived(self.result))
+        self.output.save()
+
+    @property
+    def new_tokens(self) -> int:
+        return new_tokens(self.args)
+
+    def engine(self, loop: str, runner: StaticTarget, compiled: bool = True, **options: Any) -> DecodeEngine:
+        """The target-step (one token) or DFlash-cycle (a block of 16) engine of `loop`."""
+        draft, block = (None, 1) if loop == "target_step" else (self.draft, 16)
+        config = EngineConfig(block_size=block, max_new_tokens=self.new_tokens, max_length=self.length,
+                              compile=compiled and self.device.type == "cuda", **options)  # CPU: no compiler wait
+        return DecodeEngine(self.target, draft, config, runner=runner)
+
+    def measure(self, key: str, engine: DecodeEngine) -> None:
+        """`{key}_ms`, `{key}_setup_s` (compilation and capture) and the profile's figures (`record_trace`)."""
+        setup: dict[str, float] = {}
+        self.result[f"{key}_ms"] = engine_step_ms(engine, self.prompt, self.args.warmup, self.args.iters, setup)
+        self.result[f"{key}_setup_s"] = setup["seconds"]
+        show(self.result, f"{key}_ms", f"{key}_setup_s")
+        record_trace(self.result, key, engine.step, self.device, self.target.config.num_hidden_layers)
+
+
+def new_tokens(args: argparse.Namespace) -> int:
+    """Tokens an engine decodes: the timed and untimed steps, and a margin."""
+    return args.warmup + args.iters + 4
+
+
+def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, output: Output) -> None:
+    """Fills `output.results["qwen3_8b"]`, saving `output` after each variant."""
     shape = TINY_QWEN3 if args.tiny else QWEN3_8B
     target = random_target(shape, device, dtype)
     draft = random_draft(target, 3 if args.tiny else 5, 16, min(151669, shape["vocab_size"] - 1))
     context = args.context or (64 if args.tiny else 1024)
     prompt = torch.randint(0, shape["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
-    new_tokens = args.warmup + args.iters + 4
-    length = -(-(context + new_tokens + 32) // 256) * 256
-    result: dict[str, Any] = {"shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers}
-    runner = None
-    # (suffix, CUDA graph, torch.compile, compile scope): the full loop, the same compiled one layer at a time
-    # (one decoder layer's graph reused by every layer: setup seconds against step time), then without the
-    # graph, then plain eager.
-    variants = (("", True, True, "step"), ("_layer_scope", True, True, "layer"), ("_no_graph", False, True, "step"),
-                ("_eager", False, False, "step"))
-    for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
-        for suffix, graphs, compiled, scope in variants:
-            config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length, cuda_graphs=graphs,
-                                  compile=compiled and device.type == "cuda",  # CPU: no compiler wait
-                                  compile_scope=scope)
-            engine = DecodeEngine(target, draft_model, config, runner=runner)
-            runner = engine.runner
-            setup: dict[str, float] = {}
-            result[f"{name}{suffix}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters, setup)
-            result[f"{name}{suffix}_setup_s"] = setup["seconds"]
-            show(result, f"{name}{suffix}_ms", f"{name}{suffix}_setup_s")
-            record_launches(result, f"{name}{suffix}", engine.step, device, shape["num_hidden_layers"])
-            if suffix == "":
-                result[f"{name}_cuda_graph"], result[f"{name}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
-                result[f"{name}_attention"], result[f"{name}_compile_error"] = engine.runner.attention, engine.compile_error
-                result[f"{name}_prologue"] = engine.runner.prologue
-                if args.profile:
-                    result.setdefault("profiles", {})[name] = kernel_profile(engine.step, device)
-            if suffix == "_layer_scope":
-                result[f"{name}_layer_scope_compile_error"] = engine.compile_error
-            del engine
-            gc.collect()
-    # The same graphed loop without one of the step's optimisations at a time: what each is worth.
-    ablations = [("sdpa_attention", {"kernels": "torch"}, ("target_step", "dflash_cycle")),
-                 ("torch_prologue", {"kernels": runner.kernels, "fuse_prologue": False}, ("target_step",)),
-                 ("unfused", {"kernels": runner.kernels, "fuse_projections": False}, ("target_step",))]
-    for label, runner_options, names in ablations:
-        if (label == "sdpa_attention" and runner.attention != "triton") or (
-                label == "torch_prologue" and runner.prologue != "triton"):
-            continue
-        other = StaticTarget(target, 1, length, **runner_options)
-        for name, draft_model, block in (("target_step", None, 1), ("dflash_cycle", draft, 16)):
-            if name not in names:
-                continue
-            config = EngineConfig(block_size=block, max_new_tokens=new_tokens, max_length=length,
-                                  compile=device.type == "cuda")
-            engine = DecodeEngine(target, draft_model, config, runner=other)
-            result[f"{name}_{label}_ms"] = engine_step_ms(engine, prompt, args.warmup, args.iters)
-            show(result, f"{name}_{label}_ms")
-            record_launches(result, f"{name}_{label}", engine.step, device, shape["num_hidden_layers"])
-            del engine
-            gc.collect()
-        del other
-    if args.compile_variants:
-        result |= compile_variants(target, runner, prompt, new_tokens, length, device, args)
-    result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
+    length = -(-(context + new_tokens(args) + 32) // 256) * 256
+    runner = StaticTarget(target, 1, length, kernels=resolve_kernels("auto", device))
     weight_bytes = weight_bytes_per_step(target)
-    result["weight_bytes_per_step"] = weight_bytes
-    result["floor_ms"] = weight_bytes / COPY_BANDWIDTH * 1e3
-    result["target_step_over_floor"] = result["target_step_ms"] / result["floor_ms"]
-    result["cycle_over_target_step"] = result["dflash_cycle_ms"] / result["target_step_ms"]
-    for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step, and saves
-        result[f"{name}_layer_scope_over_step_scope"] = result[f"{name}_layer_scope_ms"] / result[f"{name}_ms"]
-        result[f"{name}_layer_scope_setup_saved_s"] = (result[f"{name}_setup_s"]
-                                                       - result[f"{name}_layer_scope_setup_s"])
-    if "target_step_torch_prologue_launches" in result:  # what the fused prologue saves, per layer
-        result["launches_per_layer_saved_by_rope_cache"] = (result["target_step_torch_prologue_launches_per_layer"]
-                                                            - result["target_step_launches_per_layer"])
+    result = output.results["qwen3_8b"] = {
+        "shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers,
+        "variants": list(args.variants), "weight_bytes_per_step": weight_bytes,
+        "floor_ms": weight_bytes / COPY_BANDWIDTH * 1e3, "attention": runner.attention, "prologue": runner.prologue}
+    bench = Qwen3Bench(args, device, target, draft, runner, prompt, length, output)
+    for loop in ("target_step", "dflash_cycle"):
+        for variant in (v for v in LOOP_VARIANTS if v in args.variants):
+            loop_variant(bench, loop, variant)
+    for label in (label for label in ABLATIONS if label in args.variants and ablation_applies(label, runner)):
+        ablation(bench, label)
+    if args.compile_variants:
+        result |= compile_variants(target, runner, prompt, bench.new_tokens, length, device, args)
+        bench.checkpoint()
+    if "hf" in args.variants:
+        result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
+        bench.checkpoint()
     if device.type == "cuda":
         result["kernels"] = kernel_timings(device, shape["vocab_size"], draft, args.iters)
-    del target, draft, runner
+    del target, draft, runner, bench
     gc.collect()
-    return result
+
+
+def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
+    suffix, graphs, compiled, scope = LOOP_VARIANTS[variant]
+    key, result = f"{loop}{suffix}", bench.result
+    engine = bench.engine(loop, bench.runner, compiled, cuda_graphs=graphs, compile_scope=scope)
+    bench.measure(key, engine)
+    if variant in ("default", "layer_scope"):
+        result[f"{key}_compile_error"] = engine.compile_error
+    if variant == "default":
+        result[f"{key}_cuda_graph"], result[f"{key}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
+        result[f"{key}_attention"], result[f"{key}_prologue"] = engine.runner.attention, engine.runner.prologue
+        if bench.args.profile:
+            bench.output.profiles[loop] = kernel_profile(engine.step, bench.device)
+    del engine
+    gc.collect()
+    bench.checkpoint()
+
+
+def ablation_applies(label: str, runner: StaticTarget) -> bool:
+    """An ablation of a kernel the default runner does not use (on a CPU: neither) would repeat the default."""
+    return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton"}.get(
+        label, True)
+
+
+def ablation(bench: Qwen3Bench, label: str) -> None:
+    options, loops = ABLATIONS[label]
+    runner = StaticTarget(bench.target, 1, bench.length, **{"kernels": bench.runner.kernels, **options})
+    for loop in loops:
+        engine = bench.engine(loop, runner)
+        bench.measure(f"{loop}_{label}", engine)
+        del engine
+        gc.collect()
+        bench.checkpoint()
+    del runner
+
+
+def derived(result: dict[str, Any]) -> dict[str, float]:
+    """Ratios between the variants measured so far (one that needs a skipped variant is left out)."""
+    ratios = {"target_step_over_floor": ("target_step_ms", "floor_ms"),
+              "cycle_over_target_step": ("dflash_cycle_ms", "target_step_ms")}
+    for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step
+        ratios[f"{name}_layer_scope_over_step_scope"] = (f"{name}_layer_scope_ms", f"{name}_ms")
+    out = {key: result[a] / result[b] for key, (a, b) in ratios.items() if a in result and b in result}
+    differences = {f"{name}_layer_scope_setup_saved_s": (f"{name}_setup_s", f"{name}_layer_scope_setup_s")
+                   for name in ("target_step", "dflash_cycle")}
+    # what the fused prologue saves, per layer
+    differences["launches_per_layer_saved_by_rope_cache"] = ("target_step_torch_prologue_launches_per_layer",
+                                                             "target_step_launches_per_layer")
+    return out | {key: result[a] - result[b] for key, (a, b) in differences.items() if a in result and b in result}
 
 
 def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list, list]:
@@ -479,22 +700,7 @@ def plot(results: dict[str, Any], path: Any) -> None:
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
     if "qwen3_8b" in results:
-        q = results["qwen3_8b"]
-        names = ["floor", "ours step", "ours step, layer scope", "ours step, SDPA attention",
-                 "ours step, PyTorch prologue", "ours step, unfused", "ours step, no graph", "ours step, eager",
-                 "HF step", "DFlash cycle", "cycle, layer scope", "cycle, SDPA attention", "cycle, no graph",
-                 "cycle, eager"]
-        values = [q["floor_ms"], q["target_step_ms"], q.get("target_step_layer_scope_ms", 0.0),
-                  q.get("target_step_sdpa_attention_ms", 0.0), q.get("target_step_torch_prologue_ms", 0.0),
-                  q.get("target_step_unfused_ms", 0.0), q["target_step_no_graph_ms"], q["target_step_eager_ms"],
-                  q["hf_step_ms"], q["dflash_cycle_ms"], q.get("dflash_cycle_layer_scope_ms", 0.0),
-                  q.get("dflash_cycle_sdpa_attention_ms", 0.0), q["dflash_cycle_no_graph_ms"],
-                  q["dflash_cycle_eager_ms"]]
-        colors = ["grey", "tab:blue", "cornflowerblue", "steelblue", "slateblue", "navy", "tab:cyan", "lightblue",
-                  "tab:red", "tab:green", "mediumseagreen", "seagreen", "tab:olive", "palegreen"]
-        axes[0].barh(names, values, color=colors)
-        axes[0].set_xlabel(f"ms (batch 1, {q['context']}-token context)")
-        axes[0].set_title("Qwen3-8B shapes: step times")
+        plot_qwen3(axes[0], results["qwen3_8b"])
     if "smollm2" in results:
         s = results["smollm2"]
         names = ["ours + drafter", "reference loop", "ours target only", "HF generate"]
@@ -508,7 +714,29 @@ def plot(results: dict[str, Any], path: Any) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+# (label, key, colour) of the qwen3-8b bars; a variant the run skipped has no bar.
+QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "tab:blue"),
+              ("ours step, layer scope", "target_step_layer_scope_ms", "cornflowerblue"),
+              ("ours step, SDPA attention", "target_step_sdpa_attention_ms", "steelblue"),
+              ("ours step, PyTorch prologue", "target_step_torch_prologue_ms", "slateblue"),
+              ("ours step, unfused", "target_step_unfused_ms", "navy"),
+              ("ours step, no graph", "target_step_no_graph_ms", "tab:cyan"),
+              ("ours step, eager", "target_step_eager_ms", "lightblue"), ("HF step", "hf_step_ms", "tab:red"),
+              ("DFlash cycle", "dflash_cycle_ms", "tab:green"),
+              ("cycle, layer scope", "dflash_cycle_layer_scope_ms", "mediumseagreen"),
+              ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
+              ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),
+              ("cycle, eager", "dflash_cycle_eager_ms", "palegreen"))
+
+
+def plot_qwen3(axis: Any, q: dict[str, Any]) -> None:
+    bars = [(label, q[key], color) for label, key, color in QWEN3_BARS if key in q]
+    axis.barh([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
+    axis.set_xlabel(f"ms (batch 1, {q['context']}-token context)")
+    axis.set_title("Qwen3-8B shapes: step times")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--section", choices=("all", "qwen3-8b", "smollm2"), default="all")
     parser.add_argument("--target", default="smollm2-135m-instruct",
@@ -521,6 +749,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--context", type=int, default=None, help="qwen3-8b context (default 1024)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help=f"qwen3-8b: the comma-separated variants to measure, of {', '.join(VARIANTS)} "
+                             "(default: all; each compiled one takes about a minute on an H200)")
     parser.add_argument("--profile", action="store_true",
                         help="qwen3-8b: also write the kernel table of the graphed target step and cycle "
                              "(<out>.profile.txt)")
@@ -533,45 +764,58 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "token for token (in bf16 their different kernels round the target's ties differently)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode.json)")
     args = parser.parse_args(argv)
-    unknown = set(filter(None, args.compile_variants.split(","))) - set(COMPILE_VARIANTS)
+    args.variants = known_names(parser, "--variants", args.variants, VARIANTS)
+    known_names(parser, "--compile-variants", args.compile_variants, tuple(COMPILE_VARIANTS))
+    return args
+
+
+def known_names(parser: argparse.ArgumentParser, flag: str, given: str, known: Sequence[str]) -> tuple[str, ...]:
+    """The comma-separated `given` names in `known`'s order; an unknown one ends the program with one line."""
+    names = {name.strip() for name in given.split(",")} - {""}
+    unknown = names - set(known)
     if unknown:
-        parser.error(f"--compile-variants: unknown {', '.join(sorted(unknown))}; choose from {', '.join(COMPILE_VARIANTS)}")
+        parser.exit(2, f"{parser.prog}: error: {flag}: unknown {', '.join(sorted(unknown))}; choose from "
+                       f"{', '.join(known)}\n")
+    return tuple(name for name in known if name in names)
+
+
+@dataclass
+class Output:
+    """The results JSON (and the kernel tables of `--profile` beside it), written again after every measured
+    variant, as `decode_batch.py` does: a run cut short by a time limit keeps what it measured
+    (`"complete": false` until the end)."""
+
+    path: pathlib.Path
+    results: dict[str, Any] = field(default_factory=dict)
+    profiles: dict[str, str] = field(default_factory=dict)
+    stamp: dict[str, Any] = field(default_factory=stamp)
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({**self.stamp, **self.results}, indent=2) + "\n")
+        if self.profiles:
+            tables = "".join(f"== {name}\n{table}\n" for name, table in self.profiles.items())
+            self.path.with_suffix(".profile.txt").write_text(tables)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
                                                                              else "float32")]
-    results: dict[str, Any] = {}
+    # DFLASH_BENCH_RESULTS moves the default folder, as for `benchmarks.common.write_result`.
+    path = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR)) / "decode.json")
+    output = Output(path, {"tiny": args.tiny, "complete": False})
     if args.section in ("all", "qwen3-8b"):
-        results["qwen3_8b"] = section_qwen3(args, device, dtype)
+        section_qwen3(args, device, dtype, output)
+        output.save()
     if args.section in ("all", "smollm2"):
-        results["smollm2"] = section_smollm2(args, device, dtype)
-    results["tiny"] = args.tiny
-    profiles = results.get("qwen3_8b", {}).pop("profiles", None)
-    path = save(results, args.out)
-    if profiles:
-        path.with_suffix(".profile.txt").write_text("".join(f"== {name}\n{table}\n" for name, table in profiles.items()))
-    plot(results, path.with_suffix(".png"))
-    print(json_dump(results))
-    return results
-
-
-def save(results: dict[str, Any], out: str | None) -> Any:
-    import json
-    import pathlib
-
-    from benchmarks.common import stamp
-
-    if out is None:
-        return write_result("decode", results)
-    path = pathlib.Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({**stamp(), **results}, indent=2) + "\n")
-    return path
-
-
-def json_dump(results: dict[str, Any]) -> str:
-    import json
-
-    return json.dumps(results, indent=2)
+        output.results["smollm2"] = section_smollm2(args, device, dtype)
+    output.results["complete"] = True
+    output.save()
+    plot(output.results, path.with_suffix(".png"))
+    print(json.dumps(output.results, indent=2))
+    return output.results
 
 
 if __name__ == "__main__":

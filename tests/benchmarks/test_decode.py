@@ -1,13 +1,17 @@
 """`benchmarks/decode.py` runs end to end on tiny CPU shapes (its GPU numbers come from the H200), and the
-reference loop it compares against gives the fast loop's tokens and acceptance lengths."""
+reference loop it compares against gives the fast loop's tokens and acceptance lengths; `--variants` measures
+only the variants named, refuses unknown ones, and the JSON written after each variant survives a run cut
+short."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from benchmarks import decode
 from benchmarks.decode import main
 
 
@@ -42,3 +46,59 @@ def test_decode_benchmark_refuses_an_unknown_compile_variant(capsys: pytest.Capt
     with pytest.raises(SystemExit):
         main(["--tiny", "--device", "cpu", "--compile-variants", "autotuned,nope"])
     assert "unknown nope; choose from frozen, autotuned" in capsys.readouterr().err
+
+
+TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
+
+
+def test_decode_benchmark_measures_only_the_chosen_variants(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "default", "--out", str(out)])
+    result = json.loads(out.read_text())
+    qwen = result["qwen3_8b"]
+    assert result["complete"] is True and qwen["variants"] == ["default"]
+    for name in ("target_step", "dflash_cycle"):
+        assert qwen[f"{name}_launches"] > 0 and qwen[f"{name}_kernel_ms"] > 0 and qwen[f"{name}_gap_ms"] >= 0
+        assert qwen[f"{name}_busy_ms"] == pytest.approx(qwen[f"{name}_kernel_ms"] + qwen[f"{name}_gap_ms"])
+        assert qwen[f"{name}_gap_per_launch_us"] == pytest.approx(qwen[f"{name}_gap_ms"] * 1e3
+                                                                  / qwen[f"{name}_launches"])
+        assert qwen[f"{name}_host_ms"] == pytest.approx(qwen[f"{name}_ms"] - qwen[f"{name}_busy_ms"])
+        assert qwen[f"{name}_profiled_ms"] >= qwen[f"{name}_busy_ms"]
+        categories = qwen[f"{name}_kernel_categories"]  # CPU: operators, the matmuls among them
+        assert categories["matmul"]["ms"] > 0 and categories["matmul"]["launches"] > 0
+        assert sum(entry["launches"] for entry in categories.values()) == pytest.approx(qwen[f"{name}_launches"])
+    assert qwen["target_step_over_floor"] > 0 and qwen["cycle_over_target_step"] > 0
+    skipped = ("layer_scope", "no_graph", "eager", "unfused", "hf_step", "over_step_scope", "setup_saved")
+    assert not [key for key in qwen if any(part in key for part in skipped)]
+
+
+def test_decode_benchmark_refuses_an_unknown_variant_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main([*TINY_QWEN3, "--variants", "default,nope"])
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "--variants: unknown nope; choose from default, layer_scope, no_graph" in error
+
+
+class CutShort(Exception):
+    """Stands for a time limit that ends the run."""
+
+
+def test_decode_benchmark_keeps_what_it_measured_when_cut_short(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    measure = decode.engine_step_ms
+    calls: list[int] = []
+
+    def first_only(*args: Any, **kwargs: Any) -> float:
+        calls.append(1)
+        if len(calls) > 1:  # the second variant never ends
+            raise CutShort
+        return measure(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "engine_step_ms", first_only)
+    out = tmp_path / "decode.json"
+    with pytest.raises(CutShort):
+        main([*TINY_QWEN3, "--variants", "default,layer_scope", "--out", str(out)])
+    result = json.loads(out.read_text())
+    qwen = result["qwen3_8b"]
+    assert result["complete"] is False and qwen["target_step_ms"] > 0 and qwen["target_step_gap_ms"] >= 0
+    assert qwen["target_step_over_floor"] > 0 and "target_step_layer_scope_ms" not in qwen
