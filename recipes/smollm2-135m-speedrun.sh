@@ -25,7 +25,7 @@
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
-#   TRAIN_EXTRA     more training overrides (e.g. "training.optimizer=muon")
+#   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
