@@ -21,14 +21,20 @@ own earlier answers (`--turns 1`, the default, answers the first).
 
 Several processes split the work (`torchrun --nproc-per-node 8 -m dflash_train.cli regenerate ...` or
 --rank/--world-size). A killed run resumes with the same command; the output directory is an OpenAI-messages
-corpus for `dflash-train prepare --data DIR`.
+corpus for `dflash-train prepare --data DIR`. Stopped by SIGTERM (`timeout`) or Ctrl-C, the command prints what
+it finished and how fast (from regen_stats.json, rewritten after every shard) and exits 143 or 130.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
+import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 from dflash_train.data.backends import LocalBackend, OpenAIBackend
@@ -46,10 +52,12 @@ from dflash_train.data.cli_args import (
 )
 from dflash_train.data.regenerate import (
     RegenerateConfig,
+    latest_stats,
     manifest_settings,
     plan_prompts,
     plan_units,
     regenerate,
+    stopped_line,
 )
 from dflash_train.data.shards import REGEN_MANIFEST, rank_and_world
 from dflash_train.data.target_tokenizer import load_target_tokenizer
@@ -185,7 +193,36 @@ def _made_otherwise(out: Path, chat: ChatTokenizer, config: RegenerateConfig) ->
     return any(found.get(key) != value for key, value in expected.items())
 
 
+class Stopped(Exception):
+    """A termination signal, raised in the main thread so that the run reports what it finished."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"signal {signum}")
+        self.signum = signum
+
+
+def _raise_stopped(signum: int, frame: FrameType | None) -> None:
+    raise Stopped(signum)
+
+
+def reporting_stops(work: Callable[[], int], out: Path, rank: int, world: int, started: float) -> int:
+    """``work()``, or on SIGTERM/Ctrl-C the stopped line and 128 + the signal, the code of a process killed
+    by it (so scripts still see a stop). The handler is this command's only, restored after."""
+    on_main = threading.current_thread() is threading.main_thread()  # signal.signal works there only
+    previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main else None
+    try:
+        return work()
+    except (KeyboardInterrupt, Stopped) as stop:
+        signum = stop.signum if isinstance(stop, Stopped) else int(signal.SIGINT)
+        print(stopped_line(latest_stats(out, rank, world, started)), flush=True)
+        return 128 + signum
+    finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous if previous is not None else signal.SIG_DFL)
+
+
 def run(args: argparse.Namespace) -> int:
+    started = time.time()  # model load, compile and planning count in the overall rate
     rank, world = rank_and_world(args.rank, args.world_size)
     tokenizer = load_target_tokenizer(args.target)
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
@@ -193,9 +230,14 @@ def run(args: argparse.Namespace) -> int:
         corpus_specs(args), args.max_new_tokens, args.temperature, args.seed, thinking_value(args),
         args.batch_size, args.max_prompt_tokens, not args.keep_duplicates,
         settings={"target": args.target, **_recorded(args)}, turns=args.turns,
-        samples_per_prompt=args.samples_per_prompt,
+        samples_per_prompt=args.samples_per_prompt, started=started,
     )
     _claim_out(args.out, chat, config, args.overwrite)
+    return reporting_stops(lambda: _run(args, tokenizer, chat, config, rank, world), args.out, rank, world, started)
+
+
+def _run(args: argparse.Namespace, tokenizer: object, chat: ChatTokenizer, config: RegenerateConfig, rank: int,
+         world: int) -> int:
     backend = _backend(args, tokenizer)
     manifest = regenerate(backend, chat, config, args.out, rank, world, tqdm_progress("regenerate", "tok/s"))
     where = f"turn {manifest['turn']} of {manifest['rounds']}: " if manifest.get("rounds", 1) > 1 else ""

@@ -22,6 +22,11 @@ Output rows: ``{"messages": [...prompt, {"role": "assistant", "content": ...}], 
 that ``dflash-train prepare`` reads directly. ``source`` and ``source_index`` are the prompt's own labels where
 its record has them (a ``pack`` file mixes named sources), else the corpus name and the record's index; prepare
 keeps them, so training reports its validation per source.
+
+Throughput: after every shard a process rewrites ``regen_stats.json`` beside the shards (one process; with
+several, each rank its own ``regen_stats.rank<r>.json``): units, rows, answer and prompt tokens, finish reasons,
+for this run and for every shard present, and answer tokens per second over the decoding time and over the time
+since the command started. A run stopped by a kill leaves the figures of its last shard.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from itertools import islice
@@ -89,6 +94,7 @@ class RegenerateConfig:
     turn_wait_seconds: float = 3600.0  # how long a rank waits for the other ranks to finish a turn
     samples_per_prompt: int = 1  # answers sampled per prompt, each a row (and conversation) of its own
     plan_window_units: int = PLAN_WINDOW_UNITS  # units of consecutive input rows sorted by length together
+    started: float = field(default_factory=time.time)  # when the command started: load and planning count too
 
     def __post_init__(self) -> None:
         if self.plan_window_units < 1:
@@ -195,13 +201,116 @@ def _start(backend: Backend, batch: list[PromptRow], seed: int) -> Callable[[], 
     return start(asked, seed) if start is not None else (lambda: backend.complete(asked, seed))
 
 
+STATS_FILE = "regen_stats.json"  # not a shard's name: prepare reads part-*.jsonl only
+
+
+def stats_path(out_dir: Path, rank: int, world: int) -> Path:
+    """One file per process, so that no two ranks rewrite the same file."""
+    return out_dir / (STATS_FILE if world == 1 else f"regen_stats.rank{rank}.json")
+
+
+@dataclass
+class Tally:
+    """Counts over output rows."""
+
+    units: int = 0
+    rows: int = 0
+    answer_tokens: int = 0
+    prompt_tokens: int = 0
+    finish_reasons: Counter[str] = field(default_factory=Counter)
+
+    def add(self, rows: list[dict[str, Any]]) -> None:
+        self.units += 1
+        self.rows += len(rows)
+        for row in rows:
+            self.answer_tokens += row.get("completion_tokens", 0)
+            self.prompt_tokens += row.get("prompt_tokens", 0)
+            self.finish_reasons[str(row.get("finish_reason"))] += 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"units": self.units, "rows": self.rows, "answer_tokens": self.answer_tokens,
+                "prompt_tokens": self.prompt_tokens, "finish_reasons": dict(sorted(self.finish_reasons.items()))}
+
+
+@dataclass
+class RunStats:
+    """This run's figures (its rates count only its own units) and the totals of every shard present."""
+
+    path: Path
+    num_units: int
+    command_started: float
+    decoding_started: float = field(default_factory=time.time)
+    run: Tally = field(default_factory=Tally)
+    total: Tally = field(default_factory=Tally)
+
+    @classmethod
+    def start(cls, out_dir: Path, rank: int, world: int, num_units: int, command_started: float) -> RunStats:
+        """Counts the shards already present (a resumed run's) and writes the file at once, so that an
+        earlier run's figures never stand for this one's."""
+        stats = cls(stats_path(out_dir, rank, world), num_units, command_started)
+        for shard in regenerated_files(out_dir):
+            stats.total.add([json.loads(line) for line in shard.read_bytes().splitlines() if line.strip()])
+        stats.decoding_started = time.time()  # reading earlier shards is start-up, not decoding
+        stats.write()
+        return stats
+
+    def record(self, written: list[dict[str, Any]], answered: list[dict[str, Any]]) -> None:
+        """A finished shard: all its rows count in the totals, the rows answered now (not carried from an
+        earlier turn) in this run's figures."""
+        self.total.add(written)
+        self.run.add(answered)
+        self.write()
+
+    def write(self) -> None:
+        now = time.time()
+        decoding, overall = now - self.decoding_started, now - self.command_started
+        write_json_atomically(self.path, {
+            "num_units": self.num_units, "this_run": self.run.as_dict(), "all_shards": self.total.as_dict(),
+            "command_started": self.command_started, "decoding_seconds": round(decoding, 3),
+            "command_seconds": round(overall, 3),
+            "answer_tokens_per_second_decoding": round(self.run.answer_tokens / max(decoding, 1e-9), 1),
+            "answer_tokens_per_second_overall": round(self.run.answer_tokens / max(overall, 1e-9), 1),
+        })
+
+
+def latest_stats(out_dir: Path, rank: int, world: int, command_started: float) -> dict[str, Any] | None:
+    """The stats this command wrote last (in ``out_dir`` or, multi-turn, a turn's folder), or None when it
+    wrote none: an earlier run's file does not count."""
+    name = stats_path(out_dir, rank, world).name
+    found: list[tuple[float, dict[str, Any]]] = []
+    for path in [out_dir / name, *out_dir.glob(f"turns/turn-*/{name}")]:
+        try:
+            stats = json.loads(path.read_text())
+            if stats.get("command_started") == command_started:
+                found.append((path.stat().st_mtime, stats))
+        except (OSError, ValueError):
+            continue
+    return max(found, key=lambda item: item[0])[1] if found else None
+
+
+def stopped_line(stats: dict[str, Any] | None) -> str:
+    """One line for a run stopped early: what it finished, at what speed, and how to use it."""
+    kept = "the finished shards are kept — prepare them with --allow-unfinished"
+    if stats is None:
+        return f"regenerate: stopped before any shard was written by this run; {kept}"
+    run, total = stats["this_run"], stats["all_shards"]
+    resumed = f" ({run['units']} by this run)" if run["units"] != total["units"] else ""
+    return (f"regenerate: stopped after {total['units']} of {stats['num_units']} units{resumed}: "
+            f"{run['answer_tokens']:,} answer tokens in {stats['command_seconds']:.0f} s, "
+            f"{stats['answer_tokens_per_second_overall']:,.0f} tokens/s "
+            f"({stats['answer_tokens_per_second_decoding']:,.0f} while decoding); {kept}")
+
+
 def run_units(
     backend: Backend, rows: list[PromptRow], units: list[list[int]], out_dir: Path, rank: int, world: int,
-    seed: int, progress: Callable[[int, int, float], None] | None = None,
+    seed: int, progress: Callable[[int, int, float], None] | None = None, command_started: float | None = None,
 ) -> int:
     """Run this rank's unfinished units, in order, up to ``backend.window`` at a time (so a server is kept
-    busy while a unit's slowest rows finish); returns the number of tokens generated."""
+    busy while a unit's slowest rows finish); returns the number of tokens generated. The stats file is
+    rewritten after every shard (``command_started``: default now), and left alone when nothing is to run."""
     todo = [k for k in range(len(units)) if k % world == rank and not regenerated_shard_path(out_dir, k).exists()]
+    # Nothing to run (a finished run started again): the figures of the run that decoded are kept.
+    stats = RunStats.start(out_dir, rank, world, len(units), command_started or time.time()) if todo else None
     window = max(1, getattr(backend, "window", 1))
     generated, done = 0, 0
     in_flight: deque[tuple[int, list[PromptRow], Callable[[], list[Completion]], float]] = deque()
@@ -215,10 +324,12 @@ def run_units(
             unit, batch, wait, started = in_flight.popleft()
             completions = wait()
             answers = iter(completions)
-            lines = [json.dumps(r.carried if r.carried is not None else _output_row(r, next(answers)),
-                                ensure_ascii=False) for r in batch]
+            written = [r.carried if r.carried is not None else _output_row(r, next(answers)) for r in batch]
+            lines = [json.dumps(row, ensure_ascii=False) for row in written]
             write_atomically(regenerated_shard_path(out_dir, unit),
                              lambda tmp, lines=lines: tmp.write_text("\n".join(lines) + "\n"))
+            if stats is not None:
+                stats.record(written, [row for r, row in zip(batch, written, strict=True) if r.carried is None])
             tokens = sum(c.completion_tokens for c in completions)
             generated, done = generated + tokens, done + 1
             if progress:
@@ -281,7 +392,8 @@ def regenerate(
         extra = {"turns": config.turns, "turn": turn, "rounds": rounds} if config.turns != 1 else {}
         settings = {**manifest_settings(chat, config, len(rows), len(units)), **extra}
         manifest, generated = run_turn(backend, rows, units, turn_directory(out_dir, turn, rounds), settings,
-                                       report, rank, world, config.seed + (turn - 1) * 1_000_003, progress)
+                                       report, rank, world, config.seed + (turn - 1) * 1_000_003, progress,
+                                       config.started)
         tokens += generated
     report.totals["tokens generated by this run"] = tokens
     report.print()
@@ -290,13 +402,14 @@ def regenerate(
 
 def run_turn(backend: Backend, rows: list[PromptRow], units: list[list[int]], turn_dir: Path,
              settings: dict[str, Any], report: DataReport, rank: int, world: int, seed: int,
-             progress: Callable[[int, int, float], None] | None) -> tuple[dict[str, Any], int]:
+             progress: Callable[[int, int, float], None] | None,
+             command_started: float | None = None) -> tuple[dict[str, Any], int]:
     """One round: check/write its manifest, run this rank's units, mark it complete when it is."""
     manifest_path = turn_dir / REGEN_MANIFEST
     check_same_settings(manifest_path, settings, "regenerated responses")
     if rank == 0 and not manifest_path.exists():
         write_json_atomically(manifest_path, {**settings, "prompts": report.as_dict()})
-    tokens = run_units(backend, rows, units, turn_dir, rank, world, seed, progress)
+    tokens = run_units(backend, rows, units, turn_dir, rank, world, seed, progress, command_started)
     finished = len(regenerated_files(turn_dir))
     manifest = {**settings, "prompts": report.as_dict(), "units_finished": finished,
                 "complete": finished == len(units)}

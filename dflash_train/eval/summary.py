@@ -3,7 +3,9 @@
     python -m dflash_train.eval.summary outputs/smollm2-h200     # prints Markdown, writes summary.json/.md
 
 Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
-trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`.
+trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`. A regeneration's
+`regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
+(summary.json stays a list of eval rows, as its readers expect).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 from dflash_train.eval.console import lossless_mark
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
+REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
 COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ̂ teacher-forced", "lossless", "speedup",
            "steps", "sequences", "train min")
 
@@ -52,6 +55,38 @@ def _minutes(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds / 60, 1)
 
 
+def regeneration_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per regeneration folder with a stats file: answers and answer tokens over every shard, and the rates
+    of the run that wrote the file last (a resumed run's rates count its own shards only)."""
+    figures = {}
+    for name in REGEN_DIRS:
+        path = run_dir / name / "regen_stats.json"
+        if not path.is_file():
+            continue
+        stats = json.loads(path.read_text())
+        figures[name] = {
+            "answers": stats["all_shards"]["rows"], "answer_tokens": stats["all_shards"]["answer_tokens"],
+            "units": stats["all_shards"]["units"], "num_units": stats["num_units"],
+            "tokens_per_second_decoding": stats["answer_tokens_per_second_decoding"],
+            "tokens_per_second_overall": stats["answer_tokens_per_second_overall"],
+        }
+    return figures
+
+
+def regeneration_line(name: str, f: dict[str, Any]) -> str:
+    return (f"regeneration: {name}: {f['answers']:,} answers, {f['answer_tokens']:,} answer tokens "
+            f"({f['units']} of {f['num_units']} units), {f['tokens_per_second_decoding']:,.0f} tokens/s while "
+            f"decoding, {f['tokens_per_second_overall']:,.0f} overall")
+
+
+def report_regeneration(run_dir: Path) -> None:
+    regeneration = regeneration_figures(run_dir)
+    for name, figures in regeneration.items():
+        print(regeneration_line(name, figures))
+    if regeneration:
+        (run_dir / "summary_regeneration.json").write_text(json.dumps(regeneration, indent=2) + "\n")
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any, spec: str = "") -> str:
         return "—" if value is None else format(value, spec)
@@ -73,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m dflash_train.eval.summary RUN_DIR", file=sys.stderr)
         return 2
     run_dir = Path(args[0])
+    report_regeneration(run_dir)  # before the table's checks: a run stopped before eval has its speed too
     rows = summary_rows(run_dir)
     if not rows:
         print(f"summary: no eval reports under {run_dir / 'eval'}; run the eval stage first", file=sys.stderr)

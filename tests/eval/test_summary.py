@@ -34,3 +34,19 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
 def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     assert main([str(tmp_path)]) == 1
     assert "run the eval stage first" in capsys.readouterr().err
+
+
+def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "regen").mkdir()
+    tally = {"units": 12, "rows": 49152, "answer_tokens": 9510512, "prompt_tokens": 1, "finish_reasons": {}}
+    (tmp_path / "regen" / "regen_stats.json").write_text(json.dumps({
+        "num_units": 34, "this_run": tally, "all_shards": tally, "decoding_seconds": 108.0, "command_seconds": 166.1,
+        "answer_tokens_per_second_decoding": 88040.0, "answer_tokens_per_second_overall": 57263.3}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == ("regeneration: regen: 49,152 answers, 9,510,512 answer tokens (12 of 34 units), "
+                                   "88,040 tokens/s while decoding, 57,263 overall")
+    assert out.endswith((tmp_path / "summary.md").read_text())  # the table as before
+    assert json.loads((tmp_path / "summary_regeneration.json").read_text())["regen"]["answers"] == 49152
+    assert isinstance(json.loads((tmp_path / "summary.json").read_text()), list)
