@@ -51,7 +51,8 @@ class OutputKind:
 PREPARED = OutputKind("prepare", "a prepared dataset", "dflash_data.json",
                       ("dflash_data.json", "data-*-of-*.arrow", "dataset_info.json", "state.json"))
 REGENERATED = OutputKind("regenerate", "regenerated responses", "regenerate.json",
-                         ("regenerate.json", "part-*.jsonl", ".part-*.tmp", ".regenerate.json.*.tmp", "turns"),
+                         ("regenerate.json", "part-*.jsonl", ".part-*.tmp", ".regenerate.json.*.tmp", "turns",
+                          "regen_stats*.json", ".regen_stats*.tmp"),
                          also_marks=("turns",))  # a multi-turn run writes <out>/regenerate.json at its last turn
 FEATURES = OutputKind("extract", "a feature store", "manifest.json",
                       ("manifest.json", "features-*.safetensors", ".features-*.tmp", ".manifest.json.*.tmp"))

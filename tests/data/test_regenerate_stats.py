@@ -103,8 +103,8 @@ def test_prepare_and_a_rerun_ignore_the_stats_file(tmp_path: Path) -> None:
     chat = ChatTokenizer(make_tiny_tokenizer())
     _claim_out(out, chat, config(source), overwrite=False)  # resumed: the folder is still regenerate's own
     other = RegenerateConfig([CorpusSpec(str(source))], batch_size=2, settings={"target": "tiny"})
-    _claim_out(out, chat, other, overwrite=True)  # other settings: the old run is removed, the stats file stays
-    assert not regenerated_files(out) and (out / STATS_FILE).is_file()
+    _claim_out(out, chat, other, overwrite=True)  # other settings: the old run is removed, its figures with it
+    assert not regenerated_files(out) and not (out / STATS_FILE).exists()
     regenerate(Counting(), chat, other, out)
     assert read_stats(out)["all_shards"]["units"] == 5  # rewritten by the new run
 
