@@ -23,7 +23,7 @@
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
-#   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 8)
+#   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 5)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
@@ -50,7 +50,7 @@ CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
-REGEN_MINUTES=${REGEN_MINUTES:-8}
+REGEN_MINUTES=${REGEN_MINUTES:-5}
 TRAIN_MINUTES=${TRAIN_MINUTES:-10}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
