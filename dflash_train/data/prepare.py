@@ -181,6 +181,7 @@ def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex
 def _account(outcome: Outcome, where: Where, report: DataReport) -> Iterator[dict[str, Any]]:
     """Count ``outcome`` in ``report`` and yield its rows."""
     corpus, index, label = where
+    report.count_source(label[0], outcome.drop or "kept")
     if outcome.not_reproducible is not None:  # counted, 0 included, for every record the template rendered
         report.totals["turns not reproducible by the template"] += outcome.not_reproducible
     if outcome.drop is not None:

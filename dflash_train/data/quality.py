@@ -33,6 +33,12 @@ class DataReport:
 
     # where the first few rows of each drop reason came from, e.g. "chats.jsonl line 7", so they can be found
     dropped_at: dict[str, list[str]] = field(default_factory=dict)
+    # per source label: "kept" and each drop reason, so a mix shows which of its sources it loses rows of
+    by_source: dict[str, Counter[str]] = field(default_factory=dict)
+
+    def count_source(self, source: str, outcome: str) -> None:
+        """One record of `source` kept (`outcome` "kept") or dropped for the reason `outcome`."""
+        self.by_source.setdefault(source, Counter())[outcome] += 1
 
     def drop(self, reason: str, where: str | None = None) -> None:
         self.dropped[reason] += 1
@@ -41,8 +47,11 @@ class DataReport:
             shown.append(where)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
-                **dict(sorted(self.totals.items()))}
+        counted = {"read": self.read, "kept": self.kept, "dropped": dict(sorted(self.dropped.items())),
+                   **dict(sorted(self.totals.items()))}
+        if len(self.by_source) > 1:
+            counted["by_source"] = {name: dict(sorted(c.items())) for name, c in sorted(self.by_source.items())}
+        return counted
 
     def lines(self) -> list[str]:
         rows = [("rows read", self.read), ("rows kept", self.kept)]
@@ -50,7 +59,20 @@ class DataReport:
         rows += sorted(self.totals.items())
         width = max(len(name) for name, _ in rows)
         table = [f"  {name:<{width}}  {value:>12,}{self._where(name)}" for name, value in rows]
-        return [self.title, *table, *self.warnings()]
+        return [self.title, *table, *self._source_lines(), *self.warnings()]
+
+    def _source_lines(self) -> list[str]:
+        """With two sources or more: per source, rows kept and the share each drop reason took."""
+        if len(self.by_source) < 2:
+            return []
+        lines = ["  by source:"]
+        width = max(len(name) for name in self.by_source)
+        for name, counts in sorted(self.by_source.items()):
+            total = sum(counts.values())
+            drops = ", ".join(f"{reason} {n:,} ({n / total:.0%})" for reason, n in sorted(counts.items())
+                              if reason != "kept")
+            lines.append(f"    {name:<{width}}  kept {counts['kept']:,} of {total:,}" + (f"; {drops}" if drops else ""))
+        return lines
 
     def warnings(self) -> list[str]:
         """A line for each drop reason that took more than ``WARN_DROPPED_SHARE`` of the rows read: a data or

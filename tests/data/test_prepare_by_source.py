@@ -1,0 +1,40 @@
+"""prepare's report per source label: which of a mix's sources it keeps and which it drops, and why."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_train.data.corpora import CorpusSpec
+from dflash_train.data.prepare import PrepareConfig, prepare
+from tests.helpers.tiny_models import make_tiny_tokenizer
+
+LONG = "paris is the capital of france and the largest city of the country ."
+
+
+def chat(i: int, answer: str, source: str) -> dict:
+    return {"messages": [{"role": "user", "content": f"question {i} about paris ?"},
+                         {"role": "assistant", "content": answer}], "source": source, "source_index": i}
+
+
+def test_the_report_counts_kept_and_dropped_records_per_source(tmp_path: Path) -> None:
+    rows = [chat(0, LONG, "sharegpt"), chat(1, LONG, "sharegpt"), chat(2, "four", "math"), chat(3, LONG, "math"),
+            chat(4, "two", "math")]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny")  # keeps >= 8 tokens
+    report = prepare(make_tiny_tokenizer(), config, tmp_path / "prepared")
+    assert report.as_dict()["by_source"] == {"math": {"kept": 1, "too_few_supervised_tokens": 2},
+                                             "sharegpt": {"kept": 2}}
+    lines = report.lines()
+    at = lines.index("  by source:")
+    assert lines[at + 1:at + 3] == ["    math      kept 1 of 3; too_few_supervised_tokens 2 (67%)",
+                                    "    sharegpt  kept 2 of 2"]
+
+
+def test_one_source_adds_no_breakdown(tmp_path: Path) -> None:
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(chat(i, LONG, "sharegpt")) + "\n" for i in range(2)))
+    report = prepare(make_tiny_tokenizer(), PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny"),
+                     tmp_path / "prepared")
+    assert "by_source" not in report.as_dict() and "  by source:" not in report.lines()
