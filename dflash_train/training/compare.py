@@ -24,6 +24,8 @@ from matplotlib.figure import Figure
 
 from dflash_train.training.tracking import read_metrics
 
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # an earlier plot may be replaced; any other file is the user's
+
 
 def run_row(run_dir: Path) -> dict[str, Any] | None:
     """The run's last validation record, or None when it has not validated yet."""
@@ -99,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     if not rows:
         print(f"compare: none of {len(args.runs)} run folders has a validation in its metrics.jsonl; train them "
               "with training.eval_every below their length", file=sys.stderr)
+        return 1
+    if args.plot and args.plot.exists() and args.plot.read_bytes()[:8] != PNG_MAGIC:
+        print(f"compare: {args.plot} exists and is not a plot; give --plot a new .png path", file=sys.stderr)
         return 1
     print(markdown(rows), end="")
     if args.plot:

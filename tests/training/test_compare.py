@@ -63,3 +63,11 @@ def test_loss_curve_against_minutes_and_the_plot(tmp_path: Path, capsys: pytest.
     assert main([str(run), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert f"plot -> {out}" in capsys.readouterr().out
+
+
+def test_plot_never_replaces_a_file_that_is_not_a_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "ablation-base", [validation(10, 1.5, 3.0)])
+    notes = tmp_path / "notes.png"
+    notes.write_text("my notes")
+    assert main([str(run), "--plot", str(notes)]) == 1
+    assert notes.read_text() == "my notes" and "is not a plot" in capsys.readouterr().err
