@@ -3,7 +3,7 @@ batch where the drafter's speedup crosses 1x.
 
     python -m benchmarks.decode_batch            # one H200, < 10 min -> results/decode_batch.{json,png}
     python -m benchmarks.decode_batch --quick    # CPU, seconds: tiny shapes (the script's smoke test)
-    python -m benchmarks.decode_batch --compile-scope layer --out benchmarks/results/decode_batch-layer.json
+    python -m benchmarks.decode_batch --compile-scope step --out benchmarks/results/decode_batch-step.json
 
 What to run on the GPU: the first command, alone on the machine. It measures the smallest and the
 largest batch of both shapes first, then the ones between; writes the JSON after every point and prints
@@ -21,9 +21,10 @@ graph replay) is timed with all rows decoding: tokens/s = rows x tokens per cycl
 token per cycle without a drafter, tau (the replayed distribution's mean a+1) with one. The table also
 gives each variant's set-up seconds: compile (the warm-up cycles, where torch.compile and Triton
 compile), CUDA-graph capture and prefill. Each (shape, batch, drafter or not) compiles its own graph:
-compilation is most of the run's time. `--compile-scope layer` compiles one decoder layer per variant
-instead of the whole forward, reused by every layer (`EngineConfig.compile_scope`), so that a point's
-compilation no longer grows with the depth; the JSON records the scope.
+compilation was most of the run's time with whole-step graphs (46-60 s a point for Qwen3-8B). The
+runtime's default, `--compile-scope layer`, compiles one decoder layer per variant, reused by every layer
+(`EngineConfig.compile_scope`): 4-17 s a point on an H200, whatever the depth; `--compile-scope step`
+measures the whole-step graphs. The JSON records the scope.
 
 Acceptance replay (`ReplayEngine`): a random drafter's drafts are all rejected, so a measured speedup
 would say nothing about a trained one. Instead each cycle's accepted length a+1 is drawn from a given
@@ -209,7 +210,7 @@ class Settings:
     quick: bool
     block_size: int = 16
     draft_layers: int = 5
-    compile_scope: str = "step"  # EngineConfig.compile_scope
+    compile_scope: str = "layer"  # EngineConfig.compile_scope
 
 
 def random_model(model_type: str, shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
@@ -457,10 +458,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=None, help="timed steps (default 20; --quick 3)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                         help="torch.compile the cycle (default: on CUDA, as the runtime)")
-    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
-                        help="step: the whole cycle's forwards as one graph each (the runtime's default); layer: "
-                             "one decoder layer compiled and reused by every layer, so that a point's compile time "
-                             "does not grow with the depth (compare the compile s column of both)")
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer",
+                        help="layer (the runtime's default): one decoder layer compiled and reused by every layer, "
+                             "so that a point's compile time does not grow with the depth; step: the whole cycle's "
+                             "forwards as one graph each (compare the compile s column of both)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no point that would end after this many seconds (estimated from the longest "
                              "point so far)")

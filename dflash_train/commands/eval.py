@@ -75,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
                              "for correctness checks such as a float32 lossless run")
-    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step", help=COMPILE_SCOPE_HELP)
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=None, help=COMPILE_SCOPE_HELP)
     parser.add_argument("--max-autotune", action="store_true",
                         help="compile with inductor's autotuned matmuls: minutes more compiling, a faster step "
                              "(Qwen3-8B-shaped target on an H200: 5.92 instead of 6.64 ms)")
@@ -96,7 +96,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--temperature must be >= 0")
     if args.max_autotune and args.no_compile:
         raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
-    if args.compile_scope != "step" and args.no_compile:
+    if args.compile_scope is not None and args.no_compile:
         raise ValueError("--compile-scope chooses what torch.compile builds: drop --no-compile or --compile-scope")
 
 
@@ -140,7 +140,7 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: i
     return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
-                        compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope)
+                        compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer")
 
 
 def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:

@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
     parser.add_argument("--no-compile", action="store_true",
                         help="built-in back end: skip torch.compile of the decode step (starts faster, decodes slower)")
-    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="step",
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer",
                         help=f"built-in back end: {COMPILE_SCOPE_HELP}")
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")

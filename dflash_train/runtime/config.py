@@ -16,10 +16,10 @@ KERNELS = ("auto", "triton", "torch")
 # compile whatever the depth), with what lies before and after the layers compiled as two small graphs.
 COMPILE_SCOPES = ("step", "layer")
 # The command-line help of --compile-scope (eval, regenerate): one wording of the trade-off.
-COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: step (default) compiles the whole decode step, so "
-                      "that inductor may fuse across layers, in a time that grows with the depth (46 s per engine "
-                      "for a 36-layer Qwen3-8B on an H200); layer compiles one decoder layer whose code every layer "
-                      "reuses: a compile time independent of the depth, no fusion across layers")
+COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: layer (default) compiles one decoder layer whose code "
+                      "every layer reuses, in seconds whatever the depth (5-17 s per engine for Qwen3-8B on an H200, "
+                      "same step time); step compiles the whole decode step, so that inductor may fuse across "
+                      "layers, in a time that grows with the depth (46-60 s per engine for Qwen3-8B)")
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,9 @@ class EngineConfig:
     # inductor options for those compilations, e.g. (("freezing", True),): weights folded as constants, so
     # that inductor may concatenate the q/k/v and gate/up projections (a benchmark knob)
     compile_options: tuple[tuple[str, Any], ...] = ()
-    compile_scope: Literal["step", "layer"] = "step"  # what one compiled graph covers (COMPILE_SCOPES above)
+    # What one compiled graph covers (COMPILE_SCOPES above). "layer" by default: on an H200 it compiled in
+    # 4-17 s per engine against 46-60 s for "step", at the same step and cycle times within 1 % (docs/benchmarks.md).
+    compile_scope: Literal["step", "layer"] = "layer"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.

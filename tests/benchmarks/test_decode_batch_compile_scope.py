@@ -42,4 +42,4 @@ def test_layer_scope_points_compile_three_graphs_per_forward(tmp_path: Path, mon
 def test_the_default_scope_is_recorded(tmp_path: Path) -> None:
     out = tmp_path / "decode_batch.json"
     main(["--quick", "--shapes", "smollm2", "--batches", "1", "--out", str(out)])
-    assert json.loads(out.read_text())["compile_scope"] == "step"
+    assert json.loads(out.read_text())["compile_scope"] == "layer"

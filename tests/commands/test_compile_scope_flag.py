@@ -40,9 +40,18 @@ def test_regenerate_flag_reaches_the_engine_settings(target: TargetModel, scope:
     assert regenerate_command._runtime_config(args, target).compile_scope == scope
 
 
-def test_default_is_the_whole_step(target: TargetModel) -> None:
+def test_default_is_one_layer(target: TargetModel) -> None:
     args = parse(eval_command, ["--target", "t", "--draft", "random", "--dataset", "humaneval"])
-    assert eval_command._runtime_config(args, target, block_size=4, batch_size=1).compile_scope == "step"
+    assert eval_command._runtime_config(args, target, block_size=4, batch_size=1).compile_scope == "layer"
+    args = parse(regenerate_command, ["--target", "t", "--data", "d", "--out", "o"])
+    assert regenerate_command._runtime_config(args, target).compile_scope == "layer"
+
+
+def test_no_compile_alone_is_accepted(target: TargetModel) -> None:
+    # The default scope is not a choice the user made: --no-compile alone must not trip the scope check.
+    args = parse(eval_command, ["--target", "t", "--draft", "random", "--dataset", "humaneval", "--no-compile"])
+    eval_command._validate(args)
+    assert eval_command._runtime_config(args, target, block_size=4, batch_size=1).compile is False
 
 
 def test_layer_scope_without_compiling_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

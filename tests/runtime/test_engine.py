@@ -146,7 +146,8 @@ def test_compiled_cycle_gives_the_same_tokens(target: TargetModel) -> None:
     assert results[0] == results[1]
 
 
-def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: TargetModel,
+@pytest.mark.parametrize("scope, method", [("layer", "_compiled_by_layer"), ("step", "_compiled")])
+def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: TargetModel, scope: str, method: str,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A compiler failure costs speed, not the evaluation: first the split-key attention kernel is dropped
     (compiled with SDPA), and only if that fails too the cycle runs uncompiled; tokens stay the plain ones."""
@@ -161,10 +162,10 @@ def test_a_compile_failure_retries_with_sdpa_attention_then_uncompiled(target: T
 
     expected = [own_greedy(target, p, 24) for p in prompts(2)]
     for failing, compiled_after, attention_after in [({"triton"}, True, "sdpa"), ({"triton", "sdpa"}, False, "sdpa")]:
-        monkeypatch.setattr(StaticTarget, "_compiled", fake_compile(failing))
+        monkeypatch.setattr(StaticTarget, method, fake_compile(failing))
         runner = StaticTarget(target, batch_size=1, max_length=64, kernels="triton")
         config = EngineConfig(batch_size=1, block_size=1, max_new_tokens=24, max_length=64, kernels="torch",
-                              compile=True)
+                              compile=True, compile_scope=scope)
         eng = DecodeEngine(target, None, config, runner=runner)
         outputs, _ = eng.generate(prompts(2))
         assert [o.tokens for o in outputs] == expected
