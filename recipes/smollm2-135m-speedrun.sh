@@ -24,7 +24,8 @@
 #                   answers; their first turns are left out of MIX
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 5)
-#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 10)
+#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 12: with the other defaults
+#                   the 2026-12-02 run took 19.1 minutes at 8.3 minutes of training, so 12 fits in 25)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
@@ -35,7 +36,8 @@
 #                   distribution, AdamW instead of Muon), each ABLATION_MINUTES (default 3, compilation not
 #                   counted) beside a baseline; compared in a table and $OUT/ablations.png
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
-#   EVAL_PROMPTS    prompts per eval set (default 80); FP32_PROMPTS for the exact float32 check (default 16)
+#   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
+#                   float32 check (default 16)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
 set -euo pipefail
@@ -51,7 +53,7 @@ CHAT_TURNS=${CHAT_TURNS:-3}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-5}
-TRAIN_MINUTES=${TRAIN_MINUTES:-10}
+TRAIN_MINUTES=${TRAIN_MINUTES:-12}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
@@ -59,7 +61,7 @@ CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
-EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+EVAL_PROMPTS=${EVAL_PROMPTS:-40}
 CURVE_PROMPTS=${CURVE_PROMPTS:-$EVAL_PROMPTS}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
 FP32_PROMPTS=${FP32_PROMPTS:-16}
