@@ -6,10 +6,10 @@ same batch and against the runtime at the old default settings, on the same prom
     python -m benchmarks.regenerate --quick --target DIR  # tiny sizes, seconds on a CPU: a check of the script
     python -m benchmarks.regenerate --random-shape qwen3-8b  # writes benchmarks/results/regenerate-qwen3-8b.json
 
-Workload: `--prompts` chat prompts (`--data`, a .jsonl of {"prompt": ...} rows, by default the bundled demo
-prompts, repeated with a number appended so that repeats differ), encoded with the target's chat template,
-answered greedily with the target's own stop ids, up to `--max-new-tokens` tokens each: answers end at
-different points, as in a real regeneration. Variants, all on the same prompts:
+Workload: `--prompts` chat prompts (`--data`, a .jsonl of {"prompt": ...} rows or a `pack` prompt file, whose
+rows' first user turns are taken; by default the bundled demo prompts, repeated with a number appended so
+that repeats differ), encoded with the target's chat template, answered greedily with the target's own
+stop ids, up to `--max-new-tokens` tokens each: answers end at different points, as in a real regeneration. Variants, all on the same prompts:
 - the runtime at each of `--rows` rows (default 256 and 512), refilled in prefill waves (its default);
 - the runtime at the old default settings: `--baseline-rows` (64) rows and no refill (the next 64 prompts
   start when all 64 have finished), the same-run baseline;
@@ -69,7 +69,8 @@ HF_RATIO_GOAL = 3.0  # the random Qwen3-8B's runtime over `generate` at equal ba
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="alias, local directory or .gguf")
-    parser.add_argument("--data", type=Path, default=DEMO_PROMPTS, help='a .jsonl of {"prompt": ...} rows')
+    parser.add_argument("--data", type=Path, default=DEMO_PROMPTS,
+                        help='a .jsonl of {"prompt": ...} rows, or a prompt file of `dflash_train.data.pack`')
     parser.add_argument("--prompts", type=int, help=f"prompts answered by each variant (default {DEFAULTS['prompts']}; "
                         f"random shape: {RANDOM_DEFAULTS['prompts']})")
     parser.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}; random shape: "
@@ -95,9 +96,20 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def load_prompts(target: TargetModel, path: Path, count: int) -> list[list[int]]:
-    texts = [json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()]
+    texts = [_first_user_turn(json.loads(line), path) for line in path.read_text().splitlines() if line.strip()]
     numbered = [texts[i % len(texts)] + (f" ({i // len(texts) + 1})" if i >= len(texts) else "") for i in range(count)]
     return [prompt_ids(target.tokenizer, [{"role": "user", "content": text}], thinking=False) for text in numbered]
+
+
+def _first_user_turn(row: dict[str, Any], path: Path) -> str:
+    """A row's prompt: its "prompt", or the first user turn of its "messages" (a `dflash_train.data.pack`
+    file, so that the benchmark answers the very prompts a regeneration would)."""
+    if isinstance(row.get("prompt"), str):
+        return row["prompt"]
+    turns = [m.get("content") for m in row.get("messages") or () if isinstance(m, dict) and m.get("role") == "user"]
+    if turns and isinstance(turns[0], str):
+        return turns[0]
+    raise ValueError(f"{path}: a row has neither a \"prompt\" string nor a user turn in \"messages\"")
 
 
 def random_prompts(count: int, vocab_size: int, shortest: int, longest: int) -> list[list[int]]:

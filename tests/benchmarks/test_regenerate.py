@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.regenerate import main, parse_args, random_prompts
+from benchmarks.regenerate import load_prompts, main, parse_args, random_prompts
+from dflash_train.eval.chat import prompt_ids
 from tests.helpers.tiny_models import make_tiny_target
 
 
@@ -61,3 +62,19 @@ def test_random_prompts_are_seeded_and_within_bounds() -> None:
     prompts = random_prompts(50, 512, 32, 40)
     assert prompts == random_prompts(50, 512, 32, 40)
     assert all(32 <= len(p) <= 40 and max(p) < 512 for p in prompts)
+
+
+def test_a_pack_prompt_file_gives_its_first_user_turns(tmp_path: Path) -> None:
+    """The benchmark answers the very prompts a regeneration would: a `pack` file's first user turns."""
+    target = make_tiny_target("llama", num_layers=1)
+    rows = [{"messages": [{"role": "user", "content": "first"}, {"role": "assistant", "content": "a"},
+                          {"role": "user", "content": "second"}], "source": "sharegpt"},
+            {"prompt": "plain"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    expected = [prompt_ids(target.tokenizer, [{"role": "user", "content": text}], thinking=False)
+                for text in ("first", "plain", "first (2)")]
+    assert load_prompts(target, path, 3) == expected
+    path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "no user"}]}) + "\n")
+    with pytest.raises(ValueError, match="neither a \"prompt\" string nor a user turn"):
+        load_prompts(target, path, 1)
