@@ -38,12 +38,14 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def jit(fn: Callable[..., Any]) -> Any:
-    """The jitted (or, under TRITON_INTERPRET=1, interpreted) version of the kernel body `fn`."""
+def jit(fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """The jitted (or, under TRITON_INTERPRET=1, interpreted) version of the kernel body `fn`;
+    `do_not_specialize`: integer arguments compiled as plain values (Triton otherwise compiles apart the
+    values 1 and the multiples of 16)."""
     require_triton()
     key = (fn, interpreting())
     if key not in _compiled:
-        _compiled[key] = triton.jit(fn)
+        _compiled[key] = triton.jit(fn, do_not_specialize=list(do_not_specialize) or None)
     return _compiled[key]
 
 

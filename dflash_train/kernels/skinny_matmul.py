@@ -1,0 +1,174 @@
+"""y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a decode or verify step, streaming W once,
+with every row's result independent of how many rows there are and of what they hold.
+
+Why: at batch 1 a decode step is a string of matrix-vector products bound by reading the weights. On an
+H200, Qwen3-8B's target step took 5.06 ms against a 3.52 ms weight-read floor, and its cuBLAS matmuls alone
+4.07 ms (1.16x the floor): per layer gate_up [24576 x 4096] 50.3 µs (~84 % of HBM bandwidth), down
+[4096 x 12288] 28.1 µs plus a split-K reduction kernel (~75 %), the fused qkv [6144 x 4096] 15.6 µs (~67 %),
+o_proj [4096 x 4096] 10.8 µs with a split-K reduction (~65 %); lm_head [151936 x 4096] 295 µs (~88 %); and
+720 split-K reduction launches in 10 steps (1.3 ms). The small products run well below bandwidth because
+the library's kernels are built for large M; a DFlash verify step runs the same products at M = 16.
+
+Design: the product is computed transposed, y^T = W · x^T, so that the weight tile [BLOCK_N, BLOCK_K] is
+the tensor cores' wide operand, loaded along K in wide vectors, and the rows of x are the narrow one
+(BLOCK_M = 16, the smallest tile a Triton dot takes). One program per (16 rows, BLOCK_N outputs) walks the
+whole of K (no split-K, so no second kernel and no atomics), software-pipelined `num_stages` deep. The
+tiling per (N, K) comes from a small table (`CONFIGS`, filled from `python -m benchmarks.skinny_matmul
+--sweep` on the GPU) or else `default_config`, whose BLOCK_N leaves even N = 4096 a program or two per
+multiprocessor of an H100/H200. Not measured on a GPU yet: the runtime uses the kernel only when asked
+(`StaticTarget(skinny_matmul=True)`), and `benchmarks.decode --variants skinny_matmul` measures the step.
+
+Batch invariance: a row's output is bitwise the same whatever M is (1, 16 or 40) and whatever the other
+rows hold. The tiling is chosen from (N, K) only, never from M; rows are processed 16 at a time by
+identical programs (padding rows read as zeros); M only masks loads and stores (a run-time argument that
+eager launches do not specialise on; torch.compile may compile M = 1 apart, which changes which rows are
+loaded, not a row's arithmetic); and in a tensor-core product each output element is the sum over K of
+its own row's products, accumulated in the same order (K ascending, fp32) whatever the other rows hold.
+So a target-only step at M = 1 and a verify block at M = 16 round every logit identically, which the
+runtime's bf16 lossless check relies on (`dflash_train.runtime.engine`).
+
+Rounding: bf16/fp16 inputs multiplied exactly and summed in fp32 (tensor cores), bias added in fp32, one
+rounding to x's dtype at the end; fp32 inputs multiplied in full fp32 (`input_precision="ieee"`, not tf32).
+"""
+
+# Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
+from typing import NamedTuple
+
+import torch
+from torch.library import triton_op, wrap_triton
+
+from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+
+BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
+MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
+
+
+class Config(NamedTuple):
+    """How one weight shape is tiled: outputs and reduction width per step, warps, pipeline depth."""
+
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+# (N, K) -> Config, to be measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints
+# the rows): Qwen3-8B's fused qkv, o_proj, gate_up, down and lm_head. Only (N, K) picks the row (module
+# docstring). Empty until then: every shape gets `default_config`.
+CONFIGS: dict[tuple[int, int], Config] = {}
+
+
+def default_config(n: int, k: int) -> Config:
+    """Tiles for a shape the table lacks: K steps of 256 (16-byte loads, 8-32 KB of weight per pipeline
+    stage), and BLOCK_N halved from 64 while the output has fewer than 256 tiles, so that a 4096-wide
+    one still gives each of an H100/H200's 132 multiprocessors a program or two to keep streaming."""
+    block_k = min(256, max(16, next_power_of_2(k)))
+    block_n = 64
+    while block_n > 16 and -(-n // block_n) < 256:
+        block_n //= 2
+    # A 16 x 16 tile has one 16-row MMA block of the weight: four warps would load it twice over (2 x 2
+    # warps); two warps share it without copies. 64 rows: one Hopper warpgroup (wgmma m64n16).
+    return Config(block_n, block_k, num_warps=2 if block_n == 16 else 4)
+
+
+def config_for(n: int, k: int) -> Config:
+    if interpreting():  # programs run one after another there, each at a cost per operation: few, large ones
+        return Config(min(128, max(16, next_power_of_2(n))), min(256, max(16, next_power_of_2(k))))
+    return CONFIGS.get((n, k)) or default_config(n, k)
+
+
+def fits(rows: int) -> bool:
+    """Whether a product over `rows` rows of x goes to the kernel (else: torch's matmul, e.g. prefill)."""
+    return 0 < rows <= MAX_ROWS
+
+
+def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """PyTorch version: x [..., K] @ weight [N, K]^T + bias [N], summed in fp32, rounded once to x's dtype."""
+    y = x.float() @ weight.float().T
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def _skinny_matmul_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Axis 0 is the row tile, so that the programs sharing a weight tile (M > 16) run side by side and all
+    # but the first read it from L2.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok = rows < M
+    col_ok = cols < N
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+    x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
+        else:
+            k_ok = (k0 + ks) < K
+            w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        # IEEE: fp32 inputs, fp32 products. UPCAST: the interpreter's dot cannot multiply bf16, and bf16
+        # products are exact in fp32, so it sums the same products; else the tensor cores' dot, fp32 sums.
+        if UPCAST:
+            w = w.to(tl.float32)
+            xt = xt.to(tl.float32)
+        if IEEE or UPCAST:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
+            acc = tl.dot(w, xt, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(w, xt, acc)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    y_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias: bool,
+            config: Config | None = None) -> torch.Tensor:
+    """x [M, K] and weight [N, K] with K contiguous; `config`: the table's unless given (benchmarks)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    config = config or config_for(n, k)
+    y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    # M not specialised: Triton would otherwise compile M == 1 (and M % 16 == 0) apart, and one binary for
+    # every M is what batch invariance rests on.
+    kernel = jit(_skinny_matmul_kernel, do_not_specialize=("M",))
+    if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
+        kernel = wrap_triton(kernel)
+    block_k = config.block_k
+    kernel[(-(-m // BLOCK_M), -(-n // config.block_n))](
+        x, weight, bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=has_bias, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y
+
+
+@triton_op("dflash_train::skinny_matmul", mutates_args=())
+def _skinny_matmul_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> torch.Tensor:
+    return _launch(x, weight, bias, has_bias)
+
+
+def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `skinny_matmul_reference` for at most `MAX_ROWS` rows (x's leading dimensions
+    flattened); a custom op, so torch.compile keeps it in its graph and CUDA graphs capture it."""
+    *lead, k = x.shape
+    n = weight.shape[0]
+    assert weight.shape == (n, k) and weight.dtype == x.dtype, "weight must be [N, K] in x's dtype"
+    assert bias is None or bias.shape == (n,), "bias must be [N]"
+    x2 = x.reshape(-1, k)
+    assert fits(x2.shape[0]), f"{x2.shape[0]} rows: the kernel takes 1..{MAX_ROWS} (use torch's matmul)"
+    # Without a bias the pointer is never read: any tensor stands in for it.
+    y = _skinny_matmul_op(x2.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else weight,
+                          bias is not None)
+    return y.reshape(*lead, n)

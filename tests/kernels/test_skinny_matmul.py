@@ -1,0 +1,145 @@
+"""The skinny-matmul kernel against float64 and its PyTorch reference (shapes that are not multiples of the
+tiles, with and without a bias, several row counts), and its batch invariance: a row's output is the same
+bits whatever the number of rows and whatever the other rows hold.
+
+On CPU the kernels run under TRITON_INTERPRET=1; when this process imported triton without it, the file
+re-runs itself in a subprocess that sets it from the start.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.kernels._triton import HAS_TRITON, interpreting
+from dflash_train.kernels.skinny_matmul import (
+    BLOCK_M,
+    CONFIGS,
+    MAX_ROWS,
+    Config,
+    _skinny_matmul_kernel,
+    config_for,
+    default_config,
+    fits,
+    skinny_matmul_reference,
+    skinny_matmul_triton,
+)
+from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, under_interpreter
+
+test_under_interpreter = under_interpreter(__file__)
+
+
+def random(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen).to(dtype)
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("rows", "n", "k", "bias"), [
+    (1, 48, 40, False),  # decode: one row, K shorter than a step
+    (16, 100, 300, True),  # verify block, N and K not multiples of the tiles
+    (5, 17, 512, False),  # K a whole number of steps
+    (40, 64, 272, True),  # three row tiles, the last one partial
+])
+def test_kernel_matches_reference(dtype: torch.dtype, rows: int, n: int, k: int, bias: bool) -> None:
+    gen = torch.Generator().manual_seed(rows * n + k)
+    x, w = random(rows, k, dtype=dtype, gen=gen), random(n, k, dtype=dtype, gen=gen) / k ** 0.5
+    b = random(n, dtype=dtype, gen=gen) if bias else None
+    got = skinny_matmul_triton(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE) if b is not None else None).cpu()
+    assert got.shape == (rows, n) and got.dtype == dtype
+    exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    else:  # fp32 sums rounded once: the reference's up to the order of the sum (a last-place unit, rarely)
+        torch.testing.assert_close(got, skinny_matmul_reference(x, w, b), atol=1e-2, rtol=1e-2)
+        assert float((got.double() - exact).norm() / exact.norm()) < 5e-3
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("k", [256, 320])  # whole K steps, and a partial last one
+def test_rows_are_batch_invariant(dtype: torch.dtype, k: int) -> None:
+    """One row alone, then among 1, 15 or 39 random others at various places: bitwise the same output."""
+    gen = torch.Generator().manual_seed(k)
+    n = 96
+    w, b = random(n, k, dtype=dtype, gen=gen).to(DEVICE), random(n, dtype=dtype, gen=gen).to(DEVICE)
+    row = random(k, dtype=dtype, gen=gen).to(DEVICE)
+    alone = skinny_matmul_triton(row[None], w, b)[0]
+    for rows, place in [(2, 1), (16, 0), (16, 11), (40, 37)]:
+        x = (random(rows, k, dtype=dtype, gen=gen) * 3).to(DEVICE)
+        x[place] = row
+        assert torch.equal(skinny_matmul_triton(x, w, b)[place], alone), (rows, place)
+
+
+@kernels_here
+def test_leading_dimensions_and_a_strided_input() -> None:
+    """x [n, T, K] as the layers hand it over, here a transposed (non-contiguous) view."""
+    gen = torch.Generator().manual_seed(1)
+    x = random(3, 2, 40, dtype=torch.float32, gen=gen).transpose(0, 1)  # [2, 3, 40]
+    w = random(24, 40, dtype=torch.float32, gen=gen)
+    got = skinny_matmul_triton(x.to(DEVICE), w.to(DEVICE)).cpu()
+    assert got.shape == (2, 3, 24)
+    torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
+
+
+def test_rows_that_go_to_the_kernel() -> None:
+    assert fits(1) and fits(16) and fits(MAX_ROWS) and not fits(MAX_ROWS + 1) and not fits(0)
+    assert MAX_ROWS % BLOCK_M == 0
+
+
+def test_configs_depend_on_the_weight_only_and_keep_the_chip_busy() -> None:
+    """A config is a function of (N, K); the default one gives Qwen3-8B's 4096-wide outputs a program per
+    multiprocessor of an H200 (132), and every one has tiles a dot takes."""
+    for (n, k), config in CONFIGS.items():
+        assert config_for(n, k) == config
+    for config in [*CONFIGS.values(), default_config(4096, 4096), default_config(151936, 4096), default_config(8, 40)]:
+        assert config.block_n in (16, 32, 64, 128) and config.block_k in (16, 32, 64, 128, 256, 512)
+        assert config.num_warps in (2, 4, 8) and config.num_stages >= 1
+    assert -(-4096 // default_config(4096, 4096).block_n) >= 132
+    assert default_config(8, 40) == Config(16, 64, num_warps=2)
+
+
+def test_registered_as_a_custom_op() -> None:
+    """torch.compile keeps the kernel in its graph through the op (as the runtime's other kernels)."""
+    assert hasattr(torch.ops.dflash_train, "skinny_matmul")
+
+
+def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, object]:
+    return dict(HAS_BIAS=True, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
+                IEEE=element == "fp32", UPCAST=False)
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
+@pytest.mark.parametrize(("element", "config", "even_k"), [
+    ("bf16", Config(16, 256), True), ("bf16", Config(64, 128), False), ("fp16", Config(32, 256), True),
+    ("fp32", Config(16, 64), False),
+])
+def test_kernel_compiles_for_the_gpu(element: str, config: Config, even_k: bool) -> None:
+    """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
+    pointers = {name: f"*{element}" for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), pointers, "fp32")
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting() or torch.cuda.is_available(), reason="CPU check of the compiler")
+def test_torch_compile_sees_only_the_output_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile, the kernel's outputs are what inductor's analysis of its code finds written; a weight
+    wrongly found written would be copied at every call (hundreds of MB a step)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    if not hasattr(wrap, "identify_accessed_tensors"):
+        pytest.skip("this torch names its kernel analysis differently")
+
+    class H200:  # the analysis asks the active driver for the target to generate the kernel's IR
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", H200())
+    bf16 = dict(dtype=torch.bfloat16)
+    for even_k in (True, False):
+        kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), w_ptr=torch.empty(64, 256, **bf16),
+                      b_ptr=torch.empty(64, **bf16), y_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256,
+                      stride_xm=256, stride_wn=256, stride_ym=64, **kernel_constants("bf16", Config(32, 128), even_k))
+        accesses = wrap.identify_accessed_tensors(triton.jit(_skinny_matmul_kernel), kwargs, {})
+        assert [dep.name for dep in accesses.read_writes.writes] == ["y_ptr"]
