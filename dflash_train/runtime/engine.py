@@ -198,7 +198,7 @@ class DecodeEngine:
         hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
                                      compile_options=self.config.compile_options,
                                      compile_scope=self.config.compile_scope)  # [b, B, H]
-        draft_logits = self.target.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
+        draft_logits = self.runner.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
         if self.config.temperature > 0:
             draft_logits = top_p_filter(draft_logits, self.config.temperature, self.config.top_p)
         return self._pick(draft_logits), draft_logits

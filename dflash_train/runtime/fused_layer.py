@@ -15,6 +15,11 @@ With `fused_prologue` on the cache (the runtime's Triton kernels), what runs bet
 the attention (q/k norms, RoPE, the K/V cache write) is one kernel, `dflash_train.kernels.rope_cache`,
 instead of several; the PyTorch path below stays the reference, and takes over for a layer the kernel
 does not cover (a q/k norm other than an RMSNorm over the head, RoPE over part of the head).
+
+With `skinny_matmul` on the cache (opt-in: `StaticTarget(skinny_matmul=True)` with the Triton kernels), the
+layer's four products (q/k/v, o_proj, gate/up, down) run on `dflash_train.kernels.skinny_matmul` when the
+step has at most `MAX_ROWS` rows (decode and verify), a kernel that streams the weight near the memory
+bandwidth and rounds a row the same whatever the other rows; prefill keeps torch's matmul.
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
+from dflash_train.kernels.skinny_matmul import fits as skinny_fits
+from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
 
@@ -36,6 +43,7 @@ class LayerCache(Protocol):
     """The cache a fused layer writes its K/V to (`static_target._WriteCache`)."""
 
     fused_prologue: bool  # q/k norms + RoPE + cache write by the fused kernel
+    skinny_matmul: bool  # products of few rows by the skinny-matmul kernel
     rows: torch.Tensor  # [n] cache row of each input row
     positions: torch.Tensor  # [n, T] position (= cache slot) of each token
 
@@ -103,19 +111,20 @@ class FusedLayer:
         hidden = hidden + self._attention(self.layer.input_layernorm(hidden), position_embeddings, attention_mask,
                                           cache)
         x = self.layer.post_attention_layernorm(hidden)
-        gate, up = F.linear(x, self.weights["gate_up"], self.weights["gate_up_bias"]).chunk(2, dim=-1)
-        return hidden + self.mlp.down_proj(self.mlp.act_fn(gate) * up)
+        gate_up = linear(x, self.weights["gate_up"], self.weights["gate_up_bias"], cache.skinny_matmul)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return hidden + project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_matmul)
 
     def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         n, t = x.shape[:2]
-        qkv = F.linear(x, self.weights["qkv"], self.weights["qkv_bias"])
+        qkv = linear(x, self.weights["qkv"], self.weights["qkv_bias"], cache.skinny_matmul)
         if self._use_kernel(qkv, position_embeddings[0], cache):
             q, keys, values = self._prologue_kernel(qkv, position_embeddings, cache)
         else:
             q, keys, values = self._prologue_torch(qkv, position_embeddings, cache)
         out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
-        return self.attn.o_proj(out.reshape(n, t, -1))
+        return project(self.attn.o_proj, out.reshape(n, t, -1), cache.skinny_matmul)
 
     def _use_kernel(self, qkv: torch.Tensor, cos: torch.Tensor, cache: LayerCache) -> bool:
         """Shapes and dtypes only (static under torch.compile): the kernel rounds as the PyTorch path only
@@ -152,6 +161,20 @@ class FusedLayer:
         q, k = self.apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [n, heads, T, D]
         keys, values = cache.update(k, v.transpose(1, 2), self.layer_idx)
         return q, keys, values
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
+    """F.linear, on the skinny-matmul kernel when asked and x has few enough rows (a static shape)."""
+    if skinny and skinny_fits(x.numel() // x.shape[-1]):
+        return skinny_matmul_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def project(module: nn.Linear, x: torch.Tensor, skinny: bool) -> torch.Tensor:
+    """`module(x)` (the module itself unless the kernel runs, so that the default path is unchanged)."""
+    if skinny and skinny_fits(x.numel() // x.shape[-1]):
+        return skinny_matmul_triton(x, module.weight, module.bias)
+    return module(x)
 
 
 def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_dim: int) -> bool:

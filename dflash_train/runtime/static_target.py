@@ -17,6 +17,9 @@ itself, with our attention function); the KV cache and the attention are ours:
 - Attention prologue: with `kernels="triton"` and fused projections, the q/k norms (Qwen3), RoPE and the
   K/V cache write of a layer are one kernel (`dflash_train.kernels.rope_cache`, fed the rotary
   embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
+- Matmuls (opt-in, `skinny_matmul=True` with `kernels="triton"`): a step of at most `MAX_ROWS` rows (decode,
+  verify, the drafter's logits) runs the fused layers' four products and the output projection on
+  `dflash_train.kernels.skinny_matmul` instead of cuBLAS; prefill keeps torch's matmul.
 
 Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
 layer loop: no hooks.
@@ -36,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from dflash_train.kernels.skinny_matmul import fits as skinny_fits
+from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer
@@ -99,6 +104,7 @@ class _WriteCache:
         self.row_index, self.positions, self.kv_len = row_index, positions, kv_len
         self.rows = runner.all_rows if row_index is None else row_index  # [n]
         self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
+        self.skinny_matmul = runner.matmul == "skinny"
 
     def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole cache, keys and values [b, kv, max_len, D]."""
@@ -133,10 +139,12 @@ class TargetOutput:
 
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
-                 fuse_projections: bool = True, fuse_prologue: bool = True) -> None:
+                 fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool = False) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
-        `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel."""
+        `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
+        `skinny_matmul`: with "triton", the products of steps with few rows on the skinny-matmul kernel
+        (the fused layers' and the output projection; opt-in until measured as the default)."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
@@ -151,6 +159,7 @@ class StaticTarget:
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
         self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
+        self.skinny_matmul = skinny_matmul  # likewise
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
@@ -175,6 +184,11 @@ class StaticTarget:
     def prologue(self) -> str:
         """The attention prologue of fused layers: "triton" (one kernel, for the layers it covers) or "torch"."""
         return "triton" if self.fused is not None and self.kernels == "triton" and self.fuse_prologue else "torch"
+
+    @property
+    def matmul(self) -> str:
+        """The products of decode and verify steps: "skinny" (the skinny-matmul kernel) or "torch"."""
+        return "skinny" if self.kernels == "triton" and self.skinny_matmul else "torch"
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -293,8 +307,16 @@ class StaticTarget:
         """(logits at `logit_index` or at every position, the captured features concatenated or None)."""
         if logit_index is not None:
             h = h.gather(1, logit_index[:, None, None].expand(-1, 1, h.shape[-1]))  # [n, 1, H]
-        logits = self.target.lm_head(self.base.norm(h))
+        logits = self.lm_head(self.base.norm(h))
         return logits, torch.cat(captured, dim=-1) if captured else None
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        """The target's output projection of h [..., H] (the drafter's hidden states too): on the skinny
+        kernel for few rows where the runner asks for it (as `fused_layer.project`)."""
+        head = self.target.lm_head
+        if self.matmul == "skinny" and isinstance(head, nn.Linear) and skinny_fits(h.numel() // h.shape[-1]):
+            return skinny_matmul_triton(h, head.weight, head.bias)
+        return head(h)
 
     @torch.no_grad()
     def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:

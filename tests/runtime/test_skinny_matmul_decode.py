@@ -1,0 +1,93 @@
+"""The decode loop with the skinny-matmul kernel (`StaticTarget(skinny_matmul=True)`) gives the target's own
+greedy tokens, target alone (one row a step) and with a drafter (a verify block of 4 rows); the kernel runs
+for every product of a decode or verify step and for none of a long prefill (tiny Qwen3, fp32; kernels
+interpreted on CPU)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from dflash_train.kernels.skinny_matmul import MAX_ROWS
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime import fused_layer, static_target
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.static_target import StaticTarget
+from dflash_train.target import TargetModel, resolve_mask_token_id
+from tests.helpers.decoding import own_greedy, prompts
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.tiny_models import make_tiny_target
+
+test_under_interpreter = under_interpreter(__file__)
+
+NEW = 8
+# The attention prologue's kernel is tested elsewhere, and interpreted it would take most of this file's time.
+FUSE_PROLOGUE = DEVICE == "cuda"
+
+
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
+    """Rows of each call of the kernel by the layers and the output projection."""
+    calls: Counter[int] = Counter()
+    for module in (fused_layer, static_target):
+        kernel = module.skinny_matmul_triton
+
+        def counted(x: torch.Tensor, *args: Any, kernel: Any = kernel) -> torch.Tensor:
+            calls[x.numel() // x.shape[-1]] += 1
+            return kernel(x, *args)
+
+        monkeypatch.setattr(module, "skinny_matmul_triton", counted)
+    return calls
+
+
+def one_layer_draft(target: TargetModel, block_size: int) -> DFlashDraftModel:
+    """A random one-layer drafter (one feature layer: a 3-layer target feeds it)."""
+    torch.manual_seed(0)
+    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=1,
+                                             block_size=block_size)
+    return DFlashDraftModel(config).eval()
+
+
+@kernels_here
+@pytest.mark.parametrize("block_size", [1, 4])
+def test_greedy_tokens_with_the_kernel_are_the_targets_own(block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    layers = 3 if block_size > 1 else 2  # a drafter needs 3
+    target = make_tiny_target("qwen3", num_layers=layers, seed=1)
+    expected = [own_greedy(target, prompt, NEW) for prompt in prompts(1)]
+    draft = one_layer_draft(target, block_size).to(DEVICE) if block_size > 1 else None
+    target.model.to(DEVICE)
+    calls = count_kernel_calls(monkeypatch)
+    runner = StaticTarget(target, 1, 64, kernels="triton", skinny_matmul=True, fuse_prologue=FUSE_PROLOGUE)
+    assert runner.matmul == "skinny"
+    config = EngineConfig(block_size=block_size, max_new_tokens=NEW, max_length=64, kernels="triton")
+    outputs, _ = DecodeEngine(target, draft, config, runner=runner).generate(prompts(1))
+    assert [output.tokens for output in outputs] == expected
+    # A step: four products in each layer and the logits; the drafter's logits: B - 1 rows.
+    assert calls[block_size] >= (4 * layers + 1) * 2
+    assert calls[block_size - 1] > 0 if block_size > 1 else True
+
+
+@kernels_here
+def test_a_long_prefill_keeps_torchs_matmul(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = make_tiny_target("qwen3", num_layers=1, seed=1)
+    target.model.to(DEVICE)
+    calls = count_kernel_calls(monkeypatch)
+    runner = StaticTarget(target, 1, 128, kernels="triton", skinny_matmul=True, fuse_prologue=FUSE_PROLOGUE)
+    ids = torch.randint(10, 200, (1, MAX_ROWS + 1), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    runner.forward(ids, torch.arange(MAX_ROWS + 1, device=DEVICE)[None], logit_index=torch.tensor([MAX_ROWS], device=DEVICE))
+    assert calls == Counter({1: 1})  # the logits of the last position only
+
+
+def test_the_kernel_follows_the_runners_kernels() -> None:
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert StaticTarget(target, 1, 8).matmul == "torch"  # opt-in
+    assert StaticTarget(target, 1, 8, kernels="triton").matmul == "torch"
+    assert StaticTarget(target, 1, 8, skinny_matmul=True).matmul == "torch"  # kernels="torch"
+    runner = StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True)
+    assert runner.matmul == "skinny"
+    runner.kernels = "torch"  # as the engine's fallback after a compiler failure
+    assert runner.matmul == "torch"
