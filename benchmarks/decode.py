@@ -17,7 +17,9 @@ context. Measured in the same run (CUDA events, median):
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step with the attention
   prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
   (`dflash_train.kernels.rope_cache`), and that kernel alone against its PyTorch reference; the step
-  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`);
+  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`); and, opt-in
+  (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
+  logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
   graph reused by every layer, plus small graphs before and after the layers), beside the default whole-step
   graph: step time, setup seconds (compilation and capture) and launches (`*_layer_scope_*`; it runs after
@@ -27,9 +29,11 @@ context. Measured in the same run (CUDA events, median):
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
-  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, hf (ratios that
-  need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of a command
-  is near. The JSON is written after every variant (`"complete": false` until the run ends).
+  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, skinny_matmul, hf
+  (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
+  a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
+  scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
+  too). The JSON is written after every variant (`"complete": false` until the run ends).
 - for each variant, from one profile of 10 calls (each in a `record_function` range, synchronised at its
   end, so the GPU work between two ranges' starts is one call's; CUDA-graph replays included), means per
   call: launches (`*_launches`, kernels and memory copies or sets; per layer: the step's launches over its
@@ -467,7 +471,9 @@ LOOP_VARIANTS = {"default": ("", True, True, "step"), "layer_scope": ("_layer_sc
 ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cycle")),
              "torch_prologue": ({"fuse_prologue": False}, ("target_step",)),
              "unfused": ({"fuse_projections": False}, ("target_step",))}
-VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, "hf")  # hf: the Hugging Face decode step, for reference
+# Opt-in optimisations not yet the default, measured the same way: what each would be worth.
+OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle"))}
+VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, *OPT_INS, "hf")  # hf: the Hugging Face decode step, for reference
 
 
 @dataclass
@@ -535,7 +541,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     for loop in ("target_step", "dflash_cycle"):
         for variant in (v for v in LOOP_VARIANTS if v in args.variants):
             loop_variant(bench, loop, variant)
-    for label in (label for label in ABLATIONS if label in args.variants and ablation_applies(label, runner)):
+    for label in (label for label in (*ABLATIONS, *OPT_INS) if label in args.variants
+                  and ablation_applies(label, runner)):
         ablation(bench, label)
     if args.compile_variants:
         result |= compile_variants(target, runner, prompt, bench.new_tokens, length, device, args)
@@ -567,17 +574,23 @@ def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
 
 
 def ablation_applies(label: str, runner: StaticTarget) -> bool:
-    """An ablation of a kernel the default runner does not use (on a CPU: neither) would repeat the default."""
-    return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton"}.get(
-        label, True)
+    """An ablation of a kernel the default runner does not use (on a CPU: neither) would repeat the default,
+    and so would an opt-in Triton kernel where the runner has none."""
+    return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton",
+            "skinny_matmul": runner.kernels == "triton"}.get(label, True)
 
 
 def ablation(bench: Qwen3Bench, label: str) -> None:
-    options, loops = ABLATIONS[label]
+    options, loops = {**ABLATIONS, **OPT_INS}[label]
     runner = StaticTarget(bench.target, 1, bench.length, **{"kernels": bench.runner.kernels, **options})
     for loop in loops:
         engine = bench.engine(loop, runner)
         bench.measure(f"{loop}_{label}", engine)
+        if label in OPT_INS:  # what ran: a compiler failure falls back to the PyTorch kernels
+            bench.result[f"{loop}_{label}_compile_error"] = engine.compile_error
+            bench.result[f"{loop}_{label}_matmul"] = engine.runner.matmul
+            if bench.args.profile:
+                bench.output.profiles[f"{loop}_{label}"] = kernel_profile(engine.step, bench.device)
         del engine
         gc.collect()
         bench.checkpoint()
@@ -590,6 +603,12 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
               "cycle_over_target_step": ("dflash_cycle_ms", "target_step_ms")}
     for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step
         ratios[f"{name}_layer_scope_over_step_scope"] = (f"{name}_layer_scope_ms", f"{name}_ms")
+        # the skinny-matmul kernel against the same scope's default (layer_scope), and the whole-step default
+        ratios[f"{name}_skinny_matmul_over_layer_scope"] = (f"{name}_skinny_matmul_ms", f"{name}_layer_scope_ms")
+        ratios[f"{name}_skinny_matmul_over_default"] = (f"{name}_skinny_matmul_ms", f"{name}_ms")
+    ratios["target_step_skinny_matmul_over_floor"] = ("target_step_skinny_matmul_ms", "floor_ms")
+    ratios["cycle_skinny_matmul_over_target_step_skinny_matmul"] = ("dflash_cycle_skinny_matmul_ms",
+                                                                    "target_step_skinny_matmul_ms")
     out = {key: result[a] / result[b] for key, (a, b) in ratios.items() if a in result and b in result}
     differences = {f"{name}_layer_scope_setup_saved_s": (f"{name}_setup_s", f"{name}_layer_scope_setup_s")
                    for name in ("target_step", "dflash_cycle")}
@@ -720,11 +739,13 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("ours step, SDPA attention", "target_step_sdpa_attention_ms", "steelblue"),
               ("ours step, PyTorch prologue", "target_step_torch_prologue_ms", "slateblue"),
               ("ours step, unfused", "target_step_unfused_ms", "navy"),
+              ("ours step, skinny matmul", "target_step_skinny_matmul_ms", "darkorange"),
               ("ours step, no graph", "target_step_no_graph_ms", "tab:cyan"),
               ("ours step, eager", "target_step_eager_ms", "lightblue"), ("HF step", "hf_step_ms", "tab:red"),
               ("DFlash cycle", "dflash_cycle_ms", "tab:green"),
               ("cycle, layer scope", "dflash_cycle_layer_scope_ms", "mediumseagreen"),
               ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
+              ("cycle, skinny matmul", "dflash_cycle_skinny_matmul_ms", "orange"),
               ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),
               ("cycle, eager", "dflash_cycle_eager_ms", "palegreen"))
 

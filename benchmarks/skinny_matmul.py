@@ -1,0 +1,183 @@
+"""The skinny-matmul kernel (`dflash_train.kernels.skinny_matmul`) against cuBLAS at Qwen3-8B's decode
+products (fused qkv, o_proj, gate_up, down, lm_head), at 1 row (a decode step at batch 1) and 16 (a verify
+block), bf16, on one GPU:
+
+    python -m benchmarks.skinny_matmul                   # the kernel's table against cuBLAS, and the checks
+    python -m benchmarks.skinny_matmul --sweep           # + every candidate tiling per shape (a few minutes)
+
+A product is timed as a CUDA graph of calls over several copies of its weight, together larger than the
+L2, so that each call reads its weight from HBM as in a decode step, with no launch gap between calls; the
+median of the graph's replays per call, and the weight's bytes over that time (`*_tb_s`). The sweep ranks
+tilings by their time at 1 row plus at 16 (one tiling serves both: batch invariance) and prints a table to
+paste into `CONFIGS`. Checks, with the tilings in force: the error against an fp32 product; row 0 bitwise
+the same alone, among 16 rows and among 40 (eager and under torch.compile); whether cuBLAS's is.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import pathlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import RESULTS_DIR, median, stamp
+from dflash_train.kernels import skinny_matmul as sm
+
+QWEN3_8B_PRODUCTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
+                     "down": (4096, 12288), "lm_head": (151936, 4096)}
+ROWS = (1, 16)
+L2_BYTES = 60 * 2**20  # the H200's (50 MB on an H100): the copies of a weight together hold 4x this
+SHARED_BYTES = 227 * 2**10  # shared memory a program may take on Hopper
+
+
+def candidates() -> list[sm.Config]:
+    """Tilings whose pipeline fits in shared memory (weight and x tiles, `num_stages` deep)."""
+    configs = []
+    for block_n, block_k, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512), (4, 8), (3, 4, 6)):
+        if stages * (block_n + sm.BLOCK_M) * block_k * 2 <= SHARED_BYTES:
+            configs.append(sm.Config(block_n, block_k, warps, stages))
+    return configs
+
+
+def graph_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
+             weights: list[torch.Tensor], replays: int) -> float:
+    """Median µs per call of `fn(x, w)` for each w, captured as one CUDA graph."""
+    for w in weights:  # compiles, and warms up cuBLAS's handles
+        fn(x, w)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for w in weights:
+            fn(x, w)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return median(times) * 1e3 / len(weights)
+
+
+def kernel_fn(config: sm.Config | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return sm._launch(x, w, w, False, config)
+
+    return run
+
+
+def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, w)
+
+
+def measure(name: str, n: int, k: int, sweep: bool, replays: int) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    nbytes = n * k * 2
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
+               for _ in range(max(2, -(-4 * L2_BYTES // nbytes)))]
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
+    out: dict[str, Any] = {"n": n, "k": k, "copies": len(weights)}
+    for m in ROWS:
+        out[f"cublas_m{m}_us"] = graph_us(cublas, xs[m], weights, replays)
+        out[f"table_m{m}_us"] = graph_us(kernel_fn(None), xs[m], weights, replays)
+        for key in ("cublas", "table"):
+            out[f"{key}_m{m}_tb_s"] = nbytes / out[f"{key}_m{m}_us"] / 1e6
+    out["table_config"] = list(sm.config_for(n, k))
+    if sweep:
+        ranked = []
+        for config in candidates():
+            try:
+                times = [graph_us(kernel_fn(config), xs[m], weights, replays) for m in ROWS]
+            except Exception as error:  # out of resources for this tiling: skip it
+                print(f"skinny_matmul: {name} {tuple(config)}: {type(error).__name__}", flush=True)
+                continue
+            ranked.append((sum(times), times, config))
+        ranked.sort(key=lambda item: item[0])
+        out["sweep"] = [{"config": list(config), **{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)}}
+                        for _, times, config in ranked]
+        out["best_config"] = list(ranked[0][2])
+        for m, t in zip(ROWS, ranked[0][1], strict=True):
+            out[f"best_m{m}_us"], out[f"best_m{m}_tb_s"] = t, nbytes / t / 1e6
+    del weights
+    return out
+
+
+def checks(n: int, k: int) -> dict[str, Any]:
+    """Error against fp32, and row 0's bits alone / among 16 / among 40, eager and compiled; cuBLAS's too."""
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
+    b = torch.randn(n, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.randn(40, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x16 = torch.randn(16, k, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x16[5] = x[0]
+    x40 = x.roll(37, dims=0)  # row 0 at index 37, in the third row tile
+    exact = x.float() @ w.float().T + b.float()
+    y = sm.skinny_matmul_triton(x, w, b)
+    alone = sm.skinny_matmul_triton(x[:1], w, b)[0]
+    compiled = torch.compile(sm.skinny_matmul_triton, dynamic=False)
+    result = {
+        "relative_error_vs_fp32": float((y.float() - exact).norm() / exact.norm()),
+        "row_invariant_16": bool(torch.equal(sm.skinny_matmul_triton(x16, w, b)[5], alone)),
+        "row_invariant_40": bool(torch.equal(sm.skinny_matmul_triton(x40, w, b)[37], alone)),
+        "compiled_row_invariant": bool(torch.equal(compiled(x[:1], w, b)[0], alone)
+                                       and torch.equal(compiled(x16, w, b)[5], alone)),
+        "cublas_row_invariant_16": bool(torch.equal(F.linear(x16, w, b)[5], F.linear(x[:1], w, b)[0])),
+    }
+    torch._dynamo.reset()
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sweep", action="store_true", help="time every candidate tiling (a few minutes)")
+    parser.add_argument("--products", default=",".join(QWEN3_8B_PRODUCTS),
+                        help=f"comma-separated, of {', '.join(QWEN3_8B_PRODUCTS)}")
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/skinny_matmul.json)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.exit(2, "skinny_matmul: needs a CUDA device (the CPU tests run the kernel interpreted)\n")
+    path = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR))
+                        / "skinny_matmul.json")
+    results: dict[str, Any] = {**stamp(), "products": {}}
+    for name in args.products.split(","):
+        n, k = QWEN3_8B_PRODUCTS[name]
+        entry = results["products"][name] = measure(name, n, k, args.sweep, args.replays)
+        if args.sweep:  # the checks with the best tiling in force
+            sm.CONFIGS[(n, k)] = sm.Config(*entry["best_config"])
+        entry["checks"] = checks(n, k)
+        print(f"skinny_matmul: {name} " + json.dumps({key: value for key, value in entry.items() if key != "sweep"}),
+              flush=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(results, indent=2) + "\n")
+    print(table(results))
+    return results
+
+
+def table(results: dict[str, Any]) -> str:
+    rows = [f"{'product':<8} {'rows':>4} {'cuBLAS µs':>10} {'TB/s':>5} {'table µs':>9} {'TB/s':>5}"
+            + (f" {'best µs':>8} {'TB/s':>5}  best config" if any("best_config" in e for e in results["products"].values())
+               else "")]
+    for name, e in results["products"].items():
+        for m in ROWS:
+            row = (f"{name:<8} {m:>4} {e[f'cublas_m{m}_us']:>10.1f} {e[f'cublas_m{m}_tb_s']:>5.2f} "
+                   f"{e[f'table_m{m}_us']:>9.1f} {e[f'table_m{m}_tb_s']:>5.2f}")
+            if "best_config" in e:
+                row += f" {e[f'best_m{m}_us']:>8.1f} {e[f'best_m{m}_tb_s']:>5.2f}  {tuple(e['best_config'])}"
+            rows.append(row)
+    checks_line = {name: e["checks"] for name, e in results["products"].items()}
+    configs = {(e["n"], e["k"]): tuple(e["best_config"]) for e in results["products"].values() if "best_config" in e}
+    return "\n".join([*rows, f"checks: {json.dumps(checks_line)}", f"CONFIGS: {configs}"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""`benchmarks/decode.py --variants skinny_matmul`: measured only where the runner has the Triton kernels (so
+not on a CPU, where it would repeat the default), its bookkeeping on tiny CPU shapes when forced, and its
+ratios against the default and the layer-scope step."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import decode
+from benchmarks.decode import VARIANTS, ablation_applies, derived, main
+from dflash_train.runtime.static_target import StaticTarget
+from tests.helpers.tiny_models import make_tiny_target
+
+TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
+
+
+def test_the_variant_runs_only_with_the_triton_kernels() -> None:
+    assert "skinny_matmul" in VARIANTS
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert not ablation_applies("skinny_matmul", StaticTarget(target, 1, 8))
+    assert ablation_applies("skinny_matmul", StaticTarget(target, 1, 8, kernels="triton"))
+
+
+def test_ratios() -> None:
+    result = {"floor_ms": 3.5, "target_step_ms": 5.0, "target_step_layer_scope_ms": 5.0,
+              "target_step_skinny_matmul_ms": 4.0, "dflash_cycle_ms": 6.0, "dflash_cycle_skinny_matmul_ms": 5.0}
+    ratios = derived(result)
+    assert ratios["target_step_skinny_matmul_over_floor"] == pytest.approx(4.0 / 3.5)
+    assert ratios["target_step_skinny_matmul_over_layer_scope"] == pytest.approx(0.8)
+    assert ratios["dflash_cycle_skinny_matmul_over_default"] == pytest.approx(5.0 / 6.0)
+    assert ratios["cycle_skinny_matmul_over_target_step_skinny_matmul"] == pytest.approx(1.25)
+    assert "dflash_cycle_skinny_matmul_over_layer_scope" not in ratios  # no layer-scope cycle measured
+
+
+def test_forced_on_a_cpu_it_records_what_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU the runner has no Triton kernels, so the variant runs cuBLAS's place-holder (torch) and says so."""
+    monkeypatch.setattr(decode, "ablation_applies", lambda label, runner: True)
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "skinny_matmul", "--out", str(out)])
+    qwen = json.loads(out.read_text())["qwen3_8b"]
+    for loop in ("target_step", "dflash_cycle"):
+        assert qwen[f"{loop}_skinny_matmul_ms"] > 0 and qwen[f"{loop}_skinny_matmul_setup_s"] > 0
+        assert qwen[f"{loop}_skinny_matmul_matmul"] == "torch" and qwen[f"{loop}_skinny_matmul_compile_error"] is None
+        assert qwen[f"{loop}_skinny_matmul_kernel_categories"]["matmul"]["launches"] > 0
+    assert qwen["target_step_skinny_matmul_over_floor"] > 0 and "target_step_ms" not in qwen
