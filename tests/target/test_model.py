@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import PreTrainedTokenizerBase
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
 import dflash_train.target.conversion as conversion
@@ -17,12 +17,17 @@ from dflash_train.target import (
     DECODER_LAYER_PATHS,
     TargetModel,
     find_decoder_layers,
-    load_gguf,
     load_target,
 )
 from tests.helpers.features import LAYER_IDS, reference_features
 from tests.helpers.markers import needs_smollm2
-from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_model, make_tiny_target, tiny_batch
+from tests.helpers.tiny_models import (
+    TINY_ARCHS,
+    make_tiny_model,
+    make_tiny_target,
+    tiny_batch,
+    write_tiny_gguf,
+)
 
 
 def left_padded_batch(pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,8 +290,26 @@ def smollm2_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_cache: Path) -> TargetModel:
-    return load_target("smollm2-135m-instruct")
+def smollm2_gguf_loads(smollm2_cache: Path) -> list[tuple[PreTrainedModel, PreTrainedTokenizerBase]]:
+    """What `load_gguf` returned while `smollm2` converted the GGUF: reading the file again for a reference
+    would take as long as the conversion (20 s on 2 cores)."""
+    return []
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_cache: Path, smollm2_gguf_loads: list[tuple[PreTrainedModel, PreTrainedTokenizerBase]]
+            ) -> TargetModel:
+    real_load = conversion.load_gguf
+
+    def kept_load(*args: object, **kwargs: object) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+        smollm2_gguf_loads.append(real_load(*args, **kwargs))
+        return smollm2_gguf_loads[-1]
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(conversion, "load_gguf", kept_load)
+        target = load_target("smollm2-135m-instruct")
+    assert len(smollm2_gguf_loads) == 1  # the module's cache starts empty: this load converted the file
+    return target
 
 
 def chat_prompt(tokenizer: PreTrainedTokenizerBase, question: str) -> torch.Tensor:
@@ -332,10 +355,11 @@ def test_smollm2_features(smollm2: TargetModel) -> None:
 
 
 @needs_smollm2
-def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
-    gguf_model, gguf_tokenizer = load_gguf(
-        loading.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
-    )
+def test_smollm2_converted_matches_the_gguf(
+    smollm2: TargetModel, smollm2_gguf_loads: list[tuple[PreTrainedModel, PreTrainedTokenizerBase]]
+) -> None:
+    # The GGUF as `load_gguf` read it, against the converted copy read back from the cache's safetensors.
+    [(gguf_model, gguf_tokenizer)] = smollm2_gguf_loads
     converted = smollm2.model.state_dict()
     for name, tensor in gguf_model.state_dict().items():
         assert torch.equal(tensor, converted[name]), name
@@ -349,23 +373,36 @@ def test_smollm2_converted_matches_the_gguf(smollm2: TargetModel) -> None:
     assert "Paris" in smollm2.tokenizer.decode(from_cache[0, input_ids.shape[1] :])
 
 
-@needs_smollm2
 def test_processes_started_together_convert_the_gguf_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tiny GGUF file whose dequantisation (20 s for the real SmolLM2, converted above) is stood in for by a
+    tiny model and a pause; every thread has found no conversion before the first one finishes."""
     import threading
+    import time
 
-    gguf = loading.DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
-    real_load, loads = conversion.load_gguf, []
+    gguf = write_tiny_gguf(tmp_path / "files" / "tiny.Q8_0.gguf")
+    cache = tmp_path / "cache"
+    loads: list[int] = []
 
-    def counted_load(*args: object, **kwargs: object) -> object:
+    def counted_load(path: Path, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
         loads.append(1)
-        return real_load(*args, **kwargs)
+        time.sleep(0.5)  # the others reach the lock meanwhile: without it they would convert too
+        target = make_tiny_target("qwen3", num_layers=2)
+        return target.model.to(dtype), target.tokenizer
+
+    started = threading.Barrier(3)
+    real_dir = conversion.converted_gguf_dir
+
+    def together(*args: object) -> Path:  # the first thing each conversion does: all three start at once
+        started.wait(timeout=60)
+        return real_dir(*args)  # type: ignore[arg-type]
 
     monkeypatch.setattr(conversion, "load_gguf", counted_load)
+    monkeypatch.setattr(conversion, "converted_gguf_dir", together)
     results, errors = [], []
 
     def convert() -> None:  # each thread opens its own lock descriptor, as separate processes would
         try:
-            results.append(conversion.ensure_converted_gguf(gguf, torch.bfloat16, str(tmp_path)))
+            results.append(conversion.ensure_converted_gguf(gguf, torch.bfloat16, str(cache)))
         except Exception as error:  # noqa: BLE001  (reported below)
             errors.append(error)
 
@@ -376,7 +413,7 @@ def test_processes_started_together_convert_the_gguf_once(tmp_path: Path, monkey
         thread.join()
     assert not errors and len(loads) == 1 and len(set(results)) == 1
     assert (results[0] / "model.safetensors").is_file()
-    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+    assert not [p for p in cache.iterdir() if p.name.startswith(".")]
 
 
 @pytest.mark.parametrize("arch", TINY_ARCHS)
