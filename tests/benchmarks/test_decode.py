@@ -15,6 +15,16 @@ from benchmarks import decode
 from benchmarks.decode import main
 
 
+@pytest.fixture(autouse=True)
+def _short_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Profiles of 2 calls instead of the script's 10: on a CPU the profiler's bookkeeping of the tiny step's
+    operators took most of these tests' time (20 s), and 2 calls already run every line that 10 do. The
+    arithmetic itself is checked on known intervals in test_decode_profile.py."""
+    profiled_calls, kernel_profile = decode.profiled_calls, decode.kernel_profile
+    monkeypatch.setattr(decode, "profiled_calls", lambda step, device, iters=2: profiled_calls(step, device, iters))
+    monkeypatch.setattr(decode, "kernel_profile", lambda step, device, iters=2: kernel_profile(step, device, iters))
+
+
 def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
     out = tmp_path / "decode.json"
     main(["--tiny", "--device", "cpu", "--iters", "3", "--warmup", "1", "--max-new-tokens", "12", "--prompts", "2",
