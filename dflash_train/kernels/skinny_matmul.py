@@ -139,8 +139,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias:
     n = weight.shape[0]
     config = config or config_for(n, k)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
-    # M not specialised: Triton would otherwise compile M == 1 (and M % 16 == 0) apart, and one binary for
-    # every M is what batch invariance rests on.
+    # M not specialised: Triton would otherwise compile M == 1 (and M % 16 == 0) apart; this way an eager
+    # launch runs the same binary for every M (module docstring: batch invariance).
     kernel = jit(_skinny_matmul_kernel, do_not_specialize=("M",))
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
         kernel = wrap_triton(kernel)
@@ -165,10 +165,12 @@ def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     *lead, k = x.shape
     n = weight.shape[0]
     assert weight.shape == (n, k) and weight.dtype == x.dtype, "weight must be [N, K] in x's dtype"
+    # Never copied here: a copy would read and write the whole weight at every call. Rows may be strided.
+    assert weight.stride(1) == 1, "weight must be contiguous along K"
     assert bias is None or bias.shape == (n,), "bias must be [N]"
     x2 = x.reshape(-1, k)
     assert fits(x2.shape[0]), f"{x2.shape[0]} rows: the kernel takes 1..{MAX_ROWS} (use torch's matmul)"
     # Without a bias the pointer is never read: any tensor stands in for it.
-    y = _skinny_matmul_op(x2.contiguous(), weight.contiguous(), bias.contiguous() if bias is not None else weight,
+    y = _skinny_matmul_op(x2.contiguous(), weight, bias.contiguous() if bias is not None else weight,
                           bias is not None)
     return y.reshape(*lead, n)

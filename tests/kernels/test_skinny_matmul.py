@@ -72,14 +72,18 @@ def test_rows_are_batch_invariant(dtype: torch.dtype, k: int) -> None:
 
 
 @kernels_here
-def test_leading_dimensions_and_a_strided_input() -> None:
-    """x [n, T, K] as the layers hand it over, here a transposed (non-contiguous) view."""
+def test_leading_dimensions_strided_inputs_and_a_row_slice_of_a_weight() -> None:
+    """x [n, T, K] as the layers hand it over, here a transposed (non-contiguous) view; the weight a slice of
+    a wider one's columns (rows strided, K contiguous: read in place); a weight strided along K refused."""
     gen = torch.Generator().manual_seed(1)
     x = random(3, 2, 40, dtype=torch.float32, gen=gen).transpose(0, 1)  # [2, 3, 40]
-    w = random(24, 40, dtype=torch.float32, gen=gen)
-    got = skinny_matmul_triton(x.to(DEVICE), w.to(DEVICE)).cpu()
+    wide = random(24, 56, dtype=torch.float32, gen=gen)
+    w = wide[:, 8:48]  # [24, 40], row stride 56
+    got = skinny_matmul_triton(x.to(DEVICE), wide.to(DEVICE)[:, 8:48]).cpu()
     assert got.shape == (2, 3, 24)
     torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
+    with pytest.raises(AssertionError, match="contiguous along K"):
+        skinny_matmul_triton(x.to(DEVICE), random(40, 24, dtype=torch.float32, gen=gen).to(DEVICE).T)
 
 
 def test_rows_that_go_to_the_kernel() -> None:
