@@ -18,6 +18,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.helpers.kernels import INTERPRETED_TARGET, InterpretedRun, run_interpreted
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
@@ -27,3 +29,12 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def interpreted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> InterpretedRun:
+    """The kernel tests of every file this session checks under the Triton interpreter (`under_interpreter`
+    in tests/helpers/kernels.py), run in one process when the first of them is checked."""
+    targets = [getattr(item.function, INTERPRETED_TARGET) for item in request.session.items
+               if hasattr(getattr(item, "function", None), INTERPRETED_TARGET)]
+    return run_interpreted(targets, tmp_path_factory.mktemp("interpreted") / "junit.xml")

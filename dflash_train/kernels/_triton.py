@@ -12,7 +12,7 @@ import os
 import subprocess
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 try:
@@ -58,10 +58,13 @@ def interpreter_ready() -> bool:
     return HAS_TRITON and interpreting() and type(tl.max).__name__ == "InterpretedFunction"
 
 
-def run_pytest_under_interpreter(test_file: str, timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
-    """Run one test file in a fresh process with TRITON_INTERPRET=1 set from the start."""
+def run_pytest_under_interpreter(
+    *targets: str, args: Sequence[str] = (), timeout: float = 600.0
+) -> subprocess.CompletedProcess[str]:
+    """Run test files (or node ids) in one fresh process with TRITON_INTERPRET=1 set from the start; `args`
+    are more pytest options."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", test_file, "-q", "-p", "no:cacheprovider"]
+    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", *args]
     return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 

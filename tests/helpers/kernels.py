@@ -3,31 +3,90 @@ compiling a kernel for the GPU without one.
 
 On a GPU the kernels run in the test process. On CPU they run under TRITON_INTERPRET=1, which only works
 when set before triton is first imported; a file imported without it re-runs itself in a subprocess that
-sets it from the start (`under_interpreter`), and its kernel tests (`kernels_here`) are skipped here.
+sets it from the start (`under_interpreter`), and its kernel tests (`kernels_here`) are skipped here. One
+subprocess runs every file of the session that needs it (the `interpreted` fixture of tests/conftest.py):
+a process of its own per file would pay torch's and triton's imports again each time (4 s on 2 cores).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import xml.etree.ElementTree as ElementTree
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 
 from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
+from tests.helpers.paths import REPO
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
 kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
 
 
-def under_interpreter(test_file: str) -> Callable[[], None]:
-    """A test that runs `test_file` in a fresh process with TRITON_INTERPRET=1 (skipped where not needed)."""
+# The attribute of a test made by `under_interpreter` that names what it checks (a file, or file::test).
+INTERPRETED_TARGET = "interpreted_target"
+
+
+@dataclass(frozen=True)
+class InterpretedCase:
+    address: str  # JUnit's classname.name: tests.kernels.test_x.test_y[params]; a module alone: not collected
+    name: str  # the test with its parameters, test_y[params]
+    failure: str | None  # the failure or error report, None if the test passed or was skipped
+
+
+@dataclass(frozen=True)
+class InterpretedRun:
+    """One pytest process under TRITON_INTERPRET=1 over several targets: how it ended, and each test's outcome."""
+
+    returncode: int
+    output: str
+    cases: list[InterpretedCase]
+
+    def check(self, target: str) -> None:
+        """Fails unless the tests of `target` (a file, or file::test) ran there and none failed."""
+        module, _, test = target.partition("::")
+        dotted = ".".join(Path(module).resolve().relative_to(REPO).with_suffix("").parts)
+
+        def belongs(case: InterpretedCase) -> bool:
+            if case.address == dotted:  # the file itself: it failed to import
+                return True
+            return case.address.startswith(dotted + ".") and (
+                not test or case.name == test or case.name.startswith(test + "["))
+
+        mine = [case for case in self.cases if belongs(case)]
+        # 0: all passed, 1: some test failed; anything else (interrupted, internal error, killed) may have
+        # cut the run short of this target's tests.
+        assert self.returncode in (0, 1) and mine, f"exit {self.returncode}\n{self.output[-6000:]}"
+        failed = [f"{case.address}\n{case.failure}" for case in mine if case.failure is not None]
+        assert not failed, "\n\n".join(failed)[-8000:]
+
+
+def run_interpreted(targets: Sequence[str], report: Path) -> InterpretedRun:
+    """`targets` in one pytest process under TRITON_INTERPRET=1; outcomes from its JUnit XML `report`."""
+    result = run_pytest_under_interpreter(*dict.fromkeys(targets), timeout=3600.0, args=(
+        "--junitxml", str(report), "--continue-on-collection-errors"))
+    cases = []
+    if report.is_file():
+        for case in ElementTree.parse(report).iter("testcase"):
+            classname, name = case.get("classname", ""), case.get("name", "")
+            problems = [child for child in case if child.tag in ("failure", "error")]
+            failure = "\n".join(f"{p.get('message', '')}\n{p.text or ''}" for p in problems) if problems else None
+            cases.append(InterpretedCase(f"{classname}.{name}" if classname else name, name, failure))
+    return InterpretedRun(result.returncode, result.stdout + result.stderr, cases)
+
+
+def under_interpreter(test_file: str) -> Callable[[InterpretedRun], None]:
+    """A test that checks `test_file` (or file::test) passed under TRITON_INTERPRET=1, in the session's one
+    interpreted process (skipped where not needed)."""
 
     @pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
-    def test_under_interpreter() -> None:
-        result = run_pytest_under_interpreter(test_file)
-        assert result.returncode == 0, result.stdout[-6000:] + result.stderr[-2000:]
+    def test_under_interpreter(interpreted: InterpretedRun) -> None:
+        interpreted.check(test_file)
 
+    setattr(test_under_interpreter, INTERPRETED_TARGET, test_file)
     return test_under_interpreter
 
 
