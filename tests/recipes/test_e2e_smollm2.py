@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,12 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> DemoResult:
     return run_demo(tmp_path_factory.mktemp("demo"), TINY, "cpu")
 
 
+@pytest.fixture(scope="module")
+def target_config() -> Any:
+    """Read once for the module: it parses the GGUF's metadata (5 s)."""
+    return load_target_config(TARGET)
+
+
 def test_training_ran_on_regenerated_chats(demo: DemoResult) -> None:
     assert demo.train_steps == 3 and 1 <= demo.train_samples <= 6
     metrics = [json.loads(line) for line in (demo.out_dir / "train" / "metrics.jsonl").read_text().splitlines()]
@@ -61,8 +68,8 @@ def test_every_evaluated_request_is_lossless_and_the_report_is_complete(demo: De
     assert (demo.report_path.with_suffix(".png")).is_file()
 
 
-def test_export_passes_check_and_holds_the_trained_weights_in_bf16(demo: DemoResult) -> None:
-    assert check_checkpoint(demo.export, load_target_config(TARGET)) == []
+def test_export_passes_check_and_holds_the_trained_weights_in_bf16(demo: DemoResult, target_config: Any) -> None:
+    assert check_checkpoint(demo.export, target_config) == []
     assert {"config.json", "model.safetensors", "dflash.py", "README.md"} <= {p.name for p in demo.export.iterdir()}
     config = json.loads((demo.export / "config.json").read_text())
     assert config["dflash_config"]["mask_token_id"] == 16 and config["dflash_config"]["target_layer_ids"] == [
@@ -93,12 +100,12 @@ def test_exported_drafter_decodes_as_the_target_alone_in_the_reference_loop(demo
     assert all(1 <= a <= 16 for a in result.acceptance_lengths)
 
 
-def test_rerun_skips_finished_stages_and_redoes_a_missing_one(demo: DemoResult) -> None:
+def test_rerun_skips_finished_stages_and_redoes_a_missing_one(demo: DemoResult, target_config: Any) -> None:
     again = run_demo(demo.out_dir, TINY, "cpu")
     assert again.skipped == ["regenerate", "prepare", "train", "eval", "export"]
     assert again.report == demo.report and again.checkpoint == demo.checkpoint
     shutil.rmtree(demo.export)
     redone = run_demo(demo.out_dir, TINY, "cpu")
     assert redone.skipped == ["regenerate", "prepare", "train", "eval"]
-    assert check_checkpoint(demo.export, load_target_config(TARGET)) == []
+    assert check_checkpoint(demo.export, target_config) == []
 
