@@ -32,7 +32,7 @@ INTERPRETED_TARGET = "interpreted_target"
 
 @dataclass(frozen=True)
 class InterpretedCase:
-    address: str  # JUnit's classname.name: tests.kernels.test_x.test_y[params]; a module alone: not collected
+    address: str  # JUnit's classname.name, tests.kernels.test_x.test_y[params]; a file that failed to import: its module
     name: str  # the test with its parameters, test_y[params]
     failure: str | None  # the failure or error report, None if the test passed or was skipped
 

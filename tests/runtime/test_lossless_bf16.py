@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import json
+import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -54,16 +55,19 @@ def many_prompts(count: int = 12) -> list[list[int]]:
 
 
 # The reference's greedy continuations, shared by the module's OracleEngines: each costs a full recomputation per
-# token, which took a third of the module's time when every engine made its own. Keyed by the F.linear in force
-# (`shape_dependent_matmul` swaps it, and the continuations with it); a shorter one is a prefix of the longest.
-_continuations: dict[tuple[object, int, tuple[int, ...]], list[int]] = {}
+# token, which took a third of the module's time when every engine made its own. Per reference model, then by the
+# F.linear in force (`shape_dependent_matmul` swaps it, and the continuations with it) and the prompt; a shorter
+# one is a prefix of the longest.
+_continuations: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[object, tuple[int, ...]], list[int]]] = (
+    weakref.WeakKeyDictionary())
 
 
 def greedy_continuation(reference: TargetModel, prompt: tuple[int, ...], width: int) -> list[int]:
-    key = (F.linear, id(reference.model), prompt)
-    known = _continuations.get(key)
+    known_here = _continuations.setdefault(reference.model, {})
+    key = (F.linear, prompt)
+    known = known_here.get(key)
     if known is None or len(known) < width:
-        known = _continuations[key] = own_greedy(reference, list(prompt), max(width, NEW + BLOCK))
+        known = known_here[key] = own_greedy(reference, list(prompt), max(width, NEW + BLOCK))
     return known[:width]
 
 
