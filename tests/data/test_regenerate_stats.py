@@ -142,7 +142,14 @@ def test_a_stopped_run_prints_its_totals_and_keeps_its_shards(tmp_path: Path, ca
         return 0
 
     before = signal.getsignal(signal.SIGTERM)
-    assert reporting_stops(work, out, 0, 1, started) == code
+    # Ctrl-C reaches a command through Python's own SIGINT handler; a library loaded by an earlier test in this
+    # process may have replaced it (the command's run then ended with 0), so the test sets it as a fresh
+    # process has it.
+    interrupt = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert reporting_stops(work, out, 0, 1, started) == code
+    finally:
+        signal.signal(signal.SIGINT, interrupt)
     assert signal.getsignal(signal.SIGTERM) == before  # the command's handler is gone afterwards
     line = capsys.readouterr().out.strip().splitlines()[-1]
     tokens = sum(r["completion_tokens"] for r in shard_rows(out))
