@@ -21,8 +21,9 @@ context. Measured in the same run (CUDA events, median):
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
   logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
-  graph reused by every layer, plus small graphs before and after the layers), beside the default whole-step
-  graph: step time, setup seconds (compilation and capture) and launches (`*_layer_scope_*`; it runs after
+  graph reused by every layer, plus small graphs before and after the layers; the engine's default since
+  2026-12-02), beside the whole-step graph (the variant named `default`, the engine's default before): step
+  time, setup seconds (compilation and capture) and launches (`*_layer_scope_*`; it runs after
   the default in the same process, so Triton kernels are compiled already, and inductor's on-disk cache
   serves a second run: for cold figures give each run a fresh TORCHINDUCTOR_CACHE_DIR; on a CPU nothing is
   compiled, so there the variant only keeps the code exercised);
@@ -461,7 +462,8 @@ def compile_variants(target: TargetModel, runner: Any, prompt: list[int], new_to
     return result
 
 
-# The loop variants of the qwen3-8b section, in the order they run. Loop variants: name -> (key suffix, CUDA
+# The loop variants of the qwen3-8b section, in the order they run ("default" keeps its name and keys from before
+# layer scope became the engine's default: it is the whole-step graph). Loop variants: name -> (key suffix, CUDA
 # graph, torch.compile, compile scope): the full loop, the same compiled one layer at a time (one decoder
 # layer's graph reused by every layer: setup seconds against step time), then without the graph, then eager.
 LOOP_VARIANTS = {"default": ("", True, True, "step"), "layer_scope": ("_layer_scope", True, True, "layer"),
