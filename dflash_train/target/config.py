@@ -10,6 +10,7 @@ from typing import Any
 from transformers import AutoConfig
 
 from dflash_train.errors import first_line
+from dflash_train.target.conversion import existing_conversion
 from dflash_train.target.gguf_file import check_gguf_whole
 from dflash_train.target.loading import resolve_target_source
 
@@ -48,6 +49,11 @@ def load_target_config(name_or_path: str) -> Any:
     try:
         if source.endswith(".gguf"):
             path = Path(source)
+            # A converted copy's config.json holds the same config; the GGUF's metadata holds the whole
+            # vocabulary too, which transformers parses in seconds (5 s for SmolLM2) on every export and check.
+            converted = existing_conversion(path)
+            if converted is not None:
+                return AutoConfig.from_pretrained(converted)
             return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
         return AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as error:

@@ -77,6 +77,12 @@ def ensure_converted_gguf(
     return out_dir
 
 
+def existing_conversion(gguf_path: Path, cache_dir: str | None = None) -> Path | None:
+    """The whole bf16 conversion of ``gguf_path`` if one is cached, else None; converts nothing."""
+    out_dir = converted_gguf_dir(gguf_path, torch.bfloat16, cache_dir)
+    return out_dir if _is_converted(out_dir, _source_marker(out_dir, torch.bfloat16)) else None
+
+
 @contextmanager
 def _exclusive(directory: Path) -> Iterator[None]:
     """An exclusive lock on a directory (flock on its descriptor: no lock file to leave behind)."""

@@ -8,9 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.utils import ModelOutput
 
+import dflash_train.target.config as config_module
 import dflash_train.target.conversion as conversion
 import dflash_train.target.loading as loading
 from dflash_train.target import (
@@ -18,6 +19,8 @@ from dflash_train.target import (
     TargetModel,
     find_decoder_layers,
     load_target,
+    load_target_config,
+    target_facts,
 )
 from tests.helpers.features import LAYER_IDS, reference_features
 from tests.helpers.markers import needs_smollm2
@@ -427,3 +430,28 @@ def test_final_states_give_the_targets_own_logits_and_the_same_features(arch: st
     with torch.no_grad():
         logits = target.model(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(final @ target.lm_head.weight.T, logits, atol=1e-5, rtol=1e-5)
+
+
+@needs_smollm2
+def test_the_config_of_a_converted_gguf_is_read_from_its_copy(
+    smollm2: TargetModel, smollm2_gguf_loads: list[tuple[PreTrainedModel, PreTrainedTokenizerBase]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Reference: the config transformers parsed from the GGUF's metadata when the fixture converted it.
+    [(gguf_model, _)] = smollm2_gguf_loads
+    gguf = loading.resolve_target_source("smollm2-135m-instruct")
+    parsed: list[str] = []
+    real_from_pretrained = AutoConfig.from_pretrained
+
+    def counting(*args: object, **kwargs: object) -> object:
+        parsed.append(str(kwargs.get("gguf_file")))
+        return real_from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(config_module.AutoConfig, "from_pretrained", counting)
+    read = load_target_config(gguf)
+    assert parsed == ["None"]  # the converted copy's config.json, not the GGUF
+    # Saving a model fills in its class (`architectures`), which the GGUF's parsed config leaves empty.
+    drop = {"architectures", "dtype", "torch_dtype", "transformers_version", "_name_or_path"}
+    expected = {k: v for k, v in gguf_model.config.to_dict().items() if k not in drop}
+    assert {k: v for k, v in read.to_dict().items() if k not in drop} == expected
+    assert target_facts(read) == target_facts(gguf_model.config)
