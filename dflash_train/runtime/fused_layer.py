@@ -163,18 +163,19 @@ class FusedLayer:
         return q, keys, values
 
 
+def _on_skinny_kernel(x: torch.Tensor, skinny: bool) -> bool:
+    """Whether a product of x runs on the skinny-matmul kernel: asked for, and few enough rows (a static shape)."""
+    return skinny and skinny_fits(x.numel() // x.shape[-1])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
-    """F.linear, on the skinny-matmul kernel when asked and x has few enough rows (a static shape)."""
-    if skinny and skinny_fits(x.numel() // x.shape[-1]):
-        return skinny_matmul_triton(x, weight, bias)
-    return F.linear(x, weight, bias)
+    """F.linear, on the skinny-matmul kernel when `_on_skinny_kernel`."""
+    return skinny_matmul_triton(x, weight, bias) if _on_skinny_kernel(x, skinny) else F.linear(x, weight, bias)
 
 
 def project(module: nn.Linear, x: torch.Tensor, skinny: bool) -> torch.Tensor:
     """`module(x)` (the module itself unless the kernel runs, so that the default path is unchanged)."""
-    if skinny and skinny_fits(x.numel() // x.shape[-1]):
-        return skinny_matmul_triton(x, module.weight, module.bias)
-    return module(x)
+    return skinny_matmul_triton(x, module.weight, module.bias) if _on_skinny_kernel(x, skinny) else module(x)
 
 
 def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_dim: int) -> bool:

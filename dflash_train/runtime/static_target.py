@@ -39,11 +39,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from dflash_train.kernels.skinny_matmul import fits as skinny_fits
-from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.runtime.config import check_compile_scope
-from dflash_train.runtime.fused_layer import FusedLayer
+from dflash_train.runtime.fused_layer import FusedLayer, project
 from dflash_train.target import TargetModel, validate_target_layer_ids
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -314,9 +312,7 @@ class StaticTarget:
         """The target's output projection of h [..., H] (the drafter's hidden states too): on the skinny
         kernel for few rows where the runner asks for it (as `fused_layer.project`)."""
         head = self.target.lm_head
-        if self.matmul == "skinny" and isinstance(head, nn.Linear) and skinny_fits(h.numel() // h.shape[-1]):
-            return skinny_matmul_triton(h, head.weight, head.bias)
-        return head(h)
+        return project(head, h, self.matmul == "skinny" and isinstance(head, nn.Linear))
 
     @torch.no_grad()
     def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:
