@@ -2,7 +2,7 @@
 minutes.
 
     python -m dflash_train.training.compare outputs/speedrun/train/ablation-*     # prints a Markdown table
-    python -m dflash_train.training.compare RUN... --plot ablations.png   # + training loss against minutes
+    python -m dflash_train.training.compare RUN... --plot ablations.png   # + loss and τ̂ against minutes
 
 An ablation at equal GPU-minutes is a few runs on the same prepared data (so the same validation split), one
 setting changed in each, each with the same wall-time budget; this table judges them by held-out τ̂ before
@@ -57,34 +57,52 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def loss_curve(run_dir: Path, window: int = 5) -> tuple[list[float], list[float]]:
-    """(minutes, training loss) of a run, the loss averaged over `window` logged steps. Minutes are steps times
-    the run's median step time: the compiling first steps would otherwise shift a run's whole curve right."""
+def minutes_per_step(run_dir: Path) -> float | None:
+    """The run's median logged step time in minutes: the compiling first steps would otherwise shift a run's
+    whole curve right."""
     train = read_metrics(run_dir / "metrics.jsonl").get("train", [])
     timed = [r["step_seconds"] for r in train if "step_seconds" in r]
-    if not train or not timed:
+    return statistics.median(timed) / 60 if timed else None
+
+
+def loss_curve(run_dir: Path, window: int = 5) -> tuple[list[float], list[float]]:
+    """(minutes, training loss) of a run, the loss averaged over `window` logged steps; minutes are steps
+    times the run's median step time."""
+    train = read_metrics(run_dir / "metrics.jsonl").get("train", [])
+    per_step = minutes_per_step(run_dir)
+    if per_step is None:
         return [], []
-    per_step = statistics.median(timed) / 60
     losses = [r["loss"] for r in train]
     smoothed = [statistics.fmean(losses[max(0, i - window + 1): i + 1]) for i in range(len(losses))]
     return [r["step"] * per_step for r in train], smoothed
 
 
+def tau_hat_curve(run_dir: Path) -> tuple[list[float], list[float]]:
+    """(minutes, held-out τ̂) at each validation of a run, minutes as in `loss_curve`."""
+    validation = read_metrics(run_dir / "metrics.jsonl").get("validation", [])
+    per_step = minutes_per_step(run_dir)
+    if per_step is None:
+        return [], []
+    return [r["step"] * per_step for r in validation], [r["expected_acceptance_length"] for r in validation]
+
+
 def plot(rows: list[dict[str, Any]], run_dirs: dict[str, Path], out: Path) -> Path:
-    """Training loss against minutes for every run, beside each run's last held-out τ̂."""
+    """Training loss and held-out τ̂ against minutes for every run (a time-fitted schedule decays at its own
+    end, so a point inside a longer run is not what a run of that length would reach)."""
     fig = Figure(figsize=(12, 4.5))
-    curves, bars = fig.subplots(1, 2, gridspec_kw={"width_ratios": [3, 2]})
+    curves, taus = fig.subplots(1, 2)
     for row in rows:
         minutes, losses = loss_curve(run_dirs[row["run"]])
         curves.plot(minutes, losses, label=f"{row['run']} (val loss {row['loss']:.2f})")
+        minutes, tau_hats = tau_hat_curve(run_dirs[row["run"]])
+        taus.plot(minutes, tau_hats, marker="o", markersize=3, label=f"{row['run']} ({row['tau_hat']:.2f})")
     curves.set(title="training loss", xlabel="minutes of training (steps × median step time)", ylabel="loss",
                yscale="log")
-    curves.grid(alpha=0.3)
-    curves.legend(fontsize=8)
-    ordered = sorted(rows, key=lambda row: row["tau_hat"])
-    bars.barh([row["run"] for row in ordered], [row["tau_hat"] for row in ordered])
-    bars.set(title="held-out τ̂ at the end", xlim=(1.0, None))
-    bars.tick_params(axis="y", labelsize=8)
+    taus.set(title="held-out τ̂ (teacher-forced)", xlabel="minutes of training (steps × median step time)",
+             ylabel="τ̂")
+    for axes in (curves, taus):
+        axes.grid(alpha=0.3)
+        axes.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     return out
@@ -94,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="Training runs side by side: last validation, overall and per "
                                                  "data source (a Markdown table)")
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
-    parser.add_argument("--plot", type=Path, default=None, help="also draw training loss against minutes here")
+    parser.add_argument("--plot", type=Path, default=None, help="also draw training loss and held-out τ̂ against minutes here")
     args = parser.parse_args(argv)
     found = {run: run_row(run) for run in args.runs}
     rows = [row for row in found.values() if row is not None]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.training.compare import loss_curve, main, run_row
+from dflash_train.training.compare import loss_curve, main, run_row, tau_hat_curve
 
 
 def write_run(run_dir: Path, records: list[dict], train_seconds: float | None = None) -> Path:
@@ -59,6 +59,7 @@ def test_loss_curve_against_minutes_and_the_plot(tmp_path: Path, capsys: pytest.
     median = 0.6 / 60  # of 30, 0.5, 0.5, 0.7: (0.5 + 0.7) / 2
     assert minutes == pytest.approx([10 * median, 20 * median, 30 * median, 40 * median])
     assert losses == pytest.approx([4.0, 3.5, 2.5, 1.5])
+    assert tau_hat_curve(run) == (pytest.approx([40 * median]), [1.7])
     out = tmp_path / "ablations.png"
     assert main([str(run), "--plot", str(out)]) == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -71,3 +72,11 @@ def test_plot_never_replaces_a_file_that_is_not_a_plot(tmp_path: Path, capsys: p
     notes.write_text("my notes")
     assert main([str(run), "--plot", str(notes)]) == 1
     assert notes.read_text() == "my notes" and "is not a plot" in capsys.readouterr().err
+
+
+def test_tau_hat_curve_has_every_validation_once(tmp_path: Path) -> None:
+    train = [{"split": "train", "step": s, "loss": 1.0, "step_seconds": 1.2} for s in (10, 20, 30)]
+    records = [*train, validation(10, 1.5, 3.0), validation(20, 2.0, 2.5), validation(10, 1.6, 2.9)]  # resumed
+    minutes, taus = tau_hat_curve(write_run(tmp_path / "run", records))
+    assert minutes == pytest.approx([10 * 0.02, 20 * 0.02]) and taus == [1.6, 2.0]
+    assert tau_hat_curve(write_run(tmp_path / "untimed", [validation(10, 1.5, 3.0)])) == ([], [])
