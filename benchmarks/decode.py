@@ -5,11 +5,15 @@
     python -m benchmarks.decode --section smollm2 --draft runs/smollm2-b16/final [--dtype float32]
     python -m benchmarks.decode --section qwen3-8b --profile   # + the step's kernel table (.profile.txt)
     python -m benchmarks.decode --section qwen3-8b --variants default,layer_scope --profile   # a few minutes
+    python -m benchmarks.decode --section random --shape smollm2 --variants layer_scope   # SmolLM2's shapes
     python -m benchmarks.decode --tiny --device cpu        # smoke test of the script on tiny shapes
 
-Section qwen3-8b: a random-weight target shaped like Qwen3-8B (36 layers, hidden 4096, 32/8 heads,
-intermediate 12288, vocabulary 151,936, bf16) with a random 5-layer drafter, batch 1, a 1,024-token
-context. Measured in the same run (CUDA events, median):
+Section qwen3-8b (also called random): a random-weight target shaped like Qwen3-8B (36 layers, hidden 4096,
+32/8 heads, intermediate 12288, vocabulary 151,936, bf16) with a random 5-layer drafter, batch 1, a
+1,024-token context; `--shape smollm2` gives it SmolLM2-135M's shapes instead (30 layers, hidden 576, 9/3
+heads; results under `smollm2_shape`, no kernel micro-benchmarks), where a step is bound by its launches,
+so its launch counts per layer and by category say what a cycle costs beyond the step. Measured in the
+same run (CUDA events, median):
 - our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
   step reads (all but the input embedding) / 4.3 TB/s (docs/design.md §10). Goal: <= 1.2x.
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.25x.
@@ -73,6 +77,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import RESULTS_DIR, median, stamp, time_calls
+from benchmarks.shapes import SHAPES, TINY_QWEN3, random_target
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.config import resolve_kernels
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
@@ -80,14 +85,6 @@ from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 
 COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (docs/design.md §10)
-QWEN3_8B = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-                rope_theta=1_000_000.0, tie_word_embeddings=False)
-TINY_QWEN3 = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=8, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, vocab_size=512, max_position_embeddings=4096,
-                  rope_theta=1_000_000.0, tie_word_embeddings=False)
-
-
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     previous = torch.get_default_dtype()
@@ -101,15 +98,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
     """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
     return median(time_calls(fn, device, warmup, iters))
-
-
-def random_target(shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
-    from transformers import AutoModelForCausalLM, Qwen3Config
-
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised in place: 8B parameters would take minutes on the CPU
-        model = AutoModelForCausalLM.from_config(Qwen3Config(**shape), dtype=dtype)
-    return TargetModel(model, tokenizer=None)
 
 
 def random_draft(target: TargetModel, layers: int, block_size: int, mask_token_id: int) -> DFlashDraftModel:
@@ -490,10 +478,11 @@ class Qwen3Bench:
     prompt: list[int]
     length: int
     output: Output
+    key: str = "qwen3_8b"  # the section's entry in the results: RESULT_KEYS[--shape]
 
     @property
     def result(self) -> dict[str, Any]:
-        return self.output.results["qwen3_8b"]
+        return self.output.results[self.key]
 
     def checkpoint(self) -> None:
         """The ratios measured so far, and everything written out: a run cut short keeps what it measured."""
@@ -525,21 +514,28 @@ def new_tokens(args: argparse.Namespace) -> int:
     return args.warmup + args.iters + 4
 
 
+# --shape -> the random-weight section's entry in the results JSON ("qwen3_8b" kept from before --shape)
+RESULT_KEYS = {"qwen3-8b": "qwen3_8b", "smollm2": "smollm2_shape"}
+
+
 def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.dtype, output: Output) -> None:
-    """Fills `output.results["qwen3_8b"]`, saving `output` after each variant."""
-    shape = TINY_QWEN3 if args.tiny else QWEN3_8B
-    target = random_target(shape, device, dtype)
+    """The random-weight section at `args.shape`: fills `output.results[RESULT_KEYS[args.shape]]`, saving
+    `output` after each variant."""
+    model_type, full, tiny = SHAPES[args.shape]
+    shape = tiny if args.tiny else full
+    target = random_target(model_type, shape, device, dtype)
     draft = random_draft(target, 3 if args.tiny else 5, 16, min(151669, shape["vocab_size"] - 1))
     context = args.context or (64 if args.tiny else 1024)
     prompt = torch.randint(0, shape["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
     length = -(-(context + new_tokens(args) + 32) // 256) * 256
     runner = StaticTarget(target, 1, length, kernels=resolve_kernels("auto", device))
     weight_bytes = weight_bytes_per_step(target)
-    result = output.results["qwen3_8b"] = {
-        "shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers,
+    key = RESULT_KEYS[args.shape]
+    result = output.results[key] = {
+        "shape_name": args.shape, "shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers,
         "variants": list(args.variants), "weight_bytes_per_step": weight_bytes,
         "floor_ms": weight_bytes / COPY_BANDWIDTH * 1e3, "attention": runner.attention, "prologue": runner.prologue}
-    bench = Qwen3Bench(args, device, target, draft, runner, prompt, length, output)
+    bench = Qwen3Bench(args, device, target, draft, runner, prompt, length, output, key)
     for loop in ("target_step", "dflash_cycle"):
         for variant in (v for v in LOOP_VARIANTS if v in args.variants):
             loop_variant(bench, loop, variant)
@@ -552,7 +548,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     if "hf" in args.variants:
         result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
         bench.checkpoint()
-    if device.type == "cuda":
+    if device.type == "cuda" and args.shape == "qwen3-8b":  # the kernels' micro-benchmarks are at Qwen3-8B heads
         result["kernels"] = kernel_timings(device, shape["vocab_size"], draft, args.iters)
     del target, draft, runner, bench
     gc.collect()
@@ -627,7 +623,7 @@ def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.d
     from dflash_train.target import load_target, resolve_mask_token_id
 
     if args.tiny:
-        target = random_target({**TINY_QWEN3, "num_hidden_layers": 6}, device, dtype)
+        target = random_target("qwen3", {**TINY_QWEN3, "num_hidden_layers": 6}, device, dtype)
         gen = torch.Generator().manual_seed(1)
         prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (9, 14, 5)][: args.prompts]
         return target, random_draft(target, 2, 16, 511), prompts, []
@@ -720,8 +716,9 @@ def plot(results: dict[str, Any], path: Any) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 3.6))
-    if "qwen3_8b" in results:
-        plot_qwen3(axes[0], results["qwen3_8b"])
+    random_section = next((results[key] for key in RESULT_KEYS.values() if key in results), None)
+    if random_section is not None:
+        plot_qwen3(axes[0], random_section)
     if "smollm2" in results:
         s = results["smollm2"]
         names = ["ours + drafter", "reference loop", "ours target only", "HF generate"]
@@ -756,12 +753,17 @@ def plot_qwen3(axis: Any, q: dict[str, Any]) -> None:
     bars = [(label, q[key], color) for label, key, color in QWEN3_BARS if key in q]
     axis.barh([b[0] for b in bars], [b[1] for b in bars], color=[b[2] for b in bars])
     axis.set_xlabel(f"ms (batch 1, {q['context']}-token context)")
-    axis.set_title("Qwen3-8B shapes: step times")
+    axis.set_title(f"{q.get('shape_name', 'qwen3-8b')} shapes, random weights: step times")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--section", choices=("all", "qwen3-8b", "smollm2"), default="all")
+    parser.add_argument("--section", choices=("all", "qwen3-8b", "random", "smollm2"), default="all",
+                        help="qwen3-8b (or random): the random-weight section, at --shape; smollm2: the real "
+                             "SmolLM2 with a drafter")
+    parser.add_argument("--shape", choices=tuple(SHAPES), default="qwen3-8b",
+                        help="shapes of the random-weight section (default qwen3-8b); smollm2 counts the launches "
+                             "of a launch-bound small target's step and cycle")
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="alias, local directory or .gguf of SmolLM2-135M-Instruct (a node without the alias's wheel)")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -829,7 +831,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # DFLASH_BENCH_RESULTS moves the default folder, as for `benchmarks.common.write_result`.
     path = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR)) / "decode.json")
     output = Output(path, {"tiny": args.tiny, "complete": False})
-    if args.section in ("all", "qwen3-8b"):
+    if args.section in ("all", "qwen3-8b", "random"):
         section_qwen3(args, device, dtype, output)
         output.save()
     if args.section in ("all", "smollm2"):

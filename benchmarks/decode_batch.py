@@ -54,10 +54,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from benchmarks.common import RESULTS_DIR, stamp
-from benchmarks.decode import QWEN3_8B, TINY_QWEN3, random_draft, time_ms
+from benchmarks.decode import random_draft, time_ms
+from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import COMPILE_SCOPES
@@ -65,14 +65,6 @@ from dflash_train.runtime.engine import DecodeEngine, EngineConfig, resolve_kern
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 
-SMOLLM2_135M = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                    num_key_value_heads=3, head_dim=64, vocab_size=49152, max_position_embeddings=8192,
-                    rope_theta=100_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-TINY_LLAMA = dict(hidden_size=48, intermediate_size=96, num_hidden_layers=6, num_attention_heads=3,
-                  num_key_value_heads=1, head_dim=16, vocab_size=256, max_position_embeddings=1024,
-                  rope_theta=100_000.0, rms_norm_eps=1e-5, tie_word_embeddings=True)
-# name -> (model type, shape, tiny stand-in for --quick)
-SHAPES = {"qwen3-8b": ("qwen3", QWEN3_8B, TINY_QWEN3), "smollm2": ("llama", SMOLLM2_135M, TINY_LLAMA)}
 DEFAULT_TAU = 6.0
 PREFILL_ROWS = 16  # rows per prefill forward (activation memory at Qwen3-8B shapes)
 
@@ -211,13 +203,6 @@ class Settings:
     block_size: int = 16
     draft_layers: int = 5
     compile_scope: str = "layer"  # EngineConfig.compile_scope
-
-
-def random_model(model_type: str, shape: dict[str, Any], device: torch.device, dtype: torch.dtype) -> TargetModel:
-    torch.manual_seed(0)
-    with torch.device(device):  # initialised in place: 8B parameters would take minutes on the CPU
-        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **shape), dtype=dtype)
-    return TargetModel(model.eval(), tokenizer=None)
 
 
 def cycles_per_point(settings: Settings) -> int:
@@ -398,7 +383,7 @@ def run(args: argparse.Namespace, settings: Settings, out: pathlib.Path) -> dict
 def build(name: str, settings: Settings) -> tuple[TargetModel, DFlashDraftModel]:
     model_type, shape, tiny = SHAPES[name]
     shape = tiny if settings.quick else shape
-    target = random_model(model_type, shape, settings.device, settings.dtype)
+    target = random_target(model_type, shape, settings.device, settings.dtype)
     draft = random_draft(target, 2 if settings.quick else settings.draft_layers, settings.block_size,
                          shape["vocab_size"] - 1)
     return target, draft

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import write_result
-from benchmarks.decode import QWEN3_8B, TINY_QWEN3, random_target
+from benchmarks.shapes import QWEN3_8B, TINY_QWEN3, random_target
 from dflash_train.eval.chat import prompt_ids
 from dflash_train.runtime.config import EngineConfig, stop_token_ids
 from dflash_train.runtime.generation import Generated, Generator, hf_generate
@@ -122,7 +122,7 @@ def load_workload(args: argparse.Namespace, device: torch.device,
                   dtype: torch.dtype) -> tuple[TargetModel, list[list[int]]]:
     if args.random_shape:
         shape = RANDOM_SHAPES[args.random_shape]
-        target = random_target(shape, device, dtype)
+        target = random_target("qwen3", shape, device, dtype)
         prompts = random_prompts(args.prompts, shape["vocab_size"], args.min_prompt, args.max_prompt)
         check_finite(target, prompts[0])
         return target, prompts

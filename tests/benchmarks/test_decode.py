@@ -10,9 +10,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from benchmarks import decode
 from benchmarks.decode import main
+from benchmarks.shapes import TINY_LLAMA
 
 
 @pytest.fixture(autouse=True)
@@ -112,3 +114,27 @@ def test_decode_benchmark_keeps_what_it_measured_when_cut_short(tmp_path: Path,
     qwen = result["qwen3_8b"]
     assert result["complete"] is False and qwen["target_step_ms"] > 0 and qwen["target_step_gap_ms"] >= 0
     assert qwen["target_step_over_floor"] > 0 and "target_step_layer_scope_ms" not in qwen
+
+
+def test_decode_benchmark_at_smollm2_shapes_builds_a_llama_of_that_shape(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    built: list[tuple[str, dict]] = []
+    build = decode.random_target
+
+    def recording(model_type: str, shape: dict, *args: Any) -> Any:
+        built.append((model_type, shape))
+        return build(model_type, shape, *args)
+
+    monkeypatch.setattr(decode, "random_target", recording)
+    out = tmp_path / "decode.json"
+    main(["--tiny", "--device", "cpu", "--section", "random", "--shape", "smollm2", "--iters", "2", "--warmup", "1",
+          "--variants", "default", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert "qwen3_8b" not in result and built == [("llama", TINY_LLAMA)]
+    small = result["smollm2_shape"]
+    assert small["shape_name"] == "smollm2" and small["shape"] == TINY_LLAMA
+    # the floor counts tied embeddings once: every parameter of the model is read by a step
+    target = build("llama", TINY_LLAMA, torch.device("cpu"), torch.float32)
+    assert small["weight_bytes_per_step"] == sum(p.numel() * 4 for p in target.model.parameters())
+    assert small["target_step_launches"] > 0 and small["cycle_over_target_step"] > 0
+    assert "kernels" not in small
