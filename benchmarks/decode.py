@@ -212,16 +212,18 @@ def gpu_time(calls: Sequence[Sequence[tuple[float, float]]]) -> dict[str, float]
             "gap_per_launch_us": (span - covered) / launches if launches else 0.0}
 
 
-def kernel_category(name: str) -> str:
+def kernel_category(name: str, table: Sequence[tuple[str, str]] = KERNEL_CATEGORIES) -> str:
     lowered = name.lower()
-    return next((category for category, pattern in KERNEL_CATEGORIES if re.search(pattern, lowered)), "other")
+    return next((category for category, pattern in table if re.search(pattern, lowered)), "other")
 
 
-def kernel_categories(calls: Sequence[Sequence[Launch]]) -> dict[str, dict[str, float]]:
-    """Per category, heaviest first: mean ms of kernel time (plain sums of durations) and launches per call."""
+def kernel_categories(calls: Sequence[Sequence[Launch]],
+                      table: Sequence[tuple[str, str]] = KERNEL_CATEGORIES) -> dict[str, dict[str, float]]:
+    """Per category of `table` (name, pattern: the first found in a kernel's lower-cased name wins), heaviest
+    first: mean ms of kernel time (plain sums of durations) and launches per call."""
     totals: dict[str, list[float]] = {}
     for launch in (launch for call in calls for launch in call):
-        entry = totals.setdefault(kernel_category(launch.name), [0.0, 0.0])
+        entry = totals.setdefault(kernel_category(launch.name, table), [0.0, 0.0])
         entry[0] += launch.duration_us
         entry[1] += 1
     n = max(len(calls), 1)

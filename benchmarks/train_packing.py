@@ -2,6 +2,8 @@
 
     python -m benchmarks.train_packing                       # random SmolLM2-shaped target, synthetic chats
     python -m benchmarks.train_packing --prepared DIR --target DIR   # real regenerated chats and target
+    python -m benchmarks.train_packing --recipe recipes/smollm2-135m-dflash-b16-packed.yaml --num-anchors 128 \
+        --variants packed --profile        # the speedrun's recipe, and where its step's time goes
 
 Each variant runs the real `Trainer` in its own process with an empty compilation cache, so its first
 step is a cold start (compilation included), as on a fresh machine. Chats, without `--prepared`, have
@@ -9,6 +11,15 @@ lengths drawn from a log-normal distribution with a mean of about 480 tokens (re
 average ~475), cut to 64..2048, the first 30 % of each unsupervised (system prompt and question). Every
 variant draws up to `--num-anchors` anchors per chat, so anchors per supervised token are equal and
 only the layout differs: `padded` is the unpacked path (16 chats a step, each padded to 2,048).
+`--recipe` starts every variant from a recipe file instead of the trainer's defaults (its optimizer, for
+one); `--set KEY=VALUE` overrides more settings after the variant's own.
+
+`--profile` adds, per variant, a profile of 3 steps after the timed ones (`benchmarks.decode`'s profiler
+ranges, one per step): the step's wall time, the GPU's kernel time and the idle gaps between its kernels
+(a step whose gaps are large waits on the host: launches, syncs, data), launches, kernel time by category
+(matmul, attention, cross-entropy, norm, optimizer, copy/cast, other fused, other) and the heaviest
+kernels by name. On a CPU, top-level operators stand in for kernels (`--tiny` is that smoke test: a tiny
+Llama and short chats).
 """
 
 from __future__ import annotations
@@ -28,6 +39,8 @@ from typing import Any
 import torch
 
 from benchmarks.common import H200_BF16_PEAK, write_result
+from benchmarks.decode import as_intervals, gpu_time, kernel_categories, profiled_calls
+from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
 
 VARIANTS: dict[str, list[str]] = {
     "padded": ["data.max_length=2048", "training.batch_size=16", "training.compile=true"],
@@ -38,48 +51,63 @@ VARIANTS: dict[str, list[str]] = {
                              "training.compile=false"],
 }
 RESULT_PREFIX = "RESULT "
+# A training step's kernels by name, the first pattern found in a lower-cased name naming its category; the
+# project's Triton kernels go by their function names, inductor's `triton_*` kernels by what they fuse.
+TRAINING_CATEGORIES = (
+    ("cross-entropy", r"cross_entropy|_ce_|logsumexp"),
+    ("attention", r"flex_attention|flash|fmha|attention|sdpa|softmax"),
+    ("optimizer", r"foreach|multi_tensor|adam|muon|zeropower|lerp"),
+    ("norm", r"rms_?norm|layer_?norm|rsqrt"),
+    ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|(?<![a-z])(add|b)?mm(?![a-z])|linear|matmul"),
+    ("copy/cast", r"memcpy|memset|copy|to_copy|index|gather|scatter|cat(?![a-z])|fill"),
+    ("other fused", r"^triton_"),
+)
+TINY_SETTINGS = ["model.num_draft_layers=2", "data.max_length=256", "data.pack_tokens=512", "training.batch_size=2",
+                 "training.compile=false"]
 
 
-def save_smollm2_shaped_target(path: Path) -> None:
+def save_smollm2_shaped_target(path: Path, tiny: bool = False) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 
-    config = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-                         num_key_value_heads=3, head_dim=64, vocab_size=49152, tie_word_embeddings=True,
-                         rope_theta=1e5, max_position_embeddings=8192)
+    config = LlamaConfig(**(TINY_LLAMA if tiny else SMOLLM2_135M))
     AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(path)
-    vocab = {f"t{i}": i for i in range(1000)} | {"<|im_end|>": 2, "<empty_output>": 16}
+    vocab = {f"t{i}": i for i in range(min(1000, config.vocab_size))} | {"<|im_end|>": 2, "<empty_output>": 16}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
     PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<|im_end|>").save_pretrained(path)
 
 
-def save_synthetic_chats(path: Path, chats: int, target: Path) -> None:
+def save_synthetic_chats(path: Path, chats: int, target: Path, tiny: bool = False) -> None:
     import datasets
     from transformers import AutoTokenizer
 
     from dflash_train.data.prepared import tokenizer_hash
 
     gen = torch.Generator().manual_seed(0)
-    lengths = torch.exp(torch.randn(chats, generator=gen) * 0.6 + 6.0).clamp(64, 2048).long().tolist()
-    ids = [torch.randint(17, 49152, (n,), generator=gen).tolist() for n in lengths]
+    mean_log, longest, vocab = (4.0, 256, TINY_LLAMA["vocab_size"]) if tiny else (6.0, 2048, SMOLLM2_135M["vocab_size"])
+    lengths = torch.exp(torch.randn(chats, generator=gen) * 0.6 + mean_log).clamp(64, longest).long().tolist()
+    ids = [torch.randint(17, vocab, (n,), generator=gen).tolist() for n in lengths]
     masks = [[0] * (3 * n // 10) + [1] * (n - 3 * n // 10) for n in lengths]
     datasets.Dataset.from_dict({"input_ids": ids, "loss_mask": masks}).save_to_disk(str(path))
     meta = {"target": str(target), "tokenizer_hash": tokenizer_hash(AutoTokenizer.from_pretrained(target))}
     (path / "dflash_data.json").write_text(json.dumps(meta))
 
 
-def run_variant(name: str, target: Path, prepared: Path, work: Path, steps: int, num_anchors: int) -> dict[str, Any]:
-    """One variant in this process: setup, the cold first step, then `steps` steps with prefetching."""
+def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in this process: setup, the cold first step, then `args.steps` steps with prefetching
+    (and with `args.profile`, 3 profiled steps after them)."""
     from dflash_train.training.config import load_config
     from dflash_train.training.trainer import Trainer
 
+    steps = args.steps
     overrides = [f"model.target={target}", "model.mask_token_id=16", f"data.prepared={prepared}",
-                 "data.validation_fraction=0", f"training.num_anchors={num_anchors}", "tracking.report_to=none",
+                 "data.validation_fraction=0", f"training.num_anchors={args.num_anchors}", "tracking.report_to=none",
                  f"training.output_dir={work / 'run'}", "training.resume=none", "training.max_steps=100000",
-                 "training.eval_every=0", "training.save_every=100000000", *VARIANTS[name]]
+                 "training.eval_every=0", "training.save_every=100000000", "training.time_budget_minutes=null",
+                 *VARIANTS[name], *(TINY_SETTINGS if args.tiny else []), *args.set]
     started = time.perf_counter()
-    trainer = Trainer(load_config(None, overrides))
+    trainer = Trainer(load_config(args.recipe, overrides))
     setup_s = time.perf_counter() - started
     pool = ThreadPoolExecutor(1)
     upcoming = pool.submit(trainer._load_step, trainer.step)
@@ -94,6 +122,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, steps: int,
         rows.append({"seconds": time.perf_counter() - began, "chats": sum(len(ids) for ids, _ in loaded),
                      "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
     pool.shutdown()
+    profile = step_profile(trainer) if args.profile else None
     first, steady = rows[0], rows[1:]
     step_s = statistics.median(r["seconds"] for r in steady)
     total_s = sum(r["seconds"] for r in steady)
@@ -106,7 +135,34 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, steps: int,
         "valid_block_tokens_per_s": sum(r["slots"] for r in steady) / total_s,
         "mfu": (sum(r["flops"] for r in steady) / total_s / peak) if peak else None,
         "pack_token_fill": metrics.get("pack_token_fill"), "pack_anchor_fill": metrics.get("pack_anchor_fill"),
+        **({"profile": profile} if profile is not None else {}),
     }
+
+
+def step_profile(trainer: Any, steps: int = 3, top: int = 20) -> dict[str, Any]:
+    """Where `steps` training steps' time goes (their data loaded beforehand): means per step of the wall time,
+    kernel time, gaps and launches, kernel time by category, and the `top` heaviest kernels by name."""
+    device = trainer.accelerator.device
+    loaded = [trainer._load_step(trainer.step + i) for i in range(steps)]
+    profiled = profiled_calls(lambda: trainer.train_step(loaded.pop(0)), device, iters=steps)
+    by_name: dict[str, list[float]] = {}
+    for launch in (launch for call in profiled.calls for launch in call):
+        entry = by_name.setdefault(launch.name, [0.0, 0.0])
+        entry[0] += launch.duration_us / steps / 1e3
+        entry[1] += 1 / steps
+    heaviest = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
+    return {"steps": steps, "wall_ms": statistics.median(profiled.wall_us) / 1e3,
+            **gpu_time(as_intervals(profiled.calls)),
+            "categories": kernel_categories(profiled.calls, TRAINING_CATEGORIES),
+            "kernels": {name: {"ms": ms, "launches": count} for name, (ms, count) in heaviest}}
+
+
+def print_profile(result: dict[str, Any]) -> None:
+    profile = result["profile"]
+    print(f"  {result['variant']}: step {profile['wall_ms']:.1f} ms, kernels {profile['kernel_ms']:.1f} ms, gaps "
+          f"{profile['gap_ms']:.1f} ms, {profile['launches']:.0f} launches", flush=True)
+    for category, entry in profile["categories"].items():
+        print(f"    {category:<14} {entry['ms']:>9.2f} ms {entry['launches']:>7.0f} launches", flush=True)
 
 
 def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any] | None:
@@ -115,7 +171,9 @@ def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, wo
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor"), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "benchmarks.train_packing", "--one", name, "--target", str(target),
            "--prepared", str(prepared), "--workdir", str(run_dir), "--steps", str(args.steps),
-           "--num-anchors", str(args.num_anchors)]
+           "--num-anchors", str(args.num_anchors), *(["--recipe", str(args.recipe)] if args.recipe else []),
+           *(["--profile"] if args.profile else []), *(["--tiny"] if args.tiny else []),
+           *(item for setting in args.set for item in ("--set", setting))]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
@@ -132,7 +190,7 @@ def print_row(result: dict[str, Any], baseline: dict[str, Any] | None) -> None:
           f"{mfu:>6} {result['first_step_s']:>8.1f} {result['setup_s']:>7.1f}", flush=True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", type=Path, default=None)
     parser.add_argument("--prepared", type=Path, default=None)
@@ -141,19 +199,24 @@ def main() -> None:
     parser.add_argument("--num-anchors", type=int, default=512)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--recipe", type=Path, default=None, help="a recipe YAML every variant starts from")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting over the variant's own (repeatable), e.g. training.optimizer=muon")
+    parser.add_argument("--profile", action="store_true", help="also profile 3 steps of each variant")
+    parser.add_argument("--tiny", action="store_true", help="a tiny Llama and short chats: a CPU smoke test")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # run one variant here (child process)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash_pack_"))
     if args.one:
-        result = run_variant(args.one, args.target, args.prepared, work, args.steps, args.num_anchors)
+        result = run_variant(args.one, args.target, args.prepared, work, args)
         print(RESULT_PREFIX + json.dumps(result), flush=True)
         return
     target = args.target or work / "target"
     if args.target is None and not (target / "tokenizer.json").exists():
-        save_smollm2_shaped_target(target)
+        save_smollm2_shaped_target(target, args.tiny)
     prepared = args.prepared or work / "prepared"
     if args.prepared is None and not (prepared / "dflash_data.json").exists():
-        save_synthetic_chats(prepared, args.chats, target)
+        save_synthetic_chats(prepared, args.chats, target, args.tiny)
     print(f"\nTraining layouts, SmolLM2 shapes, N={args.num_anchors} anchors per chat, {args.steps} steps each")
     print(f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
           f"{'MFU':>6} {'first s':>8} {'setup s':>7}", flush=True)
@@ -169,10 +232,14 @@ def main() -> None:
         baseline = baseline or (result if name == "padded" else None)
         results.append(result)
         print_row(result, baseline)
+        if "profile" in result:
+            print_profile(result)
         # Written after every variant: a run cut short by a time limit keeps what it measured.
         path = write_result("train_packing", {"config": {k: str(v) for k, v in vars(args).items()},
                                               "results": results,
                                               "goal": ">= 4x the padded path's chat-passes per minute"})
+    if path is None:
+        raise SystemExit("train_packing: no variant finished (their errors are above)")
     print(f"wrote {path}")
 
 

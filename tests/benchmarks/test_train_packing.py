@@ -1,0 +1,54 @@
+"""`benchmarks/train_packing.py` end to end on a tiny Llama and short chats on a CPU (its figures come from the
+H200): each variant runs the real trainer in its own process, the recipe and `--set` reach the trainer, and
+`--profile` accounts for a step's time (on a CPU, top-level operators stand in for kernels)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.decode import kernel_category
+from benchmarks.train_packing import TRAINING_CATEGORIES, main
+
+
+def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
+    main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed", "--profile",
+          "--recipe", str(recipe), "--set", "training.learning_rate=1e-4", "--workdir", str(tmp_path / "work")])
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "results" / "train_packing.json").read_text())
+    (packed,) = result["results"]
+    assert packed["variant"] == "packed" and packed["chats_per_step"] > 2  # several chats share a row
+    profile = packed["profile"]
+    assert profile["steps"] == 3 and profile["launches"] > 0 and profile["wall_ms"] > 0
+    assert sum(entry["launches"] for entry in profile["categories"].values()) == pytest.approx(profile["launches"])
+    assert profile["categories"]["matmul"]["ms"] > 0  # the CPU's aten::mm / addmm / linear operators
+    heaviest = list(profile["kernels"].values())
+    assert heaviest and all(a["ms"] >= b["ms"] for a, b in zip(heaviest, heaviest[1:], strict=False))
+    assert "packed: step" in out and "matmul" in out
+
+
+def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    with pytest.raises(SystemExit, match="no variant finished"):  # 5 draft layers cannot read a 6-layer target
+        main(["--tiny", "--chats", "16", "--steps", "1", "--variants", "packed", "--set", "model.num_draft_layers=5",
+              "--workdir", str(tmp_path / "work")])
+
+
+@pytest.mark.parametrize(("name", "category"), [
+    ("_cross_entropy_kernel", "cross-entropy"),
+    ("triton_tem_fused_flex_attention_backward_transpose_view_5", "attention"),
+    ("void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor>", "optimizer"),
+    ("triton_red_fused__to_copy_mean_pow_rsqrt_0", "norm"),
+    ("nvjet_tst_128x256_64x4_2x1_v_bz_coopA_NNT", "matmul"),
+    ("aten::addmm", "matmul"),
+    ("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda>", "copy/cast"),
+    ("triton_poi_fused_add_mul_silu_3", "other fused"),
+    ("void at::native::vectorized_elementwise_kernel<4, at::native::exp_kernel>", "other"),
+])
+def test_training_kernels_fall_in_their_categories(name: str, category: str) -> None:
+    assert kernel_category(name, TRAINING_CATEGORIES) == category
