@@ -41,6 +41,9 @@
 #                   float32 check (default 16)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
+#   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
+#                   train every run with `accelerate launch` (LAUNCH_CONFIG, default recipes/accelerate/ddp.yaml;
+#                   RUN_PORT its rendezvous port, default 29501); eval stays on one GPU, as a user decodes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -69,6 +72,8 @@ FP32_PROMPTS=${FP32_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 DECODE_ROWS=${DECODE_ROWS:-512}
+GPUS=${GPUS:-1}
+LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 DFLASH=(python3 -m dflash_train.cli)
 mkdir -p "$OUT"
 
@@ -97,6 +102,23 @@ prompts() {
   run python3 -m dflash_train.data.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"
 }
 
+on_every_gpu() {  # a command, run once per GPU as rank r of GPUS (LOCAL_RANK picks its device), after every
+  # rank has ended: 0, a failing rank's exit status, or 124 if only timeouts (REGEN_MINUTES) stopped ranks
+  (( GPUS > 1 )) || { run "$@"; return; }
+  local rank pid code pids=() failed=0
+  echo "+ on $GPUS GPUs: $*" >&2
+  for ((rank = 0; rank < GPUS; rank++)); do
+    LOCAL_RANK=$rank "$@" --rank "$rank" --world-size "$GPUS" &
+    pids+=($!)
+  done
+  for pid in "${pids[@]}"; do
+    wait "$pid" && continue
+    code=$?
+    (( failed == 0 || failed == 124 )) && failed=$code
+  done
+  return "$failed"
+}
+
 regen() {
   # Stopped by REGEN_MINUTES, the run is marked budget-spent: a later call of this stage does not continue
   # it, and prepare takes its finished shards.
@@ -106,11 +128,11 @@ regen() {
   # Whole conversations first, every round to the end (a conversation is only written with its last turn):
   # the target answers each user turn after its own earlier answers, as in MT-Bench's second turn.
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
-  [[ -z "$CHATS" ]] || run "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
+  [[ -z "$CHATS" ]] || on_every_gpu "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
     --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
     --batch-size 4096 --decode-rows "$DECODE_ROWS" $REGEN_EXTRA --out "$OUT/regen-chat"
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
-  run timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+  on_every_gpu timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
     --decode-rows "$DECODE_ROWS" "${sampled[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
     local code=$?
@@ -131,10 +153,12 @@ prepare() {
 }
 
 train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes
-  local stop=()
+  local stop=() launch=("${DFLASH[@]}" train)
   [[ -z "$STOP_AFTER" ]] || stop=("training.stop_after_minutes=$STOP_AFTER")
+  (( GPUS > 1 )) && launch=(python3 -m accelerate.commands.launch --config_file "$LAUNCH_CONFIG" --num_processes "$GPUS"
+    --main_process_port "${RUN_PORT:-29501}" -m dflash_train.train)
   # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
-  run "${DFLASH[@]}" train --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
+  run "${launch[@]}" --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
     "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/$1" "training.time_budget_minutes=$2" \
     "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" "${stop[@]}" $TRAIN_EXTRA
 }

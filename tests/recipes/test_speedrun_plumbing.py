@@ -16,10 +16,10 @@ exit 0
 """
 
 
-def run_stage(stage: str, tmp_path: pathlib.Path, **settings: str) -> list[str]:
+def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: str) -> list[str]:
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python3").write_text(SHIM)
+    (bin_dir / "python3").write_text(shim)
     (bin_dir / "python3").chmod(0o755)
     calls.write_text("")
     env = {**os.environ, **settings, "OUT": str(tmp_path / "run"), "CALLS": str(calls),
@@ -55,3 +55,35 @@ def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib
     bf16 = [c.split() for c in calls if "dflash_train.cli eval" in c and "float32" not in c]
     assert len(bf16) == 1
     assert bf16[0][bf16[0].index("--num-prompts") + 1] == "40" and "--no-lossless-check" not in bf16[0]
+
+
+# Records which GPU (LOCAL_RANK) each call ran on; a regeneration rank given RANK_EXIT's rank exits 124, as
+# `timeout` does when REGEN_MINUTES runs out.
+RANK_SHIM = """#!/usr/bin/env bash
+printf '%s\\n' "LOCAL_RANK=${LOCAL_RANK:-none} $*" >> "$CALLS"
+if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
+if [[ "$*" == *"--rank ${RANK_EXIT:-none} "* ]]; then exit 124; fi
+exit 0
+"""
+
+
+def test_gpus_regenerate_one_rank_per_gpu_and_train_under_accelerate(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("regenerate", tmp_path, shim=RANK_SHIM, GPUS="2")
+    regen = sorted(c.split() for c in calls if "regenerate" in c)
+    assert [(c[0], c[c.index("--rank") + 1], c[c.index("--world-size") + 1]) for c in regen] == [
+        ("LOCAL_RANK=0", "0", "2"), ("LOCAL_RANK=1", "1", "2")]
+    assert not (tmp_path / "run" / "regen.budget-spent").exists()
+    train = [c.split() for c in run_stage("train", tmp_path, shim=RANK_SHIM, GPUS="2", RUN_PORT="29777")
+             if "dflash_train.train" in c]
+    assert len(train) == 1
+    args = train[0]
+    assert args[1:4] == ["-m", "accelerate.commands.launch", "--config_file"]
+    assert args[4] == "recipes/accelerate/ddp.yaml" and args[args.index("--num_processes") + 1] == "2"
+    assert args[args.index("--main_process_port") + 1] == "29777" and "--config" in args
+    one_gpu = [c for c in run_stage("train", tmp_path, shim=RANK_SHIM) if "dflash_train.cli train" in c]
+    assert len(one_gpu) == 1 and "accelerate" not in one_gpu[0]
+
+
+def test_a_rank_stopped_by_regen_minutes_marks_the_budget_spent(tmp_path: pathlib.Path) -> None:
+    run_stage("regenerate", tmp_path, shim=RANK_SHIM, GPUS="2", RANK_EXIT="1")
+    assert (tmp_path / "run" / "regen.budget-spent").exists()
