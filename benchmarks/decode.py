@@ -21,7 +21,9 @@ same run (CUDA events, median):
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step with the attention
   prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
   (`dflash_train.kernels.rope_cache`), and that kernel alone against its PyTorch reference; the step
-  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`); and, opt-in
+  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`); the cycle with the
+  drafter's block attention on SDPA over its whole cache (`sdpa_draft_attention`, the drafter's own forward)
+  instead of the split-key kernel (`dflash_train/runtime/draft_layer.py`); and, opt-in
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
   logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
@@ -34,7 +36,8 @@ same run (CUDA events, median):
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
-  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, skinny_matmul, hf
+  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, skinny_matmul,
+  sdpa_draft_attention, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -465,7 +468,9 @@ ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cy
              "unfused": ({"fuse_projections": False}, ("target_step",))}
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
 OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle"))}
-VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, *OPT_INS, "hf")  # hf: the Hugging Face decode step, for reference
+# Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
+ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"}}
+VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, *OPT_INS, *ENGINE_ABLATIONS, "hf")  # hf: the Hugging Face step, for reference
 
 
 @dataclass
@@ -544,6 +549,8 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     for label in (label for label in (*ABLATIONS, *OPT_INS) if label in args.variants
                   and ablation_applies(label, runner)):
         ablation(bench, label)
+    for label in (label for label in ENGINE_ABLATIONS if label in args.variants and engine_ablation_applies(runner)):
+        engine_ablation(bench, label)
     if args.compile_variants:
         result |= compile_variants(target, runner, prompt, bench.new_tokens, length, device, args)
         bench.checkpoint()
@@ -563,6 +570,8 @@ def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
     bench.measure(key, engine)
     if variant in ("default", "layer_scope"):
         result[f"{key}_compile_error"] = engine.compile_error
+    if engine.drafter is not None:  # what the drafter's block attention ran on: kernel or sdpa
+        result[f"{key}_draft_attention"] = engine.drafter.attention
     if variant == "default":
         result[f"{key}_cuda_graph"], result[f"{key}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
         result[f"{key}_attention"], result[f"{key}_prologue"] = engine.runner.attention, engine.runner.prologue
@@ -597,6 +606,22 @@ def ablation(bench: Qwen3Bench, label: str) -> None:
     del runner
 
 
+def engine_ablation_applies(runner: StaticTarget) -> bool:
+    """The drafter's attention is a choice only with the Triton kernels (else both settings run SDPA)."""
+    return runner.kernels == "triton"
+
+
+def engine_ablation(bench: Qwen3Bench, label: str) -> None:
+    """The DFlash cycle with one engine setting changed, on the default runner (`ENGINE_ABLATIONS`)."""
+    engine = bench.engine("dflash_cycle", bench.runner, **ENGINE_ABLATIONS[label])
+    bench.measure(f"dflash_cycle_{label}", engine)
+    bench.result[f"dflash_cycle_{label}_compile_error"] = engine.compile_error
+    bench.result[f"dflash_cycle_{label}_draft_attention"] = engine.drafter.attention
+    del engine
+    gc.collect()
+    bench.checkpoint()
+
+
 def derived(result: dict[str, Any]) -> dict[str, float]:
     """Ratios between the variants measured so far (one that needs a skipped variant is left out)."""
     ratios = {"target_step_over_floor": ("target_step_ms", "floor_ms"),
@@ -615,6 +640,9 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     # what the fused prologue saves, per layer
     differences["launches_per_layer_saved_by_rope_cache"] = ("target_step_torch_prologue_launches_per_layer",
                                                              "target_step_launches_per_layer")
+    # what the drafter's block attention on the split-key kernel saves per cycle (both compiled per layer)
+    differences["cycle_ms_saved_by_draft_attention_kernel"] = ("dflash_cycle_sdpa_draft_attention_ms",
+                                                               "dflash_cycle_layer_scope_ms")
     return out | {key: result[a] - result[b] for key, (a, b) in differences.items() if a in result and b in result}
 
 
@@ -747,6 +775,7 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("cycle, layer scope", "dflash_cycle_layer_scope_ms", "mediumseagreen"),
               ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
               ("cycle, skinny matmul", "dflash_cycle_skinny_matmul_ms", "orange"),
+              ("cycle, drafter on SDPA", "dflash_cycle_sdpa_draft_attention_ms", "olive"),
               ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),
               ("cycle, eager", "dflash_cycle_eager_ms", "palegreen"))
 

@@ -41,6 +41,10 @@ class EngineConfig:
     # What one compiled graph covers (COMPILE_SCOPES above). "layer" by default: on an H200 it compiled in
     # 4-17 s per engine against 46-60 s for "step", at the same step and cycle times within 1 % (docs/benchmarks.md).
     compile_scope: Literal["step", "layer"] = "layer"
+    # The drafter's block attention with kernels "triton": "kernel", the block's K/V written into the context
+    # cache and attended by the split-key kernel (runtime/draft_layer.py); "sdpa", the drafter's own forward,
+    # SDPA over its whole cache (the reference, and the benchmark's ablation).
+    draft_attention: Literal["kernel", "sdpa"] = "kernel"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.
@@ -54,6 +58,8 @@ class EngineConfig:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         check_compile_scope(self.compile_scope)
+        if self.draft_attention not in ("kernel", "sdpa"):
+            raise ValueError(f"draft_attention must be kernel or sdpa, not {self.draft_attention!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.temperature < 0:

@@ -130,8 +130,8 @@ class DecodeEngine:
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
             runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels)
         self.runner = runner
-        self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length,
-                                     self.kernels) if uses_draft and not self.refuse_drafts else None
+        self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
+                                     config.draft_attention) if uses_draft and not self.refuse_drafts else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
                                  list(config.stop_token_ids), self.device)
         self.offsets = torch.arange(self.block_size, device=self.device)[None]
@@ -235,6 +235,8 @@ class DecodeEngine:
         if self.runner.kernels == "triton":
             logger.warning("torch.compile failed (%s); retrying with SDPA attention", self.compile_error)
             self.runner.kernels = "torch"
+            if self.drafter is not None:
+                self.drafter.use_sdpa_attention()
             try:
                 self._warm_up()
                 return

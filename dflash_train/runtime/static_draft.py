@@ -8,6 +8,10 @@ overwritten by the next cycle before the mask ever shows them.
 Context materialisation: `fuse_context` (fc + hidden_norm), then either the drafter's own `key_values`
 per layer ("torch") or one GEMM over all layers' [k_proj; v_proj] plus the fused Triton kernel for
 k_norm + RoPE + cache write ("triton").
+
+The block's layers: the drafter's own forward with a dense mask over the whole cache ("torch", and
+`attention="sdpa"`), or on the Triton kernels, the block's K/V written into the cache and attended with
+the context by the split-key kernel (`dflash_train.runtime.draft_layer`).
 """
 
 from __future__ import annotations
@@ -23,11 +27,16 @@ from torch import nn
 from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import check_compile_scope
+from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
 
 
 class StaticDrafter:
     def __init__(self, draft: DFlashDraftModel, batch_size: int, block_size: int, max_length: int,
-                 kernels: str = "torch") -> None:
+                 kernels: str = "torch", attention: str = "kernel") -> None:
+        """`attention`: "kernel" runs the block's layers on the Triton kernels where `kernels` is "triton" and
+        the layers allow it (`draft_layer.supported`); "sdpa" keeps the drafter's own forward."""
+        if attention not in ("kernel", "sdpa"):
+            raise ValueError(f"draft attention must be kernel or sdpa, not {attention!r}")
         self.draft = draft
         self.cache = draft.new_cache(batch_size, max_length)  # keys/values [L, b, kv, max_len, D]
         device = draft.fc.weight.device
@@ -38,6 +47,20 @@ class StaticDrafter:
         self._compiled_hidden: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., torch.Tensor]] = {}
         if kernels == "triton":
             self._prepare_fused(max_length)
+        self.layer_kernels: list[DraftLayerKernels] | None = None
+        if kernels == "triton" and attention == "kernel" and all(
+                supported(layer, block_size, self.dtype) for layer in draft.layers):
+            self.layer_kernels = [DraftLayerKernels(layer) for layer in draft.layers]
+        self.rows = torch.arange(batch_size, device=device)
+
+    @property
+    def attention(self) -> str:
+        """What the block's layers run on: "kernel" (split-key kernel over the cache) or "sdpa"."""
+        return "sdpa" if self.layer_kernels is None else "kernel"
+
+    def use_sdpa_attention(self) -> None:
+        """Run the block's layers through the drafter's own forward from now on (a compiler fallback)."""
+        self.layer_kernels = None
 
     def _prepare_fused(self, max_length: int) -> None:
         attns = [layer.self_attn for layer in self.draft.layers]
@@ -103,27 +126,35 @@ class StaticDrafter:
     def _hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,
                 regions: _Regions | None = None) -> torch.Tensor:
         inputs, run_layer, norm = regions or (self._inputs, self._layer, self._norm)
-        h, cos, sin, mask = inputs(block_embeds, positions, start)
-        for index, layer in enumerate(self.draft.layers):
+        h, cos, sin, visible = inputs(block_embeds, positions, start)
+        for index, layer in enumerate(self.layer_kernels or self.draft.layers):
             # The layer's cache goes in as tensors: the compiled layer never sees its index, so every layer
             # reuses one compiled code (an index would be a guard, and a recompile, per layer).
-            h = run_layer(layer, h, cos, sin, self.cache.keys[index], self.cache.values[index], mask)
+            h = run_layer(layer, h, cos, sin, self.cache.keys[index], self.cache.values[index], visible)
         return norm(h)
 
     def _inputs(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> tuple[
-            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(block rows [b, B, H] in the drafter's dtype, RoPE cos and sin, mask [b, 1, B, max_len + B])."""
+            torch.Tensor, torch.Tensor, torch.Tensor, Any]:
+        """(block rows [b, B, H] in the drafter's dtype, RoPE cos and sin, what the block sees): the mask
+        [b, 1, B, max_len + B] over [cache ; block], or on the kernels (positions [b, B], cache rows [b],
+        bounds [b, 2, B]: slots 0 .. start + B - 1, the context and the block written at its positions)."""
         b, width = positions.shape
-        context_visible = (self.slots[None, :] < start[:, None])[:, None, None, :]  # [b, 1, 1, max_len]
-        mask = torch.cat([context_visible.expand(b, 1, width, -1), self.block_visible], dim=-1)
         h = block_embeds.to(self.dtype)
         cos, sin = self.draft.rotary_emb(positions, h.dtype)
+        if self.layer_kernels is not None:
+            last = (start + width - 1)[:, None].expand(b, width)
+            bounds = torch.stack([torch.zeros_like(last), last], dim=1).to(torch.int32)
+            return h, cos, sin, (positions, self.rows, bounds)
+        context_visible = (self.slots[None, :] < start[:, None])[:, None, None, :]  # [b, 1, 1, max_len]
+        mask = torch.cat([context_visible.expand(b, 1, width, -1), self.block_visible], dim=-1)
         return h, cos, sin, mask
 
     @staticmethod
-    def _layer(layer: nn.Module, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-               values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return layer(h, cos, sin, (keys, values), mask)
+    def _layer(layer: nn.Module | DraftLayerKernels, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               keys: torch.Tensor, values: torch.Tensor, visible: Any) -> torch.Tensor:
+        if isinstance(layer, DraftLayerKernels):
+            return layer(h, cos, sin, keys, values, *visible)
+        return layer(h, cos, sin, (keys, values), visible)
 
     def _norm(self, h: torch.Tensor) -> torch.Tensor:
         return self.draft.norm(h)

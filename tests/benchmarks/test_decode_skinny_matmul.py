@@ -46,3 +46,23 @@ def test_forced_on_a_cpu_it_records_what_ran(tmp_path: Path, monkeypatch: pytest
         assert qwen[f"{loop}_skinny_matmul_matmul"] == "torch" and qwen[f"{loop}_skinny_matmul_compile_error"] is None
         assert qwen[f"{loop}_skinny_matmul_kernel_categories"]["matmul"]["launches"] > 0
     assert qwen["target_step_skinny_matmul_over_floor"] > 0 and "target_step_ms" not in qwen
+
+
+def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced on a CPU (where both settings run SDPA): the cycle's figures under their own key, what ran, and
+    the difference against the layer-scope cycle."""
+    assert "sdpa_draft_attention" in VARIANTS
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert not decode.engine_ablation_applies(StaticTarget(target, 1, 8))
+    assert decode.engine_ablation_applies(StaticTarget(target, 1, 8, kernels="triton"))
+    monkeypatch.setattr(decode, "engine_ablation_applies", lambda runner: True)
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "layer_scope,sdpa_draft_attention", "--out", str(out)])
+    qwen = json.loads(out.read_text())["qwen3_8b"]
+    assert qwen["dflash_cycle_sdpa_draft_attention_ms"] > 0
+    assert qwen["dflash_cycle_sdpa_draft_attention_draft_attention"] == "sdpa"
+    assert qwen["dflash_cycle_layer_scope_draft_attention"] == "sdpa"  # a CPU runner has no Triton kernels
+    assert "target_step_sdpa_draft_attention_ms" not in qwen  # the cycle only
+    assert qwen["cycle_ms_saved_by_draft_attention_kernel"] == pytest.approx(
+        qwen["dflash_cycle_sdpa_draft_attention_ms"] - qwen["dflash_cycle_layer_scope_ms"])

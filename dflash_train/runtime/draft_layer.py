@@ -1,0 +1,85 @@
+"""A drafter layer in the decode loop on the runtime's kernels: the block attends to the static context
+cache through the split-key attention kernel instead of SDPA over the whole cache.
+
+Why: the drafter's own forward (`DFlashDecoderLayer` with a dense mask, the reference path) concatenates the
+layer's whole context cache with the block's K/V and runs SDPA under a [b, 1, B, max_len + B] mask in every
+cycle: copies of the cache, kernels that build and apply the mask, and an attention kernel whose programs
+each walk every slot of the cache, a few dozen of them at batch 1 on a GPU with 132 multiprocessors. In a
+Qwen3-8B-shaped cycle the attention kernels took 0.75 ms, against 0.27 ms in a target step (H200, 620ba93).
+
+Here, as in the target's layers (`fused_layer.FusedLayer`): one q/k/v product (the projections fused by
+`fuse_linears`, no weight copied), one kernel for the q/k norms, RoPE and the write of the block's K/V into
+the cache at the block's positions (`kernels.rope_cache`), and the split-key kernel over slots
+[0, start + B - 1] (`kernels.static_attention`): the context before the block and the block itself, all
+of which every block query sees, as in the reference's mask. The block's K/V sit in slots
+start .. start + B - 1 only until the verify: `StaticDrafter.write_context` then writes the context K/V of
+the target's features at the same positions, before any later block can see those slots.
+
+Arithmetic: the drafter's RMSNorm and rotate-half RoPE are those of Qwen3, which the prologue kernel
+reproduces when the norm weights have the activations' dtype (`supported` checks it, else the reference
+path runs); attention sums in fp32 with probabilities rounded to the cache's dtype, so bf16 drafts can
+differ from the reference path's in rounding, never in which keys they see (the target's verify decides
+what is emitted either way).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
+from dflash_train.kernels.static_attention import fits, static_attention_triton
+from dflash_train.models.layers import DFlashDecoderLayer
+from dflash_train.runtime.fused_layer import fuse_linears
+
+
+def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) -> bool:
+    """Whether `DraftLayerKernels` computes this layer as its own forward does: a block fits one attention
+    program, and the q/k norm weights have the activations' dtype (fp32 weights would promote q and k)."""
+    attn = layer.self_attn
+    norms_match = attn.q_norm.weight.dtype == attn.k_norm.weight.dtype == dtype
+    return fits(attn.num_heads, attn.num_kv_heads, block_size) and norms_match and attn.head_dim % 2 == 0
+
+
+FUSED_ATTRIBUTE = "_dflash_fused_draft_projections"
+
+
+def fused_draft_projections(layer: DFlashDecoderLayer) -> dict[str, torch.Tensor | None]:
+    """The layer's [q; k; v] and [gate; up] weights, its projections re-pointed at row views of them; built
+    once and kept on the layer (engines sharing a drafter share them), again if the layer was moved or cast."""
+    attn, mlp = layer.self_attn, layer.mlp
+    cached = getattr(layer, FUSED_ATTRIBUTE, None)
+    if cached is None or any(part.weight.data_ptr() != cached[name].data_ptr() or part.weight.dtype != cached[name].dtype
+                             for part, name in ((attn.q_proj, "qkv"), (mlp.gate_proj, "gate_up"))):
+        qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
+        gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        cached = {"qkv": qkv, "qkv_bias": qkv_bias, "gate_up": gate_up}
+        object.__setattr__(layer, FUSED_ATTRIBUTE, cached)  # a plain attribute: not a parameter or buffer
+    return cached
+
+
+class DraftLayerKernels:
+    """Forward of one drafter layer over its static context cache (module docstring)."""
+
+    def __init__(self, layer: DFlashDecoderLayer) -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn, self.mlp = layer, attn, mlp
+        fused = fused_draft_projections(layer)
+        self.qkv, self.qkv_bias, self.gate_up = fused["qkv"], fused["qkv_bias"], fused["gate_up"]
+        self.heads, self.scale = attn.num_heads, attn.head_dim ** -0.5
+
+    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 bounds: torch.Tensor) -> torch.Tensor:
+        """Block rows h [n, B, H] at positions [n, B] of cache rows [n]; keys/values [b, kv, max_len, D] (the
+        block's K/V are written into them); bounds [n, 2, B]: the slots each query sees -> [n, B, H]."""
+        n, t, _ = h.shape
+        attn = self.attn
+        qkv = F.linear(self.layer.input_layernorm(h), self.qkv, self.qkv_bias)
+        assert supports_rope(cos, attn.head_dim)
+        q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
+                              positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
+        out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
+        h = h + attn.o_proj(out.reshape(n, t, -1))
+        gate, up = F.linear(self.layer.post_attention_layernorm(h), self.gate_up).chunk(2, dim=-1)
+        return h + self.mlp.down_proj(F.silu(gate) * up)

@@ -1,0 +1,69 @@
+"""The drafter's block layers on the Triton kernels (`dflash_train.runtime.draft_layer`) against the drafter's own
+forward with the dense mask (fp32, tiny target; kernels interpreted on CPU): the same hidden states for
+blocks at per-row positions, with a context that the block's own K/V never leak into."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.runtime.draft_layer import supported
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.static_draft import StaticDrafter
+from tests.helpers.decoding import make_draft
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.tiny_models import make_tiny_target
+
+test_under_interpreter = under_interpreter(__file__)
+
+
+def blocks_through(attention: str) -> tuple[list[torch.Tensor], StaticDrafter]:
+    """Context from random features at 12 positions, then three blocks of 4 at per-row starts, with the
+    context written after each block as the engine does after a verify (over the block's slots)."""
+    target = make_tiny_target("llama", num_layers=5, seed=3)
+    draft = make_draft(target, block_size=4, seed=5).to(DEVICE)
+    drafter = StaticDrafter(draft, batch_size=2, block_size=4, max_length=32, kernels="triton", attention=attention)
+    gen = torch.Generator().manual_seed(4)
+    features = torch.randn(2, 12, draft.fc.in_features, generator=gen).to(DEVICE)
+    drafter.write_context(features, torch.arange(12, device=DEVICE).expand(2, 12))
+    hidden = []
+    for start in ([6, 12], [8, 13], [9, 17]):
+        start_t = torch.tensor(start, device=DEVICE)
+        positions = start_t[:, None] + torch.arange(4, device=DEVICE)
+        embeds = torch.randn(2, 4, draft.config.hidden_size, generator=gen).to(DEVICE)
+        hidden.append(drafter.hidden(embeds, positions, start_t))
+        verified = torch.randn(2, 4, draft.fc.in_features, generator=gen).to(DEVICE)
+        drafter.write_context(verified, positions)  # overwrites the block's slots, as after a verify
+    return hidden, drafter
+
+
+@kernels_here
+def test_kernel_layers_equal_the_drafters_own_forward() -> None:
+    torch.set_num_threads(1)
+    kernel_hidden, kernel_drafter = blocks_through("kernel")
+    sdpa_hidden, sdpa_drafter = blocks_through("sdpa")
+    assert kernel_drafter.attention == "kernel" and sdpa_drafter.attention == "sdpa"
+    for ours, reference in zip(kernel_hidden, sdpa_hidden, strict=True):
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+    # After each verify's write the caches hold the same context: the block's own K/V were overwritten.
+    torch.testing.assert_close(kernel_drafter.cache.keys, sdpa_drafter.cache.keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(kernel_drafter.cache.values, sdpa_drafter.cache.values, atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_chooses_the_drafters_attention() -> None:
+    target = make_tiny_target("llama", num_layers=5, seed=3)
+    draft = make_draft(target, block_size=4, seed=5)
+    config = EngineConfig(block_size=4, max_new_tokens=4, max_length=32, kernels="torch")
+    assert DecodeEngine(target, draft, config).drafter.attention == "sdpa"  # the torch kernels: the reference
+    with pytest.raises(ValueError, match="draft_attention must be kernel or sdpa, not 'flash'"):
+        EngineConfig(draft_attention="flash")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="draft attention must be kernel or sdpa"):
+        StaticDrafter(draft, 1, 4, 32, attention="flash")
+
+
+def test_layers_the_kernels_cannot_run_keep_the_drafters_own_forward() -> None:
+    target = make_tiny_target("llama", num_layers=5, seed=3)
+    layer = make_draft(target, block_size=4, seed=5).layers[0]
+    assert supported(layer, 4, torch.float32)
+    assert not supported(layer, 4, torch.bfloat16)  # fp32 norm weights would promote bf16 q and k
+    assert not supported(layer, 512, torch.float32)  # a block too large for one attention program
