@@ -49,6 +49,9 @@ VARIANTS: dict[str, list[str]] = {
                         "training.compile=true"],
     "packed-eager-layers": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
                              "training.compile=false"],
+    # the target's forward over packed rows on SDPA with Hugging Face's dense per-chat mask, instead of flex
+    "packed-sdpa-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
+                           "training.compile=true", "training.target_attention=sdpa"],
 }
 RESULT_PREFIX = "RESULT "
 # A training step's kernels by name, the first pattern found in a lower-cased name naming its category; the

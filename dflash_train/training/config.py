@@ -81,6 +81,10 @@ class TrainingConfig:
     dpace_alpha: float = 0.5
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
+    # The target's attention over packed rows (online features): flex skips the tiles no chat fills, where SDPA
+    # computes a dense mask's every score (dflash_train/target/attention.py); auto: flex on CUDA, and SDPA for
+    # the rest of the run if flex fails. Unpacked rows keep the target's own attention.
+    target_attention: Literal["auto", "sdpa", "flex"] = "auto"
     compile: bool = False
     log_every: int = 10
     eval_every: int = 500

@@ -25,6 +25,7 @@ from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DFlashObjective
 from dflash_train.target import target_fingerprint, target_identity
+from dflash_train.target.attention import FLEX, attention_implementation
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
@@ -134,6 +135,9 @@ class Trainer:
         self.val_sources = dict(zip(self.val_ids, sources, strict=True)) if sources else {}
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
+        # The target's attention over packed rows (`_features`); "auto": flex on CUDA until it fails once.
+        self.flex_target = t.target_attention == "flex" or (
+            t.target_attention == "auto" and self.accelerator.device.type == "cuda")
         self._check_offline_features()
         deepspeed = self.accelerator.state.deepspeed_plugin
         if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
@@ -194,18 +198,36 @@ class Trainer:
     # -- one step -------------------------------------------------------------------------------
     def _features(self, batch: dict[str, torch.Tensor], real: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H];
-        `real` is the longest unpadded sequence of the batch."""
+        `real` is the longest unpadded sequence of the batch. Packed rows go through flex attention where
+        `training.target_attention` asks for it, and through SDPA from the first failure on."""
         if "features" in batch:
             return batch["features"], None
+        if not (self.flex_target and "position_ids" in batch):
+            return self._target_features(batch, real, flex=False)
+        try:
+            return self._target_features(batch, real, flex=True)
+        except Exception as error:  # a compiler or kernel failure costs speed, not the run
+            self.flex_target = False
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            self.accelerator.print(f"flex attention failed for the target ({type(error).__name__}: {reason}); packed "
+                                   "rows use SDPA from now on (training.target_attention=sdpa skips the try)")
+            return self._target_features(batch, real, flex=False)
+
+    def _target_features(self, batch: dict[str, torch.Tensor], real: int, flex: bool) -> tuple[
+            torch.Tensor, torch.Tensor | None]:
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
         # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
         # out of every real token, and a mask would only cost host syncs in Hugging Face's mask check.
-        # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself.
+        # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself. Under
+        # flex attention they run whole: compiled flex attention and its block mask specialise on the
+        # length, and the padding is a sequence of its own there (collate_packed numbers it so).
+        real = batch["input_ids"].shape[1] if flex else real
         ids = batch["input_ids"][:, :real]
         positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
         layer_ids = self.draft_config.target_layer_ids
-        with torch.no_grad():  # online: the very call offline extraction makes (bit-identical features)
+        # online: the very call offline extraction makes (bit-identical features for unpacked rows)
+        with torch.no_grad(), attention_implementation(self.target.model, FLEX if flex else None):
             if self.config.training.soft_targets:
                 if positions is None:
                     features, final = self.target.capture_features_and_final_states(ids, layer_ids)

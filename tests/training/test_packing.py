@@ -22,16 +22,21 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     return {"target": save_tiny_target(root / "target"), "data": save_tiny_prepared(root / "data", num_rows=40)}
 
 
-@pytest.mark.parametrize("variant", [{}, {"training.soft_targets": True}, {"training.anchors": "partition"}])
+@pytest.mark.parametrize("variant", [{}, {"training.soft_targets": True}, {"training.anchors": "partition"},
+                                     {"training.target_attention": "flex"},
+                                     {"training.target_attention": "flex", "training.soft_targets": True}])
 def test_packed_validation_equals_unpacked(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                            variant: dict[str, object]) -> None:
     """Validation draws each chat's anchors from a fixed seed: before any step, the packed run sees the same
-    chats with the same anchors as the unpacked one, so the same loss and slot accuracies."""
+    chats with the same anchors as the unpacked one, so the same loss and slot accuracies; with the target's
+    attention over packed rows on flex attention too (its block mask keeps each chat to itself)."""
     results = {}
     for name, extra in {"unpacked": {}, "packed": PACKED}.items():
         trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **{
             "data.max_length": 64, "data.validation_fraction": 0.3, **variant, **extra})))
         results[name] = trainer.validate()
+        # flex attention (when asked for) ran the packed target forward: no fallback to SDPA
+        assert trainer.flex_target == (variant.get("training.target_attention") == "flex")
     assert results["packed"]["loss"] == pytest.approx(results["unpacked"]["loss"], rel=1e-5)
     assert results["packed"]["slot_accuracy"] == pytest.approx(results["unpacked"]["slot_accuracy"], abs=1e-5)
 
@@ -72,3 +77,21 @@ def test_packed_offline_features_train_like_online(assets: dict[str, pathlib.Pat
 def test_anchor_capacity_below_the_largest_chat_is_refused(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="anchors_per_row=4 is below the 8 anchors of the largest chat"):
         Trainer(load_config(None, overrides(assets, tmp_path / "run", **{**PACKED, "training.anchors_per_row": 4})))
+
+
+def test_a_failing_flex_target_falls_back_to_sdpa(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                  monkeypatch: pytest.MonkeyPatch,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """An attention Hugging Face cannot run for the target: one line says so, and packed rows go through SDPA
+    from then on, with the same validation as a run that asked for SDPA."""
+    settings = {**PACKED, "data.validation_fraction": 0.3}
+    expected = Trainer(load_config(None, overrides(assets, tmp_path / "sdpa", **{
+        **settings, "training.target_attention": "sdpa"}))).validate()
+    monkeypatch.setattr("dflash_train.training.trainer.FLEX", "no_such_attention")
+    trainer = Trainer(load_config(None, overrides(assets, tmp_path / "flex", **{
+        **settings, "training.target_attention": "flex"})))
+    assert trainer.flex_target
+    result = trainer.validate()
+    assert not trainer.flex_target and result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    out = capsys.readouterr().out
+    assert out.count("flex attention failed for the target") == 1 and "training.target_attention=sdpa" in out

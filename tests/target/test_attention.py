@@ -1,0 +1,27 @@
+"""`attention_implementation`: a target's attention switched for a `with` block and restored after it, also
+when the block raises; None changes nothing."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_train.target.attention import attention_implementation
+from tests.helpers.tiny_models import make_tiny_target
+
+
+def layer_choices(model: object) -> set[str]:
+    return {layer.self_attn.config._attn_implementation for layer in model.model.layers}
+
+
+def test_switched_inside_and_restored_after() -> None:
+    model = make_tiny_target("llama", num_layers=2).model
+    before = model.config._attn_implementation
+    with attention_implementation(model, "flex_attention"):
+        assert model.config._attn_implementation == "flex_attention"
+        assert layer_choices(model) == {"flex_attention"}
+    assert model.config._attn_implementation == before and layer_choices(model) == {before}
+    with attention_implementation(model, None):
+        assert model.config._attn_implementation == before
+    with pytest.raises(RuntimeError, match="inside"), attention_implementation(model, "flex_attention"):
+        raise RuntimeError("inside")
+    assert model.config._attn_implementation == before
