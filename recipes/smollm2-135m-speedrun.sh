@@ -74,6 +74,9 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 DECODE_ROWS=${DECODE_ROWS:-512}
 GPUS=${GPUS:-1}
 LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
+[[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
+(( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
+  echo "LAUNCH_CONFIG $LAUNCH_CONFIG does not exist: give one of recipes/accelerate/*.yaml" >&2; exit 2; }
 DFLASH=(python3 -m dflash_train.cli)
 mkdir -p "$OUT"
 

@@ -87,3 +87,13 @@ def test_gpus_regenerate_one_rank_per_gpu_and_train_under_accelerate(tmp_path: p
 def test_a_rank_stopped_by_regen_minutes_marks_the_budget_spent(tmp_path: pathlib.Path) -> None:
     run_stage("regenerate", tmp_path, shim=RANK_SHIM, GPUS="2", RANK_EXIT="1")
     assert (tmp_path / "run" / "regen.budget-spent").exists()
+
+
+def test_a_bad_gpu_count_or_launch_config_is_one_line(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "run")}
+    for settings, message in (({"GPUS": "two"}, "GPUS must be a whole number of GPUs (1 or more), not 'two'"),
+                              ({"GPUS": "0"}, "not '0'"),
+                              ({"GPUS": "2", "LAUNCH_CONFIG": "nope.yaml"}, "LAUNCH_CONFIG nope.yaml does not exist")):
+        done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "train"], cwd=REPO,
+                              env={**env, **settings}, capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
