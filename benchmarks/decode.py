@@ -21,7 +21,9 @@ same run (CUDA events, median):
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step with the attention
   prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
   (`dflash_train.kernels.rope_cache`), and that kernel alone against its PyTorch reference; the step
-  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`); the cycle with the
+  without fused q/k/v and gate/up projections (`dflash_train/runtime/fused_layer.py`); the step with each
+  layer's last residual add in the layer itself (`undeferred_residual`) instead of in the next layer's norm
+  (`FusedLayer.deferred`); the cycle with the
   drafter's block attention on SDPA over its whole cache (`sdpa_draft_attention`, the drafter's own forward)
   instead of the split-key kernel (`dflash_train/runtime/draft_layer.py`); and, opt-in
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
@@ -36,8 +38,8 @@ same run (CUDA events, median):
 - the same two without the CUDA graph, and without torch.compile either; a Hugging Face decode step
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
-  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, skinny_matmul,
-  sdpa_draft_attention, hf
+  some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
+  skinny_matmul, sdpa_draft_attention, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -465,7 +467,8 @@ LOOP_VARIANTS = {"default": ("", True, True, "step"), "layer_scope": ("_layer_sc
 # name -> (StaticTarget options over the default runner's, the loops measured).
 ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cycle")),
              "torch_prologue": ({"fuse_prologue": False}, ("target_step",)),
-             "unfused": ({"fuse_projections": False}, ("target_step",))}
+             "unfused": ({"fuse_projections": False}, ("target_step",)),
+             "undeferred_residual": ({"defer_residual": False}, ("target_step",))}
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
 OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
@@ -640,6 +643,11 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     # what the fused prologue saves, per layer
     differences["launches_per_layer_saved_by_rope_cache"] = ("target_step_torch_prologue_launches_per_layer",
                                                              "target_step_launches_per_layer")
+    # what deferring each layer's last residual add to the next layer's norm saves, per layer and per step
+    differences["launches_per_layer_saved_by_deferred_residual"] = (
+        "target_step_undeferred_residual_launches_per_layer", "target_step_layer_scope_launches_per_layer")
+    differences["step_ms_saved_by_deferred_residual"] = ("target_step_undeferred_residual_ms",
+                                                         "target_step_layer_scope_ms")
     # what the drafter's block attention on the split-key kernel saves per cycle (both compiled per layer)
     differences["cycle_ms_saved_by_draft_attention_kernel"] = ("dflash_cycle_sdpa_draft_attention_ms",
                                                                "dflash_cycle_layer_scope_ms")

@@ -110,10 +110,25 @@ class FusedLayer:
                  attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         hidden = hidden + self._attention(self.layer.input_layernorm(hidden), position_embeddings, attention_mask,
                                           cache)
+        return hidden + self._mlp(hidden, cache)
+
+    def deferred(self, hidden: torch.Tensor, pending: torch.Tensor,
+                 position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor,
+                 cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The same layer with the residual adds moved one step later: its input is hidden + pending (the
+        previous layer's MLP output, zeros before the first layer), and it returns (that input, the residual
+        stream after attention, the MLP's output), leaving the last add to the next layer or the output.
+        Compiled one layer at a time, the add then joins the next RMSNorm in one kernel instead of being a
+        kernel of its own at the end of every layer."""
+        x = hidden + pending
+        h = x + self._attention(self.layer.input_layernorm(x), position_embeddings, attention_mask, cache)
+        return x, h, self._mlp(h, cache)
+
+    def _mlp(self, hidden: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         x = self.layer.post_attention_layernorm(hidden)
         gate_up = linear(x, self.weights["gate_up"], self.weights["gate_up_bias"], cache.skinny_matmul)
         gate, up = gate_up.chunk(2, dim=-1)
-        return hidden + project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_matmul)
+        return project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_matmul)
 
     def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:

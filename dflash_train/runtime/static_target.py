@@ -137,12 +137,16 @@ class TargetOutput:
 
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
-                 fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool = False) -> None:
+                 fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool = False,
+                 defer_residual: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
         `skinny_matmul`: with "triton", the products of steps with few rows on the skinny-matmul kernel
-        (the fused layers' and the output projection; opt-in until measured as the default)."""
+        (the fused layers' and the output projection; opt-in until measured as the default);
+        `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
+        (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
+        are compiled one at a time."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
@@ -172,6 +176,7 @@ class StaticTarget:
         self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
+        self.defer_residual = defer_residual and self.fused is not None
 
     @property
     def attention(self) -> str:
@@ -273,38 +278,58 @@ class StaticTarget:
                  kv_len: int, logit_index: torch.Tensor | None, feature_layer_ids: tuple[int, ...],
                  regions: _Regions | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole forward; `regions`: its parts compiled one by one (else they run as they are, eager or
-        traced into the one graph of compile scope "step")."""
+        traced into the one graph of compile scope "step"). With deferred residuals a layer's output is
+        h + pending, which the next layer (or the output) forms and returns as its input."""
         embed, run_layer, output = regions or (self._embed, self._layer, self._output)
-        h, position_embeddings, masks = embed(input_ids, positions, kv_len)
+        h, pending, position_embeddings, masks = embed(input_ids, positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.fused or self.layers):
             cache = _WriteCache(self, index, row_index, positions, kv_len)
-            h = run_layer(layer, h, position_embeddings, masks[self.windows[index]], cache)
-            if index in feature_layer_ids:
-                captured[index] = h
-        return output(h, logit_index, tuple(captured[i] for i in feature_layer_ids))
+            h, pending, layer_input = run_layer(layer, h, pending, position_embeddings, masks[self.windows[index]],
+                                                cache)
+            if pending is None:
+                if index in feature_layer_ids:
+                    captured[index] = h
+            elif index - 1 in feature_layer_ids:  # the previous layer's output is this layer's input
+                captured[index - 1] = layer_input
+        if pending is not None and len(self.layers) - 1 in feature_layer_ids:  # the last layer's, formed here
+            captured[len(self.layers) - 1] = h = h + pending
+            pending = torch.zeros_like(h)
+        return output(h, pending, logit_index, tuple(captured[i] for i in feature_layer_ids))
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> tuple[
-            torch.Tensor, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]:
-        """(embeddings [n, T, H], the rotary embedding's cos/sin, the masks of `_masks`)."""
+            torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]:
+        """(embeddings [n, T, H], the pending residual (zeros; None without deferred residuals), the rotary
+        embedding's cos/sin, the masks of `_masks`)."""
         h = self.base.embed_tokens(input_ids)
-        return h, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
+        pending = torch.zeros_like(h) if self.defer_residual else None
+        return h, pending, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
 
-    def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor,
+    def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor, pending: torch.Tensor | None,
                position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
-               cache: _WriteCache) -> torch.Tensor:
-        """One decoder layer, fused or the Hugging Face one; nothing here depends on which layer it is."""
+               cache: _WriteCache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One decoder layer, fused or the Hugging Face one -> (h, pending, the layer's input): with a pending
+        residual, the layer's output is h + pending; without, h and two Nones. Nothing here depends on
+        which layer it is."""
         if isinstance(layer, FusedLayer):
-            return layer(h, position_embeddings, mask, cache)
+            if pending is not None:
+                layer_input, h, pending = layer.deferred(h, pending, position_embeddings, mask, cache)
+                return h, pending, layer_input
+            return layer(h, position_embeddings, mask, cache), None, None
         out = layer(h, attention_mask=mask, position_ids=cache.positions, position_embeddings=position_embeddings,
                     use_cache=True, **{self.cache_arg: cache})
-        return out[0] if isinstance(out, tuple) else out
+        return (out[0] if isinstance(out, tuple) else out), None, None
 
-    def _output(self, h: torch.Tensor, logit_index: torch.Tensor | None,
+    def _output(self, h: torch.Tensor, pending: torch.Tensor | None, logit_index: torch.Tensor | None,
                 captured: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(logits at `logit_index` or at every position, the captured features concatenated or None)."""
+        """(logits at `logit_index` or at every position, the captured features concatenated or None); the
+        last layer's output is h + pending where residuals are deferred."""
         if logit_index is not None:
-            h = h.gather(1, logit_index[:, None, None].expand(-1, 1, h.shape[-1]))  # [n, 1, H]
+            index = logit_index[:, None, None].expand(-1, 1, h.shape[-1])
+            h = h.gather(1, index)  # [n, 1, H]
+            pending = None if pending is None else pending.gather(1, index)
+        if pending is not None:
+            h = h + pending
         logits = self.lm_head(self.base.norm(h))
         return logits, torch.cat(captured, dim=-1) if captured else None
 

@@ -138,3 +138,13 @@ def test_decode_benchmark_at_smollm2_shapes_builds_a_llama_of_that_shape(tmp_pat
     assert small["weight_bytes_per_step"] == sum(p.numel() * 4 for p in target.model.parameters())
     assert small["target_step_launches"] > 0 and small["cycle_over_target_step"] > 0
     assert "kernels" not in small
+
+
+def test_the_deferred_residual_ablation_is_measured_beside_layer_scope(tmp_path: Path) -> None:
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "layer_scope,undeferred_residual", "--out", str(out)])
+    qwen = json.loads(out.read_text())["qwen3_8b"]
+    assert qwen["target_step_undeferred_residual_ms"] > 0 and "dflash_cycle_undeferred_residual_ms" not in qwen
+    assert qwen["step_ms_saved_by_deferred_residual"] == pytest.approx(
+        qwen["target_step_undeferred_residual_ms"] - qwen["target_step_layer_scope_ms"])
+    assert "launches_per_layer_saved_by_deferred_residual" in qwen

@@ -73,3 +73,26 @@ def test_fused_projections_copy_no_weight_and_change_nothing(arch: str) -> None:
     third = StaticTarget(target, batch_size=1, max_length=16)
     assert third.fused[1].weights["qkv"].dtype == torch.float64
     assert attn.v_proj.weight.data_ptr() == third.fused[1].weights["qkv"][-attn.v_proj.out_features:].data_ptr()
+
+
+def test_deferred_residuals_change_no_output_and_reach_the_last_layer() -> None:
+    """Each layer's last residual add done by the next layer (the default) or by the layer itself: the same
+    logits and features, the last layer's output among them, in prefill and in a verify block."""
+    target = make_tiny_target("qwen3", num_layers=4, seed=2)
+    ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        reference = target.model(ids).logits
+    expected_features = target.capture_features(ids, [0, 3])
+    outputs = {}
+    for defer in (True, False):
+        runner = StaticTarget(target, batch_size=2, max_length=16, defer_residual=defer)
+        assert runner.defer_residual is defer
+        prefill = runner.forward(ids[:, :8], torch.arange(8).expand(2, 8), feature_layer_ids=[0, 3])
+        block = runner.forward(ids[:, 8:], torch.arange(8, 12).expand(2, 4), feature_layer_ids=[0, 3])
+        outputs[defer] = (prefill, block)
+        torch.testing.assert_close(block.logits, reference[:, 8:], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(prefill.features, expected_features[:, :8], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(block.features, expected_features[:, 8:], atol=1e-5, rtol=1e-4)
+    for deferred, plain in zip(outputs[True], outputs[False], strict=True):
+        torch.testing.assert_close(deferred.logits, plain.logits, atol=1e-6, rtol=0)
+    assert not StaticTarget(target, 1, 8, fuse_projections=False).defer_residual  # Hugging Face's own layers
