@@ -31,6 +31,8 @@ def test_graph_compiled_triton_loop_is_lossless(target_and_draft: tuple, batch_s
     outputs, stats = engine.generate(prompts(5))
     assert engine.uses_cuda_graph and engine.kernels == "triton" and engine.uses_compile, (
         engine.graph_error, engine.compile_error)
+    # the drafter's block attention on the split-key kernel and the target's deferred residual adds, compiled
+    assert engine.compile_error is None and engine.drafter.attention == "kernel" and engine.runner.defer_residual
     cpu = target.model.cpu()
     try:
         for prompt, output in zip(prompts(5), outputs, strict=True):
