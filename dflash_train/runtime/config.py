@@ -15,6 +15,7 @@ KERNELS = ("auto", "triton", "torch")
 # grows with the depth), or one decoder layer whose compiled code every layer reuses ("layer": seconds to
 # compile whatever the depth), with what lies before and after the layers compiled as two small graphs.
 COMPILE_SCOPES = ("step", "layer")
+DRAFT_ATTENTIONS = ("kernel", "sdpa")  # EngineConfig.draft_attention
 # The command-line help of --compile-scope (eval, regenerate): one wording of the trade-off.
 COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: layer (default) compiles one decoder layer whose code "
                       "every layer reuses, in seconds whatever the depth (5-17 s per engine for Qwen3-8B on an H200, "
@@ -58,7 +59,7 @@ class EngineConfig:
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}, not {self.kernels!r}")
         check_compile_scope(self.compile_scope)
-        if self.draft_attention not in ("kernel", "sdpa"):
+        if self.draft_attention not in DRAFT_ATTENTIONS:
             raise ValueError(f"draft_attention must be kernel or sdpa, not {self.draft_attention!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")

@@ -8,7 +8,7 @@ each walk every slot of the cache, a few dozen of them at batch 1 on a GPU with 
 Qwen3-8B-shaped cycle the attention kernels took 0.75 ms, against 0.27 ms in a target step (H200, 620ba93).
 
 Here, as in the target's layers (`fused_layer.FusedLayer`): one q/k/v product (the projections fused by
-`fuse_linears`, no weight copied), one kernel for the q/k norms, RoPE and the write of the block's K/V into
+`fused_layer.fused_projections`, no weight copied), one kernel for the q/k norms, RoPE and the write of the block's K/V into
 the cache at the block's positions (`kernels.rope_cache`), and the split-key kernel over slots
 [0, start + B - 1] (`kernels.static_attention`): the context before the block and the block itself, all
 of which every block query sees, as in the reference's mask. The block's K/V sit in slots
@@ -27,10 +27,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
+from dflash_train.kernels.rope_cache import rope_cache_triton
 from dflash_train.kernels.static_attention import fits, static_attention_triton
 from dflash_train.models.layers import DFlashDecoderLayer
-from dflash_train.runtime.fused_layer import fuse_linears
+from dflash_train.runtime.fused_layer import fused_projections
 
 
 def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) -> bool:
@@ -41,30 +41,14 @@ def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) ->
     return fits(attn.num_heads, attn.num_kv_heads, block_size) and norms_match and attn.head_dim % 2 == 0
 
 
-FUSED_ATTRIBUTE = "_dflash_fused_draft_projections"
-
-
-def fused_draft_projections(layer: DFlashDecoderLayer) -> dict[str, torch.Tensor | None]:
-    """The layer's [q; k; v] and [gate; up] weights, its projections re-pointed at row views of them; built
-    once and kept on the layer (engines sharing a drafter share them), again if the layer was moved or cast."""
-    attn, mlp = layer.self_attn, layer.mlp
-    cached = getattr(layer, FUSED_ATTRIBUTE, None)
-    if cached is None or any(part.weight.data_ptr() != cached[name].data_ptr() or part.weight.dtype != cached[name].dtype
-                             for part, name in ((attn.q_proj, "qkv"), (mlp.gate_proj, "gate_up"))):
-        qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, _ = fuse_linears([mlp.gate_proj, mlp.up_proj])
-        cached = {"qkv": qkv, "qkv_bias": qkv_bias, "gate_up": gate_up}
-        object.__setattr__(layer, FUSED_ATTRIBUTE, cached)  # a plain attribute: not a parameter or buffer
-    return cached
-
-
 class DraftLayerKernels:
     """Forward of one drafter layer over its static context cache (module docstring)."""
 
     def __init__(self, layer: DFlashDecoderLayer) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer, self.attn, self.mlp = layer, attn, mlp
-        fused = fused_draft_projections(layer)
+        # The drafter's layer names its projections as the target's do: the same fused views, kept on the layer.
+        fused = fused_projections(layer)
         self.qkv, self.qkv_bias, self.gate_up = fused["qkv"], fused["qkv_bias"], fused["gate_up"]
         self.heads, self.scale = attn.num_heads, attn.head_dim ** -0.5
 
@@ -76,7 +60,6 @@ class DraftLayerKernels:
         n, t, _ = h.shape
         attn = self.attn
         qkv = F.linear(self.layer.input_layernorm(h), self.qkv, self.qkv_bias)
-        assert supports_rope(cos, attn.head_dim)
         q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
                               positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
         out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]

@@ -26,7 +26,7 @@ from torch import nn
 
 from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.config import check_compile_scope
+from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
 
 
@@ -35,7 +35,7 @@ class StaticDrafter:
                  kernels: str = "torch", attention: str = "kernel") -> None:
         """`attention`: "kernel" runs the block's layers on the Triton kernels where `kernels` is "triton" and
         the layers allow it (`draft_layer.supported`); "sdpa" keeps the drafter's own forward."""
-        if attention not in ("kernel", "sdpa"):
+        if attention not in DRAFT_ATTENTIONS:
             raise ValueError(f"draft attention must be kernel or sdpa, not {attention!r}")
         self.draft = draft
         self.cache = draft.new_cache(batch_size, max_length)  # keys/values [L, b, kv, max_len, D]

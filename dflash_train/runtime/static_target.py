@@ -43,6 +43,7 @@ from dflash_train.kernels.static_attention import bounds_from_positions, fits, s
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer, project
 from dflash_train.target import TargetModel, validate_target_layer_ids
+from dflash_train.target.attention import attention_implementation
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "dflash_static"
@@ -173,7 +174,6 @@ class StaticTarget:
         self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
-        self._configs = list({id(layer.self_attn.config): layer.self_attn.config for layer in self.layers}.values())
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
         self.defer_residual = defer_residual and self.fused is not None
@@ -204,14 +204,8 @@ class StaticTarget:
         if self.fused is not None:
             yield
             return
-        saved = [config._attn_implementation for config in self._configs]
-        for config in self._configs:
-            config._attn_implementation = ATTENTION_NAME
-        try:
+        with attention_implementation(self.target.model, ATTENTION_NAME):
             yield
-        finally:
-            for config, name in zip(self._configs, saved, strict=True):
-                config._attn_implementation = name
 
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
         """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the

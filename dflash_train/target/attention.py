@@ -1,7 +1,9 @@
-"""Which Hugging Face attention a target's forward uses, switched for the length of a `with` block.
+"""Which Hugging Face attention a target's forward uses, switched for the length of a `with` block: the
+static-cache runtime's own attention for Hugging Face layers (`runtime/static_target.py`), and flex attention
+for packed training rows.
 
-Why: packed training rows hold many chats, and Hugging Face keeps each chat to itself by building a mask
-from the per-chat position ids. Under SDPA that mask is a dense [b, 1, S, S] tensor and the attention
+Why flex for packed rows: a packed training row holds many chats, and Hugging Face keeps each chat to
+itself by building a mask from the per-chat position ids. Under SDPA that mask is a dense [b, 1, S, S] tensor and the attention
 kernel computes every one of the S² scores before masking them: for rows of 8,192 tokens holding ~17 chats
 of ~480 tokens, about 17 times the work the chats need (in a packed SmolLM2 step on an H200 the target's
 attention took ~48 ms, d4927e1). Under flex attention the same mask becomes a block mask, and tiles that

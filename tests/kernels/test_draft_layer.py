@@ -74,13 +74,13 @@ def test_layers_the_kernels_cannot_run_keep_the_drafters_own_forward() -> None:
 def test_a_drafter_whose_projections_the_loop_fused_still_saves_and_loads(tmp_path: Path) -> None:
     from dflash_train.checkpoint import load_draft
     from dflash_train.checkpoint.io import save_draft
-    from dflash_train.runtime.draft_layer import fused_draft_projections
+    from dflash_train.runtime.fused_layer import fused_projections
 
     target = make_tiny_target("llama", num_layers=5, seed=3)
     draft = make_draft(target, block_size=4, seed=5)
     before = {name: tensor.clone() for name, tensor in draft.state_dict().items()}
     for layer in draft.layers:
-        fused_draft_projections(layer)
+        fused_projections(layer)
     assert draft.layers[0].self_attn.k_proj.weight.untyped_storage().data_ptr() == \
         draft.layers[0].self_attn.q_proj.weight.untyped_storage().data_ptr()  # views of one tensor now
     save_draft(draft, tmp_path / "draft", dtype=torch.float32)
