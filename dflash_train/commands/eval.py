@@ -39,6 +39,7 @@ from dflash_train.models.layers import RotaryEmbedding
 from dflash_train.runtime.config import (
     COMPILE_SCOPE_HELP,
     COMPILE_SCOPES,
+    DRAFT_ATTENTIONS,
     KERNELS,
     EngineConfig,
     stop_token_ids,
@@ -71,6 +72,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--kernels", default="auto", choices=KERNELS,
                         help="auto: triton on CUDA when installed, else torch")
+    parser.add_argument("--draft-attention", default="kernel", choices=DRAFT_ATTENTIONS,
+                        help="the drafter's block attention in the loop: kernel (split-key kernel over its context "
+                             "cache, with --kernels triton) or sdpa (its own forward under a dense mask)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
@@ -140,7 +144,8 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: i
     return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
                         temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
-                        compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer")
+                        compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer",
+                        draft_attention=args.draft_attention)
 
 
 def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:

@@ -157,3 +157,13 @@ def test_max_autotune_and_compile_scope_reach_the_engines_and_the_report(target_
     assert environment["compile_options"] == {"max_autotune": True, "coordinate_descent_tuning": True}
     assert environment["compile_scope"] == "layer"
     assert environment["target_attention"] == "sdpa"  # CPU: torch kernels
+
+
+def test_draft_attention_reaches_the_engine_and_the_report(target_dir: Path, tmp_path: Path,
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "1", "--no-compile",
+                    "--draft-attention", "sdpa", "--no-plot") == 0
+    assert json.loads(out.read_text())["environment"]["draft_attention"] == "sdpa"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--draft-attention", "flash") == 2
+    assert "--draft-attention: invalid choice: 'flash'" in capsys.readouterr().err
