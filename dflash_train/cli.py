@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "push": ("push", "upload an exported drafter to the Hugging Face Hub"),
     "prepare": ("prepare", "tokenise chat data with the target's template and loss masks"),
     "regenerate": ("regenerate", "regenerate responses with the target (built-in or OpenAI-compatible server)"),
+    "self-prompt": ("self_prompt", "write chat prompts with the target itself (sampled user turns, deduplicated)"),
     "extract": ("extract", "store the target's features of a prepared dataset (offline training), or --verify "
                            "a store"),
     "eval": ("eval", "measure acceptance length, losslessness and speedup of a drafter on prompt sets"),

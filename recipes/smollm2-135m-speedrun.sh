@@ -23,6 +23,9 @@
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
+#   SELF_PROMPTS    optional count of chat prompts the target writes itself (`dflash-train self-prompt`: sampled
+#                   user turns, distinct, decontaminated), packed into the mix beside MIX in the prompts stage,
+#                   which then needs the GPU (default 0: none); SELF_PROMPT_EXTRA: more self-prompt flags
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 5)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 12: with the other defaults
@@ -54,6 +57,8 @@ PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
 MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000 openai-evals:1000=20000}
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
+SELF_PROMPTS=${SELF_PROMPTS:-0}
+SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-5}
@@ -74,6 +79,7 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 DECODE_ROWS=${DECODE_ROWS:-512}
 GPUS=${GPUS:-1}
 LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
+[[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
 (( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
   echo "LAUNCH_CONFIG $LAUNCH_CONFIG does not exist: give one of recipes/accelerate/*.yaml" >&2; exit 2; }
@@ -100,6 +106,12 @@ prompts() {
   fi
   [[ -f "$PROMPTS" ]] && return 0
   for source in $MIX; do sources+=(--source "$source"); done
+  if (( SELF_PROMPTS > 0 )); then  # the target's own chat prompts, a source of the mix like the others
+    # shellcheck disable=SC2086  # SELF_PROMPT_EXTRA is a list of flags
+    [[ -f "$OUT/self_prompts.jsonl" ]] || run "${DFLASH[@]}" self-prompt --target "$TARGET" \
+      --num-prompts "$SELF_PROMPTS" --out "$OUT/self_prompts.jsonl" $SELF_PROMPT_EXTRA
+    sources+=(--source "$OUT/self_prompts.jsonl=$SELF_PROMPTS")
+  fi
   [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
   # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
   run python3 -m dflash_train.data.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"

@@ -48,6 +48,7 @@ from dflash_train.data.cli_args import (
     positive_int,
     resolve_device,
     thinking_value,
+    top_p,
     tqdm_progress,
 )
 from dflash_train.data.regenerate import (
@@ -93,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples-per-prompt", type=positive_int, default=1, metavar="K",
                         help="answers sampled per prompt (needs --temperature > 0), each a row of its own")
-    parser.add_argument("--top-p", type=_top_p, default=1.0, help="nucleus sampling at --temperature > 0")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling at --temperature > 0")
     parser.add_argument("--batch-size", type=positive_int, default=64, help="rows per output shard")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=2048, help="longer prompts are skipped")
     parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
@@ -127,16 +128,6 @@ def _turns(text: str) -> int | None:
     if not text.isdigit() or int(text) < 1:
         raise argparse.ArgumentTypeError(f"--turns takes a number >= 1 or all, not {text!r}")
     return int(text)
-
-
-def _top_p(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"--top-p takes a number in (0, 1], not {text!r}")
-    return value
 
 
 def _recorded(args: argparse.Namespace) -> dict[str, Any]:

@@ -114,3 +114,14 @@ def tqdm_progress(description: str, unit: str) -> Callable[..., None]:
             bar[0].close()
 
     return update
+
+
+def top_p(text: str) -> float:
+    """A nucleus-sampling probability mass in (0, 1], for argparse."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"takes a number in (0, 1], not {text!r}")
+    return value

@@ -14,7 +14,8 @@ deduplicated by its first turn. A generated source (gsm-symbolic, reasoning-gym-
 as COUNT needs. Prompts that share a word 13-gram with an eval set (`dflash_train.data.decontaminate`) are
 left out, so no GPU time goes to answers `prepare` would drop (--no-decontaminate keeps them). Each source's
 line says how many prompts it read, kept and left out, and why. Rows are OpenAI messages with the source name
-and index, so the file is itself a corpus every command reads.
+and index (a record's own, where a file source's rows carry them: an earlier pack, `dflash-train self-prompt`'s
+output), so the file is itself a corpus every command reads, and a repack keeps its sources apart.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def unique_prompts(source: str, count: int, seed: int, seen: set[bytes], whole: 
     rows: list[dict] = []
     if count == 0:
         return rows
-    for index, _, messages in iter_messages(open_corpus(spec), spec, report, prompt_only=not whole):
+    for index, record, messages in iter_messages(open_corpus(spec), spec, report, prompt_only=not whole):
         key = prompt_key(prompt_messages(messages))
         if key in seen:
             report.drop("duplicate_prompt")
@@ -74,11 +75,20 @@ def unique_prompts(source: str, count: int, seed: int, seen: set[bytes], whole: 
         if evals is not None and evals.overlaps(messages):
             report.drop(DROP_REASON)
             continue
-        rows.append({"messages": messages, "source": source, "source_index": index})
+        rows.append({"messages": messages, **_label(record, source, index)})
         report.kept += 1
         if len(rows) == count:
             break
     return rows
+
+
+def _label(record: dict, source: str, index: int) -> dict:
+    """The row's source label: the record's own (a file of an earlier pack, or of `self-prompt`, keeps its
+    sources apart through a repack), else this source's name and the record's index."""
+    own, own_index = record.get("source"), record.get("source_index")
+    if isinstance(own, str) and own:
+        return {"source": own, "source_index": own_index if type(own_index) is int else index}
+    return {"source": source, "source_index": index}
 
 
 def source_line(source: str, count: int, report: DataReport) -> str:

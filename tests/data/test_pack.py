@@ -100,3 +100,18 @@ def test_interleave_mixes_the_sources_and_keeps_the_same_prompts(tmp_path: Path)
     assert all("a" in p.split()[1] for p in prompts(plain)[:30])  # without it, one source after the other
     first_half = prompts(mixed)[:30]
     assert 5 < sum("apples" in p for p in first_half) < 25  # with it, any prefix holds both
+
+
+def test_a_repack_keeps_the_source_labels_its_rows_carry(tmp_path: Path) -> None:
+    labelled = tmp_path / "mix.jsonl"
+    labelled.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "from sharegpt"}], "source": "sharegpt",
+                    "source_index": 41}) + "\n"
+        + json.dumps({"messages": [{"role": "user", "content": "written by the target"}], "source": "self-prompts",
+                      "source_index": True}) + "\n")
+    plain = tmp_path / "plain.jsonl"
+    plain.write_text(json.dumps({"prompt": "no label here"}) + "\n")
+    out = tmp_path / "repacked.jsonl"
+    assert main(["--source", f"{labelled}=2", "--source", f"{plain}=1", "--out", str(out)]) == 0
+    labels = [(row["source"], row["source_index"]) for row in map(json.loads, out.read_text().splitlines())]
+    assert labels == [("sharegpt", 41), ("self-prompts", 1), (str(plain), 0)]  # a JSON true is no index

@@ -97,3 +97,23 @@ def test_a_bad_gpu_count_or_launch_config_is_one_line(tmp_path: pathlib.Path) ->
         done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "train"], cwd=REPO,
                               env={**env, **settings}, capture_output=True, text=True, timeout=60)
         assert done.returncode == 2 and message in done.stderr and done.stderr.count("\n") == 1
+
+
+def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("prompts", tmp_path, SELF_PROMPTS="300", SELF_PROMPT_EXTRA="--top-p 0.95", MIX="sharegpt=10")
+    self_prompt = [c.split() for c in calls if "self-prompt" in c]
+    assert len(self_prompt) == 1
+    written = str(tmp_path / "run" / "self_prompts.jsonl")
+    args = self_prompt[0]
+    assert args[args.index("--num-prompts") + 1] == "300" and args[args.index("--out") + 1] == written
+    assert args[-2:] == ["--top-p", "0.95"]
+    pack = [c.split() for c in calls if "dflash_train.data.pack" in c][0]
+    assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == ["sharegpt=10", f"{written}=300"]
+    (tmp_path / "run" / "self_prompts.jsonl").write_text("")  # an earlier call's: not written again
+    again = run_stage("prompts", tmp_path, SELF_PROMPTS="300", MIX="sharegpt=10")
+    assert not [c for c in again if "self-prompt" in c] and [c for c in again if "dflash_train.data.pack" in c]
+    assert not [c for c in run_stage("prompts", tmp_path, MIX="sharegpt=10") if "self-prompt" in c]
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prompts"], cwd=REPO,
+                          env={**os.environ, "OUT": str(tmp_path / "bad"), "SELF_PROMPTS": "many"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "SELF_PROMPTS must be a count of prompts (0 for none), not 'many'" in done.stderr

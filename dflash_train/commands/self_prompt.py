@@ -1,0 +1,118 @@
+"""Write chat prompts with the target itself (self-prompting, as in Magpie): sampled continuations of the opening
+of a user turn in its chat template, kept when the target ended the turn, distinct, and clear of the eval sets.
+
+    dflash-train self-prompt --target smollm2-135m-instruct --num-prompts 20000 --out runs/self_prompts.jsonl
+    dflash-train regenerate --target smollm2-135m-instruct --data runs/self_prompts.jsonl --out runs/regen-self
+
+The file is an OpenAI-messages corpus (source label "self-prompts") that `regenerate`, `prepare` and
+`python -m dflash_train.data.pack --source runs/self_prompts.jsonl=N` read. Generation runs through the runtime
+of `regenerate` (static caches, CUDA graphs, --decode-rows rows refilled as turns end); the same settings write
+the same file. It ends early, with what it kept, when the target keeps writing prompts it wrote before.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from dflash_train.data.chat import ChatTokenizer
+from dflash_train.data.cli_args import (
+    TORCH_DTYPES,
+    add_thinking_argument,
+    positive_int,
+    resolve_device,
+    thinking_value,
+    top_p,
+)
+from dflash_train.data.decontaminate import project_eval_index
+from dflash_train.data.quality import DataReport
+from dflash_train.data.self_prompts import (
+    Settings,
+    is_self_prompt_file,
+    self_prompts,
+    user_turn_prefix,
+    write_rows,
+)
+from dflash_train.runtime.config import (
+    COMPILE_SCOPE_HELP,
+    COMPILE_SCOPES,
+    KERNELS,
+    EngineConfig,
+    stop_token_ids,
+)
+from dflash_train.runtime.generation import Generator
+from dflash_train.target import TargetModel, load_target
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf")
+    parser.add_argument("--num-prompts", type=positive_int, required=True, help="distinct prompts to keep")
+    parser.add_argument("--out", required=True, type=Path, help="the JSONL to write")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier self-prompt file at --out")
+    add_thinking_argument(parser)
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (1: the whole distribution)")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=256,
+                        help="a longer turn is dropped as unfinished")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-decontaminate", action="store_true",
+                        help="keep prompts that share a word 13-gram with an eval set")
+    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16")
+    parser.add_argument("--decode-rows", type=positive_int, default=None,
+                        help="rows decoded at once (default: 512 on a GPU, 16 on a CPU)")
+    parser.add_argument("--kernels", default="auto", choices=KERNELS, help="auto: triton on CUDA when installed")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (starts faster, decodes slower)")
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer", help=COMPILE_SCOPE_HELP)
+
+
+def _check_out(args: argparse.Namespace) -> None:
+    if args.temperature <= 0:
+        raise ValueError(f"--temperature {args.temperature}: self-prompting samples; give a temperature > 0 "
+                         "(greedy decoding writes one prompt)")
+    if args.out.is_dir():
+        raise ValueError(f"--out {args.out} is a directory; give a .jsonl file path")
+    if args.out.exists() and not args.overwrite:
+        raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it, or choose another path")
+    if args.out.exists() and not is_self_prompt_file(args.out):
+        raise ValueError(f"--out {args.out} holds other data than self-prompts; --overwrite replaces only an "
+                         "earlier self-prompt file: choose another path")
+
+
+def _engine_config(args: argparse.Namespace, target: TargetModel, prefix_tokens: int) -> EngineConfig:
+    rows = args.decode_rows or (512 if target.device.type == "cuda" else 16)
+    return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
+                        max_length=prefix_tokens + args.max_new_tokens + 1, temperature=args.temperature, top_p=args.top_p,
+                        stop_token_ids=tuple(stop_token_ids(target.tokenizer, target.model.generation_config)),
+                        kernels=args.kernels, compile=False if args.no_compile else None,
+                        compile_scope=args.compile_scope)
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_out(args)
+    started = time.time()
+    target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
+    tokenizer = target.tokenizer
+    chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
+    prefix_ids = chat.encode_texts([user_turn_prefix(chat)])[0]
+    config = _engine_config(args, target, len(prefix_ids))
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)
+    evals = None if args.no_decontaminate else project_eval_index()
+    report = DataReport("self-prompt")
+    with tqdm(total=args.num_prompts, desc="self-prompt", unit="prompt") as bar:
+        def progress(kept: int, total: int) -> None:
+            bar.update(kept - bar.n)
+        rows = self_prompts(Generator(target, config, pad), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
+                            prefix_ids, frozenset(tokenizer.all_special_ids), Settings(args.num_prompts, args.seed),
+                            evals, report, progress)
+    write_rows(rows, args.out)
+    left_out = ", ".join(f"{reason} {n:,}" for reason, n in sorted(report.dropped.items()))
+    print(f"self-prompt: {len(rows):,} prompts kept of {report.read:,} drawn in {time.time() - started:.0f} s "
+          f"(left out: {left_out or 'none'}) -> {args.out}")
+    if len(rows) < args.num_prompts:
+        print(f"self-prompt: warning: {len(rows):,} of the {args.num_prompts:,} asked for: the target repeats itself; "
+              "a higher --temperature or another --seed draws different ones")
+    return 0
