@@ -37,8 +37,10 @@
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: 64 anchors per chat
 #                   instead of 128, 4 rows a step instead of 2, D-PACE position weights, distilling the target's
-#                   distribution, AdamW instead of Muon), each ABLATION_MINUTES (default 3, compilation not
-#                   counted) beside a baseline; compared in a table and $OUT/ablations.png
+#                   distribution, AdamW instead of Muon, the drafter's layers initialised from the target's, twice
+#                   the learning rates), each ABLATION_MINUTES (default 3, compilation not
+#                   counted) beside a baseline; compared in a table and $OUT/ablations.png by held-out τ̂ and by
+#                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
 #                   float32 check (default 16)
@@ -68,8 +70,9 @@ REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
-ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw}
+ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw;target_init:model.init_layers_from_target=true;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
+ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}
 CURVE_PROMPTS=${CURVE_PROMPTS:-$EVAL_PROMPTS}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
@@ -79,6 +82,8 @@ MAX_LENGTH=${MAX_LENGTH:-2048}
 DECODE_ROWS=${DECODE_ROWS:-512}
 GPUS=${GPUS:-1}
 LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
+[[ "$ABLATION_EVAL_PROMPTS" =~ ^[0-9]+$ ]] || {
+  echo "ABLATION_EVAL_PROMPTS must be a count of prompts (0 for none), not '$ABLATION_EVAL_PROMPTS'" >&2; exit 2; }
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
 (( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
@@ -212,15 +217,26 @@ curve() {
 
 ablate() {
   # Recipe changes judged at equal GPU-minutes: a baseline run and one run per ABLATIONS entry, ABLATION_MINUTES
-  # each, on the same prepared data (so the same validation split), compared by held-out τ̂ per data source.
+  # each, on the same prepared data (so the same validation split), compared by held-out τ̂ per data source and
+  # by the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (0: held-out τ̂ only).
   # Compilation is not counted in their minutes: a run that changes a shape compiles anew, the others reuse.
   local entry entries equal="$TRAIN_EXTRA training.time_budget_excludes_warmup=true"
+  mkdir -p "$OUT/eval"
   TRAIN_EXTRA="$equal" train_run ablation-base "$ABLATION_MINUTES"
+  ablation_eval ablation-base
   IFS=';' read -ra entries <<< "$ABLATIONS"
   for entry in "${entries[@]}"; do
     TRAIN_EXTRA="$equal ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
+    ablation_eval "ablation-${entry%%:*}"
   done
-  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png"
+  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval"
+}
+
+ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main run shows), unless switched off
+  (( ABLATION_EVAL_PROMPTS > 0 )) || return 0
+  local draft; draft=$(final_draft "$1")
+  [[ -n "$draft" ]] || { echo "$1 has not finished: run the ablate stage again" >&2; return 1; }
+  eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check
 }
 
 evaluate() {

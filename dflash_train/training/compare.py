@@ -3,11 +3,14 @@ minutes.
 
     python -m dflash_train.training.compare outputs/speedrun/train/ablation-*     # prints a Markdown table
     python -m dflash_train.training.compare RUN... --plot ablations.png   # + loss and τ̂ against minutes
+    python -m dflash_train.training.compare RUN... --evals outputs/speedrun/eval   # + decoded τ per eval set
 
 An ablation at equal GPU-minutes is a few runs on the same prepared data (so the same validation split), one
 setting changed in each, each with the same wall-time budget; this table judges them by held-out τ̂ before
 any decoding eval (the speedrun's `ablate` stage prints it). τ̂ per source shows which kind of data a change
-helps: a mix's easy sources can hide a loss on the chat or code a user serves.
+helps: a mix's easy sources can hide a loss on the chat or code a user serves. With ``--evals DIR``, each run's
+eval report ``DIR/<run>-b16.json`` (`dflash-train eval --out`) adds the decoded τ of every set it measured:
+held-out τ̂ is teacher-forced on the training mix; decoded τ is what a user gets on the eval prompts.
 """
 
 from __future__ import annotations
@@ -45,15 +48,29 @@ def run_row(run_dir: Path) -> dict[str, Any] | None:
     }
 
 
+def decoded_tau(report: Path) -> dict[str, float]:
+    """Eval set -> decoded τ (acceptance length) from an eval report; empty when there is none or it is not one."""
+    try:
+        datasets = json.loads(report.read_text()).get("datasets", {})
+        return {name: float(values["acceptance_length"]) for name, values in datasets.items()
+                if values.get("acceptance_length") is not None}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     sources = sorted({name for row in rows for name in row["by_source"]})
-    header = ["run", "step", "train min", "val loss", "val τ̂", *(f"τ̂ {name}" for name in sources)]
+    eval_sets = sorted({name for row in rows for name in row.get("decoded", {})})
+    header = ["run", "step", "train min", "val loss", "val τ̂", *(f"τ̂ {name}" for name in sources),
+              *(f"τ {name}" for name in eval_sets)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         per_source = [f"{row['by_source'][name]:.2f}" if name in row["by_source"] else "—" for name in sources]
+        decoded = row.get("decoded", {})
+        per_set = [f"{decoded[name]:.2f}" if name in decoded else "—" for name in eval_sets]
         minutes = "—" if row["train_minutes"] is None else str(row["train_minutes"])
         lines.append("| " + " | ".join([row["run"], str(row["step"]), minutes, f"{row['loss']:.3f}",
-                                        f"{row['tau_hat']:.2f}", *per_source]) + " |")
+                                        f"{row['tau_hat']:.2f}", *per_source, *per_set]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -113,9 +130,14 @@ def main(argv: list[str] | None = None) -> int:
                                                  "data source (a Markdown table)")
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR")
     parser.add_argument("--plot", type=Path, default=None, help="also draw training loss and held-out τ̂ against minutes here")
+    parser.add_argument("--evals", type=Path, default=None, metavar="DIR",
+                        help="eval reports DIR/<run>-b16.json: adds each run's decoded τ per eval set")
     args = parser.parse_args(argv)
     found = {run: run_row(run) for run in args.runs}
     rows = [row for row in found.values() if row is not None]
+    if args.evals is not None:
+        for row in rows:
+            row["decoded"] = decoded_tau(args.evals / f"{row['run']}-b16.json")
     if not rows:
         print(f"compare: none of {len(args.runs)} run folders has a validation in its metrics.jsonl; train them "
               "with training.eval_every below their length", file=sys.stderr)

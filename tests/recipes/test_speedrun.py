@@ -52,10 +52,14 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     assert {p["run"] for p in points} == {"curve-0.2min", "curve-0.3min", "main"}
     assert {p["dataset"] for p in points} == {"humaneval", "mt-bench", "math-synthetic"}
     assert [p["train_minutes"] for p in points] == sorted(p["train_minutes"] for p in points)
-    ablate = speedrun("ablate", out, ABLATIONS="anchors4:training.num_anchors=4", ABLATION_MINUTES="0.2")
+    ablate = speedrun("ablate", out, ABLATIONS="anchors4:training.num_anchors=4", ABLATION_MINUTES="0.2",
+                      ABLATION_EVAL_PROMPTS="1")
     assert ablate.returncode == 0, (ablate.stdout + ablate.stderr)[-4000:]
     table = [line for line in ablate.stdout.splitlines() if line.startswith("| ablation-")]
     assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base"]
+    header = next(line for line in ablate.stdout.splitlines() if line.startswith("| run |"))
+    assert header.endswith("| τ humaneval | τ math-synthetic | τ mt-bench |")  # each run's decoded τ
+    assert all(not line.endswith("| — |") for line in table)
     launches = [line for line in ablate.stderr.splitlines() if "dflash_train.cli train" in line]
     assert len(launches) == 2 and all("training.time_budget_excludes_warmup=true" in line for line in launches)
     assert (out / "ablations.png").read_bytes()[:4] == b"\x89PNG"

@@ -117,3 +117,21 @@ def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_pat
                           env={**os.environ, "OUT": str(tmp_path / "bad"), "SELF_PROMPTS": "many"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "SELF_PROMPTS must be a count of prompts (0 for none), not 'many'" in done.stderr
+
+
+def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_tau(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true;lr2x:a=1 b=2",
+                      ABLATION_EVAL_PROMPTS="12")
+    steps = [("train" if "cli train" in c else "eval" if "cli eval" in c else "compare" if "compare" in c else None, c)
+             for c in calls]
+    steps = [(kind, c.split()) for kind, c in steps if kind]
+    assert [kind for kind, _ in steps] == ["train", "eval"] * 3 + ["compare"]
+    outs = [args[args.index("--out") + 1].rsplit("/", 1)[-1] for kind, args in steps if kind == "eval"]
+    assert outs == ["ablation-base-b16.json", "ablation-soft-b16.json", "ablation-lr2x-b16.json"]
+    assert all(args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
+               for kind, args in steps if kind == "eval")
+    assert "a=1" in steps[4][1] and "b=2" in steps[4][1]  # an entry's overrides, split into words
+    compare = steps[-1][1]
+    assert compare[compare.index("--evals") + 1] == str(tmp_path / "run" / "eval")
+    none = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true", ABLATION_EVAL_PROMPTS="0")
+    assert not [c for c in none if "cli eval" in c]

@@ -80,3 +80,21 @@ def test_tau_hat_curve_has_every_validation_once(tmp_path: Path) -> None:
     minutes, taus = tau_hat_curve(write_run(tmp_path / "run", records))
     assert minutes == pytest.approx([10 * 0.02, 20 * 0.02]) and taus == [1.6, 2.0]
     assert tau_hat_curve(write_run(tmp_path / "untimed", [validation(10, 1.5, 3.0)])) == ([], [])
+
+
+def test_eval_reports_add_the_decoded_tau_of_each_set(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    base = write_run(tmp_path / "ablation-base", [validation(100, 2.0, 2.9, sharegpt=1.6)])
+    soft = write_run(tmp_path / "ablation-soft", [validation(100, 2.2, 2.8, sharegpt=1.8)])
+    write_run(tmp_path / "ablation-dpace", [validation(100, 2.1, 2.8)])
+    evals = tmp_path / "eval"
+    evals.mkdir()
+    (evals / "ablation-base-b16.json").write_text(json.dumps({"datasets": {
+        "mt-bench": {"acceptance_length": 2.5}, "humaneval": {"acceptance_length": 3.25}}}))
+    (evals / "ablation-soft-b16.json").write_text(json.dumps({"datasets": {"mt-bench": {"acceptance_length": 2.75}}}))
+    (evals / "ablation-dpace-b16.json").write_text("not json")  # a broken report shows as no figure
+    assert main([str(base), str(soft), str(tmp_path / "ablation-dpace"), "--evals", str(evals)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | step | train min | val loss | val τ̂ | τ̂ sharegpt | τ humaneval | τ mt-bench |"
+    assert lines[2:] == ["| ablation-base | 100 | — | 2.900 | 2.00 | 1.60 | 3.25 | 2.50 |",
+                         "| ablation-soft | 100 | — | 2.800 | 2.20 | 1.80 | — | 2.75 |",
+                         "| ablation-dpace | 100 | — | 2.800 | 2.10 | — | — | — |"]
