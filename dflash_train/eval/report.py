@@ -56,6 +56,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "acceptance_length": "mean over requests of the mean a+1 per cycle (a accepted drafts + 1 bonus); "
                                  "each turn is a request",
             "acceptance_length_cycle_weighted": "mean a+1 over all cycles",
+            "acceptance_length_by_turn": "acceptance_length of the requests of turn 1, 2, ... (a multi-turn set)",
             "histogram": "cycles with a+1 = 1..block_size",
             "per_slot_acceptance": "fraction of cycles whose draft slot k (1..B-1) was accepted",
             "per_slot_conditional_acceptance": "P(slot k accepted | slot k-1 accepted)",

@@ -27,7 +27,7 @@ from rich.progress import Progress
 
 from dflash_train.eval.chat import prompt_ids, supports_thinking
 from dflash_train.eval.console import PassProgress
-from dflash_train.eval.metrics import acceptance_metrics
+from dflash_train.eval.metrics import acceptance_metrics, running_tau
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.prompts import PromptSet
 from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
@@ -275,6 +275,7 @@ class Evaluator:
             "skipped_rows": prompt_set.skipped_rows,
             "skipped_too_long": too_long,
             **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
+            "acceptance_length_by_turn": _tau_by_turn(done),
             "lossless": (not mismatches) if checked else None,
             "lossless_requests": len(done) - len(mismatches) if checked else None,
             "mismatches": mismatches[:MAX_LISTED_MISMATCHES],
@@ -288,6 +289,14 @@ class Evaluator:
             "speedup": with_draft / alone if with_draft and alone else None,
             "skipped": _skipped_text(prompt_set.skipped_rows, too_long),
         }
+
+
+def _tau_by_turn(done: list[tuple[Request, RequestOutput | None, RequestOutput]]) -> list[float | None]:
+    """τ of the requests of each turn (first, second, ...): a later turn's context holds the target's own
+    earlier answers, which a drafter trained on first turns alone has rarely seen."""
+    turns = max(request.turn for request, _, _ in done) + 1
+    return [running_tau([out.acceptance_lengths for request, _, out in done if request.turn == turn])
+            for turn in range(turns)]
 
 
 def _mismatch(request: Request, reference: RequestOutput, drafted: RequestOutput) -> dict[str, int]:

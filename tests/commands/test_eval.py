@@ -17,7 +17,7 @@ DATASET_FIELDS = {
     "requests_with_cycles", "cycles", "lossless", "lossless_requests", "mismatches", "new_tokens_with_draft",
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
     "tokens_per_s_target_only", "speedup", "skipped", "teacher_forced_slot_accuracy",
-    "teacher_forced_acceptance_length", "decode_seconds_lossless_check",
+    "teacher_forced_acceptance_length", "decode_seconds_lossless_check", "acceptance_length_by_turn",
 }
 
 
@@ -59,6 +59,10 @@ def test_report_fields_figure_and_lossless(target_dir: Path, tmp_path: Path, cap
     # Three conversations, two turns each: second turns that outgrow the 96-token context are counted.
     assert mt_bench["requests"] + mt_bench["skipped_too_long"] == 6 and mt_bench["conversations"] == 3
     assert mine["requests"] == 3 and mine["skipped_rows"] == 1
+    # τ by turn: two first turns and one second; τ over all requests is their request-weighted mean.
+    assert mine["requests_with_cycles"] == 3 and len(mine["acceptance_length_by_turn"]) == 2
+    first, second = mine["acceptance_length_by_turn"]
+    assert mine["acceptance_length"] == pytest.approx((2 * first + second) / 3)
     assert "mt-bench" in capsys.readouterr().out
 
 
