@@ -122,6 +122,9 @@ def test_teacher_forced_accuracy_and_the_acceptance_it_implies(target: TargetMod
         assert accuracy.count[slot] == len(rows) and accuracy.correct[slot] == sum(rows), slot
     result = accuracy.result()["teacher_forced_slot_accuracy"]
     assert 0.0 < result[0] < 1.0, result
+    split = TeacherForcedAccuracy(target, draft, block, anchors_per_pass=7)  # several passes: the same counts
+    split.add(prompt, answer)
+    assert torch.equal(split.correct, accuracy.correct) and torch.equal(split.count, accuracy.count)
 
     config = EngineConfig(block_size=block, max_new_tokens=30, max_length=128, kernels="torch")
     output = DecodeEngine(target, draft, config).generate([prompt])[0][0]
