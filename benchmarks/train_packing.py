@@ -52,6 +52,9 @@ VARIANTS: dict[str, list[str]] = {
     # the target's forward over packed rows on SDPA with Hugging Face's dense per-chat mask, instead of flex
     "packed-sdpa-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
                            "training.compile=true", "training.target_attention=sdpa"],
+    # the same on PyTorch's FlashAttention varlen kernel: each chat alone, nothing compiled for the target
+    "packed-varlen-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
+                             "training.compile=true", "training.target_attention=varlen"],
 }
 RESULT_PREFIX = "RESULT "
 # A training step's kernels by name, the first pattern found in a lower-cased name naming its category; the

@@ -82,9 +82,10 @@ class TrainingConfig:
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
     # The target's attention over packed rows (online features): flex skips the tiles no chat fills, where SDPA
-    # computes a dense mask's every score (dflash_train/target/attention.py); auto: flex on CUDA, and SDPA for
-    # the rest of the run if flex fails. Unpacked rows keep the target's own attention.
-    target_attention: Literal["auto", "sdpa", "flex"] = "auto"
+    # computes a dense mask's every score (dflash_train/target/attention.py); varlen attends each chat alone
+    # with PyTorch's FlashAttention varlen kernel, nothing compiled (target/varlen.py); auto: flex on CUDA.
+    # A failure runs the rest of the run on SDPA. Unpacked rows keep the target's own attention.
+    target_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     compile: bool = False
     log_every: int = 10
     eval_every: int = 500

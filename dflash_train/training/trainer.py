@@ -11,6 +11,7 @@ import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DFlashObjective
 from dflash_train.target import target_fingerprint, target_identity
-from dflash_train.target.attention import FLEX, attention_implementation
+from dflash_train.target.attention import FLEX, attention_implementation, packed_target_attention
+from dflash_train.target.varlen import VARLEN, packed_sequences
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
@@ -135,9 +137,9 @@ class Trainer:
         self.val_sources = dict(zip(self.val_ids, sources, strict=True)) if sources else {}
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
-        # The target's attention over packed rows (`_features`); "auto": flex on CUDA until it fails once.
-        self.flex_target = t.target_attention == "flex" or (
-            t.target_attention == "auto" and self.accelerator.device.type == "cuda")
+        # The target's attention over packed rows (`_features`): flex or varlen, or None for SDPA; "auto": flex on
+        # CUDA. A failure switches the rest of the run to SDPA.
+        self.packed_target_attention = packed_target_attention(t.target_attention, self.accelerator.device)
         self._check_offline_features()
         deepspeed = self.accelerator.state.deepspeed_plugin
         if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
@@ -196,38 +198,46 @@ class Trainer:
             self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target.model))
 
     # -- one step -------------------------------------------------------------------------------
-    def _features(self, batch: dict[str, torch.Tensor], real: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _features(self, batch: dict[str, torch.Tensor], real: int, host_positions: torch.Tensor | None = None) -> tuple[
+            torch.Tensor, torch.Tensor | None]:
         """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H];
-        `real` is the longest unpadded sequence of the batch. Packed rows go through flex attention where
-        `training.target_attention` asks for it, and through SDPA from the first failure on."""
+        `real` is the longest unpadded sequence of the batch; `host_positions` the packed rows' position ids
+        on the host. Packed rows go through the attention `training.target_attention` asks for, and through
+        SDPA from the first failure on."""
         if "features" in batch:
             return batch["features"], None
-        if not (self.flex_target and "position_ids" in batch):
-            return self._target_features(batch, real, flex=False)
+        attention = self.packed_target_attention if "position_ids" in batch else None
+        if attention is None:
+            return self._target_features(batch, real, None, host_positions)
         try:
-            return self._target_features(batch, real, flex=True)
+            return self._target_features(batch, real, attention, host_positions)
         except Exception as error:  # a compiler or kernel failure costs speed, not the run
-            self.flex_target = False
+            self.packed_target_attention = None
             reason = (str(error).strip().splitlines() or [""])[0][:200]
-            self.accelerator.print(f"flex attention failed for the target ({type(error).__name__}: {reason}); packed "
-                                   "rows use SDPA from now on (training.target_attention=sdpa skips the try)")
-            return self._target_features(batch, real, flex=False)
+            self.accelerator.print(f"{attention} attention failed for the target ({type(error).__name__}: {reason}); "
+                                   "packed rows use SDPA from now on (training.target_attention=sdpa skips the try)")
+            return self._target_features(batch, real, None, host_positions)
 
-    def _target_features(self, batch: dict[str, torch.Tensor], real: int, flex: bool) -> tuple[
-            torch.Tensor, torch.Tensor | None]:
+    def _target_features(self, batch: dict[str, torch.Tensor], real: int, attention: str | None,
+                         host_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
         # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
         # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
         # out of every real token, and a mask would only cost host syncs in Hugging Face's mask check.
         # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself. Under
         # flex attention they run whole: compiled flex attention and its block mask specialise on the
-        # length, and the padding is a sequence of its own there (collate_packed numbers it so).
-        real = batch["input_ids"].shape[1] if flex else real
+        # length, and the padding is a sequence of its own there (collate_packed numbers it so); varlen
+        # attention cuts the chats out of the rows by their boundaries (target/varlen.py).
+        real = batch["input_ids"].shape[1] if attention == FLEX else real
         ids = batch["input_ids"][:, :real]
         positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
         layer_ids = self.draft_config.target_layer_ids
+        chats = nullcontext()
+        if attention == VARLEN:
+            host = host_positions if host_positions is not None else batch["position_ids"].cpu()
+            chats = packed_sequences(host[:, :real], ids.device)
         # online: the very call offline extraction makes (bit-identical features for unpacked rows)
-        with torch.no_grad(), attention_implementation(self.target.model, FLEX if flex else None):
+        with torch.no_grad(), attention_implementation(self.target.model, attention), chats:
             if self.config.training.soft_targets:
                 if positions is None:
                     features, final = self.target.capture_features_and_final_states(ids, layer_ids)
@@ -271,7 +281,8 @@ class Trainer:
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
         chats = chat_layout(cpu_batch)  # read on the host: anchors are placed without a device sync
         batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items() if k != "chats"}
-        features, teacher_states = self._features(batch, max(start + n for _, start, n in chats))
+        features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
+                                                  cpu_batch.get("position_ids"))
         blocks = self.objective.seeded_blocks(batch, chats, seeds)
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
                              batch["input_ids"], batch["loss_mask"], features, blocks=blocks,

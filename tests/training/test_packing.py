@@ -24,19 +24,24 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
 
 @pytest.mark.parametrize("variant", [{}, {"training.soft_targets": True}, {"training.anchors": "partition"},
                                      {"training.target_attention": "flex"},
-                                     {"training.target_attention": "flex", "training.soft_targets": True}])
+                                     {"training.target_attention": "flex", "training.soft_targets": True},
+                                     {"training.target_attention": "varlen"},
+                                     {"training.target_attention": "varlen", "training.soft_targets": True}])
 def test_packed_validation_equals_unpacked(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                            variant: dict[str, object]) -> None:
     """Validation draws each chat's anchors from a fixed seed: before any step, the packed run sees the same
     chats with the same anchors as the unpacked one, so the same loss and slot accuracies; with the target's
-    attention over packed rows on flex attention too (its block mask keeps each chat to itself)."""
+    attention over packed rows on flex attention too (its block mask keeps each chat to itself), and on varlen
+    attention (each chat cut out of its row by its boundaries)."""
     results = {}
     for name, extra in {"unpacked": {}, "packed": PACKED}.items():
         trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **{
             "data.max_length": 64, "data.validation_fraction": 0.3, **variant, **extra})))
         results[name] = trainer.validate()
-        # flex attention, when asked for, ran the packed target forward: no fallback to SDPA
-        assert trainer.flex_target or variant.get("training.target_attention") != "flex"
+        # the attention asked for ran the packed target forward: no fallback to SDPA
+        asked = variant.get("training.target_attention")
+        if name == "packed" and asked in ("flex", "varlen"):
+            assert trainer.packed_target_attention == {"flex": "flex_attention", "varlen": "dflash_varlen"}[asked]
     assert results["packed"]["loss"] == pytest.approx(results["unpacked"]["loss"], rel=1e-5)
     assert results["packed"]["slot_accuracy"] == pytest.approx(results["unpacked"]["slot_accuracy"], abs=1e-5)
 
@@ -87,11 +92,12 @@ def test_a_failing_flex_target_falls_back_to_sdpa(assets: dict[str, pathlib.Path
     settings = {**PACKED, "data.validation_fraction": 0.3}
     expected = Trainer(load_config(None, overrides(assets, tmp_path / "sdpa", **{
         **settings, "training.target_attention": "sdpa"}))).validate()
-    monkeypatch.setattr("dflash_train.training.trainer.FLEX", "no_such_attention")
+    monkeypatch.setattr("dflash_train.target.attention.FLEX", "no_such_attention")
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "flex", **{
         **settings, "training.target_attention": "flex"})))
-    assert trainer.flex_target
+    assert trainer.packed_target_attention == "no_such_attention"
     result = trainer.validate()
-    assert not trainer.flex_target and result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert trainer.packed_target_attention is None and result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
     out = capsys.readouterr().out
-    assert out.count("flex attention failed for the target") == 1 and "training.target_attention=sdpa" in out
+    assert out.count("no_such_attention attention failed for the target") == 1
+    assert "training.target_attention=sdpa" in out
