@@ -113,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"self-prompt: {len(rows):,} prompts kept of {report.read:,} drawn in {time.time() - started:.0f} s "
           f"(left out: {left_out or 'none'}) -> {args.out}")
     if len(rows) < args.num_prompts:
-        print(f"self-prompt: warning: {len(rows):,} of the {args.num_prompts:,} asked for: the target repeats itself; "
-              "a higher --temperature or another --seed draws different ones")
+        print(f"self-prompt: warning: {len(rows):,} of the {args.num_prompts:,} asked for: the last rows drawn added "
+              "almost no new prompt (what was left out, and why, is above); repeats call for a higher "
+              "--temperature, unfinished turns for a higher --max-new-tokens")
     return 0
