@@ -7,6 +7,7 @@ sees exactly the same sequences at the same step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -41,6 +42,14 @@ class TrainingSamples:
             return None
         return list(self.store.select_columns(["source"])[list(indices)]["source"])
 
+    def prompt_keys(self) -> list[str] | None:
+        """Each row's prompt as its source label (`source` #`source_index`: the samples and turns of one prompt
+        share it); None where the data keeps no labels (feature stores, data prepared without them)."""
+        if self.offline or not {"source", "source_index"} <= set(self.store.column_names):
+            return None
+        labels = self.store.select_columns(["source", "source_index"])
+        return [f"{source}#{index}" for source, index in zip(labels["source"], labels["source_index"], strict=True)]
+
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         row = self.store[index]
         sample = {
@@ -62,17 +71,41 @@ def load_prepared_dataset(path: str) -> tuple[Any, dict[str, Any]]:
     return dataset, metadata
 
 
-def split_indices(num_samples: int, fraction: float, max_validation: int, seed: int) -> tuple[list[int], list[int]]:
+def split_indices(num_samples: int, fraction: float, max_validation: int, seed: int,
+                  keys: Sequence[str] | None = None) -> tuple[list[int], list[int]]:
     """A fixed random hold-out: (train indices, validation indices). A positive `fraction` of a small dataset
     (fewer rows than 1 / fraction) still holds out one row: validation that was asked for is never dropped
-    without a word, and one row is enough to see the held-out loss and τ̂ move."""
-    order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+    without a word, and one row is enough to see the held-out loss and τ̂ move.
+
+    With `keys` (each row's prompt: its source label), rows are held out by prompt, in an order drawn from
+    the key and the seed alone: the samples and turns of one prompt never straddle the split, and two datasets
+    that share prompts (a regenerated mix with one source changed) hold out mostly the same shared rows, so
+    their per-source τ̂ compare. Without keys, rows are drawn by index."""
     num_val = 0
     if fraction > 0 and max_validation > 0 and num_samples >= 2:
         num_val = max(1, min(int(num_samples * fraction), max_validation))
     if num_samples - num_val < 1:
         raise ValueError(f"only {num_samples} samples: nothing left to train on after validation")
-    return sorted(order[num_val:]), sorted(order[:num_val])
+    held_out = _held_out_by_key(keys, num_val, seed) if keys is not None and num_val else None
+    if held_out is None:
+        order = torch.randperm(num_samples, generator=torch.Generator().manual_seed(seed)).tolist()
+        held_out = set(order[:num_val])
+    return ([i for i in range(num_samples) if i not in held_out], sorted(held_out))
+
+
+def _held_out_by_key(keys: Sequence[str], num_val: int, seed: int) -> set[int] | None:
+    """Whole prompts in the order of their seeded hash until `num_val` rows are held out; None when that would
+    leave nothing to train on (every row one prompt's)."""
+    rows_of: dict[str, list[int]] = {}
+    for index, key in enumerate(keys):
+        rows_of.setdefault(key, []).append(index)
+    order = sorted(rows_of, key=lambda key: hashlib.sha1(f"{seed}\0{key}".encode()).digest())
+    held_out: set[int] = set()
+    for key in order:
+        if len(held_out) >= num_val:
+            break
+        held_out.update(rows_of[key])
+    return held_out if len(held_out) < len(keys) else None
 
 
 @dataclass(frozen=True)

@@ -119,7 +119,8 @@ class Trainer:
         if config.data.prepared is not None:
             check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
         self.train_ids, self.val_ids = split_indices(
-            len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed)
+            len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed,
+            self.samples.prompt_keys())
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
         self.val_groups: list[list[list[int]]] = []  # packed validation micro-batches (rows of chats)
         self.packed = self._build_packing()
