@@ -25,9 +25,11 @@
 #                   answers; their first turns are left out of MIX
 #   SELF_PROMPTS    optional count of chat prompts the target writes itself (`dflash-train self-prompt`: sampled
 #                   user turns, distinct, decontaminated), packed into the mix beside MIX in the prompts stage,
-#                   which then needs the GPU (default 0: none); SELF_PROMPT_EXTRA: more self-prompt flags
+#                   which then needs the GPU (default 0: none; its minutes come off REGEN_MINUTES);
+#                   SELF_PROMPT_EXTRA: more self-prompt flags
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
-#   REGEN_MINUTES   stop regenerating after this long; training uses the finished shards (default 5)
+#   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
+#                   SELF_PROMPTS took; training uses the finished shards (default 5)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 12: with the other defaults
 #                   the 2026-12-02 run took 19.1 minutes at 8.3 minutes of training, so 12 fits in 25)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
@@ -113,8 +115,12 @@ prompts() {
   for source in $MIX; do sources+=(--source "$source"); done
   if (( SELF_PROMPTS > 0 )); then  # the target's own chat prompts, a source of the mix like the others
     # shellcheck disable=SC2086  # SELF_PROMPT_EXTRA is a list of flags
-    [[ -f "$OUT/self_prompts.jsonl" ]] || run "${DFLASH[@]}" self-prompt --target "$TARGET" \
-      --num-prompts "$SELF_PROMPTS" --out "$OUT/self_prompts.jsonl" $SELF_PROMPT_EXTRA
+    if [[ ! -f "$OUT/self_prompts.jsonl" ]]; then
+      local started=$SECONDS
+      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_PROMPTS" \
+        --out "$OUT/self_prompts.jsonl" $SELF_PROMPT_EXTRA
+      echo $(( SECONDS - started )) > "$OUT/self_prompts.seconds"  # paid from REGEN_MINUTES
+    fi
     sources+=(--source "$OUT/self_prompts.jsonl=$SELF_PROMPTS")
   fi
   [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
@@ -151,8 +157,12 @@ regen() {
   [[ -z "$CHATS" ]] || on_every_gpu "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
     --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
     --batch-size 4096 --decode-rows "$DECODE_ROWS" $REGEN_EXTRA --out "$OUT/regen-chat"
+  # The target's minutes of data are one budget: what writing SELF_PROMPTS took comes off regeneration's.
+  local spent=0 budget
+  [[ -f "$OUT/self_prompts.seconds" ]] && spent=$(< "$OUT/self_prompts.seconds")
+  budget=$(awk -v minutes="$REGEN_MINUTES" -v spent="$spent" 'BEGIN { b = minutes * 60 - spent; printf "%d", b < 60 ? 60 : b }')
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
-  on_every_gpu timeout "${REGEN_MINUTES}m" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+  on_every_gpu timeout "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
     --decode-rows "$DECODE_ROWS" "${sampled[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
     local code=$?

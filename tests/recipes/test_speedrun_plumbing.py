@@ -135,3 +135,19 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     assert compare[compare.index("--evals") + 1] == str(tmp_path / "run" / "eval")
     none = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true", ABLATION_EVAL_PROMPTS="0")
     assert not [c for c in none if "cli eval" in c]
+
+
+def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathlib.Path) -> None:
+    """REGEN_MINUTES is the target's data budget: seconds spent writing self-prompts shorten regeneration."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "timeout").write_text('#!/usr/bin/env bash\nprintf "timeout %s\\n" "$1" >> "$CALLS"\nshift\nexec "$@"\n')
+    (bin_dir / "timeout").chmod(0o755)
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
+        "timeout 300s"]
+    (tmp_path / "run" / "self_prompts.seconds").write_text("75\n")
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
+        "timeout 225s"]
+    (tmp_path / "run" / "self_prompts.seconds").write_text("500\n")  # never below a minute
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="2.5") if c.startswith("timeout")] == [
+        "timeout 60s"]
