@@ -48,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep rows whose prompt turns share a word 13-gram with an eval set (dropped by default "
                              "as overlaps_eval_set; the eval sets used are recorded in the dataset's metadata)")
+    parser.add_argument("--trim-loops", action="store_true",
+                        help="cut answers the token cap stopped inside a verbatim loop (a phrase repeated to the end) "
+                             "to two copies of it: the rest costs training time and teaches nothing new")
     parser.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
                         help="processes tokenising the rows (default: one per core, at most 16; 1 = this process "
                              f"alone; inputs under {PARALLEL_MIN_ROWS:,} rows always are); the output is the same")
@@ -65,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_target_tokenizer(args.target)
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
                            args.train_turns, args.target, decontaminate=not args.no_decontaminate,
-                           workers=args.workers)
+                           workers=args.workers, trim_loops=args.trim_loops)
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0

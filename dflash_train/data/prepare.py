@@ -35,6 +35,7 @@ from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, mar
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
 from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
 from dflash_train.data.decontaminate import EvalIndex, project_eval_index
+from dflash_train.data.loops import trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
@@ -57,6 +58,7 @@ class PrepareConfig:
     decontaminate: bool = True  # drop rows whose prompt turns share a word 13-gram with an eval set
     workers: int = 1  # processes tokenising the records (1: this one); the rows written are the same
     parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
+    trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loops.py)
 
     @property
     def min_supervised(self) -> int:
@@ -159,12 +161,18 @@ class Outcome:
     samples: list[TokenizedChat] = field(default_factory=list)
     not_reproducible: int | None = None  # turns the template cannot show; None when it was not asked
     too_short: int = 0  # rows of single turns dropped as too short
+    trimmed: bool = False  # its last answer ended in a loop, cut to two copies (--trim-loops)
 
 
 def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex | None,
                     messages: list[Message], finish_reason: str | None) -> Outcome:
     if evals is not None and evals.overlaps(messages):
         return Outcome(EVAL_OVERLAP)
+    trimmed = False
+    if config.trim_loops and finish_reason == "length" and messages and messages[-1]["role"] == "assistant":
+        content = trim_tail_loop(messages[-1]["content"])
+        trimmed = content != messages[-1]["content"]
+        messages = [*messages[:-1], {**messages[-1], "content": content}]
     try:
         conversation = chat.tokenize(messages, config.train_turns, finish_reason == "length")
     except BadRecord as bad:
@@ -175,7 +183,7 @@ def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex
         too_long = any(sample.truncated for sample in samples)
         return Outcome("too_long" if too_long else "too_few_supervised_tokens",
                        not_reproducible=conversation.turns_not_reproducible)
-    return Outcome(None, kept, conversation.turns_not_reproducible, len(samples) - len(kept))
+    return Outcome(None, kept, conversation.turns_not_reproducible, len(samples) - len(kept), trimmed)
 
 
 def _account(outcome: Outcome, where: Where, report: DataReport) -> Iterator[dict[str, Any]]:
@@ -188,6 +196,8 @@ def _account(outcome: Outcome, where: Where, report: DataReport) -> Iterator[dic
         report.drop(outcome.drop, corpus.location(index))
         return
     report.kept += 1
+    if outcome.trimmed:
+        report.totals["answers cut at a tail loop"] += 1
     if outcome.too_short:  # a turn in a row of its own (see chat.py) can be short alone
         report.totals["rows of single turns dropped as too short"] += outcome.too_short
     for sample in outcome.samples:
@@ -366,4 +376,5 @@ def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict
         "block_size": config.block_size,
         "min_supervised_tokens": config.min_supervised,
         "sources": [spec.source for spec in config.sources],
+        **({"trim_loops": True} if config.trim_loops else {}),  # absent when off: earlier datasets still match
     }

@@ -151,3 +151,14 @@ def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathl
     (tmp_path / "run" / "self_prompts.seconds").write_text("500\n")  # never below a minute
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="2.5") if c.startswith("timeout")] == [
         "timeout 60s"]
+
+
+def test_trim_loops_reaches_prepare(tmp_path: pathlib.Path) -> None:
+    prepare = [c.split() for c in run_stage("prepare", tmp_path, TRIM_LOOPS="1") if "cli prepare" in c]
+    assert len(prepare) == 1 and "--trim-loops" in prepare[0]
+    prepare = [c.split() for c in run_stage("prepare", tmp_path) if "cli prepare" in c]
+    assert len(prepare) == 1 and "--trim-loops" not in prepare[0]
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prepare"], cwd=REPO,
+                          env={**os.environ, "OUT": str(tmp_path / "bad"), "TRIM_LOOPS": "yes"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "TRIM_LOOPS must be 0 or 1, not 'yes'" in done.stderr
