@@ -102,3 +102,23 @@ def test_content_digest_follows_the_bytes(tmp_path: Path) -> None:
     assert content_digest(a, memo) == content_digest(b, memo)
     write_tiny_gguf(b, seed=1)  # same size, other bytes
     assert content_digest(a, memo) != content_digest(b, memo)
+
+
+def test_one_reading_of_the_file_writes_the_bf16_and_float32_copies(tmp_path: Path, conversions: list[Path],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bf16 conversion reads the file once in float32 and writes both copies: the eval's float32 check then
+    finds its copy. The bf16 copy is the float32 one rounded, as a bf16 load of the file rounds it."""
+    path = write_tiny_gguf(tmp_path / GGUF_NAME)
+    bf16 = ensure_converted_gguf(path)
+    fp32 = ensure_converted_gguf(path, torch.float32)
+    assert conversions == [path] and fp32 == conversion.converted_gguf_dir(path, torch.float32)
+    half = load_target(str(bf16)).model.state_dict()
+    full = load_target(str(fp32), dtype=torch.float32).model.state_dict()
+    assert all(full[name].dtype == torch.float32 and torch.equal(half[name], full[name].to(torch.bfloat16))
+               for name in half)
+    assert ensure_converted_gguf(path, torch.float16) and conversions == [path, path]  # fp16: a reading of its own
+    # A large target writes only the copy asked for (a float32 copy of billions of weights is not free).
+    monkeypatch.setattr(conversion, "PAIRED_MAX_FP32_BYTES", 0)
+    other = write_tiny_gguf(tmp_path / "other" / GGUF_NAME, seed=7)
+    ensure_converted_gguf(other)
+    assert not conversion.converted_gguf_dir(other, torch.float32).exists()
