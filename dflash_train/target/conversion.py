@@ -55,8 +55,17 @@ def converted_gguf_dir(
     and different files never evict each other's."""
     root = _cache_root(cache_dir)
     digest = content_digest(gguf_path, root / DIGESTS_DIR)
-    suffix = "" if dtype == torch.bfloat16 else f"-{str(dtype).removeprefix('torch.')}"
-    return root / f"{digest[:24]}{suffix}"
+    return root / f"{digest[:24]}{_dtype_suffix(dtype)}"
+
+
+def _dtype_suffix(dtype: torch.dtype) -> str:
+    return "" if dtype == torch.bfloat16 else f"-{str(dtype).removeprefix('torch.')}"
+
+
+def _sibling_dir(out_dir: Path, dtype: torch.dtype, other: torch.dtype) -> Path:
+    """The conversion folder of the same file in `other` dtype, next to `out_dir` (its `dtype` copy)."""
+    stem = out_dir.name.removesuffix(_dtype_suffix(dtype)) if _dtype_suffix(dtype) else out_dir.name
+    return out_dir.with_name(stem + _dtype_suffix(other))
 
 
 def ensure_converted_gguf(
@@ -83,7 +92,7 @@ def ensure_converted_gguf(
         if paired and 4 * model.num_parameters() <= PAIRED_MAX_FP32_BYTES:
             wanted = list(PAIRED_DTYPES)
         for each in wanted:
-            each_dir = converted_gguf_dir(gguf_path, each, cache_dir)
+            each_dir = _sibling_dir(out_dir, dtype, each)
             each_marker = _source_marker(each_dir, each)
             if each == dtype or not _is_converted(each_dir, each_marker):
                 _save_atomically(_dense_copy(model, each), tokenizer, each_dir,

@@ -20,6 +20,7 @@ from dflash_train.target import (
     find_decoder_layers,
     load_target,
     load_target_config,
+    resolve_target_source,
     target_facts,
 )
 from tests.helpers.features import LAYER_IDS, reference_features
@@ -361,11 +362,16 @@ def test_smollm2_features(smollm2: TargetModel) -> None:
 def test_smollm2_converted_matches_the_gguf(
     smollm2: TargetModel, smollm2_gguf_loads: list[tuple[PreTrainedModel, PreTrainedTokenizerBase]]
 ) -> None:
-    # The GGUF as `load_gguf` read it, against the converted copy read back from the cache's safetensors.
+    # The GGUF as `load_gguf` read it (float32: one reading writes the bf16 and float32 copies), against the
+    # converted copies read back from the cache's safetensors: the float32 one equal, the bf16 one rounded.
     [(gguf_model, gguf_tokenizer)] = smollm2_gguf_loads
+    assert gguf_model.dtype == torch.float32
     converted = smollm2.model.state_dict()
+    full_dir = conversion.converted_gguf_dir(Path(resolve_target_source("smollm2-135m-instruct")), torch.float32)
+    full = load_target(str(full_dir), dtype=torch.float32).model.state_dict()
     for name, tensor in gguf_model.state_dict().items():
-        assert torch.equal(tensor, converted[name]), name
+        assert torch.equal(tensor, full[name]) and torch.equal(tensor.to(torch.bfloat16), converted[name]), name
+    gguf_model.to(torch.bfloat16)  # decode as the bf16 copy does
 
     input_ids = chat_prompt(smollm2.tokenizer, "What is the capital of France?")
     assert torch.equal(input_ids, chat_prompt(gguf_tokenizer, "What is the capital of France?"))
