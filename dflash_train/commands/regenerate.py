@@ -42,8 +42,10 @@ from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
     add_corpus_arguments,
+    add_runtime_arguments,
     add_thinking_argument,
     corpus_specs,
+    generation_config,
     non_negative_int,
     positive_int,
     resolve_device,
@@ -71,13 +73,7 @@ from dflash_train.outputs import (
     refuse_inputs_inside,
     remove_owned,
 )
-from dflash_train.runtime.config import (
-    COMPILE_SCOPE_HELP,
-    COMPILE_SCOPES,
-    KERNELS,
-    EngineConfig,
-    stop_token_ids,
-)
+from dflash_train.runtime.config import EngineConfig
 from dflash_train.target import TargetModel, load_target
 
 
@@ -101,18 +97,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turns", type=_turns, default=1,
                         help="user turns answered per conversation, each after the target's own earlier answers: "
                              "N or all (default 1: the first turn)")
-    parser.add_argument("--device", default=None, help="built-in back end: cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
-    parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="built-in back end weights")
-    parser.add_argument("--decode-rows", type=positive_int, default=None,
-                        help="built-in back end: rows decoded at once, each refilled with the next prompt when it "
-                             "finishes (default: 256 on a GPU, --batch-size on a CPU); does not change the output")
-    parser.add_argument("--kernels", default="auto", choices=KERNELS,
-                        help="built-in back end: auto (triton on CUDA when installed), triton or torch")
-    parser.add_argument("--no-cuda-graphs", action="store_true", help="built-in back end: plain eager steps")
-    parser.add_argument("--no-compile", action="store_true",
-                        help="built-in back end: skip torch.compile of the decode step (starts faster, decodes slower)")
-    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer",
-                        help=f"built-in back end: {COMPILE_SCOPE_HELP}")
+    add_runtime_arguments(parser, "rows decoded at once, each refilled with the next prompt when it finishes "
+                                  "(default: 256 on a GPU, --batch-size on a CPU); does not change the output",
+                          prefix="built-in back end: ")
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")
     server.add_argument("--server-model", default=None, help="model name the server expects (default: --target)")
@@ -149,12 +136,7 @@ def _backend(args: argparse.Namespace, tokenizer: object) -> LocalBackend | Open
 def _runtime_config(args: argparse.Namespace, target: TargetModel) -> EngineConfig:
     """The runtime's settings: no drafter, caches long enough for the longest prompt kept and its answer."""
     rows = args.decode_rows or (256 if target.device.type == "cuda" else args.batch_size)
-    return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
-                        max_length=args.max_prompt_tokens + args.max_new_tokens + 1, temperature=args.temperature,
-                        top_p=args.top_p, stop_token_ids=tuple(stop_token_ids(target.tokenizer,
-                                                                              target.model.generation_config)),
-                        kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
-                        compile=False if args.no_compile else None, compile_scope=args.compile_scope)
+    return generation_config(args, target, rows, args.max_prompt_tokens + args.max_new_tokens + 1)
 
 
 def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:

@@ -21,7 +21,9 @@ from tqdm import tqdm
 from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
+    add_runtime_arguments,
     add_thinking_argument,
+    generation_config,
     positive_int,
     resolve_device,
     thinking_value,
@@ -36,13 +38,7 @@ from dflash_train.data.self_prompts import (
     user_turn_prefix,
     write_rows,
 )
-from dflash_train.runtime.config import (
-    COMPILE_SCOPE_HELP,
-    COMPILE_SCOPES,
-    KERNELS,
-    EngineConfig,
-    stop_token_ids,
-)
+from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator
 from dflash_train.target import TargetModel, load_target
 
@@ -60,13 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep prompts that share a word 13-gram with an eval set")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
-    parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16")
-    parser.add_argument("--decode-rows", type=positive_int, default=None,
-                        help="rows decoded at once (default: 512 on a GPU, 16 on a CPU)")
-    parser.add_argument("--kernels", default="auto", choices=KERNELS, help="auto: triton on CUDA when installed")
-    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile (starts faster, decodes slower)")
-    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer", help=COMPILE_SCOPE_HELP)
+    add_runtime_arguments(parser, "rows decoded at once (default: 512 on a GPU, 16 on a CPU)")
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -84,11 +74,7 @@ def _check_out(args: argparse.Namespace) -> None:
 
 def _engine_config(args: argparse.Namespace, target: TargetModel, prefix_tokens: int) -> EngineConfig:
     rows = args.decode_rows or (512 if target.device.type == "cuda" else 16)
-    return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens,
-                        max_length=prefix_tokens + args.max_new_tokens + 1, temperature=args.temperature, top_p=args.top_p,
-                        stop_token_ids=tuple(stop_token_ids(target.tokenizer, target.model.generation_config)),
-                        kernels=args.kernels, compile=False if args.no_compile else None,
-                        compile_scope=args.compile_scope)
+    return generation_config(args, target, rows, prefix_tokens + args.max_new_tokens + 1)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -11,6 +11,14 @@ from tqdm import tqdm
 
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.records import FORMATS
+from dflash_train.runtime.config import (
+    COMPILE_SCOPE_HELP,
+    COMPILE_SCOPES,
+    KERNELS,
+    EngineConfig,
+    stop_token_ids,
+)
+from dflash_train.target import TargetModel
 
 TORCH_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -125,3 +133,27 @@ def top_p(text: str) -> float:
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"takes a number in (0, 1], not {text!r}")
     return value
+
+
+def add_runtime_arguments(parser: argparse.ArgumentParser, decode_rows_help: str, prefix: str = "") -> None:
+    """The flags of a command that generates with the target through the runtime in this process (`prefix`
+    names that back end where the command has another)."""
+    parser.add_argument("--device", default=None, help=f"{prefix}cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help=f"{prefix}weights")
+    parser.add_argument("--decode-rows", type=positive_int, default=None, help=f"{prefix}{decode_rows_help}")
+    parser.add_argument("--kernels", default="auto", choices=KERNELS,
+                        help=f"{prefix}auto (triton on CUDA when installed), triton or torch")
+    parser.add_argument("--no-cuda-graphs", action="store_true", help=f"{prefix}plain eager steps")
+    parser.add_argument("--no-compile", action="store_true",
+                        help=f"{prefix}skip torch.compile of the decode step (starts faster, decodes slower)")
+    parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer", help=f"{prefix}{COMPILE_SCOPE_HELP}")
+
+
+def generation_config(args: argparse.Namespace, target: TargetModel, rows: int, max_length: int) -> EngineConfig:
+    """The runtime's settings for generating without a drafter, from `add_runtime_arguments`' flags and the
+    command's --max-new-tokens, --temperature and --top-p: `rows` decoded at once, caches of `max_length`."""
+    return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens, max_length=max_length,
+                        temperature=args.temperature, top_p=args.top_p,
+                        stop_token_ids=tuple(stop_token_ids(target.tokenizer, target.model.generation_config)),
+                        kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
+                        compile=False if args.no_compile else None, compile_scope=args.compile_scope)

@@ -16,6 +16,7 @@ kernel, each chat goes through SDPA on its own: the same arithmetic, slower, and
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 from collections.abc import Callable, Iterator
@@ -103,11 +104,10 @@ def _kernel(device: torch.device, scale: float, dim: int,
     (off CUDA, not bf16/fp16, a PyTorch without it, or a scale its signature cannot take)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
+    found = _varlen_kernel()
+    if found is None:
         return None
-    parameters = inspect.signature(varlen_attn).parameters
+    varlen_attn, parameters = found
     if "scale" not in parameters and abs(scale - dim ** -0.5) > 1e-12 * scale:
         return None  # an older kernel fixes the scale at 1/sqrt(D)
 
@@ -128,6 +128,16 @@ def _kernel(device: torch.device, scale: float, dim: int,
         return varlen_attn(query, key, value, cu, cu, longest, longest, **extra)
 
     return call
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """PyTorch's varlen kernel and its parameter names, looked up once (every layer of every forward asks)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def register() -> None:
