@@ -16,17 +16,18 @@
 #   TARGET          alias, local directory or .gguf (default: smollm2-135m-instruct)
 #   OUT             where everything goes (default: outputs/speedrun)
 #   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
-#   MIX             `dflash_train.data.pack` sources (default: ~98k distinct prompts, decontaminated:
+#   MIX             `dflash_train.data.pack` sources (default: ~78k distinct prompts, decontaminated:
 #                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math asking for worked solutions
 #                   (`:steps`: bare-result math gave answers too short to train on, 42 %, in a style the math
-#                   eval never sees), 20k openai-evals, about half of whose answers are too short to train on)
+#                   eval never sees); with SELF_PROMPTS, ~98k)
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
-#   SELF_PROMPTS    optional count of chat prompts the target writes itself (`dflash-train self-prompt`: sampled
-#                   user turns, distinct, decontaminated), packed into the mix beside MIX in the prompts stage,
-#                   which then needs the GPU (default 0: none; its minutes come off REGEN_MINUTES);
-#                   SELF_PROMPT_EXTRA: more self-prompt flags
+#   SELF_PROMPTS    chat prompts the target writes itself (`dflash-train self-prompt`: sampled user turns,
+#                   distinct, decontaminated), packed into the mix beside MIX in the prompts stage, which then
+#                   needs the GPU and the target (default 20000, ~1.5 minutes on an H200, taken off
+#                   REGEN_MINUTES; 0: none). In place of 20k openai-evals prompts they raised MT-Bench τ
+#                   2.96 -> 3.15 at equal minutes (b628823). SELF_PROMPT_EXTRA: more self-prompt flags
 #   TRIM_LOOPS      1: prepare cuts answers the token cap stopped inside a verbatim loop to two copies of it
 #                   (`prepare --trim-loops`: 21 % of the 839ee3b run's answers, 24 % of its answer text); default 0
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
@@ -60,10 +61,10 @@ STAGE=${1:?usage: bash recipes/smollm2-135m-speedrun.sh all|prompts|regenerate|p
 TARGET=${TARGET:-smollm2-135m-instruct}
 OUT=${OUT:-outputs/speedrun}
 PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
-MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000 openai-evals:1000=20000}
+MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000}
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
-SELF_PROMPTS=${SELF_PROMPTS:-0}
+SELF_PROMPTS=${SELF_PROMPTS:-20000}
 TRIM_LOOPS=${TRIM_LOOPS:-0}
 SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
 SAMPLES=${SAMPLES:-1}
