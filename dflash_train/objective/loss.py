@@ -103,11 +103,13 @@ def _chunk(
     Matmuls run in the head's dtype (bf16 for a bf16 target), whatever precision the drafter's final norm
     returned: casting the [V, H] head up to fp32 instead would cost a copy of the head and fp32 matmuls.
     """
-    if fused and teacher is None:
+    if fused:
         # One kernel: CE, top-1 and the unit-weight gradient written over the logits in their own dtype.
         logits = hidden.to(weight.dtype) @ weight.T
+        teacher_logits = None if teacher is None else teacher.to(weight.dtype) @ weight.T
         ones = torch.ones(labels.shape, device=labels.device, dtype=torch.float32)
-        row_ce[:], correct[:] = cross_entropy_grad_triton(logits, labels, ones, needs_grad)
+        row_ce[:], correct[:] = cross_entropy_grad_triton(logits, labels, ones, needs_grad,
+                                                          teacher_logits=teacher_logits)
         return logits @ weight if needs_grad else None
     logits = (hidden.to(weight.dtype) @ weight.T).float()  # [chunk, V]
     log_norm = torch.logsumexp(logits, dim=-1)
@@ -143,7 +145,7 @@ def chunked_cross_entropy_rows(
     teacher_hidden [P, H], the targets are softmax(teacher_hidden_i @ W^T) instead of the labels (accuracy
     stays against the labels). Weight the rows outside: `(row_ce * weights).sum()`. `fused` (None: on CUDA
     with triton) computes each chunk's CE and gradient in one Triton kernel (kernels/cross_entropy.py)
-    instead of PyTorch's separate passes; soft targets always take the latter.
+    instead of PyTorch's separate passes, with hard or soft targets.
     """
     chunk_rows = chunk_rows or default_chunk_rows(head_weight.shape[0])
     if fused is None:
