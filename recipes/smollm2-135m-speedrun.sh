@@ -46,6 +46,10 @@
 #                   the learning rates), each ABLATION_MINUTES (default 3, compilation not
 #                   counted) beside a baseline; compared in a table and $OUT/ablations.png by held-out τ̂ and by
 #                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
+#   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
+#                   with those flags into $OUT/prepared-NAME, one run on each beside the others (default
+#                   "trim_loops:--trim-loops"; empty: none). Their held-out τ̂ is on their own version of the
+#                   held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
 #                   float32 check (default 16)
@@ -77,6 +81,7 @@ EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS:-anchors64:training.num_anchors=64;batch4:training.batch_size=4;dpace:training.position_weighting=dpace;soft:training.soft_targets=true;adamw:training.optimizer=adamw;target_init:model.init_layers_from_target=true;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
+ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}
@@ -178,14 +183,18 @@ regen() {
 }
 
 prepare() {
-  local partial=() trim=()
-  [[ -f "$OUT/prepared/dflash_data.json" ]] && return 0
-  local sets=(--data "$OUT/regen")
-  [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
+  local trim=()
   [[ "$TRIM_LOOPS" == 1 ]] && trim=(--trim-loops)
+  prepare_into "$OUT/prepared" "${trim[@]}"
+}
+
+prepare_into() {  # output directory, more prepare flags: the regenerated answers as training chats, once
+  local partial=() sets=(--data "$OUT/regen")
+  [[ -f "$1/dflash_data.json" ]] && return 0
+  [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
   [[ -z "$CHATS" ]] || sets+=(--data "$OUT/regen-chat")
-  run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" "${trim[@]}" --max-length "$MAX_LENGTH" \
-    --block-size 16 --out "$OUT/prepared"
+  run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" "${@:2}" --max-length "$MAX_LENGTH" \
+    --block-size 16 --out "$1"
 }
 
 train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes
@@ -243,6 +252,13 @@ ablate() {
   IFS=';' read -ra entries <<< "$ABLATIONS"
   for entry in "${entries[@]}"; do
     TRAIN_EXTRA="$equal ${entry#*:}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
+    ablation_eval "ablation-${entry%%:*}"
+  done
+  IFS=';' read -ra entries <<< "$ABLATION_DATA"
+  for entry in "${entries[@]}"; do  # data variants: the baseline recipe on the answers prepared another way
+    # shellcheck disable=SC2086  # the entry's flags are a list
+    prepare_into "$OUT/prepared-${entry%%:*}" ${entry#*:}
+    TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-${entry%%:*}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
     ablation_eval "ablation-${entry%%:*}"
   done
   run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval"

@@ -56,12 +56,15 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
                       ABLATION_EVAL_PROMPTS="1")
     assert ablate.returncode == 0, (ablate.stdout + ablate.stderr)[-4000:]
     table = [line for line in ablate.stdout.splitlines() if line.startswith("| ablation-")]
-    assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base"]
+    # the default data variant too: the same answers prepared with --trim-loops, the baseline recipe on them
+    assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base",
+                                                       "| ablation-trim_loops"]
+    assert (out / "prepared-trim_loops" / "dflash_data.json").is_file()
     header = next(line for line in ablate.stdout.splitlines() if line.startswith("| run |"))
     assert header.endswith("| τ humaneval | τ math-synthetic | τ mt-bench |")  # each run's decoded τ
     assert all(not line.endswith("| — |") for line in table)
     launches = [line for line in ablate.stderr.splitlines() if "dflash_train.cli train" in line]
-    assert len(launches) == 2 and all("training.time_budget_excludes_warmup=true" in line for line in launches)
+    assert len(launches) == 3 and all("training.time_budget_excludes_warmup=true" in line for line in launches)
     assert (out / "ablations.png").read_bytes()[:4] == b"\x89PNG"
     totals = speedrun("summary", out).stdout
     stage_minutes = [(line.split()[0], float(line.split()[1])) for line in totals.splitlines()

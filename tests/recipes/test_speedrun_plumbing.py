@@ -125,7 +125,7 @@ def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_pat
 
 def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_tau(tmp_path: pathlib.Path) -> None:
     calls = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true;lr2x:a=1 b=2",
-                      ABLATION_EVAL_PROMPTS="12")
+                      ABLATION_EVAL_PROMPTS="12", ABLATION_DATA="")
     steps = [("train" if "cli train" in c else "eval" if "cli eval" in c else "compare" if "compare" in c else None, c)
              for c in calls]
     steps = [(kind, c.split()) for kind, c in steps if kind]
@@ -137,8 +137,33 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     assert "a=1" in steps[4][1] and "b=2" in steps[4][1]  # an entry's overrides, split into words
     compare = steps[-1][1]
     assert compare[compare.index("--evals") + 1] == str(tmp_path / "run" / "eval")
-    none = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true", ABLATION_EVAL_PROMPTS="0")
+    none = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true", ABLATION_EVAL_PROMPTS="0",
+                     ABLATION_DATA="")
     assert not [c for c in none if "cli eval" in c]
+
+
+def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
+    """ABLATION_DATA: the regenerated answers prepared again with other flags; a run of the baseline recipe on
+    each, after the recipe ablations; the trim-loops variant is there by default."""
+    run = tmp_path / "run"
+    calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1")]
+    prepares = [args for args in calls if "prepare" in args]
+    assert len(prepares) == 1 and "--trim-loops" in prepares[0]
+    assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-trim_loops")
+    assert prepares[0][prepares[0].index("--data") + 1] == str(run / "regen")
+    trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
+    assert [args[[a.startswith("training.output_dir=") for a in args].index(True)].rsplit("/", 1)[-1]
+            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops"]
+    last = trains[-1]
+    data = [a for a in last if a.startswith("data.prepared=")]
+    assert data[-1] == f"data.prepared={run}/prepared-trim_loops"  # the later override wins
+    (run / "prepared-trim_loops").mkdir()
+    (run / "prepared-trim_loops" / "dflash_data.json").write_text("{}")  # prepared: not again
+    again = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1",
+                                          ABLATION_DATA="trim_loops:--trim-loops;last:--train-turns last")]
+    prepares = [args for args in again if "prepare" in args]
+    assert len(prepares) == 1 and prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-last")
+    assert prepares[0][prepares[0].index("--train-turns") + 1] == "last"  # an entry's flags, split into words
 
 
 def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathlib.Path) -> None:
