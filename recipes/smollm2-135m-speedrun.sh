@@ -30,6 +30,9 @@
 #                   2.96 -> 3.15 at equal minutes (b628823). SELF_PROMPT_EXTRA: more self-prompt flags
 #   TRIM_LOOPS      1: prepare cuts answers the token cap stopped inside a verbatim loop to two copies of it
 #                   (`prepare --trim-loops`: 21 % of the 839ee3b run's answers, 24 % of its answer text); default 0
+#   STOP_LOOPS      1: regeneration ends an answer inside a verbatim loop (`regenerate --stop-loops`) instead of
+#                   decoding it to the cap: on the b628823 run's answers that is 30.6 % of the decoded tokens
+#                   (20.4k of 65.5k answers cut); default 0 until a speedrun measures it
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
 #                   SELF_PROMPTS took; training uses the finished shards (default 5)
@@ -70,6 +73,7 @@ CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
 SELF_PROMPTS=${SELF_PROMPTS:-20000}
 TRIM_LOOPS=${TRIM_LOOPS:-0}
+STOP_LOOPS=${STOP_LOOPS:-0}
 SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
@@ -96,6 +100,7 @@ LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 [[ "$ABLATION_EVAL_PROMPTS" =~ ^[0-9]+$ ]] || {
   echo "ABLATION_EVAL_PROMPTS must be a count of prompts (0 for none), not '$ABLATION_EVAL_PROMPTS'" >&2; exit 2; }
 [[ "$TRIM_LOOPS" == 0 || "$TRIM_LOOPS" == 1 ]] || { echo "TRIM_LOOPS must be 0 or 1, not '$TRIM_LOOPS'" >&2; exit 2; }
+[[ "$STOP_LOOPS" == 0 || "$STOP_LOOPS" == 1 ]] || { echo "STOP_LOOPS must be 0 or 1, not '$STOP_LOOPS'" >&2; exit 2; }
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
 (( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
@@ -158,15 +163,16 @@ on_every_gpu() {  # a command, run once per GPU as rank r of GPUS (LOCAL_RANK pi
 regen() {
   # Stopped by REGEN_MINUTES, the run is marked budget-spent: a later call of this stage does not continue
   # it, and prepare takes its finished shards.
-  local sampled=()
+  local sampled=() loops=()
   (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
+  [[ "$STOP_LOOPS" == 1 ]] && loops=(--stop-loops)
   [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" ]] && return 0
   # Whole conversations first, every round to the end (a conversation is only written with its last turn):
   # the target answers each user turn after its own earlier answers, as in MT-Bench's second turn.
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   [[ -z "$CHATS" ]] || on_every_gpu "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
     --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
-    --batch-size 4096 --decode-rows "$DECODE_ROWS" $REGEN_EXTRA --out "$OUT/regen-chat"
+    --batch-size 4096 --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen-chat"
   # The target's minutes of data are one budget: what writing SELF_PROMPTS took comes off regeneration's.
   local spent=0 budget
   [[ -f "$OUT/self_prompts.seconds" ]] && spent=$(< "$OUT/self_prompts.seconds")
@@ -174,7 +180,7 @@ regen() {
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   on_every_gpu timeout "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
-    --decode-rows "$DECODE_ROWS" "${sampled[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
+    --decode-rows "$DECODE_ROWS" "${sampled[@]}" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
     local code=$?
     [[ $code == 124 ]] || return $code
     echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES: training on its finished shards" >&2

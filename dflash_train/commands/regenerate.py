@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=positive_int, default=64, help="rows per output shard")
     parser.add_argument("--max-prompt-tokens", type=positive_int, default=2048, help="longer prompts are skipped")
     parser.add_argument("--keep-duplicates", action="store_true", help="do not drop repeated prompts")
+    parser.add_argument("--stop-loops", action="store_true",
+                        help="built-in back end: end an answer once its last tokens repeat one span of up to 64 tokens "
+                             "verbatim (3 copies, 64 tokens at least; finish_reason loop, unfinished like length), so "
+                             "its row takes the next prompt instead of decoding the loop to --max-new-tokens")
     parser.add_argument("--turns", type=_turns, default=1,
                         help="user turns answered per conversation, each after the target's own earlier answers: "
                              "N or all (default 1: the first turn)")
@@ -121,7 +125,9 @@ def _recorded(args: argparse.Namespace) -> dict[str, Any]:
     """The back end's settings recorded in the manifest (a resume must match them); top_p only when it
     filters, so that runs started before it existed still resume."""
     nucleus = {"top_p": args.top_p} if args.top_p < 1.0 else {}
-    return {"backend": "openai", **nucleus} if args.server_url else {"backend": "local", "dtype": args.dtype, **nucleus}
+    loops = {"stop_loops": True} if args.stop_loops else {}
+    return {"backend": "openai", **nucleus} if args.server_url else {"backend": "local", "dtype": args.dtype,
+                                                                     **nucleus, **loops}
 
 
 def _backend(args: argparse.Namespace, tokenizer: object) -> LocalBackend | OpenAIBackend:
@@ -136,7 +142,8 @@ def _backend(args: argparse.Namespace, tokenizer: object) -> LocalBackend | Open
 def _runtime_config(args: argparse.Namespace, target: TargetModel) -> EngineConfig:
     """The runtime's settings: no drafter, caches long enough for the longest prompt kept and its answer."""
     rows = args.decode_rows or (256 if target.device.type == "cuda" else args.batch_size)
-    return generation_config(args, target, rows, args.max_prompt_tokens + args.max_new_tokens + 1)
+    return generation_config(args, target, rows, args.max_prompt_tokens + args.max_new_tokens + 1,
+                             stop_loops=args.stop_loops)
 
 
 def _claim_out(out: Path, chat: ChatTokenizer, config: RegenerateConfig, overwrite: bool) -> None:
@@ -196,6 +203,8 @@ def reporting_stops(work: Callable[[], int], out: Path, rank: int, world: int, s
 
 def run(args: argparse.Namespace) -> int:
     started = time.time()  # model load, compile and planning count in the overall rate
+    if args.stop_loops and args.server_url:  # before any model or tokenizer loads
+        raise ValueError("--stop-loops works in the built-in back end only: leave it out with --server-url")
     rank, world = rank_and_world(args.rank, args.world_size)
     tokenizer = load_target_tokenizer(args.target)
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)

@@ -149,11 +149,14 @@ def add_runtime_arguments(parser: argparse.ArgumentParser, decode_rows_help: str
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default="layer", help=f"{prefix}{COMPILE_SCOPE_HELP}")
 
 
-def generation_config(args: argparse.Namespace, target: TargetModel, rows: int, max_length: int) -> EngineConfig:
+def generation_config(args: argparse.Namespace, target: TargetModel, rows: int, max_length: int,
+                      stop_loops: bool = False) -> EngineConfig:
     """The runtime's settings for generating without a drafter, from `add_runtime_arguments`' flags and the
-    command's --max-new-tokens, --temperature and --top-p: `rows` decoded at once, caches of `max_length`."""
+    command's --max-new-tokens, --temperature and --top-p: `rows` decoded at once, caches of `max_length`,
+    rows ended inside a verbatim loop with `stop_loops`."""
     return EngineConfig(batch_size=rows, block_size=1, max_new_tokens=args.max_new_tokens, max_length=max_length,
                         temperature=args.temperature, top_p=args.top_p,
                         stop_token_ids=tuple(stop_token_ids(target.tokenizer, target.model.generation_config)),
                         kernels=args.kernels, cuda_graphs=not args.no_cuda_graphs,
-                        compile=False if args.no_compile else None, compile_scope=args.compile_scope)
+                        compile=False if args.no_compile else None, compile_scope=args.compile_scope,
+                        stop_loops=stop_loops)

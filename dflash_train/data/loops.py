@@ -4,8 +4,8 @@ A small target that runs into its token cap often repeats one phrase to the end:
 86,016 regenerated answers, 18,385 (21 %) stopped at the 512-token cap inside such a loop, and cutting them
 removes 24 % of all answer text. Every repetition costs
 training compute and teaches the drafter nothing the first two do not (copying the period), and it crowds
-the drafter's supervised positions with the easiest text there is. Only answers the cap stopped are cut: an
-answer the target ended itself is kept whole. The cut answer stays unfinished (no end-of-turn supervised).
+the drafter's supervised positions with the easiest text there is. Only answers the cap stopped (or
+regeneration's --stop-loops ended) are cut: an answer the target ended itself is kept whole. The cut answer stays unfinished (no end-of-turn supervised).
 
 A tail loop is the shortest period p <= MAX_PERIOD whose copies, read back from the end, repeat at least
 MIN_REPEATS times (a period whose text ends mid-copy is a rotation of itself, so a cap that cut a copy short
@@ -14,6 +14,10 @@ still counts); the answer keeps its text up to the end of the loop's KEEP-th cop
 
 from __future__ import annotations
 
+# A regenerated row's finish_reason when the target did not end the answer itself: the token cap stopped it
+# ("length"), or regeneration's --stop-loops ended it inside a verbatim loop ("loop"). Such an answer is
+# trained as unfinished (no end of turn supervised) and is what --trim-loops may cut.
+UNFINISHED = ("length", "loop")
 MAX_PERIOD = 120  # characters: a repeated line or sentence, not a repeated paragraph
 MIN_REPEATS = 3
 KEEP = 2

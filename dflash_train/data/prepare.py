@@ -35,7 +35,7 @@ from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, mar
 from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
 from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
 from dflash_train.data.decontaminate import EvalIndex, project_eval_index
-from dflash_train.data.loops import trim_tail_loop
+from dflash_train.data.loops import UNFINISHED, trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import DataReport
 from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
@@ -168,13 +168,13 @@ def tokenize_record(chat: ChatTokenizer, config: PrepareConfig, evals: EvalIndex
                     messages: list[Message], finish_reason: str | None) -> Outcome:
     if evals is not None and evals.overlaps(messages):
         return Outcome(EVAL_OVERLAP)
-    trimmed = False
-    if config.trim_loops and finish_reason == "length" and messages and messages[-1]["role"] == "assistant":
+    trimmed, unfinished = False, finish_reason in UNFINISHED  # cut at the cap, or ended inside a loop
+    if config.trim_loops and unfinished and messages and messages[-1]["role"] == "assistant":
         content = trim_tail_loop(messages[-1]["content"])
         trimmed = content != messages[-1]["content"]
         messages = [*messages[:-1], {**messages[-1], "content": content}]
     try:
-        conversation = chat.tokenize(messages, config.train_turns, finish_reason == "length")
+        conversation = chat.tokenize(messages, config.train_turns, unfinished)
     except BadRecord as bad:
         return Outcome(bad.reason)
     samples = [fit_length(sample, config.max_length) for sample in conversation.samples]

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from dflash_train.data.loops import UNFINISHED
 from dflash_train.data.records import BadRecord, Message
 from dflash_train.data.shards import regenerated_files
 
@@ -90,8 +91,8 @@ def continue_conversations(chat: ChatTokenizer, max_prompt_tokens: int, first: l
         if answered != turn - 1 or len(start.later_turns) < turn - 1:
             rows.append(carried)  # stopped earlier, or no turn left
             continue
-        if before["finish_reason"] == "length" or not before["messages"][-1]["content"].strip():
-            why = "cut at the length limit" if before["finish_reason"] == "length" else "empty"
+        if before["finish_reason"] in UNFINISHED or not before["messages"][-1]["content"].strip():
+            why = {"length": "cut at the length limit", "loop": "ended in a loop"}.get(before["finish_reason"], "empty")
             report.totals[f"turn {turn}: not asked, previous answer {why}"] += 1
             rows.append(carried)
             continue

@@ -54,6 +54,7 @@ import torch
 from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference, greedy_verify_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import EngineConfig, resolve_kernels
+from dflash_train.runtime.loops import LoopDetector
 from dflash_train.runtime.sampling import (
     probabilities,
     request_seed,
@@ -132,8 +133,9 @@ class DecodeEngine:
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
                                      config.draft_attention) if uses_draft and not self.refuse_drafts else None
+        loops = LoopDetector(self.device) if config.stop_loops else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
-                                 list(config.stop_token_ids), self.device)
+                                 list(config.stop_token_ids), self.device, loops)
         self.offsets = torch.arange(self.block_size, device=self.device)[None]
         mask_id = draft.config.mask_token_id if uses_draft else 0
         self.mask_block = torch.full((config.batch_size, self.block_size), mask_id, device=self.device)

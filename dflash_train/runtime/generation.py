@@ -27,7 +27,7 @@ from dflash_train.target import TargetModel
 @dataclass
 class Generated:
     token_ids: list[int]  # the response, without its stop token
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length" or "loop" (EngineConfig.stop_loops)
 
 
 def generated(output: RequestOutput) -> Generated:

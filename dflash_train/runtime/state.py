@@ -3,8 +3,9 @@
 Row r holds one request: `start[r]` is the position of its last committed token (the next block's anchor,
 not yet seen by the target), `out[r, :n_out[r]]` its generated tokens, `accept_log[r, :n_cycles[r]]` the
 a+1 of each of its cycles, `keys[r]` the key of its seeded draws, `stopped[r]` whether a stop token ended
-it. A row that is `done` (finished, or idle) is carried through every cycle unchanged, so the batch keeps
-a static shape.
+it, `looped[r]` whether it was ended inside a verbatim loop (with a `LoopDetector`, regeneration's
+`--stop-loops`). A row that is `done` (finished, or idle) is carried through every cycle unchanged, so the
+batch keeps a static shape.
 """
 
 from __future__ import annotations
@@ -14,18 +15,20 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.runtime.loops import LoopDetector
+
 
 @dataclass
 class RequestOutput:
     tokens: list[int]  # the generated tokens, a final stop token included
     acceptance_lengths: list[int]
     num_prompt_tokens: int
-    finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did
+    finish_reason: str = "length"  # "stop": a stop token ended it; "length": max_new_tokens did; "loop": a loop
 
 
 class DecodeState:
     def __init__(self, batch_size: int, block_size: int, max_new_tokens: int, stop_token_ids: list[int],
-                 device: torch.device) -> None:
+                 device: torch.device, loops: LoopDetector | None = None) -> None:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
@@ -40,6 +43,8 @@ class DecodeState:
         self.block = zeros(batch_size, block_size)  # the block of the current cycle
         self.done = torch.ones(batch_size, dtype=torch.bool, device=device)  # rows start idle
         self.stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        self.looped = torch.zeros(batch_size, dtype=torch.bool, device=device)
+        self.loops = loops
         self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         self.slots = torch.arange(block_size, device=device)
 
@@ -58,6 +63,7 @@ class DecodeState:
         self.keys[row_index] = keys
         stopped = self._is_stop(first_tokens)
         self.stopped[row_index] = stopped
+        self.looped[row_index] = False
         self.done[row_index] = stopped | (self.max_new_tokens <= 1)
 
     def advance(self, accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
@@ -80,14 +86,20 @@ class DecodeState:
         self.last_token.copy_(torch.where(active, bonus, self.last_token))
         # A stop token past max_new_tokens does not count: the output is cut before it.
         self.stopped |= active & hit & (self.n_out <= self.max_new_tokens)
-        self.done |= active & (hit | (self.n_out >= self.max_new_tokens))
+        finished = active & (hit | (self.n_out >= self.max_new_tokens))
+        if self.loops is not None:  # still running, but repeating itself: ended here
+            self.looped |= active & ~finished & self.loops(self.out, self.n_out)
+            finished |= self.looped
+        self.done |= finished
 
     def harvest(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> list[RequestOutput]:
         """The outputs of finished rows, read back in one transfer per tensor."""
         index = torch.tensor(list(rows), dtype=torch.long, device=self.out.device)
         n_out = self.n_out[index].clamp(max=self.max_new_tokens).tolist()
         n_cycles, stopped = self.n_cycles[index].tolist(), self.stopped[index].tolist()
+        looped = self.looped[index].tolist()
         out, log = self.out[index].tolist(), self.accept_log[index].tolist()
+        reasons = ["stop" if stop else "loop" if loop else "length" for stop, loop in zip(stopped, looped, strict=True)]
         return [RequestOutput(tokens=out[i][: n_out[i]], acceptance_lengths=log[i][: n_cycles[i]],
-                              num_prompt_tokens=length, finish_reason="stop" if stopped[i] else "length")
+                              num_prompt_tokens=length, finish_reason=reasons[i])
                 for i, length in enumerate(prompt_lengths)]

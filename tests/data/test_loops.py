@@ -33,18 +33,19 @@ def test_a_period_longer_than_the_limit_is_no_loop() -> None:
     assert trim_tail_loop("head " + paragraph * 4) == "head " + paragraph * 4
 
 
-def rows(path: Path, loop: str) -> Path:
+def rows(path: Path, loop: str, unfinished: str = "length") -> Path:
     def row(answer: str, finish: str) -> dict:
         return {"messages": [{"role": "user", "content": "what is the capital of france ?"},
                              {"role": "assistant", "content": answer}], "finish_reason": finish}
-    records = [row("paris is the capital ." + loop, "length"), row("paris is the capital ." + loop, "stop")]
+    records = [row("paris is the capital ." + loop, unfinished), row("paris is the capital ." + loop, "stop")]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     return path
 
 
-def test_prepare_cuts_only_answers_the_cap_stopped(tmp_path: Path) -> None:
+@pytest.mark.parametrize("unfinished", ["length", "loop"])  # the token cap, or regenerate --stop-loops
+def test_prepare_cuts_only_answers_the_target_did_not_end(tmp_path: Path, unfinished: str) -> None:
     tokenizer = make_tiny_tokenizer()
-    source = rows(tmp_path / "in.jsonl", " yes no ." * 12)
+    source = rows(tmp_path / "in.jsonl", " yes no ." * 12, unfinished)
     config = PrepareConfig([CorpusSpec(str(source))], max_length=256, block_size=4, target_name="tiny")
     plain = prepare(tokenizer, config, tmp_path / "plain")
     trimmed = prepare(tokenizer, PrepareConfig(**{**config.__dict__, "trim_loops": True}), tmp_path / "trimmed")

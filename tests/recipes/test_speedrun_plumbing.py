@@ -191,3 +191,18 @@ def test_trim_loops_reaches_prepare(tmp_path: pathlib.Path) -> None:
                           env={**os.environ, "OUT": str(tmp_path / "bad"), "TRIM_LOOPS": "yes"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "TRIM_LOOPS must be 0 or 1, not 'yes'" in done.stderr
+
+
+def test_stop_loops_reaches_every_regeneration(tmp_path: pathlib.Path) -> None:
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("")
+    regen = [c.split() for c in run_stage("regenerate", tmp_path, STOP_LOOPS="1", CHATS=f"{chats}=1")
+             if "cli regenerate" in c]
+    assert len(regen) == 2 and all("--stop-loops" in args for args in regen)  # whole chats, then prompts
+    (tmp_path / "run" / "regen.budget-spent").unlink(missing_ok=True)
+    regen = [c.split() for c in run_stage("regenerate", tmp_path) if "cli regenerate" in c]
+    assert regen and not any("--stop-loops" in args for args in regen)
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "regenerate"], cwd=REPO,
+                          env={**os.environ, "OUT": str(tmp_path / "bad"), "STOP_LOOPS": "on"},
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "STOP_LOOPS must be 0 or 1, not 'on'" in done.stderr
