@@ -89,3 +89,24 @@ def test_regeneration_ends_a_row_where_its_full_answer_first_loops(loopy_target)
         assert got == expected
         reasons.append(got.finish_reason)
     assert "loop" in reasons  # a random tiny model falls into loops: the test is not vacuous
+
+
+@pytest.mark.gpu
+def test_loop_stopping_inside_the_captured_compiled_step() -> None:
+    """On CUDA the check runs inside the CUDA graph of a compiled regeneration step: each row ends where the
+    same loop without the check first ends in a loop (same batch and shapes, so the same kernels)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target = make_tiny_target("llama", num_layers=2)
+    target.model.cuda()
+    g = torch.Generator().manual_seed(1)
+    batch = [torch.randint(7, 256, (n,), generator=g).tolist() for n in (3, 9, 5, 12, 2, 7)]
+    config = EngineConfig(batch_size=3, block_size=1, max_new_tokens=240, max_length=260)
+    full = Generator(target, config).generate(batch, list(range(len(batch))))
+    generator = Generator(target, replace(config, stop_loops=True))
+    stopping = generator.generate(batch, list(range(len(batch))))
+    assert generator.engine.uses_cuda_graph and generator.engine.uses_compile
+    for got, whole in zip(stopping, full, strict=True):
+        first = next((n for n in range(1, len(whole.token_ids) + 1) if ends_in_loop(whole.token_ids[:n])), None)
+        assert got == (whole if first is None else Generated(whole.token_ids[:first], "loop"))
+    assert "loop" in {o.finish_reason for o in stopping}
