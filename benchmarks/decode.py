@@ -25,7 +25,9 @@ same run (CUDA events, median):
   layer's last residual add in the layer itself (`undeferred_residual`) instead of in the next layer's norm
   (`FusedLayer.deferred`); the cycle with the
   drafter's block attention on SDPA over its whole cache (`sdpa_draft_attention`, the drafter's own forward)
-  instead of the split-key kernel (`dflash_train/runtime/draft_layer.py`); and, opt-in
+  instead of the split-key kernel (`dflash_train/runtime/draft_layer.py`); the cycle with the rows' state
+  update as ~30 small PyTorch ops (`torch_state_update`) instead of one kernel
+  (`dflash_train.kernels.decode_state`); and, opt-in
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
   logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
@@ -39,7 +41,7 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  skinny_matmul, sdpa_draft_attention, hf
+  skinny_matmul, sdpa_draft_attention, torch_state_update, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -472,7 +474,8 @@ ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cy
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
 OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
-ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"}}
+ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
+                    "torch_state_update": {"fuse_state_update": False}}
 VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, *OPT_INS, *ENGINE_ABLATIONS, "hf")  # hf: the Hugging Face step, for reference
 
 
@@ -575,6 +578,7 @@ def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
         result[f"{key}_compile_error"] = engine.compile_error
     if engine.drafter is not None:  # what the drafter's block attention ran on: kernel or sdpa
         result[f"{key}_draft_attention"] = engine.drafter.attention
+    result[f"{key}_fused_state_update"] = engine.state.fused
     if variant == "default":
         result[f"{key}_cuda_graph"], result[f"{key}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
         result[f"{key}_attention"], result[f"{key}_prologue"] = engine.runner.attention, engine.runner.prologue
@@ -610,7 +614,8 @@ def ablation(bench: Qwen3Bench, label: str) -> None:
 
 
 def engine_ablation_applies(runner: StaticTarget) -> bool:
-    """The drafter's attention is a choice only with the Triton kernels (else both settings run SDPA)."""
+    """The drafter's attention and the fused state update are choices only with the Triton kernels (else both
+    settings of either run the PyTorch path)."""
     return runner.kernels == "triton"
 
 
@@ -620,6 +625,7 @@ def engine_ablation(bench: Qwen3Bench, label: str) -> None:
     bench.measure(f"dflash_cycle_{label}", engine)
     bench.result[f"dflash_cycle_{label}_compile_error"] = engine.compile_error
     bench.result[f"dflash_cycle_{label}_draft_attention"] = engine.drafter.attention
+    bench.result[f"dflash_cycle_{label}_fused_state_update"] = engine.state.fused
     del engine
     gc.collect()
     bench.checkpoint()
@@ -651,6 +657,9 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     # what the drafter's block attention on the split-key kernel saves per cycle (both compiled per layer)
     differences["cycle_ms_saved_by_draft_attention_kernel"] = ("dflash_cycle_sdpa_draft_attention_ms",
                                                                "dflash_cycle_layer_scope_ms")
+    # what the rows' state update as one kernel saves per cycle, against ~30 small PyTorch ops
+    differences["cycle_ms_saved_by_fused_state_update"] = ("dflash_cycle_torch_state_update_ms",
+                                                           "dflash_cycle_layer_scope_ms")
     return out | {key: result[a] - result[b] for key, (a, b) in differences.items() if a in result and b in result}
 
 
@@ -784,6 +793,7 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
               ("cycle, skinny matmul", "dflash_cycle_skinny_matmul_ms", "orange"),
               ("cycle, drafter on SDPA", "dflash_cycle_sdpa_draft_attention_ms", "olive"),
+              ("cycle, state update unfused", "dflash_cycle_torch_state_update_ms", "darkkhaki"),
               ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),
               ("cycle, eager", "dflash_cycle_eager_ms", "palegreen"))
 

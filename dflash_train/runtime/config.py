@@ -46,6 +46,9 @@ class EngineConfig:
     # cache and attended by the split-key kernel (runtime/draft_layer.py); "sdpa", the drafter's own forward,
     # SDPA over its whole cache (the reference, and the benchmark's ablation).
     draft_attention: Literal["kernel", "sdpa"] = "kernel"
+    # With kernels "triton": the rows' state update after each cycle as one kernel (kernels/decode_state.py)
+    # instead of ~30 small PyTorch ops (the benchmark's ablation turns it off).
+    fuse_state_update: bool = True
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.

@@ -135,7 +135,8 @@ class DecodeEngine:
                                      config.draft_attention) if uses_draft and not self.refuse_drafts else None
         loops = LoopDetector(self.device) if config.stop_loops else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
-                                 list(config.stop_token_ids), self.device, loops)
+                                 list(config.stop_token_ids), self.device, loops,
+                                 fused=self.kernels == "triton" and config.fuse_state_update)
         self.offsets = torch.arange(self.block_size, device=self.device)[None]
         mask_id = draft.config.mask_token_id if uses_draft else 0
         self.mask_block = torch.full((config.batch_size, self.block_size), mask_id, device=self.device)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.kernels.decode_state import advance_triton
 from dflash_train.runtime.loops import LoopDetector
 
 
@@ -28,7 +29,7 @@ class RequestOutput:
 
 class DecodeState:
     def __init__(self, batch_size: int, block_size: int, max_new_tokens: int, stop_token_ids: list[int],
-                 device: torch.device, loops: LoopDetector | None = None) -> None:
+                 device: torch.device, loops: LoopDetector | None = None, fused: bool = False) -> None:
         def zeros(*shape: int) -> torch.Tensor:
             return torch.zeros(shape, dtype=torch.long, device=device)
 
@@ -45,6 +46,7 @@ class DecodeState:
         self.stopped = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.looped = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.loops = loops
+        self.fused = fused  # advance as one Triton kernel (kernels/decode_state.py) instead of ~30 small ops
         self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
         self.slots = torch.arange(block_size, device=device)
 
@@ -68,6 +70,18 @@ class DecodeState:
 
     def advance(self, accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
         """After a cycle committed accept_len [b] tokens into `out` (the last being bonus [b])."""
+        active = ~self.done if self.loops is not None else None  # rows this cycle ran
+        if self.fused:
+            advance_triton(self.out, self.n_out, accept_len, bonus, self.done, self.stopped, self.start,
+                           self.last_token, self.n_cycles, self.accept_log, self.stop_ids, self.slots.shape[0],
+                           self.max_new_tokens)
+        else:
+            self._advance(accept_len, bonus)
+        if active is not None:  # still running, but repeating itself: ended here
+            self.looped |= active & ~self.done & self.loops(self.out, self.n_out)
+            self.done |= self.looped
+
+    def _advance(self, accept_len: torch.Tensor, bonus: torch.Tensor) -> None:
         width = self.slots.shape[0]
         sink = self.out.shape[1] - 1
         index = (self.n_out[:, None] + self.slots).clamp(max=sink)
@@ -86,11 +100,7 @@ class DecodeState:
         self.last_token.copy_(torch.where(active, bonus, self.last_token))
         # A stop token past max_new_tokens does not count: the output is cut before it.
         self.stopped |= active & hit & (self.n_out <= self.max_new_tokens)
-        finished = active & (hit | (self.n_out >= self.max_new_tokens))
-        if self.loops is not None:  # still running, but repeating itself: ended here
-            self.looped |= active & ~finished & self.loops(self.out, self.n_out)
-            finished |= self.looped
-        self.done |= finished
+        self.done |= active & (hit | (self.n_out >= self.max_new_tokens))
 
     def harvest(self, rows: Sequence[int], prompt_lengths: Sequence[int]) -> list[RequestOutput]:
         """The outputs of finished rows, read back in one transfer per tensor."""

@@ -66,3 +66,18 @@ def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(tmp_path: Pat
     assert "target_step_sdpa_draft_attention_ms" not in qwen  # the cycle only
     assert qwen["cycle_ms_saved_by_draft_attention_kernel"] == pytest.approx(
         qwen["dflash_cycle_sdpa_draft_attention_ms"] - qwen["dflash_cycle_layer_scope_ms"])
+
+
+def test_the_state_update_ablation_measures_the_cycle_unfused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forced on a CPU (where the update is never fused): the cycle's figures under their own key, whether the
+    update ran fused, and the difference against the layer-scope cycle."""
+    assert "torch_state_update" in VARIANTS
+    monkeypatch.setattr(decode, "engine_ablation_applies", lambda runner: True)
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "layer_scope,torch_state_update", "--out", str(out)])
+    qwen = json.loads(out.read_text())["qwen3_8b"]
+    assert qwen["dflash_cycle_torch_state_update_ms"] > 0
+    assert qwen["dflash_cycle_torch_state_update_fused_state_update"] is False
+    assert qwen["dflash_cycle_layer_scope_fused_state_update"] is False  # a CPU runner has no Triton kernels
+    assert qwen["cycle_ms_saved_by_fused_state_update"] == pytest.approx(
+        qwen["dflash_cycle_torch_state_update_ms"] - qwen["dflash_cycle_layer_scope_ms"])
