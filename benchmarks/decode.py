@@ -125,11 +125,13 @@ def weight_bytes_per_step(target: TargetModel) -> int:
 
 def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int,
                    setup: dict[str, float] | None = None) -> float:
-    """One replayed cycle of `engine` with one request in flight at the prompt's end; `setup["seconds"]`
-    gets the wall time to the end of the first cycle (compilation and graph capture included)."""
+    """One replayed cycle of `engine` with a request in flight at the prompt's end in each of its rows;
+    `setup["seconds"]` gets the wall time to the end of the first cycle (compilation and graph capture
+    included)."""
     start = time.perf_counter()
     engine.prepare()
-    engine.prefill([0], [prompt])
+    rows = engine.config.batch_size
+    engine.prefill(list(range(rows)), [prompt] * rows)
     engine.step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)
@@ -509,8 +511,9 @@ class Qwen3Bench:
     def engine(self, loop: str, runner: StaticTarget, compiled: bool = True, **options: Any) -> DecodeEngine:
         """The target-step (one token) or DFlash-cycle (a block of 16) engine of `loop`."""
         draft, block = (None, 1) if loop == "target_step" else (self.draft, 16)
-        config = EngineConfig(block_size=block, max_new_tokens=self.new_tokens, max_length=self.length,
-                              compile=compiled and self.device.type == "cuda", **options)  # CPU: no compiler wait
+        config = EngineConfig(batch_size=self.args.batch, block_size=block, max_new_tokens=self.new_tokens,
+                              max_length=self.length, compile=compiled and self.device.type == "cuda",
+                              **options)  # CPU: no compiler wait
         return DecodeEngine(self.target, draft, config, runner=runner)
 
     def measure(self, key: str, engine: DecodeEngine) -> None:
@@ -541,11 +544,12 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     context = args.context or (64 if args.tiny else 1024)
     prompt = torch.randint(0, shape["vocab_size"], (context,), generator=torch.Generator().manual_seed(0)).tolist()
     length = -(-(context + new_tokens(args) + 32) // 256) * 256
-    runner = StaticTarget(target, 1, length, kernels=resolve_kernels("auto", device))
+    runner = StaticTarget(target, args.batch, length, kernels=resolve_kernels("auto", device))
     weight_bytes = weight_bytes_per_step(target)
     key = RESULT_KEYS[args.shape]
     result = output.results[key] = {
-        "shape_name": args.shape, "shape": shape, "context": context, "draft_layers": draft.config.num_hidden_layers,
+        "shape_name": args.shape, "shape": shape, "context": context, "batch": args.batch,
+        "draft_layers": draft.config.num_hidden_layers,
         "variants": list(args.variants), "weight_bytes_per_step": weight_bytes,
         "floor_ms": weight_bytes / COPY_BANDWIDTH * 1e3, "attention": runner.attention, "prologue": runner.prologue}
     bench = Qwen3Bench(args, device, target, draft, runner, prompt, length, output, key)
@@ -560,7 +564,7 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
     if args.compile_variants:
         result |= compile_variants(target, runner, prompt, bench.new_tokens, length, device, args)
         bench.checkpoint()
-    if "hf" in args.variants:
+    if "hf" in args.variants and args.batch == 1:  # the Hugging Face step is timed at batch 1 only
         result["hf_step_ms"] = hf_step_ms(target, prompt, args.warmup, args.iters)
         bench.checkpoint()
     if device.type == "cuda" and args.shape == "qwen3-8b":  # the kernels' micro-benchmarks are at Qwen3-8B heads
@@ -598,7 +602,7 @@ def ablation_applies(label: str, runner: StaticTarget) -> bool:
 
 def ablation(bench: Qwen3Bench, label: str) -> None:
     options, loops = {**ABLATIONS, **OPT_INS}[label]
-    runner = StaticTarget(bench.target, 1, bench.length, **{"kernels": bench.runner.kernels, **options})
+    runner = StaticTarget(bench.target, bench.args.batch, bench.length, **{"kernels": bench.runner.kernels, **options})
     for loop in loops:
         engine = bench.engine(loop, runner)
         bench.measure(f"{loop}_{label}", engine)
@@ -821,6 +825,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--context", type=int, default=None, help="qwen3-8b context (default 1024)")
+    parser.add_argument("--batch", type=int, default=1,
+                        help="random section: rows decoded at once, each at --context (default 1: the floor is the "
+                             "weights' read; at a large batch the K/V reads dominate, e.g. --shape smollm2 --batch 512 "
+                             "--context 512 --variants layer_scope --profile, regeneration's step)")
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--variants", default=",".join(VARIANTS),

@@ -84,6 +84,20 @@ def test_decode_benchmark_measures_only_the_chosen_variants(tmp_path: Path) -> N
     assert not [key for key in qwen if any(part in key for part in skipped)]
 
 
+def test_a_batch_of_rows_is_decoded_and_recorded(tmp_path: Path) -> None:
+    """--batch: every row of the step holds a request at the context's end, and the batch is recorded."""
+    out = tmp_path / "decode.json"
+    main([*TINY_QWEN3, "--variants", "layer_scope,hf", "--batch", "4", "--out", str(out)])
+    qwen = json.loads(out.read_text())["qwen3_8b"]
+    assert qwen["batch"] == 4 and qwen["target_step_layer_scope_ms"] > 0 and qwen["dflash_cycle_layer_scope_ms"] > 0
+    assert "hf_step_ms" not in qwen  # timed at batch 1 only
+    batch_matmuls = qwen["target_step_layer_scope_kernel_categories"]["matmul"]["launches"]
+    main([*TINY_QWEN3, "--variants", "layer_scope", "--out", str(out)])
+    single = json.loads(out.read_text())["qwen3_8b"]
+    assert single["batch"] == 1 and single["target_step_layer_scope_kernel_categories"]["matmul"]["launches"] == (
+        batch_matmuls)  # the same step, wider
+
+
 def test_decode_benchmark_refuses_an_unknown_variant_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit):
         main([*TINY_QWEN3, "--variants", "default,nope"])
