@@ -47,7 +47,8 @@ class DecodeState:
         self.looped = torch.zeros(batch_size, dtype=torch.bool, device=device)
         self.loops = loops
         self.fused = fused  # advance as one Triton kernel (kernels/decode_state.py) instead of ~30 small ops
-        self.stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=device)
+        # [-1] when there are none: no token matches it, and a kernel never gets an empty (null) pointer
+        self.stop_ids = torch.tensor(list(stop_token_ids) or [-1], dtype=torch.long, device=device)
         self.slots = torch.arange(block_size, device=device)
 
     def _is_stop(self, tokens: torch.Tensor) -> torch.Tensor:
