@@ -87,8 +87,18 @@ def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
     return 2 * n**3 / (ms * 1e-3) / 1e12
 
 
-def write_result(name: str, payload: dict[str, Any]) -> pathlib.Path:
-    directory = pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR))
+def results_directory(smoke: bool = False) -> pathlib.Path:
+    """Where a benchmark writes its JSON: $DFLASH_BENCH_RESULTS if set, else benchmarks/results/, or for a
+    smoke run (--tiny, --quick) its git-ignored smoke/ folder, so a check of a script on a CPU never replaces
+    the figures measured on a GPU."""
+    chosen = os.environ.get("DFLASH_BENCH_RESULTS")
+    if chosen:
+        return pathlib.Path(chosen)
+    return RESULTS_DIR / "smoke" if smoke else RESULTS_DIR
+
+
+def write_result(name: str, payload: dict[str, Any], smoke: bool = False) -> pathlib.Path:
+    directory = results_directory(smoke)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
     path.write_text(json.dumps({**stamp(), **payload}, indent=2) + "\n")

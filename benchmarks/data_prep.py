@@ -207,7 +207,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     print_table(results, title)
     payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "workload": title, "cores": cores, "load_average": load, "results": results}
-    path = write_result("data_prep", payload)
+    path = write_result("data_prep", payload, smoke=args.quick)
     print(f"wrote {path}")
     return payload
 

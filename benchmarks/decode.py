@@ -73,7 +73,6 @@ import functools
 import gc
 import json
 import math
-import os
 import pathlib
 import re
 import time
@@ -83,7 +82,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, median, stamp, time_calls
+from benchmarks.common import median, results_directory, stamp, time_calls
 from benchmarks.shapes import SHAPES, TINY_QWEN3, random_target
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.config import resolve_kernels
@@ -886,7 +885,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     dtype = {"bf16": torch.bfloat16, "float32": torch.float32}[args.dtype or ("bf16" if device.type == "cuda"
                                                                              else "float32")]
     # DFLASH_BENCH_RESULTS moves the default folder, as for `benchmarks.common.write_result`.
-    path = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR)) / "decode.json")
+    path = pathlib.Path(args.out or results_directory(smoke=args.tiny) / "decode.json")
     output = Output(path, {"tiny": args.tiny, "complete": False})
     if args.section in ("all", "qwen3-8b", "random"):
         section_qwen3(args, device, dtype, output)

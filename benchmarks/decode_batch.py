@@ -46,7 +46,6 @@ import argparse
 import gc
 import json
 import math
-import os
 import pathlib
 import time
 from collections.abc import Sequence
@@ -55,7 +54,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, stamp
+from benchmarks.common import results_directory, stamp
 from benchmarks.decode import random_draft, time_ms
 from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
@@ -472,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         context=args.context, warmup=args.warmup, iters=args.iters, compile=args.compile,
                         acceptance=Acceptance.parse(args.acceptance, 16), quick=args.quick,
                         compile_scope=args.compile_scope)
-    out = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR)) / "decode_batch.json")
+    out = pathlib.Path(args.out or results_directory(smoke=args.quick) / "decode_batch.json")
     results = run(args, settings, out)
     plot(results, out.with_suffix(".png"))
     print("\n".join(results["table"]))

@@ -255,7 +255,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     goal, line = verdict(results, bool(args.random_shape))
     payload = {"config": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
                "workload": title, "goal": goal, "verdict": line, "results": results}
-    path = write_result(f"regenerate-{args.random_shape}" if args.random_shape else "regenerate", payload)
+    path = write_result(f"regenerate-{args.random_shape}" if args.random_shape else "regenerate", payload,
+                        smoke=args.quick)
     print(f"wrote {path}\n{line}")
     return payload
 

@@ -246,7 +246,8 @@ def main(argv: list[str] | None = None) -> None:
         # Written after every variant: a run cut short by a time limit keeps what it measured.
         path = write_result("train_packing", {"config": {k: str(v) for k, v in vars(args).items()},
                                               "results": results,
-                                              "goal": ">= 4x the padded path's chat-passes per minute"})
+                                              "goal": ">= 4x the padded path's chat-passes per minute"},
+                            smoke=args.tiny)
     if path is None:
         raise SystemExit("train_packing: no variant finished (their errors are above)")
     print(f"wrote {path}")
