@@ -35,6 +35,7 @@ HUMANEVAL_FORMAT = "Write a solution to the following problem and make sure that
 class Conversation:
     turns: list[str]  # user turns, answered one after the other by the target
     prefix: list[dict[str, str]] = field(default_factory=list)  # fixed messages before the first turn
+    category: str | None = None  # the row's "category" where it has one (MT-Bench: writing, coding, ...)
 
 
 @dataclass
@@ -55,6 +56,13 @@ def conversation_from_row(row: Any) -> Conversation | None:
     """The conversation of one jsonl row, or None if the row has no usable prompt."""
     if not isinstance(row, dict):
         return None
+    conversation = _conversation(row)
+    if conversation is not None and isinstance(row.get("category"), str) and row["category"].strip():
+        conversation.category = row["category"].strip()
+    return conversation
+
+
+def _conversation(row: dict[str, Any]) -> Conversation | None:
     if "turns" in row:
         turns = row["turns"]
         ok = isinstance(turns, list) and turns and all(isinstance(t, str) and t.strip() for t in turns)

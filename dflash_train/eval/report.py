@@ -57,6 +57,8 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
                                  "each turn is a request",
             "acceptance_length_cycle_weighted": "mean a+1 over all cycles",
             "acceptance_length_by_turn": "acceptance_length of the requests of turn 1, 2, ... (a multi-turn set)",
+            "acceptance_length_by_category": "acceptance_length of the requests of each category the set's rows "
+                                             "name (MT-Bench: writing, roleplay, ...); null without categories",
             "histogram": "cycles with a+1 = 1..block_size",
             "per_slot_acceptance": "fraction of cycles whose draft slot k (1..B-1) was accepted",
             "per_slot_conditional_acceptance": "P(slot k accepted | slot k-1 accepted)",

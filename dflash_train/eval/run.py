@@ -276,6 +276,7 @@ class Evaluator:
             "skipped_too_long": too_long,
             **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
             "acceptance_length_by_turn": _tau_by_turn(done),
+            "acceptance_length_by_category": _tau_by_category(done, prompt_set),
             "lossless": (not mismatches) if checked else None,
             "lossless_requests": len(done) - len(mismatches) if checked else None,
             "mismatches": mismatches[:MAX_LISTED_MISMATCHES],
@@ -297,6 +298,18 @@ def _tau_by_turn(done: list[tuple[Request, RequestOutput | None, RequestOutput]]
     turns = max(request.turn for request, _, _ in done) + 1
     return [running_tau([out.acceptance_lengths for request, _, out in done if request.turn == turn])
             for turn in range(turns)]
+
+
+def _tau_by_category(done: list[tuple[Request, RequestOutput | None, RequestOutput]],
+                     prompt_set: PromptSet) -> dict[str, float | None] | None:
+    """τ of the requests of each category of the set (MT-Bench's eight), in the order they first appear;
+    None for a set whose rows name no category."""
+    categories = [prompt_set.conversations[request.conversation].category for request, _, _ in done]
+    if not any(categories):
+        return None
+    names = list(dict.fromkeys(name or "uncategorised" for name in categories))
+    return {name: running_tau([out.acceptance_lengths for (_, _, out), category in zip(done, categories, strict=True)
+                               if (category or "uncategorised") == name]) for name in names}
 
 
 def _mismatch(request: Request, reference: RequestOutput, drafted: RequestOutput) -> dict[str, int]:

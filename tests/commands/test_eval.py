@@ -18,6 +18,7 @@ DATASET_FIELDS = {
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
     "tokens_per_s_target_only", "speedup", "skipped", "teacher_forced_slot_accuracy",
     "teacher_forced_acceptance_length", "decode_seconds_lossless_check", "acceptance_length_by_turn",
+    "acceptance_length_by_category",
 }
 
 
@@ -63,7 +64,25 @@ def test_report_fields_figure_and_lossless(target_dir: Path, tmp_path: Path, cap
     assert mine["requests_with_cycles"] == 3 and len(mine["acceptance_length_by_turn"]) == 2
     first, second = mine["acceptance_length_by_turn"]
     assert mine["acceptance_length"] == pytest.approx((2 * first + second) / 3)
+    assert mine["acceptance_length_by_category"] is None  # its rows name no category
+    # MT-Bench's rows do: its first three conversations are writing prompts, every request among them
+    assert mt_bench["acceptance_length_by_category"] == {"writing": pytest.approx(mt_bench["acceptance_length"])}
     assert "mt-bench" in capsys.readouterr().out
+
+
+def test_tau_by_category_of_the_rows(target_dir: Path, tmp_path: Path) -> None:
+    """Rows naming a category get τ per category, in first-seen order; a row without one is "uncategorised";
+    τ over all requests is their request-weighted mean."""
+    prompts = tmp_path / "cats.jsonl"
+    prompts.write_text('{"prompt": "write a poem", "category": "writing"}\n{"prompt": "add 2 and 3", "category": "math"}\n'
+                       '{"prompt": "write a story", "category": "writing"}\n{"prompt": "hello"}\n')
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", str(prompts), "--no-plot") == 0
+    row = json.loads(out.read_text())["datasets"]["cats"]
+    by_category = row["acceptance_length_by_category"]
+    assert list(by_category) == ["writing", "math", "uncategorised"]
+    weighted = (2 * by_category["writing"] + by_category["math"] + by_category["uncategorised"]) / 4
+    assert row["acceptance_length"] == pytest.approx(weighted)
 
 
 def test_sampling_report_has_no_lossless_claim(target_dir: Path, tmp_path: Path) -> None:
