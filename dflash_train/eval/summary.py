@@ -47,6 +47,8 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "speedup": result.get("speedup"), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
                 "histogram": result.get("histogram"), "report": str(report_path),
+                "tau_by_turn": result.get("acceptance_length_by_turn"),
+                "tau_by_category": result.get("acceptance_length_by_category"),
             })
     return rows
 
@@ -102,6 +104,21 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """τ by turn (multi-turn sets) and by category (sets whose rows name one), a line per eval row."""
+    lines = []
+    for r in rows:
+        parts = []
+        if r.get("tau_by_turn") and len(r["tau_by_turn"]) > 1:
+            parts.append("by turn " + " / ".join("—" if t is None else f"{t:.2f}" for t in r["tau_by_turn"]))
+        if r.get("tau_by_category"):
+            parts.append("by category " + ", ".join(
+                f"{name} {'—' if t is None else f'{t:.2f}'}" for name, t in r["tau_by_category"].items()))
+        if parts:
+            lines.append(f"τ of {r['run']} ({r['dtype']}, batch {r['batch']}) on {r['dataset']}: " + "; ".join(parts))
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -117,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
     (run_dir / "summary.md").write_text(table)
     print(table, end="")
+    for line in breakdown_lines(rows):
+        print(line)
     return 0
 
 

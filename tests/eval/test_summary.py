@@ -50,3 +50,17 @@ def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None: 
     assert out.endswith((tmp_path / "summary.md").read_text())  # the table as before
     assert json.loads((tmp_path / "summary_regeneration.json").read_text())["regen"]["answers"] == 49152
     assert isinstance(json.loads((tmp_path / "summary.json").read_text()), list)
+
+
+def test_tau_by_turn_and_category_follow_the_table(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    mt_bench = {**result(3.15, True), "acceptance_length_by_turn": [2.75, 3.56],
+                "acceptance_length_by_category": {"writing": 3.1, "coding": None}}
+    one_turn = {**result(3.75, True), "acceptance_length_by_turn": [3.75], "acceptance_length_by_category": None}
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": mt_bench, "humaneval": one_turn})
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == ("τ of main (bfloat16, batch 1) on mt-bench: by turn 2.75 / 3.56; "
+                         "by category writing 3.10, coding —")
+    assert not [line for line in lines if "on humaneval:" in line]  # one turn, no categories: nothing to add
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert rows[0]["tau_by_turn"] == [2.75, 3.56] and rows[0]["tau_by_category"]["writing"] == 3.1
