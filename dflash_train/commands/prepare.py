@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trim-loops", action="store_true",
                         help="cut answers the token cap stopped inside a verbatim loop (a phrase repeated to the end) "
                              "to two copies of it: the rest costs training time and teaches nothing new")
+    parser.add_argument("--exclude-source", action="append", default=[], metavar="NAME",
+                        help="leave out records labelled with this source (repeatable), e.g. one source of a "
+                             "regenerated mix, without regenerating the others")
     parser.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
                         help="processes tokenising the rows (default: one per core, at most 16; 1 = this process "
                              f"alone; inputs under {PARALLEL_MIN_ROWS:,} rows always are); the output is the same")
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = load_target_tokenizer(args.target)
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
                            args.train_turns, args.target, decontaminate=not args.no_decontaminate,
-                           workers=args.workers, trim_loops=args.trim_loops)
+                           workers=args.workers, trim_loops=args.trim_loops,
+                           exclude_sources=tuple(args.exclude_source))
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0

@@ -35,6 +35,7 @@ from dflash_train.data.self_prompts import (
     Settings,
     is_self_prompt_file,
     self_prompts,
+    source_label,
     user_turn_prefix,
     write_rows,
 )
@@ -54,12 +55,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=positive_int, default=256,
                         help="a longer turn is dropped as unfinished")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--opening", default="",
+                        help="the start of every user turn, which the target continues: prompts of one kind in its "
+                             "own words, e.g. 'Here is a math word problem for you to solve:' (default: none)")
+    parser.add_argument("--label", default=None, metavar="NAME",
+                        help="label the rows self-prompts:NAME (default: self-prompts), a data source of their own")
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep prompts that share a word 13-gram with an eval set")
     add_runtime_arguments(parser, "rows decoded at once (default: 512 on a GPU, 16 on a CPU)")
 
 
 def _check_out(args: argparse.Namespace) -> None:
+    source_label(args.label)  # a bad label is refused before the target loads
     if args.temperature <= 0:
         raise ValueError(f"--temperature {args.temperature}: self-prompting samples; give a temperature > 0 "
                          "(greedy decoding writes one prompt)")
@@ -83,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
     tokenizer = target.tokenizer
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
-    prefix_ids = chat.encode_texts([user_turn_prefix(chat)])[0]
+    settings = Settings(args.num_prompts, args.seed, opening=args.opening, source=source_label(args.label))
+    prefix_ids = chat.encode_texts([user_turn_prefix(chat) + args.opening])[0]
     config = _engine_config(args, target, len(prefix_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)
     evals = None if args.no_decontaminate else project_eval_index()
@@ -92,8 +100,7 @@ def run(args: argparse.Namespace) -> int:
         def progress(kept: int, total: int) -> None:
             bar.update(kept - bar.n)
         rows = self_prompts(Generator(target, config, pad), lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
-                            prefix_ids, frozenset(tokenizer.all_special_ids), Settings(args.num_prompts, args.seed),
-                            evals, report, progress)
+                            prefix_ids, frozenset(tokenizer.all_special_ids), settings, evals, report, progress)
     write_rows(rows, args.out)
     left_out = ", ".join(f"{reason} {n:,}" for reason, n in sorted(report.dropped.items()))
     print(f"self-prompt: {len(rows):,} prompts kept of {report.read:,} drawn in {time.time() - started:.0f} s "

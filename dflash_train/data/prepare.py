@@ -37,7 +37,7 @@ from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
 from dflash_train.data.decontaminate import EvalIndex, project_eval_index
 from dflash_train.data.loops import UNFINISHED, trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
-from dflash_train.data.quality import DataReport
+from dflash_train.data.quality import EXCLUDED_SOURCE, DataReport
 from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
 from dflash_train.data.shards import REGEN_MANIFEST
 from dflash_train.outputs import PREPARED, claim, publish
@@ -59,6 +59,7 @@ class PrepareConfig:
     workers: int = 1  # processes tokenising the records (1: this one); the rows written are the same
     parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
     trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loops.py)
+    exclude_sources: tuple[str, ...] = ()  # records labelled with one of these sources are left out
 
     @property
     def min_supervised(self) -> int:
@@ -150,7 +151,12 @@ def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where,
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
-            yield (corpus, index, record_label(record, corpus, index)), (messages, record.get("finish_reason"))
+            label = record_label(record, corpus, index)
+            if label[0] in config.exclude_sources:  # counted as a drop here, never tokenised
+                report.count_source(label[0], EXCLUDED_SOURCE)
+                report.drop(EXCLUDED_SOURCE, corpus.location(index))
+                continue
+            yield (corpus, index, label), (messages, record.get("finish_reason"))
 
 
 @dataclass
@@ -377,4 +383,5 @@ def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict
         "min_supervised_tokens": config.min_supervised,
         "sources": [spec.source for spec in config.sources],
         **({"trim_loops": True} if config.trim_loops else {}),  # absent when off: earlier datasets still match
+        **({"exclude_sources": sorted(config.exclude_sources)} if config.exclude_sources else {}),
     }

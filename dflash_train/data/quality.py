@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SHOWN_LOCATIONS = 3  # per drop reason, in the summary
+EXCLUDED_SOURCE = "excluded_source"  # the drop reason of records whose source prepare --exclude-source names
+CHOSEN_DROPS = (EXCLUDED_SOURCE,)  # drops a flag asked for: counted, never warned about
 WARN_DROPPED_SHARE = 0.05  # a reason that drops more of the rows read gets a warning line in the summary
 
 # What to do about a reason that drops many rows (the summary's warning line says it).
@@ -79,6 +81,8 @@ class DataReport:
         template problem is easy to miss in the table's counts."""
         lines = []
         for reason, n in sorted(self.dropped.items()):
+            if reason in CHOSEN_DROPS:  # the user asked for these: no warning
+                continue
             if self.read and n > WARN_DROPPED_SHARE * self.read:
                 hint = f": {DROP_HINTS[reason]}" if reason in DROP_HINTS else ""
                 lines.append(f"WARNING: {n:,} of {self.read:,} rows ({n / self.read:.0%}) dropped as {reason}{hint}")

@@ -6,6 +6,11 @@ at temperature 1, one request per row and each from its own seed, these are prom
 target was tuned on, in any quantity: chat data for a drafter to learn the target's answers to, where the
 chat corpora at hand are small (ShareGPT here holds ~10k distinct first turns) or off the target's register.
 
+An opening (``Settings.opening``, e.g. "Here is a math word problem for you to solve:") starts every user turn
+and the target writes the rest: prompts of one kind in the target's own words (its own math word problems,
+say, where the math sources at hand are off the style a user's math question has). Such rows are labelled
+``self-prompts:NAME``, so that training reports them as a source of their own.
+
 A prompt is kept when the target ended the turn itself (finish "stop", not the token cap), it has
 ``MIN_WORDS`` to ``MAX_WORDS`` words and no special token, it repeats no earlier prompt (case and spacing
 ignored), and it shares no word 13-gram with an eval set (`dflash_train.data.decontaminate`). Rows are drawn
@@ -53,6 +58,17 @@ class Settings:
     count: int  # prompts to keep
     seed: int = 0
     chunk_rows: int = 4096  # rows drawn per chunk (one progress update each)
+    opening: str = ""  # the start of every user turn, which the target continues (part of the kept prompt)
+    source: str = SOURCE  # the rows' label: SOURCE, or SOURCE:NAME (source_label)
+
+
+def source_label(name: str | None) -> str:
+    """The rows' source label: "self-prompts", or "self-prompts:NAME" for prompts of one kind."""
+    if name is None:
+        return SOURCE
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"--label {name!r}: use letters, digits, '_', '.' or '-' (it names a data source)")
+    return f"{SOURCE}:{name}"
 
 
 def user_turn_prefix(chat: ChatTokenizer) -> str:
@@ -96,12 +112,14 @@ def self_prompts(generator: Submitter, decode: Callable[[list[int]], str], prefi
         kept_before = len(rows)
         for row_id, out in enumerate(outs, first):
             report.read += 1
-            text = decode(out.token_ids).strip()
-            reason = drop_reason(out, text, special_ids) or _repeat_or_overlap(text, seen, evals)
+            written = decode(out.token_ids)  # its tokens carry their own leading spaces: joined as written
+            text = (settings.opening + written).strip()
+            reason = drop_reason(out, written.strip(), special_ids) or _repeat_or_overlap(text, seen, evals)
             if reason:
                 report.drop(reason)
                 continue
-            rows.append({"messages": [{"role": "user", "content": text}], "source": SOURCE, "source_index": row_id})
+            rows.append({"messages": [{"role": "user", "content": text}], "source": settings.source,
+                         "source_index": row_id})
             report.kept += 1
             if len(rows) == settings.count:
                 break
@@ -155,6 +173,7 @@ def is_self_prompt_file(path: Path) -> bool:
     try:
         with path.open(encoding="utf-8") as file:
             first = file.readline()
-        return not first.strip() or json.loads(first).get("source") == SOURCE
+        label = json.loads(first).get("source") if first.strip() else SOURCE
+        return label == SOURCE or str(label).startswith(f"{SOURCE}:")
     except (OSError, ValueError, AttributeError):
         return False

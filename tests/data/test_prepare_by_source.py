@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from dflash_train.cli import main
+from dflash_train.data import load_prepared
 from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
-from tests.helpers.tiny_models import make_tiny_tokenizer
+from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 LONG = "paris is the capital of france and the largest city of the country ."
 
@@ -38,3 +40,32 @@ def test_one_source_adds_no_breakdown(tmp_path: Path) -> None:
     report = prepare(make_tiny_tokenizer(), PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny"),
                      tmp_path / "prepared")
     assert "by_source" not in report.as_dict() and "  by source:" not in report.lines()
+
+
+def test_an_excluded_source_is_left_out_and_counted_without_a_warning(tmp_path: Path) -> None:
+    rows = [chat(0, LONG, "sharegpt"), chat(1, LONG, "math"), chat(2, LONG, "sharegpt"), chat(3, LONG, "math")]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny", exclude_sources=("math",))
+    report = prepare(make_tiny_tokenizer(), config, tmp_path / "prepared")
+    assert report.as_dict()["by_source"] == {"math": {"excluded_source": 2}, "sharegpt": {"kept": 2}}
+    assert report.kept == 2 and report.dropped["excluded_source"] == 2
+    assert not [line for line in report.lines() if line.startswith("WARNING")]  # asked for: half the rows, no warning
+    written = load_prepared(tmp_path / "prepared")
+    assert sorted(written["source_index"]) == [0, 2] and set(written["source"]) == {"sharegpt"}
+    meta = json.loads((tmp_path / "prepared" / "dflash_data.json").read_text())
+    assert meta["exclude_sources"] == ["math"]
+
+
+def test_the_flag_reaches_prepare(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    rows = [chat(0, LONG, "sharegpt"), chat(1, LONG, "math")]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    target = tmp_path / "tok"
+    tiny = make_tiny_target("llama", num_layers=1)
+    tiny.model.save_pretrained(target)
+    tiny.tokenizer.save_pretrained(target)
+    assert main(["prepare", "--target", str(target), "--data", str(source), "--block-size", "4",
+                 "--exclude-source", "math", "--exclude-source", "other", "--out", str(tmp_path / "out")]) == 0
+    assert list(load_prepared(tmp_path / "out")["source"]) == ["sharegpt"]
+    assert "excluded_source" in capsys.readouterr().out

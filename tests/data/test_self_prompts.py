@@ -22,6 +22,7 @@ from dflash_train.data.self_prompts import (
     drop_reason,
     prompt_key,
     self_prompts,
+    source_label,
     user_turn_prefix,
 )
 from dflash_train.runtime.sampling import request_seed
@@ -84,12 +85,28 @@ class ScriptedTarget:
         return wait
 
 
-def run_scripted(texts: Callable[[int], str], count: int, chunk: int, evals: object = None) -> tuple[list[dict], DataReport, ScriptedTarget]:
+def run_scripted(texts: Callable[[int], str], count: int, chunk: int, evals: object = None,
+                 **settings: str) -> tuple[list[dict], DataReport, ScriptedTarget]:
     target = ScriptedTarget(texts, seed=7)
     report = DataReport("test")
-    rows = self_prompts(target, lambda ids: texts(ids[0] - 100), [9, 9], frozenset(), Settings(count, 7, chunk),
-                        evals, report)  # type: ignore[arg-type]
+    rows = self_prompts(target, lambda ids: texts(ids[0] - 100), [9, 9], frozenset(),
+                        Settings(count, 7, chunk, **settings), evals, report)  # type: ignore[arg-type]
     return rows, report, target
+
+
+def test_an_opening_starts_every_prompt_and_the_rows_carry_their_label() -> None:
+    """The target's tokens carry their own spaces: the opening and what it wrote are joined as they are; the
+    word limits apply to what it wrote (an opening alone is no prompt)."""
+    texts = {0: " Tom has 3 apples and buys 2 more.", 1: " hi", 2: "\n\nA train leaves at noon at 60 mph."}
+    rows, report, _ = run_scripted(lambda i: texts.get(i, f" problem {i} is here"), count=3, chunk=3,
+                                   opening="Here is a math word problem:", source=source_label("math"))
+    assert [row["messages"][0]["content"] for row in rows] == [
+        "Here is a math word problem: Tom has 3 apples and buys 2 more.",
+        "Here is a math word problem:\n\nA train leaves at noon at 60 mph.", "Here is a math word problem: problem 3 is here"]
+    assert {row["source"] for row in rows} == {"self-prompts:math"} and report.dropped["too_few_words"] == 1
+    assert source_label(None) == SOURCE
+    with pytest.raises(ValueError, match="names a data source"):
+        source_label("math problems")
 
 
 def test_rows_are_kept_in_order_from_distinct_seeds_with_the_next_chunk_queued_ahead() -> None:
@@ -154,3 +171,32 @@ def test_the_command_writes_the_same_file_for_the_same_settings_and_keeps_other_
     assert "holds other data" in capsys.readouterr().err
     assert theirs.read_text() == '{"messages": [{"role": "user", "content": "mine"}]}\n'
     assert self_prompt(target, tmp_path / "c.jsonl", "--temperature", "0") == 2
+
+
+def test_the_command_continues_its_opening_and_labels_the_rows(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """--opening is part of what the target continues (the prompt ids end with it) and of every kept prompt;
+    --label names the rows' source, and such a file is the command's own to --overwrite."""
+    from dflash_train.commands import self_prompt as command
+
+    target = save_talkative_target(tmp_path / "target")
+    queued: list[list[int]] = []
+
+    class Recording(command.Generator):
+        def submit(self, prompts, seeds):  # type: ignore[no-untyped-def]  # noqa: ANN001, ANN202
+            queued.extend(list(p) for p in prompts[:1])
+            return super().submit(prompts, seeds)
+
+    monkeypatch.setattr(command, "Generator", Recording)
+    out = tmp_path / "math.jsonl"
+    opening = "Here is a word problem:"
+    assert self_prompt(target, out, "--opening", opening, "--label", "math") == 0
+    chat = ChatTokenizer(make_tiny_target("qwen3", num_layers=2, seed=0).tokenizer, None, "tiny")
+    prefix = chat.encode_texts([user_turn_prefix(chat)])[0]
+    assert queued[0] == chat.encode_texts([user_turn_prefix(chat) + opening])[0]
+    assert queued[0][: len(prefix)] == prefix and len(queued[0]) > len(prefix)  # the opening's tokens follow
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["messages"][0]["content"].startswith(opening) for row in rows)
+    assert {row["source"] for row in rows} == {"self-prompts:math"}
+    assert self_prompt(target, out, "--opening", opening, "--label", "math", "--overwrite", "--seed", "1") == 0
+    assert self_prompt(target, tmp_path / "x.jsonl", "--label", "bad label") == 2
