@@ -131,7 +131,8 @@ class ChatTokenizer:
     ) -> TokenizedConversation:
         """Rows and loss masks of ``messages``; ``train_turns`` is ``all`` or ``last`` assistant turn.
 
-        ``unfinished_last_turn`` (a response cut by the generation length limit) leaves the template's
+        ``unfinished_last_turn`` (a response the target did not end: cut by the generation length limit, or
+        ended inside a loop by ``regenerate --stop-loops``) leaves the template's
         end-of-turn token of the last turn out of the loss: the model never emitted it there.
         """
         self.check_no_special_text(messages)
