@@ -16,6 +16,7 @@
 #   ABLATION_STEPS  optimizer steps of each ablation run (default: 600)
 #   EVAL_PROMPTS    prompts per eval set for the main drafter at block 16 (default: 80)
 #   ABLATION_EVAL_PROMPTS   the same for the ablations, block 8 and float32 (default: 40)
+#   EVAL_NEW_TOKENS tokens each eval request answers (default: 256)
 #   ABLATION_EVAL_BATCH     requests in flight for those evals (default: 8; τ and lossless do not depend on
 #                   it, and the speedup of the main run is measured at batch 1)
 #   ALLOW_UNFINISHED=1   evaluate a run's newest checkpoint even if it has not reached its last step
@@ -48,6 +49,7 @@ PROMPTS=${PROMPTS:---data $OUT/prompts.jsonl}
 TRAIN_MINUTES=${TRAIN_MINUTES:-7}
 ABLATION_STEPS=${ABLATION_STEPS:-600}
 EVAL_PROMPTS=${EVAL_PROMPTS:-80}
+EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-40}
 ABLATION_EVAL_BATCH=${ABLATION_EVAL_BATCH:-8}
 TRACKING=${TRACKING:-wandb}
@@ -168,7 +170,7 @@ evaluate() {  # run name, report name, prompts per set, extra eval arguments
   [[ -f "$HELDOUT" ]] && heldout=(--dataset "$HELDOUT")
   # shellcheck disable=SC2086  # EVAL_PIN is a command prefix (taskset -c CPUS) or nothing
   ${EVAL_PIN:-} $DFLASH eval --target "$TARGET" --draft "$draft" --dataset humaneval --dataset mt-bench "${heldout[@]}" \
-    --num-prompts "$3" --max-new-tokens 256 --no-progress --out "$OUT/eval/$2.json" "${@:4}"
+    --num-prompts "$3" --max-new-tokens "$EVAL_NEW_TOKENS" --no-progress --out "$OUT/eval/$2.json" "${@:4}"
 }
 
 other_evals() {  # the ablations, block 8 and float32, at ABLATION_EVAL_BATCH requests in flight

@@ -18,7 +18,8 @@ from tests.helpers.markers import needs_smollm2
 from tests.helpers.paths import REPO
 
 TOY = {"MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256", "TRAIN_MINUTES": "0.5", "ABLATION_STEPS": "3",
-       "EVAL_PROMPTS": "1", "ABLATION_EVAL_PROMPTS": "1", "TRACKING": "none", "BATCH_SIZE": "1", "NUM_ANCHORS": "8",
+       "EVAL_PROMPTS": "1", "ABLATION_EVAL_PROMPTS": "1", "EVAL_NEW_TOKENS": "24", "TRACKING": "none",
+       "BATCH_SIZE": "1", "NUM_ANCHORS": "8",
        "PROMPTS": f"--data {REPO / 'data/prompts/demo_prompts.jsonl'} --max-samples 8",
        "TRAIN_EXTRA": "training.compile=false training.mixed_precision=no data.validation_fraction=0.25 "
                       "model.target_dtype=float32"}
