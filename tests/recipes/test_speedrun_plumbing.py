@@ -140,6 +140,8 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     none = run_stage("ablate", tmp_path, ABLATIONS="soft:training.soft_targets=true", ABLATION_EVAL_PROMPTS="0",
                      ABLATION_DATA="")
     assert not [c for c in none if "cli eval" in c]
+    only_base = [c for c in run_stage("ablate", tmp_path, ABLATIONS="", ABLATION_DATA="") if "cli train" in c]
+    assert len(only_base) == 1 and "training.output_dir=" + str(tmp_path / "run" / "train" / "ablation-base") in only_base[0]
 
 
 def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
@@ -201,6 +203,9 @@ def test_stop_loops_reaches_every_regeneration(tmp_path: pathlib.Path) -> None:
     assert len(regen) == 2 and all("--stop-loops" in args for args in regen)  # whole chats, then prompts
     (tmp_path / "run" / "regen.budget-spent").unlink(missing_ok=True)
     regen = [c.split() for c in run_stage("regenerate", tmp_path) if "cli regenerate" in c]
+    assert regen and all("--stop-loops" in args for args in regen)  # on by default
+    (tmp_path / "run" / "regen.budget-spent").unlink(missing_ok=True)
+    regen = [c.split() for c in run_stage("regenerate", tmp_path, STOP_LOOPS="0") if "cli regenerate" in c]
     assert regen and not any("--stop-loops" in args for args in regen)
     done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "regenerate"], cwd=REPO,
                           env={**os.environ, "OUT": str(tmp_path / "bad"), "STOP_LOOPS": "on"},
