@@ -37,6 +37,30 @@ class Blocks:
     sequence: torch.Tensor | None = None  # [b, N] long
     context_sequence: torch.Tensor | None = None  # [b, S] long
     num_sequences: int | None = None
+    # Flat indices [P] of the query rows with a label, in row-major order; None: found on demand.
+    supervised_rows: torch.Tensor | None = None
+
+    def supervised_index(self) -> torch.Tensor:
+        """[P] flat indices into the [b, N*B] query rows of those with a label. Counting them on a GPU is a host
+        sync: blocks built on the host carry them (`with_supervised_rows`), so the step never waits for it."""
+        if self.supervised_rows is not None:
+            return self.supervised_rows
+        return (self.labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)
+
+    def with_supervised_rows(self) -> Blocks:
+        return dataclasses.replace(self, supervised_rows=self.supervised_index())
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> Blocks:
+        """The same blocks on `device` (from pinned host memory the copies do not block the host)."""
+        return dataclasses.replace(self, **{name: value.to(device, non_blocking=non_blocking)
+                                            for name, value in self._tensors().items()})
+
+    def pin_memory(self) -> Blocks:
+        return dataclasses.replace(self, **{name: value.pin_memory() for name, value in self._tensors().items()})
+
+    def _tensors(self) -> dict[str, torch.Tensor]:
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if isinstance(getattr(self, field.name), torch.Tensor)}
 
     @property
     def slots(self) -> torch.Tensor:

@@ -174,23 +174,27 @@ class DFlashObjective:
 
     def loss_from_hidden(self, hidden: torch.Tensor, head_weight: torch.Tensor, blocks: Blocks,
                          teacher_states: torch.Tensor | None = None) -> ObjectiveOutput:
+        # The supervised rows are picked by their flat indices, not by a boolean mask: a mask index waits for
+        # the device to count its rows (a host sync in the middle of the step), and blocks built on the host
+        # bring the indices with them (`Blocks.supervised_rows`).
+        rows_index = blocks.supervised_index()  # [P]
         slots = blocks.slots.expand_as(blocks.labels)
-        supervised = blocks.labels != IGNORE_INDEX  # [b, N*B]
-        rows = hidden[supervised]  # [P, H]: the head never sees unsupervised rows
-        labels, row_slots = blocks.labels[supervised], slots[supervised]
+        rows = hidden.flatten(0, 1)[rows_index]  # [P, H]: the head never sees unsupervised rows
+        labels, row_slots = blocks.labels.flatten()[rows_index], slots.flatten()[rows_index]
         teacher = None
         if teacher_states is not None:  # the target predicts token p from its state at p - 1 (row indices)
-            batch_index = torch.arange(supervised.shape[0], device=hidden.device)[:, None].expand_as(supervised)
-            teacher = teacher_states[batch_index[supervised], blocks.token_index[supervised] - 1]
+            batch_row = rows_index // blocks.labels.shape[1]
+            teacher = teacher_states[batch_row, blocks.token_index.flatten()[rows_index] - 1]
         row_ce, correct = chunked_cross_entropy_rows(rows, head_weight, labels, self.chunk_rows, teacher)
-        weighted = row_ce * self.row_weights(row_ce, blocks, supervised)
+        weighted = row_ce * self.row_weights(row_ce, blocks, rows_index)
         loss = weighted.sum()
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
         slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
         sequence, num_sequences = self._sequences(blocks)
-        per_sequence = self._per_sequence(weighted.detach(), correct, sequence[supervised], row_slots, num_sequences)
-        return ObjectiveOutput(loss, slot_correct, slot_count, int(labels.numel()), *per_sequence)
+        per_sequence = self._per_sequence(weighted.detach(), correct, sequence.flatten()[rows_index], row_slots,
+                                          num_sequences)
+        return ObjectiveOutput(loss, slot_correct, slot_count, int(rows_index.numel()), *per_sequence)
 
     def _per_sequence(
         self, weighted: torch.Tensor, correct: torch.Tensor, sequence: torch.Tensor, slots: torch.Tensor, n: int
@@ -206,24 +210,25 @@ class DFlashObjective:
         losses = torch.zeros(n, device=weighted.device).index_add(0, sequence, weighted) * present
         return losses, hits, counts
 
-    def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, supervised: torch.Tensor) -> torch.Tensor:
-        """Weights [P] of the supervised rows (no gradient flows through them): the loss is sum_r w_r·CE_r,
-        a mean over the batch's sequences of each sequence's own loss."""
+    def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, rows_index: torch.Tensor) -> torch.Tensor:
+        """Weights [P] of the supervised rows (flat indices `rows_index` into the query rows; no gradient flows
+        through them): the loss is sum_r w_r·CE_r, a mean over the batch's sequences of each sequence's own loss."""
         sequence, num_sequences = self._sequences(blocks)
+        row_sequence = sequence.flatten()[rows_index]
         if self.position_weighting == "decay":  # each sequence's decay-weighted mean CE
             decay = slot_weights(self.block_size, self.loss_decay_gamma).to(row_ce.device)
-            return sequence_normalised_weights(decay[blocks.slots.expand_as(supervised)[supervised]],
-                                               sequence[supervised], num_sequences)
+            return sequence_normalised_weights(decay[rows_index % self.block_size], row_sequence, num_sequences)
         # D-PACE: each sequence's sum of w_j·CE_j over its blocks, divided by its number of blocks (not by
         # the sum of the weights, which would cancel the credit the weights give a block).
-        b, block = supervised.shape[0], self.block_size
-        ce = row_ce.new_zeros(supervised.shape)
-        ce[supervised] = row_ce.detach()
-        weights = dpace_block_weights(ce.view(b, -1, block), supervised.view(b, -1, block), self.dpace_alpha)
-        anchor_sequence = sequence.reshape(b, -1, block)[:, :, 0][blocks.valid]
+        b, block = blocks.labels.shape[0], self.block_size
+        supervised = blocks.labels != IGNORE_INDEX
+        ce = row_ce.new_zeros(supervised.numel()).index_copy(0, rows_index, row_ce.detach()).view(b, -1, block)
+        weights = dpace_block_weights(ce, supervised.view(b, -1, block), self.dpace_alpha)
+        # Blocks per sequence; a padded anchor (sequence -1 in packed rows) counts for none.
+        anchor_sequence = sequence.reshape(b, -1, block)[:, :, 0].clamp_min(0).flatten()
         anchors = torch.zeros(num_sequences, device=row_ce.device).index_add(
-            0, anchor_sequence, torch.ones_like(anchor_sequence, dtype=torch.float32))
-        return per_sequence_mean(weights.view(b, -1)[supervised], sequence[supervised], anchors)
+            0, anchor_sequence, blocks.valid.flatten().float())
+        return per_sequence_mean(weights.flatten()[rows_index], row_sequence, anchors)
 
     @staticmethod
     def _sequences(blocks: Blocks) -> tuple[torch.Tensor, int]:

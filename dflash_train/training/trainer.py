@@ -24,7 +24,7 @@ from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.features import compute_features
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
-from dflash_train.objective import DFlashObjective
+from dflash_train.objective import Blocks, DFlashObjective
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.target.attention import FLEX, attention_implementation, packed_target_attention
 from dflash_train.target.varlen import VARLEN, packed_sequences
@@ -53,6 +53,8 @@ from dflash_train.training.setup import (
 )
 from dflash_train.training.source_metrics import SourceTotals, slot_summary, source_line, source_names
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
+
+HOST_ONLY = ("chats", "blocks")  # CPU batch entries that stay on the host (or travel on their own)
 
 
 @dataclass
@@ -267,42 +269,60 @@ class Trainer:
             batch = {k: v.pin_memory() for k, v in batch.items()}
         return batch
 
-    def _load_step(self, step: int) -> list[tuple[list[int], dict[str, torch.Tensor]]]:
-        """This rank's micro-batches of `step`: the chats' sample indices (in batch order) and the batch."""
+    def _load_step(self, step: int) -> list[tuple[list[int], dict[str, Any]]]:
+        """This rank's micro-batches of `step`: the chats' sample indices (in batch order) and the batch, its
+        blocks built on the host (`_host_blocks`: this runs in the loader thread while the previous step computes)."""
         t = self.config.training
         rank = self.accelerator.process_index
         if self.packed is not None:
-            return [([i for row in rows for i in row], self._load_rows(rows))
-                    for rows in self.packed.micro_batches(step, rank)]
-        return [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
+            loaded = [([i for row in rows for i in row], self._load_rows(rows))
+                      for rows in self.packed.micro_batches(step, rank)]
+        else:
+            loaded = [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
+        for indices, batch in loaded:
+            batch["blocks"] = self._host_blocks(batch, [anchor_seed(t.seed, step, i) for i in indices])
+        return loaded
+
+    def _host_blocks(self, cpu_batch: dict[str, Any], seeds: list[int]) -> Blocks:
+        """A CPU batch's blocks, built on the host: each chat's anchors come from a CPU generator seeded by its
+        own seed (the same anchors on any device), and the dozen small ops per chat, and the count of the
+        supervised rows, never reach the GPU's launch queue or make it wait."""
+        blocks = self.objective.seeded_blocks(cpu_batch, chat_layout(cpu_batch), seeds).with_supervised_rows()
+        return blocks.pin_memory() if self.accelerator.device.type == "cuda" else blocks
 
     def _forward(
-        self, indices: list[int], seeds: list[int], cpu_batch: dict[str, torch.Tensor] | None = None
+        self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, float]]:
+        """`seeds` place the anchors unless the loader built the blocks already (`cpu_batch["blocks"]`)."""
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
-        chats = chat_layout(cpu_batch)  # read on the host: anchors are placed without a device sync
-        batch = {k: v.to(self.accelerator.device, non_blocking=True) for k, v in cpu_batch.items() if k != "chats"}
+        chats = chat_layout(cpu_batch)
+        host_blocks = cpu_batch.get("blocks")
+        if host_blocks is None:
+            host_blocks = self._host_blocks(cpu_batch, seeds)
+        device = self.accelerator.device
+        batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items() if k not in HOST_ONLY}
         features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
                                                   cpu_batch.get("position_ids"))
-        blocks = self.objective.seeded_blocks(batch, chats, seeds)
         out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
-                             batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
+                             batch["input_ids"], batch["loss_mask"], features,
+                             blocks=host_blocks.to(device, non_blocking=True),
                              teacher_states=teacher_states, context_positions=batch.get("position_ids"))
         tokens = sum(n for _, _, n in chats)
-        stats = {"tokens": float(tokens), "flops": self._flops(blocks, out, tokens, chats)}
+        stats = {"tokens": float(tokens), "flops": self._flops(host_blocks, tokens, chats)}
         return out, stats
 
-    def _flops(self, blocks: Any, out: Any, tokens: int, chats: list[tuple[int, int, int]]) -> float:
+    def _flops(self, blocks: Blocks, tokens: int, chats: list[tuple[int, int, int]]) -> float:
+        """The step's model FLOPs, from the blocks on the host (no device sync)."""
         # An anchor sees the context of its own chat before it: a_j minus the chat's start.
         context = blocks.anchors[blocks.valid]
         if blocks.sequence is not None:
-            starts = torch.tensor([start for _, start, _ in chats], device=context.device, dtype=torch.long)
+            starts = torch.tensor([start for _, start, _ in chats], dtype=torch.long)
             context = context - starts[blocks.sequence[blocks.valid]]
         valid_anchors = context.tolist()
         pairs = visible_pairs([(valid_anchors, 0)], self.objective.block_size)
         # Padded anchor slots run through the drafter too, but that work is waste, not model FLOPs.
         block_rows = len(valid_anchors) * self.objective.block_size
-        return training_step_flops(self.draft_config, tokens, block_rows, out.num_supervised, pairs)
+        return training_step_flops(self.draft_config, tokens, block_rows, blocks.supervised_index().numel(), pairs)
 
     def _loss_share(self, indices: list[int]) -> float | None:
         """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is
@@ -314,11 +334,12 @@ class Trainer:
         mine = self.packed.counted_chats([indices])
         return mine / max(1, total) * self.plan.num_processes * self.plan.accumulation
 
-    def train_step(self, loaded: list[tuple[list[int], dict[str, torch.Tensor]]] | None = None) -> dict[str, Any]:
-        """One optimizer step; `loaded` is this step's micro-batches if they were prefetched."""
+    def train_step(self, loaded: list[tuple[list[int], dict[str, Any]]] | None = None) -> dict[str, Any]:
+        """One optimizer step; `loaded` is this step's micro-batches if they were prefetched. The step waits
+        for the device once, at its end, for its metrics."""
         self.model.train()
-        totals = {"loss": 0.0, "tokens": 0.0, "flops": 0.0}
-        slot_correct = slot_count = grad_norm = None
+        loss_sum = slot_correct = slot_count = grad_norm = None
+        tokens = flops = 0.0
         t = self.config.training
         for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
@@ -331,31 +352,35 @@ class Trainer:
                     grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                 self.optimizer.step()
                 self.optimizer.zero_grad(set_to_none=True)
-            totals["loss"] += float(loss.detach()) / self.plan.accumulation
-            totals["tokens"] += stats["tokens"]
-            totals["flops"] += stats["flops"]
+            part = loss.detach().double() / self.plan.accumulation
+            loss_sum = part if loss_sum is None else loss_sum + part
+            tokens, flops = tokens + stats["tokens"], flops + stats["flops"]
             slot_correct = out.slot_correct if slot_correct is None else slot_correct + out.slot_correct
             slot_count = out.slot_count if slot_count is None else slot_count + out.slot_count
             assert micro < self.plan.accumulation
         self.schedule.step()
         self.step += 1
-        metrics = self._reduce(totals, slot_correct, slot_count)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else float("nan")
+        metrics = self._reduce(loss_sum, tokens, flops, slot_correct, slot_count, grad_norm)
         metrics["lr"] = self.schedule.get_last_lr()[0]
         if self.packed is not None:  # the whole step's rows, known on every rank from the plan
             metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
         return metrics
 
-    def _reduce(self, totals: dict[str, float], slot_correct: torch.Tensor, slot_count: torch.Tensor) -> dict[str, Any]:
+    def _reduce(self, loss: torch.Tensor | float, tokens: float, flops: float, slot_correct: torch.Tensor,
+                slot_count: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> dict[str, Any]:
+        """Sums over the ranks, then one copy to the host: every metric comes from a single device sync."""
         device = self.accelerator.device
-        packed = torch.tensor([totals["loss"], totals["tokens"], totals["flops"]], device=device, dtype=torch.float64)
-        packed = self.accelerator.reduce(packed, reduction="sum")
-        correct = self.accelerator.reduce(slot_correct.double(), reduction="sum")
-        count = self.accelerator.reduce(slot_count.double(), reduction="sum")
+        scalars = torch.cat([torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1),
+                             torch.tensor([tokens, flops], dtype=torch.float64, device=device)])
+        sums = self.accelerator.reduce(torch.cat([scalars, slot_correct.double(), slot_count.double()]), reduction="sum")
+        norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float64, device=device)
+        host = torch.cat([sums, norm.detach().reshape(1)]).cpu()
+        slots = slot_correct.numel()
         return {
-            "loss": float(packed[0]) / self.accelerator.num_processes,
-            "tokens": float(packed[1]), "flops": float(packed[2]),
-            **slot_summary(correct, count),
+            "loss": float(host[0]) / self.accelerator.num_processes,
+            "tokens": float(host[1]), "flops": float(host[2]),
+            **slot_summary(host[3 : 3 + slots], host[3 + slots : 3 + 2 * slots]),
+            "grad_norm": float(host[-1]),
         }
 
     @torch.no_grad()
@@ -380,7 +405,8 @@ class Trainer:
         if correct is None:  # fewer validation samples than ranks
             zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
             correct, count = zeros, zeros.clone()
-        metrics = self._reduce({"loss": loss_sum, "tokens": 0.0, "flops": 0.0}, correct, count)
+        metrics = self._reduce(loss_sum, 0.0, 0.0, correct, count)
+        metrics.pop("grad_norm")
         chats = len(self.val_ids) if self.packed is None else sum(map(self.packed.counted_chats, self.val_groups))
         metrics["loss"] = metrics["loss"] * world / max(1, chats)
         if by_source is not None:
