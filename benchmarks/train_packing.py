@@ -55,6 +55,9 @@ VARIANTS: dict[str, list[str]] = {
     # the same on PyTorch's FlashAttention varlen kernel: each chat alone, nothing compiled for the target
     "packed-varlen-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
                              "training.compile=true", "training.target_attention=varlen"],
+    # the target's decoder layers compiled too (their eager forward launches ~50 kernels a layer)
+    "packed-compiled-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
+                               "training.compile=true", "training.compile_target=true"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel
     "packed-soft-targets": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
                             "training.compile=true", "training.soft_targets=true"],

@@ -87,6 +87,9 @@ class TrainingConfig:
     # A failure runs the rest of the run on SDPA. Unpacked rows keep the target's own attention.
     target_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     compile: bool = False
+    # Also torch.compile the frozen target's decoder layers (their forward, one graph every layer reuses) for
+    # online features: its eager forward launches ~50 small kernels a layer, which a slow host pays per step.
+    compile_target: bool = False
     log_every: int = 10
     eval_every: int = 500
     save_every: int = 1000

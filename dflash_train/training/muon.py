@@ -5,10 +5,19 @@ orthogonalisation of its Nesterov momentum; it is defined for matrices only, so 
 projection biases) keep AdamW. The pair is one `torch.optim.Optimizer` so that the learning-rate schedule
 (one multiplier for every group), accelerate's wrapper and checkpoints (one state dict) see a single
 optimizer, as they do with plain AdamW.
+
+`torch.optim.Muon.step` updates one matrix at a time, 23 small kernels each (momentum, Nesterov, bf16 cast,
+norm, five Newton–Schulz iterations of three matmuls, weight decay, update): ~830 launches per step for a
+5-layer drafter's 36 matrices, a real share of a ~0.15 s training step on a slow host. `BatchedMuon` does
+the same arithmetic per matrix but stacks the matrices of one shape (the five layers' q_proj weights, ...)
+and iterates them with batched matmuls, so the launches are ~22 per shape (five shapes there) plus three
+`_foreach` ops for the momentum and weight decay: ~115 in all.
 """
 
 from __future__ import annotations
 
+import math
+from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -18,6 +27,79 @@ import torch
 def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
     """The context projection `fc` and the layers' q/k/v/o and gate/up/down projections."""
     return param.ndim == 2 and (name.startswith("fc.") or name.startswith("layers."))
+
+
+def newton_schulz_batched(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
+                          eps: float) -> torch.Tensor:
+    """`torch.optim._muon._zeropower_via_newtonschulz` on each matrix of a [n, rows, cols] stack, in bf16.
+
+    Wide (rows ≤ cols) orientation as torch's, and each matrix divided by its own Frobenius norm, not the
+    stack's. Returns a bf16 [n, rows, cols] tensor (a transposed view when rows > cols).
+    """
+    a, b, c = coefficients
+    tall = update.size(-2) > update.size(-1)
+    x = update.bfloat16()
+    if tall:
+        x = x.mT
+    x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+    for _ in range(steps):
+        gram = torch.bmm(x, x.mT)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
+def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float:
+    """`torch.optim._muon._adjust_lr`: the update's scale for a rows × cols matrix."""
+    rows, cols = shape[:2]
+    if adjust_lr_fn is None or adjust_lr_fn == "original":
+        return lr * math.sqrt(max(1, rows / cols))
+    if adjust_lr_fn == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr
+
+
+class BatchedMuon(torch.optim.Muon):
+    """`torch.optim.Muon` with the matrices of one shape stepped together (see the module docstring).
+
+    Same hyperparameters, param groups and per-parameter `momentum_buffer` state as `torch.optim.Muon`, so
+    their state dicts load into each other; only `step` differs, in the order of floating-point operations
+    inside the batched matmuls and norms at most.
+    """
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params: list[torch.Tensor] = []
+            grads: list[torch.Tensor] = []
+            bufs: list[torch.Tensor] = []
+            self._init_group(group, params, grads, bufs)  # skips grad-less params, makes the buffers
+            if params:
+                self._step_group(group, params, grads, bufs)
+        return loss
+
+    def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
+                    bufs: list[torch.Tensor]) -> None:
+        """torch's `_single_tensor_muon` on every parameter of `group` that has a gradient."""
+        lr, momentum = float(group["lr"]), group["momentum"]
+        torch._foreach_lerp_(bufs, grads, 1 - momentum)
+        updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
+        if lr * group["weight_decay"] != 0:  # torch multiplies by 1.0 too; that changes nothing
+            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
+        for i, param in enumerate(params):
+            by_shape[param.shape, param.dtype, param.device].append(i)
+        for (shape, dtype, _), members in by_shape.items():
+            ortho = newton_schulz_batched(torch.stack([updates[i] for i in members]), group["ns_coefficients"],
+                                          group["ns_steps"], group["eps"])
+            # Contiguous and in the parameters' dtype, so that the `_foreach_add_` stays one fused launch.
+            ortho = ortho.to(dtype=dtype, memory_format=torch.contiguous_format)
+            torch._foreach_add_([params[i] for i in members], list(ortho.unbind(0)),
+                                alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
@@ -32,7 +114,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
                  muon_lr: float, adamw_lr: float, betas: tuple[float, float], weight_decay: float,
                  fused: bool | None = None) -> None:
         matrices, others = list(matrices), list(others)
-        self.muon = torch.optim.Muon(matrices, lr=muon_lr, weight_decay=weight_decay) if matrices else None
+        self.muon = BatchedMuon(matrices, lr=muon_lr, weight_decay=weight_decay) if matrices else None
         self.adamw = (torch.optim.AdamW(others, lr=adamw_lr, betas=betas, weight_decay=weight_decay, fused=fused)
                       if others else None)
         self.defaults: dict[str, Any] = {}

@@ -154,6 +154,8 @@ class Trainer:
         if t.compile:
             for layer in self.accelerator.unwrap_model(self.model).layers:
                 layer.compile()
+        if t.compile_target and not self.samples.offline:
+            self.target.compile_decoder_layers()
         self.objective = DFlashObjective(
             block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
             num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,

@@ -461,3 +461,30 @@ def test_the_config_of_a_converted_gguf_is_read_from_its_copy(
     expected = {k: v for k, v in gguf_model.config.to_dict().items() if k not in drop}
     assert {k: v for k, v in read.to_dict().items() if k not in drop} == expected
     assert target_facts(read) == target_facts(gguf_model.config)
+
+
+def test_compiled_decoder_layers_give_the_same_features_from_shared_graphs() -> None:
+    """`compile_decoder_layers` (training.compile_target): the features of unpacked and packed rows equal the
+    plain forward's hidden states, and the layers share their compiled code: a target of 8 layers compiles as
+    many frames as one of 4 (a graph per layer would hit dynamo's recompile limit and run eagerly), and calling
+    again compiles nothing."""
+    from torch._dynamo.utils import counters
+
+    frames = {}
+    for layers in (4, 8):
+        torch._dynamo.reset()
+        counters.clear()
+        target = make_tiny_target("llama", num_layers=layers)
+        layer_ids = [0, 1, layers - 2]  # not the last: HF's last hidden state is after the final norm
+        input_ids = tiny_batch(batch=2, seq_len=16, seed=3)
+        positions = torch.cat([torch.arange(10), torch.arange(6)]).expand(2, -1)  # two chats a row
+        expected = {"rows": reference_features(target, input_ids, layer_ids),
+                    "packed": reference_features(target, input_ids, layer_ids, position_ids=positions)}
+        target.compile_decoder_layers()
+        for _ in range(2):
+            got = {"rows": target.capture_features(input_ids, layer_ids),
+                   "packed": target.capture_features(input_ids, layer_ids, position_ids=positions)}
+            for name in expected:
+                torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+            frames.setdefault(layers, []).append(counters["frames"]["total"])
+    assert frames[4][0] == frames[4][1] == frames[8][0] == frames[8][1] > 0, frames

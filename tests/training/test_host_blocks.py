@@ -104,3 +104,14 @@ def test_a_step_copies_its_metrics_to_the_host_once(assets: dict[str, pathlib.Pa
     assert metrics["loss"] == pytest.approx(loss, rel=1e-6) and metrics["supervised_slots"] == slots
     assert (metrics["tokens"], metrics["flops"]) == (stats["tokens"], stats["flops"])
     assert metrics["grad_norm"] > 0
+
+
+def test_compile_target_compiles_the_target_layers_for_online_features(assets: dict[str, pathlib.Path],
+                                                                       tmp_path: pathlib.Path) -> None:
+    """training.compile_target hands the target's decoder layers to torch.compile (their forward only); off by
+    default. The features it then computes are those of the eager target (tests/target/test_model.py)."""
+    plain = Trainer(load_config(None, overrides(assets, tmp_path / "plain", **PACKED)))
+    assert not any(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in plain.target.decoder_layers)
+    compiled = Trainer(load_config(None, overrides(assets, tmp_path / "compiled", **{
+        **PACKED, "training.compile_target": True})))
+    assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.target.decoder_layers)
