@@ -91,7 +91,7 @@ regenerate_into() {  # output folder, then regenerate's input arguments; GPUS > 
 
 data() {
   if [[ "$PROMPTS" == "--data $OUT/prompts.jsonl" && ! -f "$OUT/prompts.jsonl" ]]; then
-    python3 -m dflash_train.data.pack --source sharegpt=8000 --source gsm-symbolic=2000 --out "$OUT/prompts.jsonl"
+    python3 -m dflash_train.data.pack --source sharegpt=8000 --source reasoning-gym-math:steps=2000 --out "$OUT/prompts.jsonl"
     # The same shuffle, 100 prompts further: ShareGPT prompts the drafter never trains on.
     python3 -m dflash_train.data.pack --source sharegpt=100 --exclude "$OUT/prompts.jsonl" \
       --out "$OUT/heldout-sharegpt.jsonl"

@@ -7,8 +7,8 @@ Built-in generation through the runtime (static KV cache, CUDA graphs on GPU, no
         --max-new-tokens 128 --batch-size 8 --out runs/regen-smollm2
     dflash-train regenerate --target smollm2-135m-instruct --data sharegpt --max-samples 10000 \\
         --max-new-tokens 1024 --batch-size 128 --out runs/regen-sharegpt
-    dflash-train regenerate --target smollm2-135m-instruct --data gsm-symbolic --max-samples 2000 \\
-        --max-new-tokens 512 --batch-size 128 --device cuda --out runs/regen-gsm
+    dflash-train regenerate --target smollm2-135m-instruct --data reasoning-gym-math:steps --max-samples 2000 \\
+        --max-new-tokens 512 --batch-size 128 --device cuda --out runs/regen-math
 
 Any OpenAI-compatible server (vLLM, SGLang, llama.cpp) for targets too big for one process; --target
 still names the model whose tokenizer and template plan the prompts:

