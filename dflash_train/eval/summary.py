@@ -5,7 +5,8 @@
 Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
 trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`. A regeneration's
 `regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
-(summary.json stays a list of eval rows, as its readers expect).
+(summary.json stays a list of eval rows, as its readers expect); each training run a "training:" line (steps,
+median step, the cold first step).
 """
 
 from __future__ import annotations
@@ -89,6 +90,36 @@ def report_regeneration(run_dir: Path) -> None:
         (run_dir / "summary_regeneration.json").write_text(json.dumps(regeneration, indent=2) + "\n")
 
 
+def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per training run under `<run>/train`: steps, minutes, the median logged step and the cold first step
+    (compilation included; runs older than this field have none)."""
+    figures = {}
+    for train_dir in sorted(p for p in (run_dir / "train").glob("*") if p.is_dir()):
+        state = training_state(train_dir)
+        if not state:
+            continue
+        seconds = []
+        metrics = train_dir / "metrics.jsonl"
+        if metrics.is_file():
+            records = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+            seconds = sorted(r["step_seconds"] for r in records if r.get("split") == "train" and "step_seconds" in r)
+        figures[train_dir.name] = {
+            "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
+            "median_step_seconds": seconds[len(seconds) // 2] if seconds else None,
+            "first_step_seconds": state.get("first_step_seconds"),
+        }
+    return figures
+
+
+def training_line(name: str, f: dict[str, Any]) -> str:
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3g} s"
+
+    return (f"training: {name}: {f['steps']:,} steps in {f['train_minutes']} min, median step "
+            f"{seconds(f['median_step_seconds'])}, first step {seconds(f['first_step_seconds'])} "
+            "(compilation included)")
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any, spec: str = "") -> str:
         return "—" if value is None else format(value, spec)
@@ -126,6 +157,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args[0])
     report_regeneration(run_dir)  # before the table's checks: a run stopped before eval has its speed too
+    for name, figures in training_figures(run_dir).items():
+        print(training_line(name, figures))
     rows = summary_rows(run_dir)
     if not rows:
         print(f"summary: no eval reports under {run_dir / 'eval'}; run the eval stage first", file=sys.stderr)

@@ -171,6 +171,7 @@ class Trainer:
         }
         self.pad_to = padding_multiple(config, self.accelerator.device)
         self.step = 0
+        self.first_step_seconds: float | None = None  # the run's cold start: step 0 -> 1, compilation included
         self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes, t.time_budget_excludes_warmup)
 
     def _build_packing(self) -> PackedStepPlan | None:
@@ -467,6 +468,7 @@ class Trainer:
             trainer_state = {"step": self.step, "total_steps": self.total_steps,
                              "sequences_seen": self._sequences_seen(),
                              "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
+                             "first_step_seconds": self.first_step_seconds,
                              "distributed_type": self._distributed_type(),
                              "num_processes": self.accelerator.num_processes, **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
@@ -506,6 +508,7 @@ class Trainer:
         ckpt.check_launch(state, self._distributed_type(), self.accelerator.num_processes, path)
         self.accelerator.load_state(str(path / "state"))
         self.step = int(state["step"])
+        self.first_step_seconds = state.get("first_step_seconds")
         self.budget.resume(float(state.get("train_seconds", 0.0)), bool(state.get("budget_sized", False)))
         if self.budget.sized:  # a budgeted run keeps the length it settled on (others follow their config)
             self.total_steps = int(state["total_steps"])
@@ -587,6 +590,8 @@ class Trainer:
                     line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
                     if line:
                         self.accelerator.print(line)
+                if first and self.step == 1:  # the run's own first step, not a resumed one's
+                    self.first_step_seconds = round(metrics["step_seconds"], 3)
                 first = False
                 self._fit_budget(metrics["step_seconds"], progress)
                 progress.update(self.step, metrics, metrics["step_seconds"])

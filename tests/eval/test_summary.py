@@ -28,7 +28,8 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     table = capsys.readouterr().out
     assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 6.00 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
     assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
-    assert (tmp_path / "summary.md").read_text() == table
+    assert table.splitlines()[0] == "training: main: 300 steps in 10.0 min, median step —, first step — (compilation included)"
+    assert table.endswith((tmp_path / "summary.md").read_text())  # the table after the training line
 
 
 def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -64,3 +65,22 @@ def test_tau_by_turn_and_category_follow_the_table(tmp_path: Path, capsys) -> No
     assert not [line for line in lines if "on humaneval:" in line]  # one turn, no categories: nothing to add
     rows = json.loads((tmp_path / "summary.json").read_text())
     assert rows[0]["tau_by_turn"] == [2.75, 3.56] and rows[0]["tau_by_category"]["writing"] == 3.1
+
+
+def test_each_training_run_gets_a_line_with_its_median_and_first_step(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """From the last trainer_state (steps, minutes, the cold first step) and metrics.jsonl (the median of the
+    logged train steps, validation records ignored); a run older than the first-step field shows a dash."""
+    for name, first in (("main", 67.812), ("old", None)):
+        state = tmp_path / "train" / name / "checkpoints" / "step-00000040"
+        state.mkdir(parents=True)
+        (state / "trainer_state.json").write_text(json.dumps(
+            {"step": 40, "train_seconds": 90, **({"first_step_seconds": first} if first else {})}))
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": s} for i, s in enumerate((0.2, 0.1, 0.3, 0.15))]
+    records.append({"split": "validation", "step": 40, "loss": 1.0})
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "training: main: 40 steps in 1.5 min, median step 0.2 s, first step 67.8 s (compilation included)"
+    assert lines[1] == "training: old: 40 steps in 1.5 min, median step — s, first step — s (compilation included)".replace(
+        "— s", "—")

@@ -261,3 +261,21 @@ def test_soft_targets_train_online_and_are_refused_offline(assets: dict[str, pat
     assert sum(soft_losses[s] for s in (10, 11, 12)) < sum(soft_losses[s] for s in (1, 2, 3))  # it learns
     with pytest.raises(ValueError, match="soft_targets needs the target's final states, computed online"):
         load_config(None, ["data.features=store", "training.soft_targets=true"])
+
+
+def test_the_cold_first_step_is_kept_in_every_checkpoint(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer_state.json records the run's first step (0 -> 1) as measured by the loop's own clock, and a
+    resumed run carries it on: its own first step is warm and not the run's cold start."""
+    import dflash_train.training.trainer as trainer_module
+
+    clock = iter(range(0, 10_000, 7))  # every step takes 7 "seconds" by this clock
+    monkeypatch.setattr(trainer_module.time, "perf_counter", lambda: float(next(clock)))
+    out = tmp_path / "run"
+    run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 2, "training.eval_every": 0})))
+    state = json.loads((out / "checkpoints" / "step-00000002" / "trainer_state.json").read_text())
+    assert state["first_step_seconds"] == 7.0
+    clock = iter(range(0, 10_000, 3))
+    run_training(load_config(None, overrides(assets, out, **{"training.max_steps": 4, "training.eval_every": 0})))
+    state = json.loads((out / "checkpoints" / "step-00000004" / "trainer_state.json").read_text())
+    assert state["first_step_seconds"] == 7.0 and state["step"] == 4
