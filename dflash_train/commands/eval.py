@@ -63,7 +63,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="humaneval, mt-bench, alpaca-eval, ifeval, math-synthetic, or a .jsonl file; repeatable")
     parser.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's block size")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
-    parser.add_argument("--num-prompts", type=positive_int, default=None, help="first K conversations of each set")
+    parser.add_argument("--num-prompts", type=positive_int, default=None, help="K conversations of each set, spread evenly over it (MT-Bench: every category)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")

@@ -47,9 +47,14 @@ class PromptSet:
     note: str = ""
 
     def limit(self, count: int | None) -> PromptSet:
-        if count is None:
+        """`count` conversations spread evenly over the set (every n/count-th, from the first), not its first
+        `count`: sets stored grouped (MT-Bench: ten questions per category, in category order) would otherwise
+        be judged on their first groups alone."""
+        if count is None or count >= len(self.conversations):
             return self
-        return PromptSet(self.name, self.conversations[:count], self.source, self.skipped_rows, self.note)
+        total = len(self.conversations)
+        picked = [self.conversations[i * total // count] for i in range(count)]
+        return PromptSet(self.name, picked, self.source, self.skipped_rows, self.note)
 
 
 def conversation_from_row(row: Any) -> Conversation | None:

@@ -152,3 +152,18 @@ def test_a_prompt_the_template_refuses_is_a_one_line_error() -> None:
     with pytest.raises(ValueError, match="chat template refuses this prompt .*roles must alternate") as error:
         prompt_ids(tokenizer, [{"role": "user", "content": "a"}], thinking=False)
     assert "\n" not in str(error.value)
+
+
+def test_a_subset_is_spread_over_the_whole_set() -> None:
+    """MT-Bench stores ten questions per category, in category order: 40 of its 80 are every other question,
+    five of each of the eight categories (its first 40 would be four categories only); the whole set when
+    asked for as many or more."""
+    whole = load_prompt_set("mt-bench")
+    half = load_prompt_set("mt-bench", 40)
+    assert [c.turns for c in half.conversations] == [c.turns for c in whole.conversations[::2]]
+    categories = [c.category for c in half.conversations]
+    assert len(set(categories)) == 8 and all(categories.count(name) == 5 for name in set(categories))
+    assert load_prompt_set("mt-bench", 80).conversations == whole.conversations
+    assert load_prompt_set("mt-bench", 500).conversations == whole.conversations
+    three = load_prompt_set("humaneval", 3).conversations
+    assert [c.turns for c in three] == [load_prompt_set("humaneval").conversations[i].turns for i in (0, 54, 109)]
