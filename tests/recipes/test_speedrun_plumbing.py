@@ -211,3 +211,29 @@ def test_stop_loops_reaches_every_regeneration(tmp_path: pathlib.Path) -> None:
                           env={**os.environ, "OUT": str(tmp_path / "bad"), "STOP_LOOPS": "on"},
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "STOP_LOOPS must be 0 or 1, not 'on'" in done.stderr
+
+
+def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathlib.Path) -> None:
+    """The ablate stage's default runs, as the script hands them to training, load as overrides of the packed
+    recipe and change what they name (a typo would only show on the GPU, after the baseline's minutes)."""
+    from dflash_train.training.config import load_config
+
+    calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATION_DATA="") if "dflash_train.cli train" in c]
+    names = [next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1] for args in calls]
+    assert names == ["ablation-base", "ablation-batch4", "ablation-layers8", "ablation-decay", "ablation-lr2x"]
+    recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
+    base = load_config(recipe)
+    for name, args in zip(names, calls, strict=True):
+        assert args[args.index("--config") + 1] == "recipes/smollm2-135m-dflash-b16-packed.yaml"
+        overrides = [a for a in args[args.index("--config") + 2 :] if "=" in a and not a.startswith(
+            ("model.target=", "data.prepared=", "training.output_dir="))]
+        config = load_config(recipe, overrides)
+        changed = {"ablation-base": (config.training.batch_size, config.model.num_draft_layers,
+                                     config.training.position_weighting, config.training.muon_learning_rate) == (
+            base.training.batch_size, base.model.num_draft_layers, base.training.position_weighting,
+            base.training.muon_learning_rate),
+                   "ablation-batch4": config.training.batch_size == 4 != base.training.batch_size,
+                   "ablation-layers8": config.model.num_draft_layers == 8 != base.model.num_draft_layers,
+                   "ablation-decay": config.training.position_weighting == "decay" != base.training.position_weighting,
+                   "ablation-lr2x": config.training.muon_learning_rate == 2 * base.training.muon_learning_rate}[name]
+        assert changed, name
