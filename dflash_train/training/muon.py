@@ -59,6 +59,14 @@ def adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: torch.Size) -> float
     return lr
 
 
+def closure_loss(closure: Callable[[], float] | None) -> float | None:
+    """The optimizer-step convention: re-evaluate the loss with gradients on, if a closure is given."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 class BatchedMuon(torch.optim.Muon):
     """`torch.optim.Muon` with the matrices of one shape stepped together (see the module docstring).
 
@@ -69,10 +77,7 @@ class BatchedMuon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for group in self.param_groups:
             params: list[torch.Tensor] = []
             grads: list[torch.Tensor] = []
@@ -133,10 +138,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = closure_loss(closure)
         for opt in self.optimizers:
             opt.step()
         return loss
