@@ -34,7 +34,7 @@ def random_state(rows: int, block: int, max_new: int, seed: int, fused: bool, st
     state.n_cycles.copy_(torch.randint(0, 5, (rows,), generator=g))
     state.start.copy_(torch.randint(10, 100, (rows,), generator=g))
     state.done.copy_(torch.rand(rows, generator=g) < 0.2)
-    state.stopped.copy_(state.done & (torch.rand(rows, generator=g) < 0.5))
+    state.stopped.copy_(state.done & (torch.rand(rows, generator=g) < 0.5).to(state.done.device))
     return state
 
 

@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_train.objective.blocks import IGNORE_INDEX
 from dflash_train.training.config import load_config
-from dflash_train.training.trainer import Trainer, anchor_seed
+from dflash_train.training.trainer import HOST_ONLY, Trainer, anchor_seed
 from tests.helpers.training import overrides
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
@@ -64,9 +64,11 @@ def test_the_loss_never_counts_rows_on_the_device(assets: dict[str, pathlib.Path
     for weighting in ("decay", "dpace"):
         trainer = Trainer(load_config(None, overrides(assets, tmp_path / weighting, **{
             **PACKED, "training.position_weighting": weighting})))
-        _, batch = trainer._load_step(0)[0]
-        features, _ = trainer._features(batch, batch["input_ids"].shape[1], batch.get("position_ids"))
-        blocks = batch["blocks"]
+        _, cpu_batch = trainer._load_step(0)[0]
+        device = trainer.accelerator.device  # moved as the trainer's forward moves it (a GPU run: CUDA)
+        batch = {k: v.to(device) for k, v in cpu_batch.items() if k not in HOST_ONLY}
+        features, _ = trainer._features(batch, batch["input_ids"].shape[1], cpu_batch["position_ids"])
+        blocks = cpu_batch["blocks"].to(device)
         ops = OpNames()
         with ops:
             out = trainer.objective(trainer.model, trainer.target.embed_tokens, trainer.target.lm_head.weight,
@@ -76,7 +78,8 @@ def test_the_loss_never_counts_rows_on_the_device(assets: dict[str, pathlib.Path
         assert out.num_supervised == blocks.supervised_rows.numel() > 0
         on_demand = OpNames()
         with on_demand:
-            trainer.objective.loss_from_hidden(torch.zeros(*blocks.labels.shape, trainer.draft_config.hidden_size),
+            trainer.objective.loss_from_hidden(torch.zeros(*blocks.labels.shape, trainer.draft_config.hidden_size,
+                                                           device=device),
                                                trainer.target.lm_head.weight,
                                                dataclasses.replace(blocks, supervised_rows=None))
         assert on_demand.names.count("nonzero") == 1
