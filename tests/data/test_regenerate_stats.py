@@ -158,3 +158,34 @@ def test_a_stopped_run_prints_its_totals_and_keeps_its_shards(tmp_path: Path, ca
     assert len(regenerated_files(out)) == 1
     assert open_corpus(CorpusSpec(str(out), allow_unfinished=True)).size == 3
     assert latest_stats(out, 0, 1, started + 1.0) is None  # another command's file is not this one's
+
+
+class WindowedBackend:
+    """Three units in flight; each takes one second of a fake clock once waited for, answering 10 tokens a row."""
+
+    window = 3
+
+    def __init__(self, clock: list[float]) -> None:
+        self.clock = clock
+
+    def start(self, rows: list[PromptRow], seed: int) -> Callable[[], list[Completion]]:
+        def wait() -> list[Completion]:
+            self.clock[0] += 1.0
+            return [Completion("a b", "stop", 10) for _ in rows]
+        return wait
+
+
+def test_the_progress_rate_is_each_units_own_time_not_its_wait_in_the_window(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Units finish one a second, 40 tokens each: every rate the bar shows is 40 tokens/s, though the later
+    units were submitted up to three seconds before they finished."""
+    from dflash_train.data import regenerate as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module.time, "perf_counter", lambda: clock[0])
+    rows = [PromptRow(i, [{"role": "user", "content": "q"}], [1, 2], "src", i) for i in range(24)]
+    rates: list[float] = []
+    module.run_units(WindowedBackend(clock), rows, [list(range(k, k + 4)) for k in range(0, 24, 4)], tmp_path,
+                     0, 1, seed=0, progress=lambda done, total, rate: rates.append(rate) if done else None)
+    assert rates == [40.0] * 6
