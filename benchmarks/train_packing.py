@@ -42,25 +42,23 @@ from benchmarks.common import H200_BF16_PEAK, write_result
 from benchmarks.decode import as_intervals, gpu_time, kernel_categories, profiled_calls
 from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
 
+# Rows of 8,192 tokens, the target's packed forward on the varlen kernel (the packed recipe's choice); the
+# other packed variants change one thing each, whatever --recipe says.
+PACKED = ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2", "training.compile=true",
+          "training.target_attention=varlen"]
 VARIANTS: dict[str, list[str]] = {
     "padded": ["data.max_length=2048", "training.batch_size=16", "training.compile=true"],
-    "packed": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2", "training.compile=true"],
-    "packed-4x-rows": ["data.max_length=2048", "data.pack_tokens=16384", "training.batch_size=4",
-                        "training.compile=true"],
-    "packed-eager-layers": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
-                             "training.compile=false"],
-    # the target's forward over packed rows on SDPA with Hugging Face's dense per-chat mask, instead of flex
-    "packed-sdpa-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
-                           "training.compile=true", "training.target_attention=sdpa"],
-    # the same on PyTorch's FlashAttention varlen kernel: each chat alone, nothing compiled for the target
-    "packed-varlen-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
-                             "training.compile=true", "training.target_attention=varlen"],
+    "packed": PACKED,
+    "packed-4x-rows": [*PACKED, "data.pack_tokens=16384", "training.batch_size=4"],
+    "packed-eager-layers": [*PACKED, "training.compile=false"],
+    # the target's forward over packed rows on SDPA with Hugging Face's dense per-chat mask
+    "packed-sdpa-target": [*PACKED, "training.target_attention=sdpa"],
+    # the same on flex attention: skips the tiles no chat fills, but compiles its kernel on the first step
+    "packed-flex-target": [*PACKED, "training.target_attention=flex"],
     # the target's decoder layers compiled too (their eager forward launches ~50 kernels a layer)
-    "packed-compiled-target": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
-                               "training.compile=true", "training.compile_target=true"],
+    "packed-compiled-target": [*PACKED, "training.compile_target=true"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel
-    "packed-soft-targets": ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2",
-                            "training.compile=true", "training.soft_targets=true"],
+    "packed-soft-targets": [*PACKED, "training.soft_targets=true"],
 }
 RESULT_PREFIX = "RESULT "
 # A training step's kernels by name, the first pattern found in a lower-cased name naming its category; the
