@@ -28,6 +28,11 @@
 #                   needs the GPU and the target (default 20000, ~1.5 minutes on an H200, taken off
 #                   REGEN_MINUTES; 0: none). In place of 20k openai-evals prompts they raised MT-Bench τ
 #                   2.96 -> 3.15 at equal minutes (b628823). SELF_PROMPT_EXTRA: more self-prompt flags
+#   SELF_MATH_PROMPTS   math word problems the target writes itself (`self-prompt --opening`, SELF_MATH_OPENING),
+#                   each followed by a request for a worked solution in \boxed{}, packed beside the other
+#                   self-prompts as source self-prompts:math: the target's answers in the style it uses on the
+#                   word problems of the math eval set, which the generated math lacks (default 0: none; their
+#                   minutes come off REGEN_MINUTES too)
 #   TRIM_LOOPS      1: prepare cuts answers the token cap stopped inside a verbatim loop to two copies of it
 #                   (`prepare --trim-loops`: 21 % of the 839ee3b run's answers, 24 % of its answer text); default 0
 #   STOP_LOOPS      1 (default): regeneration ends an answer inside a verbatim loop (`regenerate --stop-loops`)
@@ -76,6 +81,8 @@ SELF_PROMPTS=${SELF_PROMPTS:-20000}
 TRIM_LOOPS=${TRIM_LOOPS:-0}
 STOP_LOOPS=${STOP_LOOPS:-1}
 SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
+SELF_MATH_PROMPTS=${SELF_MATH_PROMPTS:-0}
+SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to solve:}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-5}
@@ -103,6 +110,8 @@ LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 [[ "$TRIM_LOOPS" == 0 || "$TRIM_LOOPS" == 1 ]] || { echo "TRIM_LOOPS must be 0 or 1, not '$TRIM_LOOPS'" >&2; exit 2; }
 [[ "$STOP_LOOPS" == 0 || "$STOP_LOOPS" == 1 ]] || { echo "STOP_LOOPS must be 0 or 1, not '$STOP_LOOPS'" >&2; exit 2; }
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
+[[ "$SELF_MATH_PROMPTS" =~ ^[0-9]+$ ]] || {
+  echo "SELF_MATH_PROMPTS must be a count of prompts (0 for none), not '$SELF_MATH_PROMPTS'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
 (( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
   echo "LAUNCH_CONFIG $LAUNCH_CONFIG does not exist: give one of recipes/accelerate/*.yaml" >&2; exit 2; }
@@ -138,6 +147,16 @@ prompts() {
       echo $(( SECONDS - started )) > "$OUT/self_prompts.seconds"  # paid from REGEN_MINUTES
     fi
     sources+=(--source "$OUT/self_prompts.jsonl=$SELF_PROMPTS")
+  fi
+  if (( SELF_MATH_PROMPTS > 0 )); then  # the target's own math word problems, asked for a worked solution
+    if [[ ! -f "$OUT/self_prompts-math.jsonl" ]]; then
+      local math_started=$SECONDS
+      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_MATH_PROMPTS" --seed 1 \
+        --opening "$SELF_MATH_OPENING" --request 'Solve it step by step, then give the final answer in \boxed{}.' \
+        --label math --out "$OUT/self_prompts-math.jsonl"
+      echo $(( SECONDS - math_started )) > "$OUT/self_prompts-math.seconds"  # paid from REGEN_MINUTES
+    fi
+    sources+=(--source "$OUT/self_prompts-math.jsonl=$SELF_MATH_PROMPTS")
   fi
   [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
   # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
@@ -175,8 +194,10 @@ regen() {
     --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
     --batch-size 4096 --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen-chat"
   # The target's minutes of data are one budget: what writing SELF_PROMPTS took comes off regeneration's.
-  local spent=0 budget
-  [[ -f "$OUT/self_prompts.seconds" ]] && spent=$(< "$OUT/self_prompts.seconds")
+  local spent=0 budget file
+  for file in "$OUT"/self_prompts*.seconds; do
+    [[ -f "$file" ]] && spent=$(( spent + $(< "$file") ))
+  done
   budget=$(awk -v minutes="$REGEN_MINUTES" -v spent="$spent" 'BEGIN { b = minutes * 60 - spent; printf "%d", b < 60 ? 60 : b }')
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   on_every_gpu timeout "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \

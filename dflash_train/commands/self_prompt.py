@@ -58,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--opening", default="",
                         help="the start of every user turn, which the target continues: prompts of one kind in its "
                              "own words, e.g. 'Here is a math word problem for you to solve:' (default: none)")
+    parser.add_argument("--request", default="",
+                        help="a sentence appended to every kept prompt after a blank line, saying what the answer "
+                             "should look like, e.g. 'Solve it step by step, then give the final answer in "
+                             "\\boxed{}.' (default: none)")
     parser.add_argument("--label", default=None, metavar="NAME",
                         help="label the rows self-prompts:NAME (default: self-prompts), a data source of their own")
     parser.add_argument("--no-decontaminate", action="store_true",
@@ -90,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
     target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
     tokenizer = target.tokenizer
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
-    settings = Settings(args.num_prompts, args.seed, opening=args.opening, source=source_label(args.label))
+    settings = Settings(args.num_prompts, args.seed, opening=args.opening, request=args.request.strip(),
+                        source=source_label(args.label))
     prefix_ids = chat.encode_texts([user_turn_prefix(chat) + args.opening])[0]
     config = _engine_config(args, target, len(prefix_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)

@@ -9,7 +9,9 @@ chat corpora at hand are small (ShareGPT here holds ~10k distinct first turns) o
 An opening (``Settings.opening``, e.g. "Here is a math word problem for you to solve:") starts every user turn
 and the target writes the rest: prompts of one kind in the target's own words (its own math word problems,
 say, where the math sources at hand are off the style a user's math question has). Such rows are labelled
-``self-prompts:NAME``, so that training reports them as a source of their own.
+``self-prompts:NAME``, so that training reports them as a source of their own. A request (``Settings.request``,
+e.g. "Solve it step by step, then give the final answer in a box.") follows every kept prompt after a blank
+line: it says what the answer should look like, which the target, writing as the user, rarely says itself.
 
 A prompt is kept when the target ended the turn itself (finish "stop", not the token cap), it has
 ``MIN_WORDS`` to ``MAX_WORDS`` words and no special token, it repeats no earlier prompt (case and spacing
@@ -59,6 +61,7 @@ class Settings:
     seed: int = 0
     chunk_rows: int = 4096  # rows drawn per chunk (one progress update each)
     opening: str = ""  # the start of every user turn, which the target continues (part of the kept prompt)
+    request: str = ""  # appended to every kept prompt after a blank line (what the answer should look like)
     source: str = SOURCE  # the rows' label: SOURCE, or SOURCE:NAME (source_label)
 
 
@@ -118,6 +121,8 @@ def self_prompts(generator: Submitter, decode: Callable[[list[int]], str], prefi
             if reason:
                 report.drop(reason)
                 continue
+            if settings.request:
+                text = f"{text}\n\n{settings.request}"
             rows.append({"messages": [{"role": "user", "content": text}], "source": settings.source,
                          "source_index": row_id})
             report.kept += 1

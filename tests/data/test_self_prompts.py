@@ -109,6 +109,18 @@ def test_an_opening_starts_every_prompt_and_the_rows_carry_their_label() -> None
         source_label("math problems")
 
 
+def test_a_request_follows_every_kept_prompt_and_takes_no_part_in_keeping_it() -> None:
+    """The request comes after a blank line; prompts are told apart, and counted, without it (two that differ
+    only in case are one prompt, a one-word turn is still too short)."""
+    texts = {0: " Tom has 3 apples.", 1: " hi", 2: " TOM has 3  apples.", 3: " A train leaves at noon."}
+    rows, report, _ = run_scripted(lambda i: texts.get(i, f" problem {i} is here"), count=2, chunk=4,
+                                   opening="A problem:", request="Solve it step by step.")
+    assert [row["messages"][0]["content"] for row in rows] == [
+        "A problem: Tom has 3 apples.\n\nSolve it step by step.",
+        "A problem: A train leaves at noon.\n\nSolve it step by step."]
+    assert dict(report.dropped) == {"too_few_words": 1, "duplicate_prompt": 1}
+
+
 def test_rows_are_kept_in_order_from_distinct_seeds_with_the_next_chunk_queued_ahead() -> None:
     texts = {0: "plan a trip for me", 1: "hi", 2: "PLAN a  trip for me", 3: "write a poem about rain",
              4: "explain how tides work", 5: "name three rivers please"}
@@ -198,5 +210,8 @@ def test_the_command_continues_its_opening_and_labels_the_rows(tmp_path: Path,
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert rows and all(row["messages"][0]["content"].startswith(opening) for row in rows)
     assert {row["source"] for row in rows} == {"self-prompts:math"}
-    assert self_prompt(target, out, "--opening", opening, "--label", "math", "--overwrite", "--seed", "1") == 0
+    assert self_prompt(target, out, "--opening", opening, "--label", "math", "--overwrite", "--seed", "1",
+                       "--request", "Show your steps. ") == 0
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows and all(row["messages"][0]["content"].endswith("\n\nShow your steps.") for row in rows)
     assert self_prompt(target, tmp_path / "x.jsonl", "--label", "bad label") == 2

@@ -168,6 +168,19 @@ def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tm
     assert prepares[0][prepares[0].index("--train-turns") + 1] == "last"  # an entry's flags, split into words
 
 
+def test_self_math_prompts_ask_for_worked_solutions_and_join_the_mix_under_their_label(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("prompts", tmp_path, SELF_PROMPTS="0", SELF_MATH_PROMPTS="50", MIX="sharegpt=10")
+    (args,) = [c.split(" --") for c in calls if "self-prompt" in c]
+    flags = {flag.split(" ", 1)[0]: flag.split(" ", 1)[1] if " " in flag else "" for flag in args[1:]}
+    written = str(tmp_path / "run" / "self_prompts-math.jsonl")
+    assert (flags["num-prompts"], flags["label"], flags["out"]) == ("50", "math", written)
+    assert flags["opening"] == "Here is a math word problem for you to solve:"
+    assert flags["request"] == "Solve it step by step, then give the final answer in \\boxed{}."
+    pack = [c.split() for c in calls if "dflash_train.data.pack" in c][0]
+    assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == ["sharegpt=10", f"{written}=50"]
+    assert not [c for c in run_stage("prompts", tmp_path, SELF_PROMPTS="0", MIX="sharegpt=10") if "self-prompt" in c]
+
+
 def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathlib.Path) -> None:
     """REGEN_MINUTES is the target's data budget: seconds spent writing self-prompts shorten regeneration."""
     bin_dir = tmp_path / "bin"
@@ -179,6 +192,9 @@ def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathl
     (tmp_path / "run" / "self_prompts.seconds").write_text("75\n")
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
         "timeout 225s"]
+    (tmp_path / "run" / "self_prompts-math.seconds").write_text("45\n")  # every self-prompt set is paid for
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
+        "timeout 180s"]
     (tmp_path / "run" / "self_prompts.seconds").write_text("500\n")  # never below a minute
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="2.5") if c.startswith("timeout")] == [
         "timeout 60s"]
