@@ -78,3 +78,24 @@ def test_a_pack_prompt_file_gives_its_first_user_turns(tmp_path: Path) -> None:
     path.write_text(json.dumps({"messages": [{"role": "assistant", "content": "no user"}]}) + "\n")
     with pytest.raises(ValueError, match="neither a \"prompt\" string nor a user turn"):
         load_prompts(target, path, 1)
+
+
+def test_loop_stopping_variants_count_answers_and_may_leave_out_generate(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """--stop-loops: the refilled runtime variants end answers inside a verbatim loop (a random tiny target
+    loops), each such answer the start of the baseline's, which decodes to the cap; --hf-batches 0 leaves
+    `generate` out."""
+    target = make_tiny_target("llama", num_layers=2)
+    target.model.save_pretrained(tmp_path / "target")
+    target.tokenizer.save_pretrained(tmp_path / "target")
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    main(["--target", str(tmp_path / "target"), "--device", "cpu", "--prompts", "12", "--max-new-tokens", "96",
+          "--rows", "8", "--baseline-rows", "4", "--hf-batches", "0", "--stop-loops", "--no-compile"])
+    result = json.loads((tmp_path / "results" / "regenerate.json").read_text())
+    rows = {(r["variant"], r["rows"]): r for r in result["results"]}
+    assert set(rows) == {("runtime (old default)", 4), ("runtime, loops stopped", 8)}
+    stopped, baseline = rows[("runtime, loops stopped", 8)], rows[("runtime (old default)", 4)]
+    assert stopped["finish_reasons"].get("loop", 0) > 0 and "loop" not in baseline["finish_reasons"]
+    assert stopped["tokens"] < baseline["tokens"] and stopped["same_answers"] == stopped["prompts"] == 12
+    assert stopped["answers_per_s"] == pytest.approx(12 / stopped["seconds"])
+    assert result["verdict"].startswith("goal >= 120k tokens/s: NOT met, runtime ")
