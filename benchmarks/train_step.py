@@ -54,8 +54,7 @@ def run_variant(name: str, args: argparse.Namespace, config: DFlashConfig) -> di
     draft = DFlashDraftModel(config).cuda()  # fp32 master weights
     optimised = name.startswith("optimised")
     if name == "optimised" and not args.no_compile:
-        for layer in draft.layers:
-            layer.compile()
+        draft.compile_layers()
     embed = torch.nn.Embedding(config.vocab_size, config.hidden_size, device="cuda", dtype=torch.bfloat16)
     embed.requires_grad_(False)
     head = torch.randn(config.vocab_size, config.hidden_size, device="cuda", dtype=torch.bfloat16) * 0.02

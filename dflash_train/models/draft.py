@@ -31,7 +31,15 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(hidden, eps=config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config)
+        self.layers_compiled = False
         self.reset_parameters()
+
+    def compile_layers(self) -> None:
+        """torch.compile each decoder layer. The layers share their compiled graphs (one structure), as long as
+        their inputs agree in what dynamo guards on, `requires_grad` included: see `forward`."""
+        for layer in self.layers:
+            layer.compile()
+        self.layers_compiled = True
 
     @torch.no_grad()
     def reset_parameters(self, std: float = 0.02) -> None:
@@ -70,6 +78,11 @@ class DFlashDraftModel(nn.Module):
         rows = self.fuse_context(context_features)
         context = ContextRows(rows, *self.rotary_emb(context_positions, rows.dtype))
         h = block_embeds.to(rows.dtype)
+        if self.layers_compiled and torch.is_grad_enabled() and not h.requires_grad:
+            # The block embeddings come from the target's frozen table, so the first layer's input alone would not
+            # require grad, and torch.compile, which guards on that, would compile the layer a second time for it
+            # (about 10 s of an H200's first step for SmolLM2's drafter). Its unused gradient costs far less.
+            h = h.detach().requires_grad_()
         cos, sin = self.rotary_emb(block_positions, h.dtype)
         for layer in self.layers:
             h = layer(h, cos, sin, context, mask)

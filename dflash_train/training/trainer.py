@@ -152,8 +152,7 @@ class Trainer:
         schedule = build_schedule(optimizer, lambda: self.total_steps, config)
         self.model, self.optimizer, self.schedule = self.accelerator.prepare(draft, optimizer, schedule)
         if t.compile:
-            for layer in self.accelerator.unwrap_model(self.model).layers:
-                layer.compile()
+            self.accelerator.unwrap_model(self.model).compile_layers()
         if t.compile_target and not self.samples.offline:
             self.target.compile_decoder_layers()
         self.objective = DFlashObjective(

@@ -35,8 +35,7 @@ def test_per_layer_sharded_drafter_equals_the_unsharded_one(process_group: None,
     fully_shard(sharded)
     assert isinstance(sharded.layers[0].self_attn.k_proj.weight, DTensor)  # really sharded between forwards
     if compiled:  # as the trainer does: each layer compiled after sharding
-        for layer in sharded.layers:
-            layer.compile()
+        sharded.compile_layers()
     gen = torch.Generator().manual_seed(0)
     c, k, q = 10, plain.config.num_context_features, 8
     inputs = (torch.randn(2, q, 32, generator=gen), torch.arange(c, c + q).repeat(2, 1),
