@@ -81,7 +81,7 @@ class DFlashDraftModel(nn.Module):
         if self.layers_compiled and torch.is_grad_enabled() and not h.requires_grad:
             # The block embeddings come from the target's frozen table, so the first layer's input alone would not
             # require grad, and torch.compile, which guards on that, would compile the layer a second time for it
-            # (about 10 s of an H200's first step for SmolLM2's drafter). Its unused gradient costs far less.
+            # (a second forward and backward compilation in the first step). Its unused gradient costs far less.
             h = h.detach().requires_grad_()
         cos, sin = self.rotary_emb(block_positions, h.dtype)
         for layer in self.layers:
