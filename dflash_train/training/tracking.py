@@ -115,11 +115,14 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
         axes[2].plot(steps, [r["expected_acceptance_length"] for r in records], style, label=split)
     for name, (steps, taus) in source_curves(metrics.get("validation", [])).items():
         axes[2].plot(steps, taus, "o--", markersize=3, linewidth=1, label=f"validation: {name}")
-    for ax, title in zip(axes, ("loss", "mean per-slot top-1 accuracy", "expected acceptance length τ"), strict=True):
+    # Log scale: the first steps' loss (60+ under D-PACE) would otherwise flatten the rest of the curve.
+    axes[0].set_yscale("log")
+    for ax, title in zip(axes, ("loss (log scale)", "mean per-slot top-1 accuracy", "expected acceptance length τ"),
+                         strict=True):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
-        ax.grid(alpha=0.3)
-        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     return out_path
