@@ -42,8 +42,9 @@
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
 #                   SELF_PROMPTS took; training uses the finished shards (default 5)
-#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 12: with the other defaults
-#                   the 2026-12-02 run took 19.1 minutes at 8.3 minutes of training, so 12 fits in 25)
+#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 13: the 78d1c8e run's other
+#                   stages took 9.6 minutes and loading plus the first step half a minute, so 13 fits in 25 with
+#                   about 2 to spare; held-out τ̂ was still rising at the end of its 11)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
@@ -86,7 +87,7 @@ SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to so
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-5}
-TRAIN_MINUTES=${TRAIN_MINUTES:-12}
+TRAIN_MINUTES=${TRAIN_MINUTES:-13}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
