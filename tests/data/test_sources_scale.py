@@ -4,6 +4,7 @@ written here), and a pack of 150k+ distinct prompts from the installed sources."
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 import textwrap
@@ -13,10 +14,12 @@ import pytest
 
 from dflash_train.data import code_prompts as code
 from dflash_train.data.corpora import MATH_GENERATORS, CorpusSpec, open_corpus
+from dflash_train.data.decontaminate import build_index
 from dflash_train.data.pack import main as pack_main
 from dflash_train.data.pack import prompt_key
 from dflash_train.data.prepare import iter_messages
 from dflash_train.data.quality import DataReport
+from dflash_train.eval.prompts import HUMANEVAL_FORMAT
 
 HAS_GYM = importlib.util.find_spec("reasoning_gym") is not None
 
@@ -167,6 +170,31 @@ def test_code_prompts_from_signatures_and_docstrings(tmp_path: Path) -> None:
     assert "a method `push(item: int) -> None` of a Python class `Stack`" in prompts["lib:Stack.push"]
     assert "`merge(a, b)`" in prompts["lib:Stack.merge"]  # a static method keeps its first argument
     assert len({p.split("`")[0] for p in prompts.values()}) > 1  # more than one wording
+
+
+def test_stub_prompts_ask_for_code_to_complete_and_share_no_run_with_humaneval(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """code-prompts:stub: the same functions as a Python block to complete, a bound method inside its class
+    with self back in its place, a static method without; the request is worded apart from HumanEval's."""
+    write_library(tmp_path / "site")
+    records = code.code_prompts([tmp_path / "site"], tmp_path / "cache")
+    stubs = {r["origin"]: r["stub"] for r in records}
+    assert stubs["lib:mean"].endswith(
+        '```python\ndef mean(values: list[float], *, weights: list[float] | None=None) -> float:\n'
+        '    """Return the weighted mean of the values."""\n```')
+    assert stubs["lib:mean"].startswith("Complete the function, so that it does what its docstring says")
+    assert 'class Stack:\n    def push(self, item: int) -> None:\n        """Push an item' in stubs["lib:Stack.push"]
+    assert "method `push` of this Python class" in stubs["lib:Stack.push"]
+    assert "    def merge(a, b):\n" in stubs["lib:Stack.merge"]
+    for stub in stubs.values():  # each block is Python that parses
+        ast.parse(stub.split("```python\n")[1].removesuffix("\n```"))
+    humaneval = build_index({"humaneval": [HUMANEVAL_FORMAT.format('def f(x):\n    """Return x."""')]})
+    assert not any(humaneval.overlaps_text(stub) for stub in stubs.values())
+    monkeypatch.setattr("dflash_train.data.corpora.code_prompts", lambda: records)
+    corpus = open_corpus(CorpusSpec("code-prompts:stub"))
+    assert [record["prompt"] for record in corpus] == list(stubs.values())
+    assert [record["prompt"] for record in open_corpus(CorpusSpec("code-prompts"))] == [r["prompt"] for r in records]
 
 
 def test_code_prompts_are_cached_until_a_file_changes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -59,7 +59,8 @@ def test_worked_math_never_overlaps_the_math_eval_set(source: str) -> None:
 
 @pytest.mark.parametrize("source, message", [
     ("reasoning-gym-math:cot", "a generated source takes one option, reasoning-gym-math:steps"),
-    ("code-prompts:steps", "only openai-evals (openai-evals:PER_TASK) and the generated sources"),
+    ("code-prompts:steps", "code-prompts takes one option, code-prompts:stub"),
+    ("sharegpt:stub", "only openai-evals (openai-evals:PER_TASK), code-prompts:stub and the generated sources"),
 ])
 def test_an_unknown_option_is_one_line(source: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
