@@ -42,9 +42,9 @@
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
 #                   SELF_PROMPTS took; training uses the finished shards (default 5)
-#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 13: the 78d1c8e run's other
-#                   stages took 9.6 minutes and loading plus the first step half a minute, so 13 fits in 25 with
-#                   about 2 to spare; held-out τ̂ was still rising at the end of its 11)
+#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 12.5: the 78d1c8e run's other
+#                   stages took 9.6 minutes, the batch-8 eval adds about one and loading plus the first step half
+#                   a minute, so 12.5 fits in 25 with 1.5 to spare; held-out τ̂ was still rising at the end of its 11)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
@@ -62,7 +62,8 @@
 #                   held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
-#                   float32 check (default 16)
+#                   float32 check at batch 8 (default 16); BATCH8_PROMPTS for the bf16 eval at batch 8 (τ, speedup
+#                   and the exact check with 8 requests decoded together; default 16, 0: none)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (512)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
@@ -87,7 +88,7 @@ SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to so
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-5}
-TRAIN_MINUTES=${TRAIN_MINUTES:-13}
+TRAIN_MINUTES=${TRAIN_MINUTES:-12.5}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
@@ -101,11 +102,14 @@ EVAL_PROMPTS=${EVAL_PROMPTS:-40}
 CURVE_PROMPTS=${CURVE_PROMPTS:-$EVAL_PROMPTS}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
 FP32_PROMPTS=${FP32_PROMPTS:-16}
+BATCH8_PROMPTS=${BATCH8_PROMPTS:-16}
 MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-512}
 MAX_LENGTH=${MAX_LENGTH:-2048}
 DECODE_ROWS=${DECODE_ROWS:-512}
 GPUS=${GPUS:-1}
 LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
+[[ "$BATCH8_PROMPTS" =~ ^[0-9]+$ ]] || {
+  echo "BATCH8_PROMPTS must be a count of prompts (0 for none), not '$BATCH8_PROMPTS'" >&2; exit 2; }
 [[ "$ABLATION_EVAL_PROMPTS" =~ ^[0-9]+$ ]] || {
   echo "ABLATION_EVAL_PROMPTS must be a count of prompts (0 for none), not '$ABLATION_EVAL_PROMPTS'" >&2; exit 2; }
 [[ "$TRIM_LOOPS" == 0 || "$TRIM_LOOPS" == 1 ]] || { echo "TRIM_LOOPS must be 0 or 1, not '$TRIM_LOOPS'" >&2; exit 2; }
@@ -305,7 +309,13 @@ evaluate() {
   [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   mkdir -p "$OUT/eval"
   eval_b16 main "$draft" "$EVAL_PROMPTS"
-  # The bf16 evals check losslessness exactly; float32 repeats the check at another precision.
+  # The bf16 evals check losslessness exactly; at batch 8 the rows share each verify pass (speedup at batch 8
+  # too), and float32 repeats the check at another precision.
+  if (( BATCH8_PROMPTS > 0 )) && [[ ! -f "$OUT/eval/main-b8.json" ]]; then
+    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
+      --num-prompts "$BATCH8_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --batch-size 8 --no-progress \
+      --out "$OUT/eval/main-b8.json"
+  fi
   [[ -f "$OUT/eval/main-fp32.json" ]] ||
     run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
       --num-prompts "$FP32_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --dtype float32 --no-compile --batch-size 8 \

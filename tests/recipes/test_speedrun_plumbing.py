@@ -53,8 +53,21 @@ def test_curve_points_are_evaluated_on_their_own_prompts_without_the_lossless_pa
 def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib.Path) -> None:
     calls = run_stage("eval", tmp_path, EVAL_PROMPTS="40", CURVE_PROMPTS="12")
     bf16 = [c.split() for c in calls if "dflash_train.cli eval" in c and "float32" not in c]
-    assert len(bf16) == 1
-    assert bf16[0][bf16[0].index("--num-prompts") + 1] == "40" and "--no-lossless-check" not in bf16[0]
+    batch1 = [args for args in bf16 if "--batch-size" not in args]
+    assert len(batch1) == 1
+    assert batch1[0][batch1[0].index("--num-prompts") + 1] == "40" and "--no-lossless-check" not in batch1[0]
+
+
+def test_the_bf16_batch8_eval_runs_once_with_its_own_prompts_unless_switched_off(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("eval", tmp_path, BATCH8_PROMPTS="12")
+    (batch8,) = [c.split() for c in calls if "--batch-size 8" in c and "float32" not in c]
+    assert batch8[batch8.index("--num-prompts") + 1] == "12" and "--dtype" not in batch8  # bf16 on a GPU
+    assert batch8[batch8.index("--out") + 1] == str(tmp_path / "run" / "eval" / "main-b8.json")
+    assert "--no-lossless-check" not in batch8 and "--no-compile" not in batch8
+    (tmp_path / "run" / "eval" / "main-b8.json").write_text("{}")  # done: not run again
+    assert not [c for c in run_stage("eval", tmp_path) if "main-b8.json" in c and "cli eval" in c]
+    (tmp_path / "run" / "eval" / "main-b8.json").unlink()
+    assert not [c for c in run_stage("eval", tmp_path, BATCH8_PROMPTS="0") if "main-b8.json" in c and "cli eval" in c]
 
 
 # Records which GPU (LOCAL_RANK) each call ran on; a regeneration rank given RANK_EXIT's rank exits 124, as
