@@ -11,6 +11,7 @@ from tests.helpers.paths import REPO
 
 SHIM = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
+if [[ "$1" == "-c" && "$2" == *"'finished'"* ]]; then echo "${FINISHED:-}"; exit 0; fi
 if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
 exit 0
 """
@@ -28,6 +29,11 @@ def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: 
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return calls.read_text().splitlines()
+
+
+def test_a_finished_run_is_not_launched_again(tmp_path: pathlib.Path) -> None:
+    assert [c for c in run_stage("train", tmp_path) if "dflash_train.cli train" in c]
+    assert not [c for c in run_stage("train", tmp_path, FINISHED="finished") if "dflash_train.cli train" in c]
 
 
 def test_stop_after_reaches_every_training_run(tmp_path: pathlib.Path) -> None:
@@ -74,6 +80,7 @@ def test_the_bf16_batch8_eval_runs_once_with_its_own_prompts_unless_switched_off
 # `timeout` does when REGEN_MINUTES runs out.
 RANK_SHIM = """#!/usr/bin/env bash
 printf '%s\\n' "LOCAL_RANK=${LOCAL_RANK:-none} $*" >> "$CALLS"
+if [[ "$1" == "-c" && "$2" == *"'finished'"* ]]; then exit 0; fi
 if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
 if [[ "$*" == *"--rank ${RANK_EXIT:-none} "* ]]; then exit 124; fi
 exit 0
