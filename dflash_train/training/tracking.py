@@ -103,7 +103,7 @@ def source_curves(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], l
 
 def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
     metrics = read_metrics(metrics_path)
-    fig = Figure(figsize=(15, 4))
+    fig = Figure(figsize=(17, 4))
     axes = fig.subplots(1, 3)
     for split, style in (("train", "-"), ("validation", "o-")):
         records = metrics.get(split, [])
@@ -117,12 +117,15 @@ def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
         axes[2].plot(steps, taus, "o--", markersize=3, linewidth=1, label=f"validation: {name}")
     # Log scale: the first steps' loss (60+ under D-PACE) would otherwise flatten the rest of the curve.
     axes[0].set_yscale("log")
-    for ax, title in zip(axes, ("loss (log scale)", "mean per-slot top-1 accuracy", "expected acceptance length τ"),
-                         strict=True):
+    # Fixed legend corners where the curves rarely are (matplotlib's "best" searches, slowly on long runs).
+    titles = ("loss (log scale)", "mean per-slot top-1 accuracy", "expected acceptance length τ")
+    for ax, title, corner in zip(axes, titles, ("upper right", "lower right", "upper left"), strict=True):
         ax.set_title(title)
         ax.set_xlabel("optimizer step")
         ax.grid(alpha=0.3, which="both")
-        ax.legend(fontsize="small")
+        # τ's legend (one line per data source) goes beside its panel, where it hides no curve.
+        outside = {"bbox_to_anchor": (1.02, 1.0)} if ax is axes[2] else {}
+        ax.legend(fontsize="small", loc=corner, framealpha=0.8, **outside)
     fig.tight_layout()
     fig.savefig(out_path, dpi=120)
     return out_path
