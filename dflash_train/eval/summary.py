@@ -21,7 +21,7 @@ from dflash_train.eval.console import lossless_mark
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
 COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ̂ teacher-forced", "lossless", "speedup",
-           "steps", "sequences", "train min")
+           "cycle in steps", "steps", "sequences", "train min")
 
 
 def training_state(train_dir: Path) -> dict[str, Any]:
@@ -45,13 +45,23 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "dataset": dataset,
                 "requests": result["requests"], "tau": result["acceptance_length"],
                 "tau_teacher_forced": result.get("teacher_forced_acceptance_length"), "lossless": lossless_mark(result),
-                "speedup": result.get("speedup"), "steps": state.get("step"),
+                "speedup": result.get("speedup"), "cycle_in_steps": cycle_in_steps(result), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
                 "histogram": result.get("histogram"), "report": str(report_path),
                 "tau_by_turn": result.get("acceptance_length_by_turn"),
                 "tau_by_category": result.get("acceptance_length_by_category"),
             })
     return rows
+
+
+def cycle_in_steps(result: dict[str, Any]) -> float | None:
+    """A draft-and-verify cycle's time in target steps: decoding seconds per cycle over the target alone's
+    seconds per token (speedup = tokens per cycle / this). None where the report has no timings."""
+    keys = ("decode_seconds_with_draft", "cycles", "decode_seconds_target_only", "new_tokens_target_only")
+    if not all(result.get(key) for key in keys):
+        return None
+    cycle = result["decode_seconds_with_draft"] / result["cycles"]
+    return cycle / (result["decode_seconds_target_only"] / result["new_tokens_target_only"])
 
 
 def _minutes(seconds: float | None) -> float | None:
@@ -129,7 +139,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append("| " + " | ".join([
             r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
             cell(r["tau"], ".2f"), cell(r["tau_teacher_forced"], ".2f"),
-            r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""),
+            r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""), cell(r["cycle_in_steps"], ".2f"),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")
     return "\n".join(lines) + "\n"

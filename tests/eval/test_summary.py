@@ -26,7 +26,7 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     assert rows[("main", 16, "float32")]["steps"] == 300  # the float32 report belongs to the run `main`
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 6.00 | yes | 2.00× | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 6.00 | yes | 2.00× | — | 300 | 4800 | 10.0 |" in table
     assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
     assert table.splitlines()[0] == "training: main: 300 steps in 10.0 min, median step —, first step — (compilation included)"
     assert table.endswith((tmp_path / "summary.md").read_text())  # the table after the training line
@@ -84,3 +84,15 @@ def test_each_training_run_gets_a_line_with_its_median_and_first_step(tmp_path: 
     assert lines[0] == "training: main: 40 steps in 1.5 min, median step 0.2 s, first step 67.8 s (compilation included)"
     assert lines[1] == "training: old: 40 steps in 1.5 min, median step — s, first step — s (compilation included)".replace(
         "— s", "—")
+
+
+def test_a_cycle_is_priced_in_target_steps_from_the_reports_timings(tmp_path: Path) -> None:
+    """1.2 ms a cycle against 0.9 ms a target-alone token: a cycle costs 1.33 steps, and the speedup is the
+    tokens per cycle (3.0 here) over that: 2.25x."""
+    timed = {**result(3.0, True, speedup=2.25), "decode_seconds_with_draft": 1.2, "cycles": 1000,
+             "decode_seconds_target_only": 0.9, "new_tokens_target_only": 1000, "new_tokens_with_draft": 3000}
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": timed, "mt-bench": result(3.0, True)})
+    rows = {r["dataset"]: r for r in summary_rows(tmp_path)}
+    assert abs(rows["humaneval"]["cycle_in_steps"] - 4 / 3) < 1e-12 and rows["mt-bench"]["cycle_in_steps"] is None
+    tokens_per_cycle = timed["new_tokens_with_draft"] / timed["cycles"]
+    assert abs(tokens_per_cycle / rows["humaneval"]["cycle_in_steps"] - timed["speedup"]) < 1e-12
