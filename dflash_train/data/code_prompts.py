@@ -65,7 +65,7 @@ class Documented:
     name: str
     signature: str
     summary: str
-    bound: bool = False  # a method that takes self or cls (dropped from `signature`)
+    dropped: str | None = None  # a method's first argument (self, cls), left out of `signature`
 
     @property
     def origin(self) -> str:
@@ -85,9 +85,9 @@ class Documented:
             code = f"def {self.signature}:\n    {docstring}"
             return f"{STUB_REQUEST.format(what='function')}\n```python\n{code}\n```"
         head = self.signature
-        if self.bound:  # self (or cls) back in its place: the signature dropped it for the other wordings
+        if self.dropped:  # self (or cls) back in its place: the other wordings leave it out
             name, _, rest = head.partition("(")
-            head = f"{name}(self{'' if rest.startswith(')') else ', '}{rest}"
+            head = f"{name}({self.dropped}{'' if rest.startswith(')') else ', '}{rest}"
         code = f"class {self.owner}:\n    def {head}:\n        {docstring}"
         return f"{STUB_REQUEST.format(what=f'method `{self.name}` of this Python class')}\n```python\n{code}\n```"
 
@@ -192,7 +192,9 @@ def _describe(node: ast.stmt, module: str, owner: str | None) -> Documented | No
     if summary is None:
         return None
     bound = owner is not None and "staticmethod" not in decorators
-    return Documented(module, owner, node.name, signature(node, drop_first=bound), summary, bound)
+    positional = [*node.args.posonlyargs, *node.args.args]
+    dropped = positional[0].arg if bound and positional else None
+    return Documented(module, owner, node.name, signature(node, drop_first=bound), summary, dropped)
 
 
 def _decorator_name(node: ast.expr) -> str:

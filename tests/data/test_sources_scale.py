@@ -140,6 +140,10 @@ LIBRARY = '''
         def merge(a, b):
             """Merge two stacks into a new one, a first."""
 
+        @classmethod
+        def empty(cls) -> "Stack":
+            """Make a new stack that holds no items."""
+
     class _Hidden:
         def visible(self):
             """Return a value from a private class here."""
@@ -160,7 +164,7 @@ def test_code_prompts_from_signatures_and_docstrings(tmp_path: Path) -> None:
     write_library(tmp_path / "site")
     records = code.code_prompts([tmp_path / "site"], tmp_path / "cache")
     origins = [r["origin"] for r in records]
-    assert origins == ["lib:mean", "lib:configure", "lib:Stack.push", "lib:Stack.merge"]
+    assert origins == ["lib:mean", "lib:configure", "lib:Stack.push", "lib:Stack.merge", "lib:Stack.empty"]
     prompts = dict(zip(origins, (r["prompt"] for r in records), strict=True))
     assert "`mean(values: list[float], *, weights: list[float] | None=None) -> float`" in prompts["lib:mean"]
     assert "Return the weighted mean of the values." in prompts["lib:mean"]
@@ -187,6 +191,7 @@ def test_stub_prompts_ask_for_code_to_complete_and_share_no_run_with_humaneval(
     assert 'class Stack:\n    def push(self, item: int) -> None:\n        """Push an item' in stubs["lib:Stack.push"]
     assert "method `push` of this Python class" in stubs["lib:Stack.push"]
     assert "    def merge(a, b):\n" in stubs["lib:Stack.merge"]
+    assert "    def empty(cls) -> 'Stack':\n" in stubs["lib:Stack.empty"]
     for stub in stubs.values():  # each block is Python that parses
         ast.parse(stub.split("```python\n")[1].removesuffix("\n```"))
     humaneval = build_index({"humaneval": [HUMANEVAL_FORMAT.format('def f(x):\n    """Return x."""')]})
