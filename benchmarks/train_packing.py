@@ -104,6 +104,11 @@ def save_synthetic_chats(path: Path, chats: int, target: Path, tiny: bool = Fals
     (path / "dflash_data.json").write_text(json.dumps(meta))
 
 
+def unpacked(name: str) -> list[str]:
+    """`padded` stays one chat per row whatever the recipe (the packed recipe) or the tiny settings pack."""
+    return ["data.pack_tokens=null"] if name == "padded" else []
+
+
 def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     """One variant in this process: setup, the cold first step, then `args.steps` steps with prefetching
     (and with `args.profile`, 3 profiled steps after them)."""
@@ -115,7 +120,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
                  "data.validation_fraction=0", f"training.num_anchors={args.num_anchors}", "tracking.report_to=none",
                  f"training.output_dir={work / 'run'}", "training.resume=none", "training.max_steps=100000",
                  "training.eval_every=0", "training.save_every=100000000", "training.time_budget_minutes=null",
-                 *VARIANTS[name], *(TINY_SETTINGS if args.tiny else []), *args.set]
+                 *VARIANTS[name], *(TINY_SETTINGS if args.tiny else []), *unpacked(name), *args.set]
     started = time.perf_counter()
     trainer = Trainer(load_config(args.recipe, overrides))
     setup_s = time.perf_counter() - started

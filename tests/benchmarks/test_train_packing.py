@@ -52,3 +52,14 @@ def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypa
 ])
 def test_training_kernels_fall_in_their_categories(name: str, category: str) -> None:
     assert kernel_category(name, TRAINING_CATEGORIES) == category
+
+
+def test_padded_stays_one_chat_per_row_under_the_packed_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The packed recipe (and the tiny settings) set data.pack_tokens: the padded baseline must not inherit it."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
+    main(["--tiny", "--chats", "48", "--steps", "1", "--num-anchors", "8", "--variants", "padded,packed",
+          "--recipe", str(recipe), "--workdir", str(tmp_path / "work")])
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "results" / "train_packing.json").read_text())["results"]}
+    assert rows["padded"]["chats_per_step"] == 2  # the tiny settings' 2 rows, one chat each
+    assert rows["packed"]["chats_per_step"] > 2
