@@ -68,6 +68,9 @@ def packed_sequences(position_ids: torch.Tensor, device: torch.device) -> Iterat
         _current.sequences = previous
 
 
+# Outside any compiled graph (training.compile_target compiles the decoder layers around it): the chats'
+# boundaries change every step, and a graph guarding on them would be compiled again for each new set.
+@torch.compiler.disable
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      **kwargs: Any) -> tuple[torch.Tensor, None]:

@@ -232,8 +232,10 @@ class Trainer:
         # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself. Under
         # flex attention they run whole: compiled flex attention and its block mask specialise on the
         # length, and the padding is a sequence of its own there (collate_packed numbers it so); varlen
-        # attention cuts the chats out of the rows by their boundaries (target/varlen.py).
-        real = batch["input_ids"].shape[1] if attention == FLEX else real
+        # attention cuts the chats out of the rows by their boundaries (target/varlen.py). Compiled target
+        # layers (training.compile_target) specialise on the length too: they also get whole rows.
+        whole = attention == FLEX or self.config.training.compile_target
+        real = batch["input_ids"].shape[1] if whole else real
         ids = batch["input_ids"][:, :real]
         positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
         layer_ids = self.draft_config.target_layer_ids

@@ -118,3 +118,22 @@ def test_compile_target_compiles_the_target_layers_for_online_features(assets: d
     compiled = Trainer(load_config(None, overrides(assets, tmp_path / "compiled", **{
         **PACKED, "training.compile_target": True})))
     assert all(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in compiled.target.decoder_layers)
+
+
+def test_compiled_target_layers_are_compiled_in_the_first_step_only(assets: dict[str, pathlib.Path],
+                                                                   tmp_path: pathlib.Path) -> None:
+    """Packed rows on the varlen attention with training.compile_target: the chats' boundaries and the rows'
+    used length change every step, so the layers get whole rows and the attention runs outside their graph;
+    the graphs compiled in the first step serve the next ones (before, every step compiled a new one)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **{
+        **PACKED, "training.compile_target": True, "training.target_attention": "varlen"})))
+    graphs = []
+    for _ in range(3):
+        trainer.train_step()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs == [graphs[0]] * 3, graphs
