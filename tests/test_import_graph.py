@@ -112,7 +112,7 @@ def test_the_graph_sees_deferred_imports() -> None:
     # deferred imports would miss those edges.
     deferred = import_graph(top_level_only=False, with_parents=False)["dflash_train.demo"]
     top = import_graph(top_level_only=True, with_parents=False)["dflash_train.demo"]
-    assert "dflash_train.training.checkpointing" in deferred - top
+    assert "dflash_train.data.prepared" in deferred - top
 
 
 def test_no_cycle_among_top_level_imports() -> None:

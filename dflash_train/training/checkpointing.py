@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 import sys
 import zipfile
@@ -26,21 +25,15 @@ from typing import Any
 
 from dflash_train.safetensors_io import safetensors_damage
 from dflash_train.target import is_legacy_fingerprint
+from dflash_train.training.checkpoint_files import (  # noqa: F401  (their home; callers import them from here too)
+    CHECKPOINT_PATTERN,
+    checkpoint_root,
+    list_checkpoints,
+    read_trainer_state,
+)
 
-CHECKPOINT_PATTERN = re.compile(r"^step-(\d{8})$")
 COMPAT_KEYS = ("target_fingerprint", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
 
-
-def checkpoint_root(output_dir: str | Path) -> Path:
-    return Path(output_dir) / "checkpoints"
-
-
-def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    root = checkpoint_root(output_dir)
-    if not root.is_dir():
-        return []
-    found = [p for p in root.iterdir() if CHECKPOINT_PATTERN.match(p.name) and (p / "trainer_state.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
 
 
 def _say_on_rank_zero(message: str) -> None:
@@ -214,5 +207,3 @@ def space_error(output_dir: str | Path, step: int, needed: int) -> CheckpointSpa
         f"free; free space, point training.output_dir at a larger disk or lower training.keep_last ({kept})")
 
 
-def read_trainer_state(path: Path) -> dict[str, Any]:
-    return json.loads((path / "trainer_state.json").read_text())
