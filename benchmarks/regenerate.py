@@ -184,8 +184,10 @@ def run_runtime(target: TargetModel, prompts: list[list[int]], rows: int, refill
     setup_s, _ = timed(lambda: generator.generate(prompts[:2], [0, 0]), target.device)  # compile, capture
     seconds, outputs = timed(lambda: generator.generate(prompts, [0] * len(prompts)), target.device)
     name = ("runtime, loops stopped" if loops else "runtime") if refill else "runtime (old default)"
-    return row(name, rows, "waves" if refill else "none", outputs, seconds) | {"setup_s": setup_s, "cuda_graph": generator.engine.uses_cuda_graph,
-                           "compiled": generator.engine.uses_compile, "kernels": generator.engine.kernels}, outputs
+    engine = generator.engine
+    return row(name, rows, "waves" if refill else "none", outputs, seconds) | {
+        "setup_s": setup_s, "cuda_graph": engine.uses_cuda_graph, "compiled": engine.uses_compile,
+        "kernels": engine.kernels}, outputs
 
 
 def run_hf(target: TargetModel, prompts: list[list[int]], rows: int,
@@ -234,7 +236,8 @@ def print_table(results: list[dict[str, Any]], title: str) -> None:
     for r in results:
         vs_hf = "-" if r["vs_hf"] is None else f"{r['vs_hf']:.2f}x"
         print(f"{r['variant']:<22} {r['rows']:>5} {r['refill']:>6} {r['prompts']:>7} {r['tokens']:>9,} "
-              f"{r['seconds']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['answers_per_s']:>9,.1f} {r['vs_baseline']:>9.2f}x {vs_hf:>7} "
+              f"{r['seconds']:>8.2f} {r['tokens_per_s']:>10,.0f} {r['answers_per_s']:>9,.1f} "
+              f"{r['vs_baseline']:>9.2f}x {vs_hf:>7} "
               f"{r['same_answers']:>6}/{r['prompts']}")
 
 

@@ -268,10 +268,9 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
     if name == "openai-evals":
         root = _packaged_path("evals", OPENAI_EVALS_DATA, "evals==3.0.1.post1 --no-deps")
         return _openai_evals(root, _per_task(option))
-    records = code_prompts()
-    if option == "stub":
-        return Corpus(spec.source, len(records), lambda i: {"prompt": records[i]["stub"], "origin": records[i]["origin"]})
-    return Corpus(name, len(records), lambda i: {"prompt": records[i]["prompt"], "origin": records[i]["origin"]})
+    records, form = code_prompts(), "stub" if option == "stub" else "prompt"  # stub: code to complete
+    return Corpus(spec.source if option else name, len(records),
+                  lambda i: {"prompt": records[i][form], "origin": records[i]["origin"]})
 
 
 def _packaged_file(package: str, relative: str, pip_name: str) -> Path:

@@ -25,15 +25,9 @@ from typing import Any
 
 from dflash_train.safetensors_io import safetensors_damage
 from dflash_train.target import is_legacy_fingerprint
-from dflash_train.training.checkpoint_files import (  # noqa: F401  (their home; callers import them from here too)
-    CHECKPOINT_PATTERN,
-    checkpoint_root,
-    list_checkpoints,
-    read_trainer_state,
-)
+from dflash_train.training.checkpoint_files import checkpoint_root, list_checkpoints
 
 COMPAT_KEYS = ("target_fingerprint", "target_layer_ids", "block_size", "hidden_size", "vocab_size", "mask_token_id")
-
 
 
 def _say_on_rank_zero(message: str) -> None:
@@ -205,5 +199,3 @@ def space_error(output_dir: str | Path, step: int, needed: int) -> CheckpointSpa
     return CheckpointSpaceError(
         f"disk full: checkpoint step-{step:08d} needs ~{needed / 2**30:.1f} GiB in {root}, {free / 2**30:.1f} GiB "
         f"free; free space, point training.output_dir at a larger disk or lower training.keep_last ({kept})")
-
-

@@ -30,6 +30,7 @@ from dflash_train.target.attention import FLEX, attention_implementation, packed
 from dflash_train.target.varlen import VARLEN, packed_sequences
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
+from dflash_train.training.checkpoint_files import read_trainer_state
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
@@ -504,7 +505,7 @@ class Trainer:
         path = ckpt.resolve_resume(self.config.training.resume, self.output_dir)
         if path is None:
             return
-        state = ckpt.read_trainer_state(path)
+        state = read_trainer_state(path)
         ckpt.check_compatible(state, self.compat, path)
         ckpt.check_launch(state, self._distributed_type(), self.accelerator.num_processes, path)
         self.accelerator.load_state(str(path / "state"))
