@@ -230,14 +230,9 @@ prepare_into() {  # output directory, more prepare flags: the regenerated answer
     --block-size 16 --out "$1"
 }
 
-trained() {  # name: whether the run reached its last step
-  [[ -n "$(python3 -c "import sys; from pathlib import Path; from dflash_train.demo import final_checkpoint
-print('finished' if final_checkpoint(Path(sys.argv[1])) else '')" "$OUT/train/$1")" ]]
-}
-
 train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes
   # A finished run is not launched again: loading the target and the data only to exit takes half a minute.
-  if trained "$1"; then echo "$1 has finished training" >&2; return 0; fi
+  if [[ -n "$(final_draft "$1")" ]]; then echo "$1 has finished training" >&2; return 0; fi
   local stop=() launch=("${DFLASH[@]}" train)
   [[ -z "$STOP_AFTER" ]] || stop=("training.stop_after_minutes=$STOP_AFTER")
   (( GPUS > 1 )) && launch=(python3 -m accelerate.commands.launch --config_file "$LAUNCH_CONFIG" --num_processes "$GPUS"

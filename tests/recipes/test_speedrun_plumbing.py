@@ -1,5 +1,6 @@
 """What the speedrun script hands its commands, without running them: a stand-in `python3` first on PATH
-records each call's arguments (and answers the one query the script makes, the final drafter's path)."""
+records each call's arguments and answers the one query the script makes, a run's final drafter: there is
+one once this call has trained the run, or for every run when FINISHED is set (a run trained before)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from tests.helpers.paths import REPO
 
 SHIM = """#!/usr/bin/env bash
 printf '%s\\n' "$*" >> "$CALLS"
-if [[ "$1" == "-c" && "$2" == *"'finished'"* ]]; then echo "${FINISHED:-}"; exit 0; fi
-if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
+if [[ "$1" == "-c" ]] && { [[ -n "${FINISHED:-}" ]] || grep -qF "training.output_dir=$3 " "$CALLS"; }; then
+  echo "$DRAFT"
+fi
 exit 0
 """
 
@@ -33,7 +35,7 @@ def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: 
 
 def test_a_finished_run_is_not_launched_again(tmp_path: pathlib.Path) -> None:
     assert [c for c in run_stage("train", tmp_path) if "dflash_train.cli train" in c]
-    assert not [c for c in run_stage("train", tmp_path, FINISHED="finished") if "dflash_train.cli train" in c]
+    assert not [c for c in run_stage("train", tmp_path, FINISHED="1") if "dflash_train.cli train" in c]
 
 
 def test_stop_after_reaches_every_training_run(tmp_path: pathlib.Path) -> None:
@@ -57,7 +59,7 @@ def test_curve_points_are_evaluated_on_their_own_prompts_without_the_lossless_pa
 
 
 def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib.Path) -> None:
-    calls = run_stage("eval", tmp_path, EVAL_PROMPTS="40", CURVE_PROMPTS="12")
+    calls = run_stage("eval", tmp_path, EVAL_PROMPTS="40", CURVE_PROMPTS="12", FINISHED="1")
     bf16 = [c.split() for c in calls if "dflash_train.cli eval" in c and "float32" not in c]
     batch1 = [args for args in bf16 if "--batch-size" not in args]
     assert len(batch1) == 1
@@ -65,23 +67,23 @@ def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib
 
 
 def test_the_bf16_batch8_eval_runs_once_with_its_own_prompts_unless_switched_off(tmp_path: pathlib.Path) -> None:
-    calls = run_stage("eval", tmp_path, BATCH8_PROMPTS="12")
+    calls = run_stage("eval", tmp_path, BATCH8_PROMPTS="12", FINISHED="1")
     (batch8,) = [c.split() for c in calls if "--batch-size 8" in c and "float32" not in c]
     assert batch8[batch8.index("--num-prompts") + 1] == "12" and "--dtype" not in batch8  # bf16 on a GPU
     assert batch8[batch8.index("--out") + 1] == str(tmp_path / "run" / "eval" / "main-b8.json")
     assert "--no-lossless-check" not in batch8 and "--no-compile" not in batch8
     (tmp_path / "run" / "eval" / "main-b8.json").write_text("{}")  # done: not run again
-    assert not [c for c in run_stage("eval", tmp_path) if "main-b8.json" in c and "cli eval" in c]
+    assert not [c for c in run_stage("eval", tmp_path, FINISHED="1") if "main-b8.json" in c and "cli eval" in c]
     (tmp_path / "run" / "eval" / "main-b8.json").unlink()
-    assert not [c for c in run_stage("eval", tmp_path, BATCH8_PROMPTS="0") if "main-b8.json" in c and "cli eval" in c]
+    assert not [c for c in run_stage("eval", tmp_path, BATCH8_PROMPTS="0", FINISHED="1")
+                if "main-b8.json" in c and "cli eval" in c]
 
 
 # Records which GPU (LOCAL_RANK) each call ran on; a regeneration rank given RANK_EXIT's rank exits 124, as
 # `timeout` does when REGEN_MINUTES runs out.
 RANK_SHIM = """#!/usr/bin/env bash
 printf '%s\\n' "LOCAL_RANK=${LOCAL_RANK:-none} $*" >> "$CALLS"
-if [[ "$1" == "-c" && "$2" == *"'finished'"* ]]; then exit 0; fi
-if [[ "$1" == "-c" ]]; then echo "$DRAFT"; fi
+if [[ "$1" == "-c" ]] && grep -qF "training.output_dir=$3 " "$CALLS"; then echo "$DRAFT"; fi
 if [[ "$*" == *"--rank ${RANK_EXIT:-none} "* ]]; then exit 124; fi
 exit 0
 """
