@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from benchmarks.decode import kernel_category
-from benchmarks.train_packing import TRAINING_CATEGORIES, main
+from benchmarks.shapes import SMOLLM2_135M
+from benchmarks.train_packing import TRAINING_CATEGORIES, main, save_word_tokenizer
 
 
 def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -58,8 +60,18 @@ def test_padded_stays_one_chat_per_row_under_the_packed_recipe(tmp_path: Path, m
     """The packed recipe (and the tiny settings) set data.pack_tokens: the padded baseline must not inherit it."""
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
     recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
-    main(["--tiny", "--chats", "48", "--steps", "1", "--num-anchors", "8", "--variants", "padded,packed",
+    main(["--tiny", "--chats", "48", "--steps", "1", "--num-anchors", "8", "--variants", "packed,padded",
           "--recipe", str(recipe), "--workdir", str(tmp_path / "work")])
     rows = {r["variant"]: r for r in json.loads((tmp_path / "results" / "train_packing.json").read_text())["results"]}
     assert rows["padded"]["chats_per_step"] == 2  # the tiny settings' 2 rows, one chat each
     assert rows["packed"]["chats_per_step"] > 2
+    # the ratio of a variant measured before the padded one is filled in once the padded one has run
+    assert rows["packed"]["chat_passes_vs_padded"] == pytest.approx(
+        rows["packed"]["chat_passes_per_min"] / rows["padded"]["chat_passes_per_min"])
+
+
+def test_the_synthetic_target_tokenizer_covers_the_whole_vocabulary(tmp_path: Path) -> None:
+    """The synthetic chats draw ids up to the vocabulary's size; a 1,000-word tokenizer made the trainer refuse
+    them as damaged data at SmolLM2 shapes."""
+    save_word_tokenizer(tmp_path, SMOLLM2_135M["vocab_size"])
+    assert max(AutoTokenizer.from_pretrained(tmp_path).get_vocab().values()) + 1 >= SMOLLM2_135M["vocab_size"]
