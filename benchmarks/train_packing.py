@@ -12,7 +12,10 @@ average ~475), cut to 64..2048, the first 30 % of each unsupervised (system prom
 variant draws up to `--num-anchors` anchors per chat, so anchors per supervised token are equal and
 only the layout differs: `padded` is the unpacked path (16 chats a step, each padded to 2,048).
 `--recipe` starts every variant from a recipe file instead of the trainer's defaults (its optimizer, for
-one); `--set KEY=VALUE` overrides more settings after the variant's own.
+one); `--set KEY=VALUE` overrides more settings after the variant's own. `load s` is the loader thread's
+median time to read and lay out a step's data (the step waits for it if it is longer than the step);
+`packed-shared-pool-loader` runs that thread's tensor ops on torch's intra-op pool, as the trainer did
+before its loader got one thread of its own.
 
 `--profile` adds, per variant, a profile of 3 steps after the timed ones (`benchmarks.decode`'s profiler
 ranges, one per step): the step's wall time, the GPU's kernel time and the idle gaps between its kernels
@@ -55,6 +58,8 @@ VARIANTS: dict[str, list[str]] = {
     "packed-sdpa-target": [*PACKED, "training.target_attention=sdpa"],
     # the same on flex attention: skips the tiles no chat fills, but compiles its kernel on the first step
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
+    # the loader thread's tensor ops on torch's shared intra-op pool (the trainer's loader until 2026-12-02)
+    "packed-shared-pool-loader": PACKED,
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)
     "packed-eager-target": [*PACKED, "training.compile_target=false"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel
@@ -121,6 +126,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     """One variant in this process: setup, the cold first step, then `args.steps` steps with prefetching
     (and with `args.profile`, 3 profiled steps after them)."""
     from dflash_train.training.config import load_config
+    from dflash_train.training.data import step_loader
     from dflash_train.training.trainer import Trainer
 
     steps = args.steps
@@ -132,13 +138,22 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     started = time.perf_counter()
     trainer = Trainer(load_config(args.recipe, overrides))
     setup_s = time.perf_counter() - started
-    pool = ThreadPoolExecutor(1)
-    upcoming = pool.submit(trainer._load_step, trainer.step)
+    # The trainer's loader thread (its tensor ops on one thread), or, for the comparison, one on torch's shared pool
+    pool = ThreadPoolExecutor(1) if name == "packed-shared-pool-loader" else step_loader()
+    load_seconds: list[float] = []
+
+    def load(step: int) -> list[tuple[list[int], dict[str, Any]]]:
+        began = time.perf_counter()
+        loaded = trainer._load_step(step)
+        load_seconds.append(time.perf_counter() - began)
+        return loaded
+
+    upcoming = pool.submit(load, trainer.step)
     rows: list[dict[str, float]] = []
     for _ in range(steps + 1):
         began = time.perf_counter()
         loaded = upcoming.result()
-        upcoming = pool.submit(trainer._load_step, trainer.step + 1)
+        upcoming = pool.submit(load, trainer.step + 1)
         metrics = trainer.train_step(loaded)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -152,6 +167,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     peak = H200_BF16_PEAK if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else None
     return {
         "variant": name, "setup_s": setup_s, "first_step_s": first["seconds"], "step_s_median": step_s,
+        "load_s_median": statistics.median(load_seconds[1:]),  # a step's data, read and laid out by the loader
         "chats_per_step": statistics.mean(r["chats"] for r in steady),
         "chat_passes_per_min": 60 * sum(r["chats"] for r in steady) / total_s,
         "tokens_per_s": sum(r["tokens"] for r in steady) / total_s,
@@ -206,7 +222,7 @@ def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, wo
 
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
-          f"{'MFU':>6} {'first s':>8} {'setup s':>7}")
+          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7}")
 
 
 def print_row(result: dict[str, Any]) -> None:
@@ -215,7 +231,7 @@ def print_row(result: dict[str, Any]) -> None:
     print(f"{result['variant']:<22} {result['chats_per_step']:>7.1f} {result['step_s_median']:>8.3f} "
           f"{result['chat_passes_per_min']:>10,.0f} {f'{ratio:.2f}x' if ratio else '-':>7} "
           f"{result['valid_block_tokens_per_s']:>12,.0f} {mfu:>6} {result['first_step_s']:>8.1f} "
-          f"{result['setup_s']:>7.1f}", flush=True)
+          f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f}", flush=True)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
