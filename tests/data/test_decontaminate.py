@@ -203,7 +203,7 @@ def test_the_math_eval_set_is_caught_if_a_training_source_drew_it() -> None:
 
 
 @pytest.mark.skipif(importlib.util.find_spec("reasoning_gym") is None, reason="pip install reasoning-gym")
-@pytest.mark.parametrize("source", ["gsm-symbolic", "reasoning-gym-math"])
+@pytest.mark.parametrize("source", ["gsm-symbolic", "reasoning-gym-math", "word-problems", "word-problems:steps"])
 def test_training_math_never_coincides_with_the_math_eval_set(source: str) -> None:
     eval_only = build_index({"math-synthetic": math_prompts()})
     for seed in (0, 1):
