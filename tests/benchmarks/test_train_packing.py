@@ -76,3 +76,15 @@ def test_the_synthetic_target_tokenizer_covers_the_whole_vocabulary(tmp_path: Pa
     them as damaged data at SmolLM2 shapes."""
     save_word_tokenizer(tmp_path, SMOLLM2_135M["vocab_size"])
     assert max(AutoTokenizer.from_pretrained(tmp_path).get_vocab().values()) + 1 >= SMOLLM2_135M["vocab_size"]
+
+
+def test_train_packing_runs_at_smollm2_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU run's shapes (a SmolLM2-135M-shaped target, its vocabulary, chats drawn from all of it) with
+    short rows and one step, on a CPU (~15 s): what `--tiny` changes is what broke an H200 run once."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    main(["--chats", "24", "--steps", "1", "--num-anchors", "8", "--variants", "packed",
+          "--set", "data.max_length=512", "--set", "data.pack_tokens=1024", "--set", "training.batch_size=1",
+          "--set", "training.compile=false", "--set", "training.compile_target=false",
+          "--set", "training.mixed_precision=no", "--workdir", str(tmp_path / "work")])
+    (packed,) = json.loads((tmp_path / "results" / "train_packing.json").read_text())["results"]
+    assert packed["chats_per_step"] >= 1 and packed["step_s_median"] > 0
