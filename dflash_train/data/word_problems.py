@@ -79,12 +79,11 @@ def _test_average(r: random.Random, name: str) -> Problem:
             f"{name} need on the fifth test for an average of {(sum(scores) + needed) // 5}?", needed)
 
 
-def _train_arrival(r: random.Random, name: str) -> Problem:
-    hour, minute, speed, quarters = r.randint(6, 15), r.choice((0, 15, 30, 45)), r.choice((60, 80, 120)), r.randint(4, 24)
-    distance = speed * quarters // 4
-    arrival = hour * 60 + minute + 15 * quarters
-    return (f"{name}'s train leaves at {hour}:{minute:02d} and covers {distance} kilometers at {speed} kilometers "
-            f"per hour. At what time does it arrive?", arrival)
+def _bookshelf(r: random.Random, name: str) -> Problem:
+    shelves, per_shelf, new = r.randint(3, 8), r.randint(12, 30), r.randint(15, 90)
+    return (f"{name}'s bookcase has {shelves} shelves that each hold {per_shelf} books, and all of them are full. "
+            f"{name} gets {new} new books. How many more shelves of the same size are needed?",
+            math.ceil(new / per_shelf))
 
 
 def _water_tank(r: random.Random, name: str) -> Problem:
@@ -275,7 +274,7 @@ def _movie_marathon(r: random.Random, name: str) -> Problem:
 
 TEMPLATES: tuple[Callable[[random.Random, str], Problem], ...] = (
     _garden_fence, _paint_cans, _recipe_scale, _reading_plan, _savings_goal, _bake_sale, _ages, _test_average,
-    _train_arrival, _water_tank, _class_groups, _fruit_basket, _parking_lot, _running_laps, _ticket_mix,
+    _bookshelf, _water_tank, _class_groups, _fruit_basket, _parking_lot, _running_laps, _ticket_mix,
     _floor_tiles, _bus_riders, _temperature, _library_fines, _phone_bill, _training_miles, _pizza_party,
     _coin_jar, _orchard, _printer_job, _car_wash, _fish_food, _stadium, _ribbon, _commute, _elevator,
     _seed_packets, _stamp_album, _phone_battery, _movie_marathon,
