@@ -243,6 +243,8 @@ def kernel_categories(calls: Sequence[Sequence[Launch]],
 class CallProfile:
     calls: list[list[Launch]]  # what each call put on the GPU
     wall_us: list[float]  # each call's profiler range on the host: the call and its synchronisation
+    # the host time of the named ranges the code marks inside a call (`record_function`), summed over the calls
+    ranges_us: dict[str, float] = field(default_factory=dict)
 
 
 def profiled_calls(step: Callable[[], Any], device: torch.device, iters: int = 10) -> CallProfile:
@@ -273,8 +275,12 @@ def split_by_call(events: Sequence[Any], cuda: bool) -> CallProfile:
     launches = [Launch(event.name, event.time_range.start, event.time_range.elapsed_us())
                 for event in events if (on_gpu(event) if cuda else top_level_operator(event))]
     ranges.sort(key=lambda span: span.start)
+    marked: dict[str, float] = {}
+    for event in events:
+        if event.is_user_annotation and event.device_type == DeviceType.CPU and event.name != CALL_MARKER:
+            marked[event.name] = marked.get(event.name, 0.0) + event.time_range.elapsed_us()
     return CallProfile(group_by_call([span.start for span in ranges], launches),
-                       [span.elapsed_us() for span in ranges])
+                       [span.elapsed_us() for span in ranges], marked)
 
 
 def on_gpu(event: Any) -> bool:

@@ -20,9 +20,10 @@ before its loader got one thread of its own.
 `--profile` adds, per variant, a profile of 3 steps after the timed ones (`benchmarks.decode`'s profiler
 ranges, one per step): the step's wall time, the GPU's kernel time and the idle gaps between its kernels
 (a step whose gaps are large waits on the host: launches, syncs, data), launches, kernel time by category
-(matmul, attention, cross-entropy, norm, optimizer, copy/cast, other fused, other) and the heaviest
-kernels by name. On a CPU, top-level operators stand in for kernels (`--tiny` is that smoke test: a tiny
-Llama and short chats).
+(matmul, attention, cross-entropy, norm, optimizer, copy/cast, other fused, other), the heaviest
+kernels by name, and the host's milliseconds in each phase the trainer marks (target features, drafter
+and loss, backward, optimizer, and the metrics copy, which waits for the GPU to finish the step). On a
+CPU, top-level operators stand in for kernels (`--tiny` is that smoke test: a tiny Llama and short chats).
 """
 
 from __future__ import annotations
@@ -193,7 +194,9 @@ def step_profile(trainer: Any, steps: int = 3, top: int = 20) -> dict[str, Any]:
     return {"steps": steps, "wall_ms": statistics.median(profiled.wall_us) / 1e3,
             **gpu_time(as_intervals(profiled.calls)),
             "categories": kernel_categories(profiled.calls, TRAINING_CATEGORIES),
-            "kernels": {name: {"ms": ms, "launches": count} for name, (ms, count) in heaviest}}
+            "kernels": {name: {"ms": ms, "launches": count} for name, (ms, count) in heaviest},
+            # the host's time in each phase the trainer marks (`train/...`): where a step's gaps come from
+            "host_ms": {name: us / steps / 1e3 for name, us in profiled.ranges_us.items() if name.startswith("train/")}}
 
 
 def print_profile(result: dict[str, Any]) -> None:
@@ -202,6 +205,8 @@ def print_profile(result: dict[str, Any]) -> None:
           f"{profile['gap_ms']:.1f} ms, {profile['launches']:.0f} launches", flush=True)
     for category, entry in profile["categories"].items():
         print(f"    {category:<14} {entry['ms']:>9.2f} ms {entry['launches']:>7.0f} launches", flush=True)
+    phases = ", ".join(f"{name.removeprefix('train/')} {ms:.1f}" for name, ms in profile.get("host_ms", {}).items())
+    print(f"    host ms by phase: {phases}", flush=True)
 
 
 def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any] | None:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from torch.profiler import record_function
 
 from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.features import compute_features
@@ -306,12 +307,14 @@ class Trainer:
             host_blocks = self._host_blocks(cpu_batch, seeds)
         device = self.accelerator.device
         batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items() if k not in HOST_ONLY}
-        features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
-                                                  cpu_batch.get("position_ids"))
-        out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
-                             batch["input_ids"], batch["loss_mask"], features,
-                             blocks=host_blocks.to(device, non_blocking=True),
-                             teacher_states=teacher_states, context_positions=batch.get("position_ids"))
+        with record_function("train/target_features"):
+            features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
+                                                      cpu_batch.get("position_ids"))
+        with record_function("train/drafter_and_loss"):
+            out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
+                                 batch["input_ids"], batch["loss_mask"], features,
+                                 blocks=host_blocks.to(device, non_blocking=True),
+                                 teacher_states=teacher_states, context_positions=batch.get("position_ids"))
         tokens = sum(n for _, _, n in chats)
         stats = {"tokens": float(tokens), "flops": self._flops(host_blocks, tokens, chats)}
         return out, stats
@@ -352,11 +355,13 @@ class Trainer:
                 out, stats = self._forward(indices, seeds, cpu_batch)
                 share = self._loss_share(indices)
                 loss = out.loss if share is None else out.loss * share
-                self.accelerator.backward(loss)
-                if self.accelerator.sync_gradients:
-                    grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-                self.optimizer.step()
-                self.optimizer.zero_grad(set_to_none=True)
+                with record_function("train/backward"):
+                    self.accelerator.backward(loss)
+                with record_function("train/optimizer"):
+                    if self.accelerator.sync_gradients:
+                        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
+                    self.optimizer.step()
+                    self.optimizer.zero_grad(set_to_none=True)
             part = loss.detach().double() / self.plan.accumulation
             loss_sum = part if loss_sum is None else loss_sum + part
             tokens, flops = tokens + stats["tokens"], flops + stats["flops"]
@@ -365,7 +370,8 @@ class Trainer:
             assert micro < self.plan.accumulation
         self.schedule.step()
         self.step += 1
-        metrics = self._reduce(loss_sum, tokens, flops, slot_correct, slot_count, grad_norm)
+        with record_function("train/metrics_copy"):  # the step's one wait for the device
+            metrics = self._reduce(loss_sum, tokens, flops, slot_correct, slot_count, grad_norm)
         metrics["lr"] = self.schedule.get_last_lr()[0]
         if self.packed is not None:  # the whole step's rows, known on every rank from the plan
             metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))

@@ -33,6 +33,10 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     heaviest = list(profile["kernels"].values())
     assert heaviest and all(a["ms"] >= b["ms"] for a, b in zip(heaviest, heaviest[1:], strict=False))
     assert "packed: step" in out and "matmul" in out
+    phases = profile["host_ms"]  # the host's time in the phases the trainer marks, within the step's wall time
+    assert set(phases) == {"train/target_features", "train/drafter_and_loss", "train/backward", "train/optimizer",
+                           "train/metrics_copy"}
+    assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_ms"] * 1.5
 
 
 def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
