@@ -13,9 +13,7 @@ variant draws up to `--num-anchors` anchors per chat, so anchors per supervised 
 only the layout differs: `padded` is the unpacked path (16 chats a step, each padded to 2,048).
 `--recipe` starts every variant from a recipe file instead of the trainer's defaults (its optimizer, for
 one); `--set KEY=VALUE` overrides more settings after the variant's own. `load s` is the loader thread's
-median time to read and lay out a step's data (the step waits for it if it is longer than the step);
-`packed-shared-pool-loader` runs that thread's tensor ops on torch's intra-op pool, as the trainer did
-before its loader got one thread of its own.
+median time to read and lay out a step's data (the step waits for it if it is longer than the step).
 
 `--profile` adds, per variant, a profile of 3 steps after the timed ones (`benchmarks.decode`'s profiler
 ranges, one per step): the step's wall time, the GPU's kernel time and the idle gaps between its kernels
@@ -59,8 +57,6 @@ VARIANTS: dict[str, list[str]] = {
     "packed-sdpa-target": [*PACKED, "training.target_attention=sdpa"],
     # the same on flex attention: skips the tiles no chat fills, but compiles its kernel on the first step
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
-    # the loader thread's tensor ops on torch's shared intra-op pool (the trainer's loader until 2026-12-02)
-    "packed-shared-pool-loader": PACKED,
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)
     "packed-eager-target": [*PACKED, "training.compile_target=false"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel
@@ -127,7 +123,6 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     """One variant in this process: setup, the cold first step, then `args.steps` steps with prefetching
     (and with `args.profile`, 3 profiled steps after them)."""
     from dflash_train.training.config import load_config
-    from dflash_train.training.data import step_loader
     from dflash_train.training.trainer import Trainer
 
     steps = args.steps
@@ -139,8 +134,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     started = time.perf_counter()
     trainer = Trainer(load_config(args.recipe, overrides))
     setup_s = time.perf_counter() - started
-    # The trainer's loader thread (its tensor ops on one thread), or, for the comparison, one on torch's shared pool
-    pool = ThreadPoolExecutor(1) if name == "packed-shared-pool-loader" else step_loader()
+    pool = ThreadPoolExecutor(1)  # as the trainer's loader thread
     load_seconds: list[float] = []
 
     def load(step: int) -> list[tuple[list[int], dict[str, Any]]]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -170,13 +169,3 @@ def collate(samples: list[dict[str, torch.Tensor]], pad_to_multiple: int = 1) ->
         out["features"] = features
     return out
 
-
-def step_loader() -> ThreadPoolExecutor:
-    """The thread that reads and lays out step n+1 while step n runs. Its tensor ops are small (a packed
-    step's blocks are ~80k elements), so it runs them on one thread of its own rather than on an intra-op
-    pool as wide as the machine, whose threads would contend with the thread launching the step's kernels
-    for the cores. Measured on 2 cores, one busy with another process: a SmolLM2-shaped packed step's data
-    in 17 ms on one thread, 17-25 ms on the pool (and 83-140 ms on the main thread's own pool, which is why
-    the loading stays off the main thread). The setting is the loader thread's own."""
-    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="step-loader",
-                              initializer=torch.set_num_threads, initargs=(1,))

@@ -11,6 +11,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +35,7 @@ from dflash_train.training.budget import TimeBudget
 from dflash_train.training.checkpoint_files import read_trainer_state
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
-from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices, step_loader
+from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
 from dflash_train.training.packing import (
     PackedStepPlan,
@@ -591,7 +592,7 @@ class Trainer:
         logger = MetricsLogger(self.output_dir, self.config.tracking, self.config.to_dict()) if main else None
         peak = peak_flops(self.accelerator.device, self.accelerator.num_processes)  # None: MFU not shown
         metrics: dict[str, Any] = {}
-        loader = step_loader()  # reads and lays out step n+1 while step n computes
+        loader = ThreadPoolExecutor(max_workers=1)  # reads and lays out step n+1 while step n computes
         upcoming = loader.submit(self._load_step, self.step)
         self.budget.start()
         first = True
