@@ -57,6 +57,8 @@ VARIANTS: dict[str, list[str]] = {
     "packed-sdpa-target": [*PACKED, "training.target_attention=sdpa"],
     # the same on flex attention: skips the tiles no chat fills, but compiles its kernel on the first step
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
+    # the target's pass replayed from CUDA graphs: one launch instead of the host launching every layer's kernels
+    "packed-target-graphs": [*PACKED, "training.target_cuda_graphs=true"],
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)
     "packed-eager-target": [*PACKED, "training.compile_target=false"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel

@@ -60,6 +60,14 @@ def packed_sequences(position_ids: torch.Tensor, device: torch.device) -> Iterat
     cu = torch.tensor(bounds, dtype=torch.int32).pin_memory() if device.type == "cuda" else torch.tensor(
         bounds, dtype=torch.int32)
     sequences = PackedSequences(cu.to(device, non_blocking=True), bounds, longest)
+    with use_sequences(sequences):
+        yield sequences
+
+
+@contextmanager
+def use_sequences(sequences: PackedSequences) -> Iterator[PackedSequences]:
+    """Within: the varlen attention of every layer reads `sequences` (target/graphed.py passes boundaries it
+    keeps in a fixed device buffer, for CUDA graphs to read at every replay)."""
     previous = getattr(_current, "sequences", None)
     _current.sequences = sequences
     try:
@@ -95,6 +103,8 @@ def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
     out = torch.empty_like(query)
     groups = query.shape[1] // key.shape[1]
     for start, end in zip(sequences.bounds, sequences.bounds[1:], strict=False):
+        if end == start:  # an empty chat: the unused capacity of target/graphed.py's boundaries
+            continue
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, n, D]
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
         out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)

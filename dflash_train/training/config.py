@@ -90,6 +90,10 @@ class TrainingConfig:
     # Also torch.compile the frozen target's decoder layers (their forward, one graph every layer reuses) for
     # online features: its eager forward launches ~50 small kernels a layer, which a slow host pays per step.
     compile_target: bool = False
+    # Replay the target's pass over packed rows from CUDA graphs (target/graphed.py): one launch instead of
+    # the host launching every layer's kernels, which left the GPU idle ~40 ms of a SmolLM2 step. Needs
+    # online features, packed rows, target_attention=varlen and CUDA (elsewhere a note, and no graphs).
+    target_cuda_graphs: bool = False
     log_every: int = 10
     eval_every: int = 500
     save_every: int = 1000

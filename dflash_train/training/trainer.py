@@ -29,6 +29,7 @@ from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import Blocks, DFlashObjective, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.target.attention import FLEX, attention_implementation, packed_target_attention
+from dflash_train.target.graphed import GraphedFeatures
 from dflash_train.target.varlen import VARLEN, packed_sequences
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
@@ -158,6 +159,7 @@ class Trainer:
             self.accelerator.unwrap_model(self.model).compile_layers()
         if t.compile_target and not self.samples.offline:
             self.target.compile_decoder_layers()
+        self.target_graphs = self._build_target_graphs()
         self.objective = DFlashObjective(
             block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
             num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
@@ -199,6 +201,19 @@ class Trainer:
             f"{anchor_fill:.1%} of the anchor slots are used")
         return plan
 
+    def _build_target_graphs(self) -> GraphedFeatures | None:
+        """CUDA graphs of the target's pass over packed rows (training.target_cuda_graphs), where they apply:
+        online features, packed rows, varlen attention, a CUDA device; elsewhere a note and none."""
+        t, device = self.config.training, self.accelerator.device
+        if not t.target_cuda_graphs:
+            return None
+        if self.samples.offline or self.packed is None or self.packed_target_attention != VARLEN or device.type != "cuda":
+            self.accelerator.print("training.target_cuda_graphs applies to online features of packed rows on CUDA "
+                                   "with training.target_attention=varlen: the target runs uncaptured")
+            return None
+        return GraphedFeatures(lambda ids, positions: self._target_pass(ids, positions, VARLEN), t.batch_size,
+                               self.config.data.pack_tokens, device)
+
     def _check_offline_features(self) -> None:
         if not self.samples.offline:
             return
@@ -237,30 +252,52 @@ class Trainer:
         # length, and the padding is a sequence of its own there (collate_packed numbers it so); varlen
         # attention cuts the chats out of the rows by their boundaries (target/varlen.py). Compiled target
         # layers (training.compile_target) specialise on the length too: they also get whole rows.
-        whole = attention == FLEX or self.config.training.compile_target
+        graphed = attention == VARLEN and self.target_graphs is not None
+        whole = attention == FLEX or self.config.training.compile_target or graphed
         real = batch["input_ids"].shape[1] if whole else real
         ids = batch["input_ids"][:, :real]
         positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
-        layer_ids = self.draft_config.target_layer_ids
         chats = nullcontext()
         if attention == VARLEN:
             host = host_positions if host_positions is not None else batch["position_ids"].cpu()
+            if graphed and positions is not None and (replayed := self._graphed_pass(ids, positions, host)):
+                return replayed
             chats = packed_sequences(host[:, :real], ids.device)
-        # online: the very call offline extraction makes (bit-identical features for unpacked rows)
-        with torch.no_grad(), attention_implementation(self.target.model, attention), chats:
-            if self.config.training.soft_targets:
-                if positions is None:
-                    features, final = self.target.capture_features_and_final_states(ids, layer_ids)
-                else:
-                    features, final = packed_features_and_final_states(self.target, ids, positions, layer_ids)
-                features = features.to(torch.bfloat16)
-            else:
-                features, final = compute_features(self.target, ids, layer_ids, position_ids=positions), None
+        with chats:
+            features, final = self._target_pass(ids, positions, attention)
         padding = batch["input_ids"].shape[1] - real
         if padding:
             features = torch.nn.functional.pad(features, (0, 0, 0, padding))
             final = None if final is None else torch.nn.functional.pad(final, (0, 0, 0, padding))
         return features, final
+
+    def _target_pass(self, ids: torch.Tensor, positions: torch.Tensor | None,
+                     attention: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(features, final states or None) of the target's pass over `ids`; online, the very call offline
+        extraction makes (bit-identical features for unpacked rows)."""
+        layer_ids = self.draft_config.target_layer_ids
+        with torch.no_grad(), attention_implementation(self.target.model, attention):
+            if not self.config.training.soft_targets:
+                return compute_features(self.target, ids, layer_ids, position_ids=positions), None
+            if positions is None:
+                features, final = self.target.capture_features_and_final_states(ids, layer_ids)
+            else:
+                features, final = packed_features_and_final_states(self.target, ids, positions, layer_ids)
+            return features.to(torch.bfloat16), final
+
+    def _graphed_pass(self, ids: torch.Tensor, positions: torch.Tensor,
+                      host_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The target's pass replayed from CUDA graphs (training.target_cuda_graphs), or None after a failure,
+        which turns the graphs off for the rest of the run (they cost speed, never the run)."""
+        assert self.target_graphs is not None
+        try:
+            return self.target_graphs(ids, positions, host_positions)
+        except Exception as error:  # a capture that fails leaves nothing half-done: the pass runs uncaptured
+            self.target_graphs = None
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            self.accelerator.print(f"CUDA graphs of the target's pass failed ({type(error).__name__}: {reason}); "
+                                   "the target runs uncaptured from now on (training.target_cuda_graphs=false)")
+            return None
 
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices], self.pad_to)

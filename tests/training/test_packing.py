@@ -7,7 +7,10 @@ import json
 import pathlib
 
 import pytest
+import torch
 
+from dflash_train.target.graphed import GraphedFeatures
+from dflash_train.target.varlen import VARLEN
 from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
@@ -101,3 +104,21 @@ def test_a_failing_flex_target_falls_back_to_sdpa(assets: dict[str, pathlib.Path
     out = capsys.readouterr().out
     assert out.count("no_such_attention attention failed for the target") == 1
     assert "training.target_attention=sdpa" in out
+
+
+def test_the_graphed_target_pass_trains_like_the_uncaptured_one(
+        assets: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """training.target_cuda_graphs off CUDA: a note, and the target runs uncaptured. The trainer with the graphs'
+    CPU stand-in (the same buffers replayed) takes the same steps as without them."""
+    varlen = {**PACKED, "training.target_attention": "varlen", "training.target_cuda_graphs": True}
+    plain = Trainer(load_config(None, overrides(assets, tmp_path / "plain", **varlen)))
+    assert plain.target_graphs is None and "the target runs uncaptured" in capsys.readouterr().out
+    graphed = Trainer(load_config(None, overrides(assets, tmp_path / "graphed", **varlen)))
+    t = graphed.config.training
+    graphed.target_graphs = GraphedFeatures(lambda ids, positions: graphed._target_pass(ids, positions, VARLEN),
+                                            t.batch_size, graphed.config.data.pack_tokens, torch.device("cpu"),
+                                            eager=True)
+    losses = [(plain.train_step()["loss"], graphed.train_step()["loss"]) for _ in range(3)]
+    assert graphed.target_graphs is not None and graphed.target_graphs.graphs  # replayed, never turned off
+    for uncaptured, replayed in losses:
+        assert replayed == pytest.approx(uncaptured, rel=1e-6)
