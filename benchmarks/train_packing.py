@@ -156,6 +156,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
             torch.cuda.synchronize()
         rows.append({"seconds": time.perf_counter() - began, "chats": sum(len(ids) for ids, _ in loaded),
                      "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
+    queued = queued_steps(trainer, pool, upcoming, load, steps)
     pool.shutdown()
     profile = step_profile(trainer) if args.profile else None
     first, steady = rows[0], rows[1:]
@@ -170,9 +171,26 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
         "tokens_per_s": sum(r["tokens"] for r in steady) / total_s,
         "valid_block_tokens_per_s": sum(r["slots"] for r in steady) / total_s,
         "mfu": (sum(r["flops"] for r in steady) / total_s / peak) if peak else None,
+        **queued,
         "pack_token_fill": metrics.get("pack_token_fill"), "pack_anchor_fill": metrics.get("pack_anchor_fill"),
         **({"profile": profile} if profile is not None else {}),
     }
+
+
+def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: Any, steps: int) -> dict[str, float]:
+    """`steps` more steps as `fit` runs them between logged steps: queued back to back, the device waited for
+    once at the end (the steps above wait at each one's end, so the host never runs ahead of the device)."""
+    began, chats = time.perf_counter(), 0
+    for i in range(steps):
+        loaded = upcoming.result()
+        upcoming = pool.submit(load, trainer.step + 1)
+        chats += sum(len(ids) for ids, _ in loaded)
+        trainer.train_step(loaded, resolve=i == steps - 1)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    upcoming.result()
+    seconds = time.perf_counter() - began
+    return {"queued_step_s": seconds / steps, "queued_chat_passes_per_min": 60 * chats / seconds}
 
 
 def step_profile(trainer: Any, steps: int = 3, top: int = 20) -> dict[str, Any]:
@@ -223,7 +241,7 @@ def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, wo
 
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
-          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7}")
+          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10}")
 
 
 def print_row(result: dict[str, Any]) -> None:
@@ -232,7 +250,8 @@ def print_row(result: dict[str, Any]) -> None:
     print(f"{result['variant']:<22} {result['chats_per_step']:>7.1f} {result['step_s_median']:>8.3f} "
           f"{result['chat_passes_per_min']:>10,.0f} {f'{ratio:.2f}x' if ratio else '-':>7} "
           f"{result['valid_block_tokens_per_s']:>12,.0f} {mfu:>6} {result['first_step_s']:>8.1f} "
-          f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f}", flush=True)
+          f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f} "
+          f"{result.get('queued_chat_passes_per_min', float('nan')):>10,.0f}", flush=True)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

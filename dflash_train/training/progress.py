@@ -39,5 +39,9 @@ class TrainProgress:
         if self.plain and (step % self.log_every == 0 or step == total):
             print(f"train step {step}/{total:.0f}  {stats}  ({time.monotonic() - self.started:.0f} s)", flush=True)
 
+    def advance(self, step: int) -> None:
+        """A step whose metrics were not waited for: the bar moves, its figures stay the last known."""
+        self.progress.update(self.task, completed=step)
+
     def set_total(self, total: int) -> None:
         self.progress.update(self.task, total=total)

@@ -380,9 +380,11 @@ class Trainer:
         mine = self.packed.counted_chats([indices])
         return mine / max(1, total) * self.plan.num_processes * self.plan.accumulation
 
-    def train_step(self, loaded: list[tuple[list[int], dict[str, Any]]] | None = None) -> dict[str, Any]:
+    def train_step(self, loaded: list[tuple[list[int], dict[str, Any]]] | None = None,
+                   resolve: bool = True) -> dict[str, Any] | None:
         """One optimizer step; `loaded` is this step's micro-batches if they were prefetched. The step waits
-        for the device once, at its end, for its metrics."""
+        for the device once, at its end, for its metrics; with `resolve=False` it does not wait and returns
+        None (`fit` resolves only the steps it logs, so the host can queue the next step meanwhile)."""
         self.model.train()
         loss_sum = slot_correct = slot_count = grad_norm = None
         tokens = flops = 0.0
@@ -408,6 +410,8 @@ class Trainer:
             assert micro < self.plan.accumulation
         self.schedule.step()
         self.step += 1
+        if not resolve:
+            return None
         with record_function("train/metrics_copy"):  # the step's one wait for the device
             metrics = self._reduce(loss_sum, tokens, flops, slot_correct, slot_count, grad_norm)
         metrics["lr"] = self.schedule.get_last_lr()[0]
@@ -598,11 +602,20 @@ class Trainer:
             self.total_steps = new_total
             progress.set_total(new_total)
 
-    def _after_step(self, metrics: dict[str, Any], logger: MetricsLogger | None) -> bool:
-        """Log, validate and checkpoint as scheduled; True when the run stops early (a checkpoint is saved)."""
+    def _resolve_due(self, step: int) -> bool:
+        """Whether `fit` waits for step `step`'s metrics: steps it logs, validates, saves or ends on, and every
+        step while the time budget probes the step time. The others are queued without a device sync."""
+        t = self.config.training
+        probing = self.budget.total_minutes is not None and not self.budget.sized
+        return (step % t.log_every == 0 or step >= self.total_steps or probing
+                or bool(t.eval_every and step % t.eval_every == 0) or step % t.save_every == 0)
+
+    def _after_step(self, metrics: dict[str, Any] | None, logger: MetricsLogger | None) -> bool:
+        """Log, validate and checkpoint as scheduled; True when the run stops early (a checkpoint is saved).
+        `metrics` is None for a step whose metrics were not waited for (`_resolve_due`)."""
         t = self.config.training
         last = self.step == self.total_steps
-        if logger and (self.step % t.log_every == 0 or last):
+        if logger and metrics is not None and (self.step % t.log_every == 0 or last):
             logger.log(self.step, "train", metrics)
         if t.eval_every and (self.step % t.eval_every == 0 or last):
             val = self.validate()
@@ -633,15 +646,24 @@ class Trainer:
         upcoming = loader.submit(self._load_step, self.step)
         self.budget.start()
         first = True
+        window_started, window_steps = time.perf_counter(), 0  # the steps since the last resolved one
         with TrainProgress(self.total_steps, self.step, enabled=main, peak_flops=peak, log_every=t.log_every) as progress:
             while self.step < self.total_steps:
-                started = time.perf_counter()
                 loaded = upcoming.result()
                 if self.step + 1 < self.total_steps:
                     upcoming = loader.submit(self._load_step, self.step + 1)
                 compiled_before = compile_seconds() if first and t.compile else {}
-                metrics = self.train_step(loaded)
-                metrics["step_seconds"] = time.perf_counter() - started
+                step_metrics = self.train_step(loaded, resolve=first or self._resolve_due(self.step + 1))
+                window_steps += 1
+                if step_metrics is None:  # queued, not waited for: nothing to log, validate or save at this step
+                    progress.advance(self.step)
+                    if self._after_step(None, logger):
+                        break
+                    continue
+                metrics = step_metrics
+                # The steps of a window ran back to back on the device and were waited for once: each took
+                # the window's mean (a lone step's host time would say nothing of the device's).
+                metrics["step_seconds"] = (time.perf_counter() - window_started) / window_steps
                 if first and t.compile:  # a slow start explained: how much of it was torch.compile
                     line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
                     if line:
@@ -649,10 +671,12 @@ class Trainer:
                 if first and self.step == 1:  # the run's own first step, not a resumed one's
                     self.first_step_seconds = round(metrics["step_seconds"], 3)
                 first = False
-                self._fit_budget(metrics["step_seconds"], progress)
+                for _ in range(window_steps):
+                    self._fit_budget(metrics["step_seconds"], progress)
                 progress.update(self.step, metrics, metrics["step_seconds"])
                 if self._after_step(metrics, logger):
                     break
+                window_started, window_steps = time.perf_counter(), 0  # validation and saving not counted
         loader.shutdown(wait=True)
         final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
         if not final.exists() and self.step == self.total_steps:

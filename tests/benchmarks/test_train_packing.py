@@ -26,6 +26,8 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     (packed,) = result["results"]
     assert packed["variant"] == "packed" and packed["chats_per_step"] > 2  # several chats share a row
     assert packed["load_s_median"] > 0  # the loader thread's time for a step's data
+    # the same number of steps queued as `fit` runs them, waited for once
+    assert packed["queued_step_s"] > 0 and packed["queued_chat_passes_per_min"] > 0
     profile = packed["profile"]
     assert profile["steps"] == 3 and profile["launches"] > 0 and profile["wall_ms"] > 0
     assert sum(entry["launches"] for entry in profile["categories"].values()) == pytest.approx(profile["launches"])
