@@ -193,7 +193,7 @@ def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: An
     return {"queued_step_s": seconds / steps, "queued_chat_passes_per_min": 60 * chats / seconds}
 
 
-def step_profile(trainer: Any, steps: int = 3, top: int = 20) -> dict[str, Any]:
+def step_profile(trainer: Any, steps: int = 3, top: int = 60) -> dict[str, Any]:
     """Where `steps` training steps' time goes (their data loaded beforehand): means per step of the wall time,
     kernel time, gaps and launches, kernel time by category, and the `top` heaviest kernels by name."""
     device = trainer.accelerator.device
