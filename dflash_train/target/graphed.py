@@ -1,16 +1,18 @@
 """The target's feature pass over packed training rows, replayed from CUDA graphs.
 
-Why: in a packed SmolLM2 step on an H200 the host spent ~44 ms launching the target's pass (30 compiled
-decoder layers with the varlen attention between them) for much less GPU work, and the GPU waited on it
-(docs/benchmarks.md, `train_packing`). A CUDA graph replays the whole pass with one launch.
+Why: in a packed SmolLM2 step on an H200 the host spent ~44 ms launching the target's pass (28 compiled
+decoder layers, up to the deepest feature layer, with the varlen attention between them) for much less GPU
+work, and the GPU waited on it (docs/benchmarks.md, `train_packing`). A CUDA graph replays the whole pass
+with one launch.
 
 What makes the pass capturable: every step has rows of one shape, but the chats' boundaries change. The
 varlen kernel reads them from a device buffer of fixed capacity (the unused entries repeat the last
 boundary: empty chats, which the kernel skips), and its grid comes from the longest chat, rounded up to a
 power-of-two bucket. So one graph serves every step with the same (capacity, bucket): each is captured on
 first use, after two warm-up passes outside the capture (compilation and autotuning cannot run inside
-one), and replayed from then on. The graphs share one memory pool: they never run at once, and each one's
-outputs are read before the next replay (the drafter's forward and backward come first in stream order).
+one), checked once against the uncaptured pass on the same rows, and replayed from then on. The graphs
+share one memory pool: they never run at once, and each one's outputs are read before the next replay
+(the drafter's forward and backward come first in stream order).
 
 The outputs are the graph's own tensors, overwritten by the next replay: the trainer consumes them within
 the step. `training.target_cuda_graphs` turns this on (CUDA, varlen attention, whole rows).
@@ -24,11 +26,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from dflash_train.target.varlen import PackedSequences, sequence_bounds, use_sequences
+from dflash_train.target.varlen import PackedSequences, packed_sequences, sequence_bounds, use_sequences
 
 FeaturePass = Callable[[Tensor, Tensor], tuple[Tensor, Tensor | None]]  # (ids, positions) -> (features, final)
 MIN_BUCKET = 256
 CAPACITY_STEP = 32  # boundaries are padded to a multiple of this: a few graphs cover the chats-per-step range
+CHECK_TOLERANCE = 1e-2  # relative error of a new graph's first features: rounding passes, a wrong replay not
 FIRST_CAPACITY = 256  # the buffer's first size; a step with more chats grows it (and captures again)
 
 
@@ -85,9 +88,23 @@ class GraphedFeatures:
         key = (capacity, bucket)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self.graphs[key] = self._capture(capacity, bucket)
+            captured = self._capture(capacity, bucket)
+            captured.replay()
+            self._check(captured.outputs[0], ids, positions, host_positions)
+            self.graphs[key] = captured
+            return captured.outputs
         captured.replay()
         return captured.outputs
+
+    def _check(self, replayed: Tensor, ids: Tensor, positions: Tensor, host_positions: Tensor) -> None:
+        """A new graph's first features against the uncaptured pass over the same rows (once per graph, so a
+        capture that went wrong stops the graphs instead of training on wrong features)."""
+        with packed_sequences(host_positions, ids.device):
+            expected = self.features_pass(ids, positions)[0].float()
+        error = float((replayed.float() - expected).norm() / expected.norm().clamp_min(1e-12))
+        if not error <= CHECK_TOLERANCE:
+            raise RuntimeError(f"a replayed graph's features differ from the uncaptured pass (relative error "
+                               f"{error:.2e} > {CHECK_TOLERANCE:.0e})")
 
     def _fill(self, ids: Tensor, positions: Tensor, bounds: tuple[int, ...], capacity: int) -> None:
         """Copy this step's rows and boundaries into the buffers every graph reads."""

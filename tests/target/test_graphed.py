@@ -97,6 +97,25 @@ def test_the_replayed_pass_equals_the_uncaptured_one_as_chats_change() -> None:
     assert replayed_against_uncaptured(target, torch.device("cpu"), eager=True) == [0.0] * len(STEPS)
 
 
+def test_a_graph_that_replays_wrong_features_is_refused() -> None:
+    """A new graph's first features are checked against the uncaptured pass: a replay that leaves its
+    outputs stale (here: never written) stops the graphs instead of feeding the drafter wrong features."""
+    target = make_tiny_target("llama", num_layers=4)
+
+    def features_pass(ids: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, None]:
+        with torch.no_grad(), attention_implementation(target.model, VARLEN):
+            return compute_features(target, ids, LAYERS, position_ids=positions), None
+
+    register()
+    graphed = GraphedFeatures(features_pass, ROWS, LENGTH, torch.device("cpu"), eager=True)
+    stale = types.SimpleNamespace(replay=lambda: None, outputs=(torch.zeros(ROWS, LENGTH, 2 * 64), None))
+    graphed._capture = lambda capacity, bucket: stale  # type: ignore[method-assign]
+    positions = step_positions(STEPS[0])
+    with pytest.raises(RuntimeError, match="differ from the uncaptured pass"):
+        graphed(torch.randint(7, 200, (ROWS, LENGTH)), positions, positions)
+    assert not graphed.graphs  # not kept
+
+
 def test_rows_of_another_shape_are_refused() -> None:
     graphed = GraphedFeatures(lambda ids, positions: (ids, None), ROWS, LENGTH, torch.device("cpu"), eager=True)
     positions = step_positions([[32], [32]])[:, :32]
