@@ -139,6 +139,7 @@ class TrainConfig:
             "training.gradient_accumulation_steps": self.training.gradient_accumulation_steps,
             "data.max_length": self.data.max_length, "training.keep_last": self.training.keep_last,
             "data.pad_to_multiple": self.data.pad_to_multiple or 1,
+            "training.log_every": self.training.log_every, "training.save_every": self.training.save_every,
         }
         for name, value in positive.items():
             if value < 1:

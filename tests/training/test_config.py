@@ -42,6 +42,8 @@ def test_overrides_are_typed() -> None:
         ("training.batch_size=two", "training.batch_size='two' must be of type int"),
         ("training.attention=sparse", "training.attention='sparse' is not one of"),
         ("training.batch_size=0", "training.batch_size must be >= 1"),
+        ("training.log_every=0", "training.log_every must be >= 1"),  # the loop divides by both
+        ("training.save_every=0", "training.save_every must be >= 1"),
         ("trainer.steps=1", "unknown config key trainer"),
         ("training.seed", "must look like section.key=value"),
     ],
