@@ -57,6 +57,8 @@ VARIANTS: dict[str, list[str]] = {
     "packed-sdpa-target": [*PACKED, "training.target_attention=sdpa"],
     # the same on flex attention: skips the tiles no chat fills, but compiles its kernel on the first step
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
+    # the drafter's flex mask in tiles of 64 tokens instead of 128: fewer masked-out scores computed
+    "packed-flex-tile64": [*PACKED, "training.flex_tile=64"],
     # the target's pass replayed from CUDA graphs: one launch instead of the host launching every layer's kernels
     "packed-target-graphs": [*PACKED, "training.target_cuda_graphs=true"],
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)

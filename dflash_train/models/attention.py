@@ -21,6 +21,17 @@ def is_block_mask(mask: AttentionMask) -> bool:
     return type(mask).__name__ == "BlockMask"
 
 
+# Flex attention's own kernel tiles must divide the mask's: for masks of 64-token tiles (training.flex_tile) the
+# forward and both backward passes get tiles of at most 64 (its defaults on H100/H200 are up to 128).
+SMALL_TILE_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64,
+                             "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}
+
+
+def kernel_options(mask: AttentionMask) -> dict[str, int] | None:
+    """Flex kernel options a BlockMask's tile asks for: None at the default 128, the small tiles below it."""
+    return SMALL_TILE_KERNEL_OPTIONS if min(mask.BLOCK_SIZE) < 128 else None
+
+
 @functools.cache
 def _compiled_flex_attention() -> Any:
     return torch.compile(flex_attention, dynamic=False)
@@ -29,9 +40,10 @@ def _compiled_flex_attention() -> Any:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: AttentionMask) -> torch.Tensor:
     """q [b, heads, Q, D], k/v [b, kv_heads, K, D] -> [b, heads, Q, D] (grouped-query aware)."""
     if is_block_mask(mask):
+        options = kernel_options(mask) if q.is_cuda else None
         if q.is_cuda and not torch.compiler.is_compiling():
-            return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True)
-        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
+            return _compiled_flex_attention()(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
+        return flex_attention(q, k, v, block_mask=mask, enable_gqa=True, kernel_options=options)
     k, v = k.to(q.dtype), v.to(q.dtype)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)

@@ -15,7 +15,12 @@ from typing import Any
 
 import torch
 
-from dflash_train.objective.block_sparsity import block_mask_from_intervals, chat_starts, training_intervals
+from dflash_train.objective.block_sparsity import (
+    TILE,
+    block_mask_from_intervals,
+    chat_starts,
+    training_intervals,
+)
 
 
 def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> torch.Tensor:
@@ -33,12 +38,12 @@ def dense_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, blo
     return (query_valid[:, :, None] & (sees_context | sees_block))[:, None]
 
 
-def flex_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> Any:
-    """The same predicate as `dense_mask`, as a flex-attention BlockMask (its tiles computed from the
-    anchors, block_sparsity.py: no compilation, no [b, Q, K] intermediate)."""
+def flex_mask(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int, tile: int = TILE) -> Any:
+    """The same predicate as `dense_mask`, as a flex-attention BlockMask of `tile`-sized tiles (computed from
+    the anchors, block_sparsity.py: no compilation, no [b, Q, K] intermediate)."""
     mask_mod = flex_mask_mod(anchors, valid, context_len, block_size)
     starts, ends = training_intervals(anchors, valid, torch.zeros_like(anchors), context_len, block_size)
-    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod)
+    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod, tile)
 
 
 def flex_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, context_len: int, block_size: int) -> Any:
@@ -68,15 +73,15 @@ def packed_dense_mask(
 
 def packed_flex_mask(
     anchors: torch.Tensor, valid: torch.Tensor, anchor_sequence: torch.Tensor, context_sequence: torch.Tensor,
-    block_size: int,
+    block_size: int, tile: int = TILE,
 ) -> Any:
-    """The same predicate as `packed_dense_mask`, as a flex-attention BlockMask (tiles of other chats'
-    context are skipped, so attention costs what each chat's own context costs)."""
+    """The same predicate as `packed_dense_mask`, as a flex-attention BlockMask of `tile`-sized tiles (tiles of
+    other chats' context are skipped, so attention costs what each chat's own context costs)."""
     mask_mod = packed_flex_mask_mod(anchors, valid, anchor_sequence, context_sequence, block_size)
     context_len = context_sequence.shape[1]
     start = chat_starts(context_sequence).gather(1, anchors.clamp(max=context_len - 1))
     starts, ends = training_intervals(anchors, valid, start, context_len, block_size)
-    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod)
+    return block_mask_from_intervals(starts, ends, context_len + anchors.shape[1] * block_size, mask_mod, tile)
 
 
 def packed_flex_mask_mod(

@@ -105,6 +105,7 @@ class DFlashObjective:
     anchors_per_row: int | None = None  # anchor capacity of a packed row
     position_weighting: PositionWeighting = "decay"  # dpace: D-PACE weights from the drafter's own CE
     dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha)·q + alpha
+    flex_tile: int = 128  # the flex mask's tile (queries and keys); 64 computes fewer masked-out scores
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
@@ -135,10 +136,13 @@ class DFlashObjective:
         if kind == "auto":
             kind = "flex" if blocks.anchors.is_cuda else "dense"
         if blocks.context_sequence is not None:
-            packed = packed_flex_mask if kind == "flex" else packed_dense_mask
-            return packed(blocks.anchors, blocks.valid, blocks.sequence, blocks.context_sequence, self.block_size)
+            if kind == "flex":
+                return packed_flex_mask(blocks.anchors, blocks.valid, blocks.sequence, blocks.context_sequence,
+                                        self.block_size, self.flex_tile)
+            return packed_dense_mask(blocks.anchors, blocks.valid, blocks.sequence, blocks.context_sequence,
+                                     self.block_size)
         if kind == "flex":
-            return flex_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
+            return flex_mask(blocks.anchors, blocks.valid, context_len, self.block_size, self.flex_tile)
         return dense_mask(blocks.anchors, blocks.valid, context_len, self.block_size)
 
     def __call__(

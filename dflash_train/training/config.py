@@ -81,6 +81,9 @@ class TrainingConfig:
     dpace_alpha: float = 0.5
     mixed_precision: Literal["bf16", "fp16", "no"] = "bf16"
     attention: Literal["auto", "dense", "flex"] = "auto"
+    # The drafter's flex mask in tiles of 128 (flex attention's default) or 64 tokens: a tile that holds any
+    # visible pair is computed whole, so smaller tiles compute fewer masked-out scores, on smaller kernels.
+    flex_tile: Literal[64, 128] = 128
     # The target's attention over packed rows (online features): flex skips the tiles no chat fills, where SDPA
     # computes a dense mask's every score (dflash_train/target/attention.py); varlen attends each chat alone
     # with PyTorch's FlashAttention varlen kernel, nothing compiled (target/varlen.py); auto: flex on CUDA.

@@ -165,7 +165,7 @@ class Trainer:
             num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
             partition_anchors=t.anchors == "partition",
             anchors_per_row=self.packed.anchors_per_row if self.packed else None,
-            position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha,
+            position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha, flex_tile=t.flex_tile,
         )
         self.compat = {
             "target": config.model.target, "target_fingerprint": target_fingerprint(self.target.model),

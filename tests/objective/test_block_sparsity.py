@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-from dflash_train.models.attention import attend
+from dflash_train.models.attention import SMALL_TILE_KERNEL_OPTIONS, attend, kernel_options
 from dflash_train.objective.block_sparsity import chat_starts
 from dflash_train.objective.masks import (
     dense_mask,
@@ -42,9 +42,10 @@ def random_anchors(seed: int, batch: int, seq_len: int, num: int) -> tuple[torch
     return anchors, anchors < seq_len
 
 
-def check_against_reference(block_mask: object, mask_mod: object, batch: int, q_len: int, kv_len: int) -> None:
-    reference = create_block_mask(mask_mod, batch, None, q_len, kv_len, device="cpu", _compile=False)
-    key_tiles = -(-kv_len // 128)
+def check_against_reference(block_mask: object, mask_mod: object, batch: int, q_len: int, kv_len: int,
+                            tile: int = 128) -> None:
+    reference = create_block_mask(mask_mod, batch, None, q_len, kv_len, device="cpu", _compile=False, BLOCK_SIZE=tile)
+    key_tiles = -(-kv_len // tile)
     got_partial, got_full = tile_sets(block_mask, key_tiles)
     ref_partial, ref_full = tile_sets(reference, key_tiles)
     assert torch.equal(got_partial | got_full, ref_partial | ref_full), "touched tiles differ"
@@ -58,6 +59,14 @@ def test_tiles_equal_those_of_the_evaluated_mask(seq_len: int, num: int, block: 
     block_mask = flex_mask(anchors, valid, seq_len, block)
     check_against_reference(block_mask, flex_mask_mod(anchors, valid, seq_len, block), 3, num * block,
                             seq_len + num * block)
+
+
+@pytest.mark.parametrize("tile", [64, 32])
+def test_smaller_tiles_equal_those_of_the_evaluated_mask(tile: int) -> None:
+    anchors, valid = random_anchors(5, 2, 700, 40)
+    block_mask = flex_mask(anchors, valid, 700, 16, tile)
+    assert tuple(block_mask.BLOCK_SIZE) == (tile, tile)
+    check_against_reference(block_mask, flex_mask_mod(anchors, valid, 700, 16), 2, 40 * 16, 700 + 40 * 16, tile)
 
 
 def packed_case(seed: int, chat_lengths: list[list[int]], row_len: int, num: int) -> tuple[torch.Tensor, ...]:
@@ -89,14 +98,25 @@ def test_packed_tiles_equal_those_of_the_evaluated_mask() -> None:
     check_against_reference(block_mask, mod, 2, 48 * 16, 800 + 48 * 16)
 
 
-def test_packed_flex_attention_over_many_tiles_equals_dense_attention() -> None:
+def test_packed_tiles_of_64_equal_those_of_the_evaluated_mask() -> None:
+    anchors, valid, owner, sequence = packed_case(2, [[300, 200, 260], [700, 50]], 800, 48)
+    block_mask = packed_flex_mask(anchors, valid, owner, sequence, 16, 64)
+    mod = packed_flex_mask_mod(anchors, valid, owner, sequence, 16)
+    check_against_reference(block_mask, mod, 2, 48 * 16, 800 + 48 * 16, 64)
+    assert kernel_options(block_mask) == SMALL_TILE_KERNEL_OPTIONS  # the kernel's tiles fit the mask's
+    assert kernel_options(packed_flex_mask(anchors, valid, owner, sequence, 16)) is None
+
+
+@pytest.mark.parametrize("tile", [128, 64])
+def test_packed_flex_attention_over_many_tiles_equals_dense_attention(tile: int) -> None:
     anchors, valid, owner, sequence = packed_case(1, [[260, 140, 330], [400, 333]], 770, 40)
     gen = torch.Generator().manual_seed(0)
     q_len, kv_len = 40 * 16, 770 + 40 * 16
     q = torch.randn(2, 4, q_len, 8, generator=gen)
     k, v = torch.randn(2, 2, kv_len, 8, generator=gen), torch.randn(2, 2, kv_len, 8, generator=gen)
     dense = attend(q, k, v, packed_dense_mask(anchors, valid, owner, sequence, 16))
-    flex = flex_attention(q, k, v, block_mask=packed_flex_mask(anchors, valid, owner, sequence, 16), enable_gqa=True)
+    mask = packed_flex_mask(anchors, valid, owner, sequence, 16, tile)
+    flex = flex_attention(q, k, v, block_mask=mask, enable_gqa=True)
     torch.testing.assert_close(flex, dense, atol=1e-5, rtol=1e-5)
 
 

@@ -11,8 +11,9 @@ from tests.helpers.tiny_drafts import frozen_embed_and_head, tiny_draft
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_flex_objective_equals_dense_objective(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("dtype", "tile"), [(torch.float32, 128), (torch.bfloat16, 128), (torch.bfloat16, 64)])
+def test_flex_objective_equals_dense_objective(dtype: torch.dtype, tile: int) -> None:
+    """At the default 128-token tiles and at training.flex_tile=64 (the kernel's own tiles made to fit)."""
     draft = tiny_draft(block_size=16, hidden_size=128, head_dim=32, num_attention_heads=4,
                        num_key_value_heads=2, intermediate_size=256, num_target_layers=12).cuda()
     embed, head = frozen_embed_and_head(draft.config)
@@ -25,7 +26,7 @@ def test_flex_objective_equals_dense_objective(dtype: torch.dtype) -> None:
     features = torch.randn(2, seq_len, 2 * 128, device="cuda", generator=gen)
     results = {}
     for kind in ("dense", "flex"):
-        objective = DFlashObjective(block_size=16, mask_token_id=60, num_anchors=24, mask_kind=kind)
+        objective = DFlashObjective(block_size=16, mask_token_id=60, num_anchors=24, mask_kind=kind, flex_tile=tile)
         blocks = objective.make_blocks(input_ids, loss_mask, torch.Generator(device="cuda").manual_seed(1))
         draft.zero_grad()
         with torch.autocast("cuda", dtype=dtype, enabled=dtype != torch.float32):

@@ -59,3 +59,22 @@ def test_a_mask_that_lets_chats_see_each_other_would_differ(target: TargetModel)
     leaky.attention_mask = lambda b, _: packed_dense_mask(b.anchors, b.valid, anchors, context, 4)  # type: ignore[method-assign]
     wrong = leaky(*args, blocks=blocks, context_positions=batch["position_ids"])
     assert not torch.allclose(right.loss, wrong.loss, rtol=1e-4)
+
+
+def test_a_flex_mask_of_64_token_tiles_gives_the_dense_mask_loss(target: TargetModel) -> None:
+    """training.flex_tile=64: the objective's flex mask is made of 64-token tiles, and the loss equals the dense
+    mask's (flex attention on the CPU has no backward: the gradients are the GPU tests')."""
+    draft = drafter(target)
+    batch = collate_packed(chats(2, len(LAYERS) * target.hidden_size), PACK, 3)
+    losses = {}
+    for kind, tile in (("dense", 128), ("flex", 64)):
+        objective = DFlashObjective(block_size=4, mask_token_id=4, num_anchors=6, loss_decay_gamma=3.0,
+                                    mask_kind=kind, anchors_per_row=16, flex_tile=tile)
+        blocks = objective.seeded_blocks(batch, chat_layout(batch), list(range(6)))
+        if kind == "flex":
+            assert tuple(objective.attention_mask(blocks, PACK).BLOCK_SIZE) == (64, 64)
+        with torch.no_grad():
+            losses[kind] = objective(draft, target.embed_tokens, target.lm_head.weight, batch["input_ids"],
+                                     batch["loss_mask"], batch["features"], blocks=blocks,
+                                     context_positions=batch["position_ids"]).loss
+    torch.testing.assert_close(losses["flex"], losses["dense"], rtol=1e-5, atol=1e-6)
