@@ -102,8 +102,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="user turns answered per conversation, each after the target's own earlier answers: "
                              "N or all (default 1: the first turn)")
     add_runtime_arguments(parser, "rows decoded at once, each refilled with the next prompt when it finishes "
-                                  "(default: 256 on a GPU, --batch-size on a CPU); in float32 it does not change the output, in bf16 a "
-                                  "near-tie may break otherwise at another row count",
+                                  "(default: 256 on a GPU, --batch-size on a CPU); greedy bf16 answers may differ at another "
+                                  "row count, where a near-tie breaks otherwise",
                           prefix="built-in back end: ")
     server = parser.add_argument_group("OpenAI-compatible server back end")
     server.add_argument("--server-url", default=None, help="e.g. http://127.0.0.1:8000/v1")

@@ -92,8 +92,8 @@ class GraphedFeatures:
             captured.replay()
             self._check(captured.outputs[0], ids, positions, host_positions)
             self.graphs[key] = captured
-            return captured.outputs
-        captured.replay()
+        else:
+            captured.replay()
         return captured.outputs
 
     def _check(self, replayed: Tensor, ids: Tensor, positions: Tensor, host_positions: Tensor) -> None:
