@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -44,12 +45,14 @@ from benchmarks.common import H200_BF16_PEAK, write_result
 from benchmarks.decode import as_intervals, gpu_time, kernel_categories, profiled_calls
 from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
 
-# Rows of 8,192 tokens, the target's packed forward on the varlen kernel and its decoder layers compiled (the
-# packed recipe's choices); the other packed variants change one thing each, whatever --recipe says.
+# Rows of 8,192 tokens, the target's packed forward on the varlen kernel, its decoder layers compiled and its
+# pass replayed from CUDA graphs (the packed recipe's choices); the other packed variants change one thing
+# each, whatever --recipe says.
 PACKED = ["data.max_length=2048", "data.pack_tokens=8192", "training.batch_size=2", "training.compile=true",
-          "training.target_attention=varlen", "training.compile_target=true"]
+          "training.target_attention=varlen", "training.compile_target=true", "training.target_cuda_graphs=true"]
 VARIANTS: dict[str, list[str]] = {
-    "padded": ["data.max_length=2048", "training.batch_size=16", "training.compile=true", "training.compile_target=false"],
+    "padded": ["data.max_length=2048", "training.batch_size=16", "training.compile=true", "training.compile_target=false",
+               "training.target_cuda_graphs=false"],
     "packed": PACKED,
     "packed-4x-rows": [*PACKED, "data.pack_tokens=16384", "training.batch_size=4"],
     "packed-eager-layers": [*PACKED, "training.compile=false"],
@@ -59,10 +62,10 @@ VARIANTS: dict[str, list[str]] = {
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
     # the drafter's flex mask in tiles of 64 tokens instead of 128: fewer masked-out scores computed
     "packed-flex-tile64": [*PACKED, "training.flex_tile=64"],
-    # the target's pass replayed from CUDA graphs: one launch instead of the host launching every layer's kernels
-    "packed-target-graphs": [*PACKED, "training.target_cuda_graphs=true"],
+    # the target's pass launched kernel by kernel from the host instead of replayed from CUDA graphs
+    "packed-uncaptured-target": [*PACKED, "training.target_cuda_graphs=false"],
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)
-    "packed-eager-target": [*PACKED, "training.compile_target=false"],
+    "packed-eager-target": [*PACKED, "training.compile_target=false", "training.target_cuda_graphs=false"],
     # distillation: the target's final states too, and soft targets in the fused cross-entropy kernel
     "packed-soft-targets": [*PACKED, "training.soft_targets=true"],
 }
@@ -238,8 +241,16 @@ def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, wo
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
-    print(f"{name}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}", flush=True)
+    print(f"{name}: failed (exit {proc.returncode}): {'; '.join(error_lines(proc.stderr)) or 'no exception line'}\n"
+          f"{proc.stderr[-1500:]}", flush=True)
     return None
+
+
+def error_lines(stderr: str, limit: int = 3) -> list[str]:
+    """The exception lines of a failed variant's stderr (`...Error: message`), first first: inductor's lowering
+    errors end in pages of graph dumps, so the stderr's tail alone does not say what failed."""
+    pattern = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception)\b.*")
+    return [line.strip()[:300] for line in stderr.splitlines() if pattern.match(line.strip())][:limit]
 
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.decode import kernel_category
 from benchmarks.shapes import SMOLLM2_135M
-from benchmarks.train_packing import TRAINING_CATEGORIES, main, save_word_tokenizer
+from benchmarks.train_packing import TRAINING_CATEGORIES, error_lines, main, save_word_tokenizer
 
 
 def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
@@ -41,11 +41,22 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_ms"] * 1.5
 
 
-def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
     with pytest.raises(SystemExit, match="no variant finished"):  # 5 draft layers cannot read a 6-layer target
         main(["--tiny", "--chats", "16", "--steps", "1", "--variants", "packed", "--set", "model.num_draft_layers=5",
               "--workdir", str(tmp_path / "work")])
+    failure = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("packed: failed"))
+    assert "Error" in failure.split("): ", 1)[1]  # the exception itself, not only the stderr's tail
+
+
+def test_error_lines_finds_the_exception_above_a_graph_dump() -> None:
+    stderr = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+              "torch._inductor.exc.InductorError: LoweringException: AssertionError: block sizes\n"
+              "  target: flex_attention_backward\n  args[0]: TensorBox(...)\n" + "  Found from : ...\n" * 50)
+    assert error_lines(stderr) == ["torch._inductor.exc.InductorError: LoweringException: AssertionError: block sizes"]
+    assert error_lines("Warning: deprecated\nloss 1.0\n") == []
 
 
 @pytest.mark.parametrize(("name", "category"), [
