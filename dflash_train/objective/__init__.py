@@ -1,9 +1,15 @@
 from dflash_train.objective.blocks import IGNORE_INDEX, Blocks, build_blocks, sample_anchors
 from dflash_train.objective.loss import chunked_weighted_cross_entropy, slot_weights
 from dflash_train.objective.masks import dense_mask, flex_mask
-from dflash_train.objective.objective import DFlashObjective, ObjectiveOutput, expected_acceptance_length
+from dflash_train.objective.objective import (
+    DEFAULT_FLEX_TILE,
+    DFlashObjective,
+    ObjectiveOutput,
+    expected_acceptance_length,
+)
 
 __all__ = [
+    "DEFAULT_FLEX_TILE",
     "IGNORE_INDEX",
     "Blocks",
     "DFlashObjective",

@@ -21,6 +21,8 @@ from dflash_train.objective.blocks import (
 from dflash_train.objective.loss import chunked_cross_entropy_rows, slot_weights
 from dflash_train.objective.masks import dense_mask, flex_mask, packed_dense_mask, packed_flex_mask
 
+DEFAULT_FLEX_TILE = 128  # flex attention's own tile; smaller ones need kernel options of their own
+
 MaskKind = Literal["auto", "dense", "flex"]
 PositionWeighting = Literal["decay", "dpace"]
 
@@ -105,7 +107,7 @@ class DFlashObjective:
     anchors_per_row: int | None = None  # anchor capacity of a packed row
     position_weighting: PositionWeighting = "decay"  # dpace: D-PACE weights from the drafter's own CE
     dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha)·q + alpha
-    flex_tile: int = 128  # the flex mask's tile (queries and keys); 64 computes fewer masked-out scores
+    flex_tile: int = DEFAULT_FLEX_TILE  # the flex mask's tile (queries and keys); 64 computes fewer masked-out scores
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None

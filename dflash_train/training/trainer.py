@@ -26,7 +26,7 @@ from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.features import compute_features
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
-from dflash_train.objective import Blocks, DFlashObjective, ObjectiveOutput
+from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.target.attention import FLEX, attention_implementation, packed_target_attention
 from dflash_train.target.graphed import GraphedFeatures
@@ -349,13 +349,33 @@ class Trainer:
             features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
                                                       cpu_batch.get("position_ids"))
         with record_function("train/drafter_and_loss"):
-            out = self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
-                                 batch["input_ids"], batch["loss_mask"], features,
-                                 blocks=host_blocks.to(device, non_blocking=True),
-                                 teacher_states=teacher_states, context_positions=batch.get("position_ids"))
+            out = self._drafter_loss(batch, features, host_blocks.to(device, non_blocking=True), teacher_states)
         tokens = sum(n for _, _, n in chats)
         stats = {"tokens": float(tokens), "flops": self._flops(host_blocks, tokens, chats)}
         return out, stats
+
+    def _drafter_loss(self, batch: dict[str, torch.Tensor], features: torch.Tensor, blocks: Blocks,
+                      teacher_states: torch.Tensor | None) -> Any:
+        """The objective on the drafter. Small flex tiles (training.flex_tile=64) ask the flex kernel for tiles
+        of their own, which a compiler may fail to build: from such a failure on, the default 128-token
+        tiles (the same loss, more masked-out scores computed), not a lost run."""
+        def run() -> Any:
+            return self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
+                                  batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
+                                  teacher_states=teacher_states, context_positions=batch.get("position_ids"))
+        if self.objective.flex_tile == DEFAULT_FLEX_TILE:
+            return run()
+        try:
+            return run()
+        except Exception as error:
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            self.accelerator.print(
+                f"training.flex_tile={self.objective.flex_tile} failed in the drafter ({type(error).__name__}: "
+                f"{reason}); {DEFAULT_FLEX_TILE}-token tiles from now on (training.flex_tile={DEFAULT_FLEX_TILE} "
+                "skips the try)")
+            self.objective.flex_tile = DEFAULT_FLEX_TILE
+            self.model.zero_grad(set_to_none=True)  # nothing of the failed attempt reaches the step
+            return run()
 
     def _flops(self, blocks: Blocks, tokens: int, chats: list[tuple[int, int, int]]) -> float:
         """The step's model FLOPs, from the blocks on the host (no device sync)."""

@@ -122,3 +122,27 @@ def test_the_graphed_target_pass_trains_like_the_uncaptured_one(
     assert graphed.target_graphs is not None and graphed.target_graphs.graphs  # replayed, never turned off
     for uncaptured, replayed in losses:
         assert replayed == pytest.approx(uncaptured, rel=1e-6)
+
+
+def test_small_flex_tiles_that_fail_fall_back_to_the_default(
+        assets: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A compiler that cannot build the 64-token tiles' kernel costs the run its speed-up, not the run: one
+    message, the default tiles from then on, and the same steps as a run that asked for them."""
+    default = Trainer(load_config(None, overrides(assets, tmp_path / "default", **PACKED)))
+    small = Trainer(load_config(None, overrides(assets, tmp_path / "small", **PACKED, **{"training.flex_tile": 64})))
+    call = type(small.objective).__call__
+
+    def fails_at_64(objective: object, *args: object, **kwargs: object) -> object:
+        if objective.flex_tile == 64:  # type: ignore[attr-defined]
+            raise RuntimeError("LoweringException: no kernel for these tiles\nfull graph dump follows")
+        return call(objective, *args, **kwargs)
+
+    monkeypatch.setattr(type(small.objective), "__call__", fails_at_64)
+    losses = [(default.train_step()["loss"], small.train_step()["loss"]) for _ in range(2)]
+    assert small.objective.flex_tile == 128
+    for expected, fell_back in losses:
+        assert fell_back == pytest.approx(expected, rel=1e-6)
+    out = capsys.readouterr().out
+    assert out.count("training.flex_tile=64 failed in the drafter (RuntimeError: LoweringException") == 1
+    assert "128-token tiles from now on" in out
