@@ -1,12 +1,14 @@
 """τ against training minutes: what more GPU time buys, from a recipe run directory's eval reports.
 
     python -m dflash_train.eval.curve outputs/speedrun     # prints a table, writes curve.json and curve.png
+    python -m dflash_train.eval.curve runs/a runs/b        # points of several run directories, written to the first
 
 Each training run under `<run>/train/<name>` that has an eval report `<run>/eval/<name>[-b16|-b8].json` at
 batch 1 (a `-fp32` check excepted) is one point per dataset: its training minutes (from the last
 checkpoint's trainer state) against the report's τ and speedup. Runs trained for different budgets, each
 with its own schedule (the speedrun's `curve` stage), make the curve; a run continued with resume is one
-point at its total minutes.
+point at its total minutes. Runs trained on other machines or days (the same data, another budget) join
+the curve from their own directories; with more than one directory a point's run is named `dir/run`.
 """
 
 from __future__ import annotations
@@ -80,16 +82,28 @@ def _foreign_output(run_dir: Path) -> Path | None:
     return figure if figure.exists() else None
 
 
+def merged_points(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """The points of several run directories on one curve, each run named after its directory."""
+    if len(run_dirs) == 1:
+        return curve_points(run_dirs[0])
+    points = [{**p, "run": f"{run_dir.name}/{p['run']}"} for run_dir in run_dirs for p in curve_points(run_dir)]
+    return sorted(points, key=lambda p: (p["train_minutes"], p["run"], p["dataset"]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m dflash_train.eval.curve RUN_DIR", file=sys.stderr)
+    if not args:
+        print("usage: python -m dflash_train.eval.curve RUN_DIR [MORE_RUN_DIRS ...]", file=sys.stderr)
         return 2
-    run_dir = Path(args[0])
-    points = curve_points(run_dir)
+    run_dirs = [Path(arg) for arg in args]
+    if len({run_dir.name for run_dir in run_dirs}) < len(run_dirs):
+        print("curve: the run directories need different names (a point's run is named dir/run)", file=sys.stderr)
+        return 2
+    run_dir = run_dirs[0]
+    points = merged_points(run_dirs)
     if not points:
-        print(f"curve: no batch-1 eval report of a finished training run under {run_dir}; run the train and "
-              "eval stages first", file=sys.stderr)
+        print(f"curve: no batch-1 eval report of a finished training run under {', '.join(args)}; run the train "
+              "and eval stages first", file=sys.stderr)
         return 1
     foreign = _foreign_output(run_dir)
     if foreign is not None:

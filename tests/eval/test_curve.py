@@ -67,3 +67,26 @@ def test_files_it_did_not_write_are_not_overwritten(run_dir: Path, capsys: pytes
     assert (run_dir / "curve.json").read_text() == '{"notes": "mine"}'
     (run_dir / "curve.json").unlink()
     assert main([str(run_dir)]) == 0 and main([str(run_dir)]) == 0  # its own output is replaced
+
+
+def test_runs_of_several_directories_make_one_curve(run_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """A longer run trained elsewhere (its own directory, its own `main`) joins the curve, written to the first."""
+    other = tmp_path_factory.mktemp("later")
+    trained(other, "main", 40, 8000)
+    write_report(other / "eval" / "main-b16.json", 16, {"mt-bench": result(3.5, True, speedup=2.0)})
+    assert main([str(run_dir), str(other)]) == 0
+    runs = [(p["train_minutes"], p["run"]) for p in json.loads((run_dir / "curve.json").read_text())
+            if p["dataset"] == "mt-bench"]
+    assert runs == [(5.0, f"{run_dir.name}/curve-5min"), (10.0, f"{run_dir.name}/curve-10min"),
+                    (20.0, f"{run_dir.name}/main"), (40.0, f"{other.name}/main")]
+    assert not (other / "curve.json").exists()
+    assert f"| 40.0 | {other.name}/main | mt-bench | 3.50 |" in capsys.readouterr().out
+
+
+def test_run_directories_of_one_name_are_refused(run_dir: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    twin = tmp_path_factory.mktemp("twin") / run_dir.name
+    twin.mkdir()
+    assert main([str(run_dir), str(twin)]) == 2
+    assert "need different names" in capsys.readouterr().err
