@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--trim-loops", action="store_true",
                         help="cut answers the token cap stopped inside a verbatim loop (a phrase repeated to the end) "
                              "to two copies of it: the rest costs training time and teaches nothing new")
+    parser.add_argument("--keep-duplicates", action="store_true",
+                        help="keep conversations identical to an earlier one (dropped by default as "
+                             "duplicate_conversation: several sampled answers to one prompt can be the same)")
     parser.add_argument("--exclude-source", action="append", default=[], metavar="NAME",
                         help="leave out records labelled with this source (repeatable), e.g. one source of a "
                              "regenerated mix, without regenerating the others")
@@ -72,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
                            args.train_turns, args.target, decontaminate=not args.no_decontaminate,
                            workers=args.workers, trim_loops=args.trim_loops,
-                           exclude_sources=tuple(args.exclude_source))
+                           exclude_sources=tuple(args.exclude_source), dedupe=not args.keep_duplicates)
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0

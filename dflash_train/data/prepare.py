@@ -4,7 +4,8 @@ Rows are validated (``records.py``), rendered and masked with the target's chat 
 cut to ``max_length`` keeping whole assistant spans where possible, and dropped when fewer than
 ``min_supervised`` (``2 * block_size``) tokens remain supervised. Rows whose prompt turns share a word
 13-gram with an eval set are dropped as ``overlaps_eval_set`` (``decontaminate.py``; the metadata lists the
-eval sets). Every drop is counted by reason, and a reason that drops more than 5 % of the rows gets a
+eval sets); a conversation identical to an earlier one (several sampled answers to a prompt can be) as
+``duplicate_conversation``, unless ``dedupe`` is off. Every drop is counted by reason, and a reason that drops more than 5 % of the rows gets a
 warning line in the summary. A conversation whose template renders some turns differently once later turns
 follow gives those turns rows of their own (``chat.py``). A row is labelled with its record's own ``source``
 and ``source_index`` where the record carries them (``pack`` mixes named sources in one file; ``regenerate``
@@ -15,6 +16,7 @@ reports one τ̂ per label (``training/source_metrics.py``).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import multiprocessing
 import os
@@ -42,6 +44,7 @@ from dflash_train.data.records import BadRecord, Message, detect_format, rename_
 from dflash_train.data.shards import REGEN_MANIFEST
 from dflash_train.outputs import PREPARED, claim, publish
 
+DUPLICATE_CONVERSATION = "duplicate_conversation"
 PARALLEL_MIN_ROWS = 4096  # records below which a pool costs more to start (fork, first calls) than it saves
 POOL_CHUNK = 128  # records per task sent to a pool worker
 
@@ -60,6 +63,7 @@ class PrepareConfig:
     parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
     trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loops.py)
     exclude_sources: tuple[str, ...] = ()  # records labelled with one of these sources are left out
+    dedupe: bool = True  # drop a conversation identical to an earlier one (sampled answers can repeat)
 
     @property
     def min_supervised(self) -> int:
@@ -148,15 +152,30 @@ Work = tuple[list[Message], str | None]  # what a worker needs of a record: its 
 
 
 def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where, Work]]:
+    """The records to tokenise, in input order; excluded sources and repeated conversations are counted as
+    drops here, in this process, so the first copy of a conversation is the one kept whatever the workers."""
+    seen: set[bytes] | None = set() if config.dedupe else None
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
             label = record_label(record, corpus, index)
-            if label[0] in config.exclude_sources:  # counted as a drop here, never tokenised
-                report.count_source(label[0], EXCLUDED_SOURCE)
-                report.drop(EXCLUDED_SOURCE, corpus.location(index))
+            reason = EXCLUDED_SOURCE if label[0] in config.exclude_sources else None
+            if reason is None and seen is not None:
+                key = conversation_key(messages, record.get("finish_reason") in UNFINISHED)
+                reason = DUPLICATE_CONVERSATION if key in seen else None
+                seen.add(key)
+            if reason is not None:  # never tokenised
+                report.count_source(label[0], reason)
+                report.drop(reason, corpus.location(index))
                 continue
             yield (corpus, index, label), (messages, record.get("finish_reason"))
+
+
+def conversation_key(messages: list[Message], unfinished: bool) -> bytes:
+    """A training conversation's identity: a 128-bit hash (16 bytes a record held, not its text) of its
+    messages and of whether its last answer was cut off (then no end of turn is supervised: another row)."""
+    text = json.dumps([messages, unfinished], sort_keys=True, ensure_ascii=False)
+    return hashlib.blake2b(text.encode(), digest_size=16).digest()
 
 
 @dataclass
@@ -384,4 +403,5 @@ def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict
         "sources": [spec.source for spec in config.sources],
         **({"trim_loops": True} if config.trim_loops else {}),  # absent when off: earlier datasets still match
         **({"exclude_sources": sorted(config.exclude_sources)} if config.exclude_sources else {}),
+        **({"keep_duplicates": True} if not config.dedupe else {}),
     }

@@ -257,7 +257,7 @@ def test_extract_cli_end_to_end_and_tokenizer_mismatch(tiny: TargetModel, tmp_pa
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     model = str(tmp_path / "model")
     assert main(["prepare", "--target", model, "--data", str(tmp_path / "in.jsonl"), "--out", str(tmp_path / "p"),
-                 "--block-size", "2"]) == 0
+                 "--block-size", "2", "--keep-duplicates"]) == 0  # three rows of one chat
     args = ["extract", "--target", model, "--data", str(tmp_path / "p"), "--out", str(tmp_path / "f"),
             "--layer-ids", "0,2,4", "--target-dtype", "fp32", "--device", "cpu"]
     assert main(args) == 0

@@ -158,7 +158,7 @@ def test_prepare_with_workers_writes_the_rows_and_summary_of_one_process(
     assert len(pools) == 1  # the second run only
     assert pooled.lines()[1:] == serial.lines()[1:]  # all but the title, which names the folder
     assert set(serial.dropped) == {"no_assistant_turn", "invalid_json", "too_long", "too_few_supervised_tokens",
-                                   "special_token_text"}
+                                   "special_token_text", "duplicate_conversation"}  # the bad rows come 4 times
     assert serial.kept == 40 and serial.totals["rows truncated"] > 0
     assert load_prepared(pooled_dir).to_list() == load_prepared(serial_dir).to_list()
     arrow = sorted(path.name for path in serial_dir.glob("*.arrow"))

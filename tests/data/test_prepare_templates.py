@@ -43,7 +43,7 @@ def test_template_that_never_shows_answers_after_their_prompt_is_its_own_drop_re
         "<|im_end|>{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant:{% endif %}")
     source = write_jsonl(tmp_path / "in.jsonl", [{"messages": two_turns()}] * 3)
     report = DataReport("t")
-    config = PrepareConfig([CorpusSpec(str(source))], block_size=2, target_name="t")
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=2, target_name="t", dedupe=False)  # 3 copies
     assert list(tokenized_rows(ChatTokenizer(tokenizer), config, report)) == []
     assert dict(report.dropped) == {"template_not_prefix_stable": 3}  # not "too_few_supervised_tokens"
     assert any(line.startswith("WARNING: 3 of 3 rows (100%) dropped as template_not_prefix_stable: the chat "

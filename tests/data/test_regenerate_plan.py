@@ -171,6 +171,6 @@ def test_a_source_without_its_own_index_gets_the_records(tmp_path: Path) -> None
     rows = [{"messages": prompt(i) + [{"role": "assistant", "content": ANSWER}], "source": "math",
              "source_index": True} for i in range(2)]  # no usable index: the record's own is used
     source = write_jsonl(tmp_path / "chats.jsonl", [*rows, {**rows[0], "source": 3, "source_index": 9}])
-    prepare(make_tiny_tokenizer(), PrepareConfig([CorpusSpec(str(source))], block_size=2, target_name="tiny"),
-            tmp_path / "prepared")
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=2, target_name="tiny", dedupe=False)  # row 0 twice
+    prepare(make_tiny_tokenizer(), config, tmp_path / "prepared")
     assert labels(list(load_prepared(tmp_path / "prepared"))) == sorted([("math", 0), ("math", 1), (str(source), 2)])
