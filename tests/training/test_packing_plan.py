@@ -86,12 +86,47 @@ def save_store(path: pathlib.Path, ids: list[list[int]], masks: list[list[int]],
     (path / "manifest.json").write_text(json.dumps(manifest))
 
 
-def test_rows_are_filled_greedily_in_order() -> None:
+def reference_rows(order: list[int], lengths: list[int], anchors: list[int], window: int) -> list[list[int]]:
+    """The packing spelled out: a row scans the first `window` chats not yet placed, in order, and takes each
+    one that fits what is left of it, until a scan takes none."""
+    left, rows = list(order), []
+    while left:
+        row, tokens, used = [left.pop(0)], 0, 0
+        tokens, used = lengths[row[0]], anchors[row[0]]
+        while left:
+            fits = [c for c in left[:window] if tokens + lengths[c] <= 64 and used + anchors[c] <= 20]
+            if not fits:
+                break
+            left.remove(fits[0])
+            row.append(fits[0])
+            tokens, used = tokens + lengths[fits[0]], used + anchors[fits[0]]
+        rows.append(row)
+    return rows
+
+
+@pytest.mark.parametrize("window", [1, 4, 64])
+def test_rows_take_the_first_chat_that_fits_within_the_window(window: int) -> None:
     gen = torch.Generator().manual_seed(2)
     lengths = torch.randint(1, 40, (60,), generator=gen).tolist()
     anchors = torch.randint(0, 12, (60,), generator=gen).tolist()
     order = torch.randperm(60, generator=gen).tolist()
-    rows = pack_rows(order, lengths, anchors, pack_tokens=64, anchors_per_row=20)
+    rows = pack_rows(order, lengths, anchors, pack_tokens=64, anchors_per_row=20, window=window)
+    assert rows == reference_rows(order, lengths, anchors, window)
+    assert sorted(c for row in rows for c in row) == sorted(order)  # every chat once
+    placed = [c for row in rows for c in row]
+    assert all(abs(placed.index(c) - order.index(c)) < window + 20 for c in order)  # order kept up to the window
+    for row in rows:
+        assert sum(lengths[c] for c in row) <= 64 and sum(anchors[c] for c in row) <= 20
+    greedy = pack_rows(order, lengths, anchors, pack_tokens=64, anchors_per_row=20, window=1)
+    assert len(rows) <= len(greedy)  # looking ahead never takes more rows here
+
+
+def test_greedy_rows_are_the_epoch_order_cut_where_the_next_chat_does_not_fit() -> None:
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(1, 40, (60,), generator=gen).tolist()
+    anchors = torch.randint(0, 12, (60,), generator=gen).tolist()
+    order = torch.randperm(60, generator=gen).tolist()
+    rows = pack_rows(order, lengths, anchors, pack_tokens=64, anchors_per_row=20, window=1)
     assert [c for row in rows for c in row] == order  # every chat once, in the epoch's order
     for row, following in zip(rows, [*rows[1:], None], strict=True):
         tokens, used = sum(lengths[c] for c in row), sum(anchors[c] for c in row)
@@ -180,3 +215,9 @@ def test_packing_options_are_validated() -> None:
         load_config(None, [*base, "training.anchors_per_row=64"])
     with pytest.raises(ValueError, match="pad_to_multiple does not apply"):
         load_config(None, [*base, "data.pack_tokens=256", "data.pad_to_multiple=64"])
+
+
+def test_a_chat_larger_than_a_row_gets_a_row_alone() -> None:
+    rows = pack_rows([0, 1, 2], [10, 100, 10], [1, 1, 1], pack_tokens=64, anchors_per_row=20)
+    assert rows == [[0, 2], [1]]
+    assert pack_rows([1, 0], [10, 100], [1, 1], pack_tokens=64, anchors_per_row=20) == [[1], [0]]
