@@ -51,15 +51,17 @@
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
-#                   measured against today's recipe: 4 rows a step instead of 2, 8 drafter layers instead of 5, the
-#                   fixed slot decay instead of D-PACE as a control, twice the learning rates; empty: the baseline
-#                   only), each ABLATION_MINUTES (default 3, compilation not
+#                   measured against today's recipe: 8 drafter layers instead of 5, one row of 16,384 tokens a step
+#                   instead of two of 8,192, 256 anchors per chat instead of 128; measured before and not adopted:
+#                   4 rows a step, the fixed slot decay, twice the learning rates; empty: the baseline only), each
+#                   ABLATION_MINUTES (default 3, compilation not
 #                   counted) beside a baseline; compared in a table and $OUT/ablations.png by held-out τ̂ and by
 #                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
-#                   with those flags into $OUT/prepared-NAME, one run on each beside the others (default
-#                   "trim_loops:--trim-loops"; empty: none). Their held-out τ̂ is on their own version of the
-#                   held-out chats (same prompts): judge them by decoded τ
+#                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
+#                   beside the others (default "trim_loops:--trim-loops;maxlen1024:--max-length 1024": loops cut
+#                   to two copies, and chats capped at 1,024 tokens instead of MAX_LENGTH; empty: none). Their
+#                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
 #                   float32 check at batch 8 (default 16); BATCH8_PROMPTS for the bf16 eval at batch 8 (τ, speedup
@@ -95,8 +97,8 @@ REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
-ABLATIONS=${ABLATIONS-batch4:training.batch_size=4;layers8:model.num_draft_layers=8;decay:training.position_weighting=decay;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
-ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops}
+ABLATIONS=${ABLATIONS-layers8:model.num_draft_layers=8;rows16k:data.pack_tokens=16384 training.batch_size=1;anchors256:training.num_anchors=256}
+ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}
@@ -227,8 +229,9 @@ prepare_into() {  # output directory, more prepare flags: the regenerated answer
   [[ -f "$1/dflash_data.json" ]] && return 0
   [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
   [[ -z "$CHATS" ]] || sets+=(--data "$OUT/regen-chat")
-  run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" "${@:2}" --max-length "$MAX_LENGTH" \
-    --block-size 16 --out "$1"
+  # The caller's flags last: a data variant's --max-length overrides MAX_LENGTH.
+  run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" --max-length "$MAX_LENGTH" \
+    --block-size 16 "${@:2}" --out "$1"
 }
 
 train_run() {  # name, minutes: one training run with its schedule fitted to that budget; resumes

@@ -168,17 +168,20 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
 
 def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
     """ABLATION_DATA: the regenerated answers prepared again with other flags; a run of the baseline recipe on
-    each, after the recipe ablations; the trim-loops variant is there by default."""
+    each, after the recipe ablations; the trim-loops and 1,024-token variants are there by default, and a
+    variant's flags come after the stage's own (its --max-length wins over MAX_LENGTH)."""
     run = tmp_path / "run"
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1")]
     prepares = [args for args in calls if "prepare" in args]
-    assert len(prepares) == 1 and "--trim-loops" in prepares[0]
+    assert len(prepares) == 2 and "--trim-loops" in prepares[0]
     assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-trim_loops")
     assert prepares[0][prepares[0].index("--data") + 1] == str(run / "regen")
+    lengths = [prepares[1][i + 1] for i, arg in enumerate(prepares[1]) if arg == "--max-length"]
+    assert lengths[-1] == "1024" and len(lengths) == 2  # argparse keeps the last
     trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
     assert [args[[a.startswith("training.output_dir=") for a in args].index(True)].rsplit("/", 1)[-1]
-            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops"]
-    last = trains[-1]
+            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops", "ablation-maxlen1024"]
+    last = trains[-2]
     data = [a for a in last if a.startswith("data.prepared=")]
     assert data[-1] == f"data.prepared={run}/prepared-trim_loops"  # the later override wins
     (run / "prepared-trim_loops").mkdir()
@@ -258,7 +261,7 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
 
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATION_DATA="") if "dflash_train.cli train" in c]
     names = [next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1] for args in calls]
-    assert names == ["ablation-base", "ablation-batch4", "ablation-layers8", "ablation-decay", "ablation-lr2x"]
+    assert names == ["ablation-base", "ablation-layers8", "ablation-rows16k", "ablation-anchors256"]
     recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
     base = load_config(recipe)
     for name, args in zip(names, calls, strict=True):
@@ -266,12 +269,13 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
         overrides = [a for a in args[args.index("--config") + 2 :] if "=" in a and not a.startswith(
             ("model.target=", "data.prepared=", "training.output_dir="))]
         config = load_config(recipe, overrides)
-        changed = {"ablation-base": (config.training.batch_size, config.model.num_draft_layers,
-                                     config.training.position_weighting, config.training.muon_learning_rate) == (
-            base.training.batch_size, base.model.num_draft_layers, base.training.position_weighting,
-            base.training.muon_learning_rate),
-                   "ablation-batch4": config.training.batch_size == 4 != base.training.batch_size,
+        def knobs(c: object) -> tuple[object, ...]:
+            return (c.training.batch_size, c.data.pack_tokens, c.model.num_draft_layers, c.training.num_anchors)
+
+        tokens_a_step = config.training.batch_size * config.data.pack_tokens
+        changed = {"ablation-base": knobs(config) == knobs(base),
                    "ablation-layers8": config.model.num_draft_layers == 8 != base.model.num_draft_layers,
-                   "ablation-decay": config.training.position_weighting == "decay" != base.training.position_weighting,
-                   "ablation-lr2x": config.training.muon_learning_rate == 2 * base.training.muon_learning_rate}[name]
+                   "ablation-rows16k": config.data.pack_tokens == 16384 != base.data.pack_tokens
+                   and tokens_a_step == base.training.batch_size * base.data.pack_tokens,
+                   "ablation-anchors256": config.training.num_anchors == 256 != base.training.num_anchors}[name]
         assert changed, name
