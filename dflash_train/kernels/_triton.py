@@ -3,16 +3,14 @@
 Kernel modules define plain functions and compile them here on first use, so that importing a kernel
 module (for its PyTorch reference) never needs triton. Interpret mode (TRITON_INTERPRET=1, kernels on
 CPU tensors) only works when the variable is set before triton is first imported: see
-`interpreter_ready` and `run_pytest_under_interpreter`.
+`interpreter_ready`.
 """
 
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 try:
@@ -58,21 +56,10 @@ def interpreter_ready() -> bool:
     return HAS_TRITON and interpreting() and type(tl.max).__name__ == "InterpretedFunction"
 
 
-def run_pytest_under_interpreter(
-    *targets: str, args: Sequence[str] = (), timeout: float = 600.0
-) -> subprocess.CompletedProcess[str]:
-    """Run test files (or node ids) in one fresh process with TRITON_INTERPRET=1 set from the start; `args`
-    are more pytest options."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
 __all__ = [
-    "HAS_TRITON", "interpreter_ready", "interpreting", "jit", "next_power_of_2", "require_triton",
-    "run_pytest_under_interpreter", "tl", "triton",
+    "HAS_TRITON", "interpreter_ready", "interpreting", "jit", "next_power_of_2", "require_triton", "tl", "triton",
 ]

@@ -10,6 +10,9 @@ a process of its own per file would pay torch's and triton's imports again each 
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import xml.etree.ElementTree as ElementTree
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -18,12 +21,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready, run_pytest_under_interpreter
+from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
 from tests.helpers.paths import REPO
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
 kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
+
+
+def run_pytest_under_interpreter(
+    *targets: str, args: Sequence[str] = (), timeout: float = 600.0
+) -> subprocess.CompletedProcess[str]:
+    """Run test files (or node ids) in one fresh process with TRITON_INTERPRET=1 set from the start; `args`
+    are more pytest options."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", *args]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 # The attribute of a test made by `under_interpreter` that names what it checks (a file, or file::test).
@@ -105,3 +118,28 @@ def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types
     constexprs = {(names.index(name),): value for name, value in constants.items()}
     source = triton.compiler.ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
     triton.compile(source, target=GPUTarget("cuda", 90, 32))
+
+
+def pointers_written(kernel: object, kwargs: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The pointer arguments that inductor's analysis of a kernel body finds written, on a CPU machine: under
+    torch.compile those are the kernel's outputs, and an argument wrongly found written would be copied at
+    every call. Skips where this torch names the analysis differently."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
+    if not hasattr(wrap, "identify_accessed_tensors"):
+        pytest.skip("this torch names its kernel analysis differently")
+
+    class H200:  # the analysis asks the active driver for the target to generate the kernel's IR
+        def get_current_target(self) -> GPUTarget:
+            return GPUTarget("cuda", 90, 32)
+
+    monkeypatch.setattr(triton.runtime.driver, "_active", H200())
+    accesses = wrap.identify_accessed_tensors(triton.jit(kernel), kwargs, {})
+    return sorted(dep.name for dep in accesses.read_writes.writes)
+
+
+def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Standard normal values drawn in fp32 from `gen` (the same numbers whatever the dtype), then cast."""
+    return torch.randn(*shape, generator=gen).to(dtype)

@@ -24,7 +24,7 @@ from dflash_train.kernels.rope_cache import (
 from dflash_train.runtime.fused_layer import FusedLayer
 from dflash_train.runtime.static_target import StaticTarget, static_attention
 from dflash_train.target import TargetModel
-from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, pointers_written, under_interpreter
 from tests.helpers.tiny_models import make_tiny_config, make_tiny_target, make_tiny_tokenizer
 
 test_under_interpreter = under_interpreter(__file__)
@@ -184,18 +184,6 @@ def test_kernel_compiles_for_the_gpu(element: str, norms: bool) -> None:
 def test_torch_compile_sees_exactly_q_and_the_caches_written(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torch.compile, the kernel's outputs are what inductor's analysis of its code finds written; an
     argument wrongly found written would be copied at every call (the rotary tables, the projections)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
-    if not hasattr(wrap, "identify_accessed_tensors"):
-        pytest.skip("this torch names its kernel analysis differently")
-
-    class H200:  # the analysis asks the active driver for the target to generate the kernel's IR
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
-
-    monkeypatch.setattr(triton.runtime.driver, "_active", H200())
     bf16 = dict(dtype=torch.bfloat16)
     tensors = dict(qkv_ptr=torch.empty(1, 1, 48 * 128, **bf16), q_norm_ptr=torch.empty(128, **bf16),
                    k_norm_ptr=torch.empty(128, **bf16), cos_ptr=torch.empty(1, 1, 128, **bf16),
@@ -204,5 +192,4 @@ def test_torch_compile_sees_exactly_q_and_the_caches_written(monkeypatch: pytest
                    cache_k_ptr=torch.empty(1, 8, 64, 128, **bf16), cache_v_ptr=torch.empty(1, 8, 64, 128, **bf16))
     constants, _ = kernel_arguments("bf16", norms=True)
     kwargs = {**tensors, "T": 1, "sc_row": 8 * 64 * 128, "sc_head": 64 * 128, "sc_slot": 128, **constants}
-    accesses = wrap.identify_accessed_tensors(triton.jit(_rope_cache_kernel), kwargs, {})
-    assert sorted(dep.name for dep in accesses.read_writes.writes) == ["cache_k_ptr", "cache_v_ptr", "q_ptr"]
+    assert pointers_written(_rope_cache_kernel, kwargs, monkeypatch) == ["cache_k_ptr", "cache_v_ptr", "q_ptr"]
