@@ -29,7 +29,9 @@ same run (CUDA events, median):
   update as ~30 small PyTorch ops (`torch_state_update`) instead of one kernel
   (`dflash_train.kernels.decode_state`); and, opt-in
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
-  logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`);
+  logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`), and
+  (`skinny_fused`) the same with each layer's norms, SwiGLU and residual adds folded into its products
+  (`dflash_train.kernels.skinny_fused`: seven launches a layer), the drafter's layers too;
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
   graph reused by every layer, plus small graphs before and after the layers; the engine's default since
   2026-12-02), beside the whole-step graph (the variant named `default`, the engine's default before): step
@@ -41,7 +43,7 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  skinny_matmul, sdpa_draft_attention, torch_state_update, hf
+  skinny_matmul, skinny_fused, sdpa_draft_attention, torch_state_update, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -479,7 +481,8 @@ ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cy
              "unfused": ({"fuse_projections": False}, ("target_step",)),
              "undeferred_residual": ({"defer_residual": False}, ("target_step",))}
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
-OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle"))}
+OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle")),
+           "skinny_fused": ({"skinny_matmul": True, "skinny_fusion": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
 ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
                     "torch_state_update": {"fuse_state_update": False}}
@@ -602,7 +605,7 @@ def ablation_applies(label: str, runner: StaticTarget) -> bool:
     """An ablation of a kernel the default runner does not use (on a CPU: neither) would repeat the default,
     and so would an opt-in Triton kernel where the runner has none."""
     return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton",
-            "skinny_matmul": runner.kernels == "triton"}.get(label, True)
+            "skinny_matmul": runner.kernels == "triton", "skinny_fused": runner.kernels == "triton"}.get(label, True)
 
 
 def ablation(bench: Qwen3Bench, label: str) -> None:
@@ -647,11 +650,12 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step
         ratios[f"{name}_layer_scope_over_step_scope"] = (f"{name}_layer_scope_ms", f"{name}_ms")
         # the skinny-matmul kernel against the same scope's default (layer_scope), and the whole-step default
-        ratios[f"{name}_skinny_matmul_over_layer_scope"] = (f"{name}_skinny_matmul_ms", f"{name}_layer_scope_ms")
-        ratios[f"{name}_skinny_matmul_over_default"] = (f"{name}_skinny_matmul_ms", f"{name}_ms")
-    ratios["target_step_skinny_matmul_over_floor"] = ("target_step_skinny_matmul_ms", "floor_ms")
-    ratios["cycle_skinny_matmul_over_target_step_skinny_matmul"] = ("dflash_cycle_skinny_matmul_ms",
-                                                                    "target_step_skinny_matmul_ms")
+        for opt_in in OPT_INS:
+            ratios[f"{name}_{opt_in}_over_layer_scope"] = (f"{name}_{opt_in}_ms", f"{name}_layer_scope_ms")
+            ratios[f"{name}_{opt_in}_over_default"] = (f"{name}_{opt_in}_ms", f"{name}_ms")
+    for opt_in in OPT_INS:
+        ratios[f"target_step_{opt_in}_over_floor"] = (f"target_step_{opt_in}_ms", "floor_ms")
+        ratios[f"cycle_{opt_in}_over_target_step_{opt_in}"] = (f"dflash_cycle_{opt_in}_ms", f"target_step_{opt_in}_ms")
     out = {key: result[a] / result[b] for key, (a, b) in ratios.items() if a in result and b in result}
     differences = {f"{name}_layer_scope_setup_saved_s": (f"{name}_setup_s", f"{name}_layer_scope_setup_s")
                    for name in ("target_step", "dflash_cycle")}
@@ -795,12 +799,14 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("ours step, PyTorch prologue", "target_step_torch_prologue_ms", "slateblue"),
               ("ours step, unfused", "target_step_unfused_ms", "navy"),
               ("ours step, skinny matmul", "target_step_skinny_matmul_ms", "darkorange"),
+              ("ours step, skinny fused", "target_step_skinny_fused_ms", "chocolate"),
               ("ours step, no graph", "target_step_no_graph_ms", "tab:cyan"),
               ("ours step, eager", "target_step_eager_ms", "lightblue"), ("HF step", "hf_step_ms", "tab:red"),
               ("DFlash cycle", "dflash_cycle_ms", "tab:green"),
               ("cycle, layer scope", "dflash_cycle_layer_scope_ms", "mediumseagreen"),
               ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
               ("cycle, skinny matmul", "dflash_cycle_skinny_matmul_ms", "orange"),
+              ("cycle, skinny fused", "dflash_cycle_skinny_fused_ms", "sandybrown"),
               ("cycle, drafter on SDPA", "dflash_cycle_sdpa_draft_attention_ms", "olive"),
               ("cycle, state update unfused", "dflash_cycle_torch_state_update_ms", "darkkhaki"),
               ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),

@@ -4,6 +4,7 @@ batch where the drafter's speedup crosses 1x.
     python -m benchmarks.decode_batch            # one H200, < 10 min -> results/decode_batch.{json,png}
     python -m benchmarks.decode_batch --quick    # CPU, seconds: tiny shapes (the script's smoke test)
     python -m benchmarks.decode_batch --compile-scope step --out benchmarks/results/decode_batch-step.json
+    python -m benchmarks.decode_batch --matmul fused --batches 1,4 --out benchmarks/results/decode_batch-fused.json
 
 What to run on the GPU: the first command, alone on the machine. It measures the smallest and the
 largest batch of both shapes first, then the ones between; writes the JSON after every point and prints
@@ -59,7 +60,7 @@ from benchmarks.decode import random_draft, time_ms
 from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.config import COMPILE_SCOPES
+from dflash_train.runtime.config import COMPILE_SCOPES, MATMULS
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, resolve_kernels
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
@@ -202,6 +203,7 @@ class Settings:
     block_size: int = 16
     draft_layers: int = 5
     compile_scope: str = "layer"  # EngineConfig.compile_scope
+    matmul: str = "torch"  # EngineConfig.matmul: the products of steps of at most 64 rows
 
 
 def cycles_per_point(settings: Settings) -> int:
@@ -233,6 +235,7 @@ def measure(target: TargetModel, draft: DFlashDraftModel | None, runner: StaticT
         "prefill_s": prefill_s, **engine.setup,
         "cuda_graph": engine.uses_cuda_graph, "compiled": engine.uses_compile, "compile_error": engine.compile_error,
         "graph_error": engine.graph_error, "attention": runner.attention, "prologue": runner.prologue,
+        "matmul": runner.matmul,
     }
     del engine
     gc.collect()
@@ -260,7 +263,8 @@ def cache_length(settings: Settings) -> int:
 def measure_batch(target: TargetModel, draft: DFlashDraftModel, batch: int, settings: Settings) -> list[dict[str, Any]]:
     """Both variants at one batch, sharing the target's runner (and its KV cache)."""
     kernels = resolve_kernels("auto", settings.device)
-    runner = StaticTarget(target, batch, cache_length(settings), kernels=kernels)
+    runner = StaticTarget(target, batch, cache_length(settings), kernels=kernels,
+                          skinny_matmul=settings.matmul != "torch", skinny_fusion=settings.matmul == "fused")
     points = [measure(target, None, runner, batch, settings), measure(target, draft, runner, batch, settings)]
     del runner
     release(settings.device)
@@ -350,7 +354,7 @@ def run(args: argparse.Namespace, settings: Settings, out: pathlib.Path) -> dict
                        "source": settings.acceptance.source},
         "context": settings.context, "block_size": settings.block_size, "draft_layers": settings.draft_layers,
         "batches": batches, "dtype": str(settings.dtype).removeprefix("torch."), "quick": settings.quick,
-        "compile_scope": settings.compile_scope,
+        "compile_scope": settings.compile_scope, "matmul": settings.matmul,
         "budget_s": args.budget_s, "shapes": {}, "skipped": [],
     }
     models = {name: build(name, settings) for name in shapes}
@@ -446,6 +450,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="layer (the runtime's default): one decoder layer compiled and reused by every layer, "
                              "so that a point's compile time does not grow with the depth; step: the whole cycle's "
                              "forwards as one graph each (compare the compile s column of both)")
+    parser.add_argument("--matmul", choices=MATMULS, default="torch",
+                        help="the products of decode and verify steps of at most 64 rows (EngineConfig.matmul): torch "
+                             "(cuBLAS, the default), skinny or fused (norms, SwiGLU and residual adds folded in); "
+                             "larger steps keep torch's (give another --out to keep the default's figures)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no point that would end after this many seconds (estimated from the longest "
                              "point so far)")
@@ -470,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     settings = Settings(device=device, dtype=torch.bfloat16 if device.type == "cuda" else torch.float32,
                         context=args.context, warmup=args.warmup, iters=args.iters, compile=args.compile,
                         acceptance=Acceptance.parse(args.acceptance, 16), quick=args.quick,
-                        compile_scope=args.compile_scope)
+                        compile_scope=args.compile_scope, matmul=args.matmul)
     out = pathlib.Path(args.out or results_directory(smoke=args.quick) / "decode_batch.json")
     results = run(args, settings, out)
     plot(results, out.with_suffix(".png"))

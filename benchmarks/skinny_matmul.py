@@ -70,7 +70,8 @@ def graph_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.
 
 def kernel_fn(config: sm.Config | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return sm._launch(x, w, w, False, config)
+        flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=False)
+        return sm.launch(x, w, w, w, x, 0.0, w.shape[0], flags, config)
 
     return run
 

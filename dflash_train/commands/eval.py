@@ -41,6 +41,7 @@ from dflash_train.runtime.config import (
     COMPILE_SCOPES,
     DRAFT_ATTENTIONS,
     KERNELS,
+    MATMULS,
     EngineConfig,
     stop_token_ids,
 )
@@ -75,6 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-attention", default="kernel", choices=DRAFT_ATTENTIONS,
                         help="the drafter's block attention in the loop: kernel (split-key kernel over its context "
                              "cache, with --kernels triton) or sdpa (its own forward under a dense mask)")
+    parser.add_argument("--matmul", default="torch", choices=MATMULS,
+                        help="with --kernels triton, the products of decode and verify steps of at most 64 rows: torch "
+                             "(cuBLAS), skinny (a kernel that streams the weight) or fused (skinny with each layer's "
+                             "norms, SwiGLU and residual adds folded in: 7 launches a layer; target and drafter)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "
@@ -102,6 +107,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
     if args.compile_scope is not None and args.no_compile:
         raise ValueError("--compile-scope chooses what torch.compile builds: drop --no-compile or --compile-scope")
+    if args.matmul != "torch" and args.kernels == "torch":
+        raise ValueError(f"--matmul {args.matmul} runs on the Triton kernels: drop --kernels torch or --matmul")
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
@@ -145,7 +152,7 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: i
                         temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
                         compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer",
-                        draft_attention=args.draft_attention)
+                        draft_attention=args.draft_attention, matmul=args.matmul)
 
 
 def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:

@@ -47,6 +47,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "torch_compile": bool(dflash and dflash.uses_compile),
             "torch_compile_error": dflash.compile_error if dflash else None,
             "target_attention": dflash.runner.attention if dflash else None,
+            "matmul": dflash.runner.matmul if dflash else None,
             "draft_attention": dflash.drafter.attention if dflash and dflash.drafter is not None else None,
             "compile_options": dict(dflash.config.compile_options) if dflash else {},
             "compile_scope": dflash.config.compile_scope if dflash else None,

@@ -29,6 +29,10 @@ runtime's bf16 lossless check relies on (`dflash_train.runtime.engine`).
 
 Rounding: bf16/fp16 inputs multiplied exactly and summed in fp32 (tensor cores), bias added in fp32, one
 rounding to x's dtype at the end; fp32 inputs multiplied in full fp32 (`input_precision="ieee"`, not tf32).
+
+The kernel has three compile-time options, off for the plain product, which `skinny_fused` uses to fold the
+operations around a decoder layer's products into them: an RMSNorm of x before the product (NORM), SwiGLU
+over a [gate; up] weight (SWIGLU) and a residual add (RESIDUAL) after it.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -37,7 +41,7 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
@@ -90,13 +94,28 @@ def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y.to(x.dtype)
 
 
+def _round_bf16_bits(x):
+    """fp32 x rounded to the nearest bf16 value (ties to even), still as fp32, as the GPU's cast rounds.
+    Triton's interpreter truncates bf16 casts instead: with ROUND_BITS (interpreted bf16) each rounding step
+    goes through this first, so that the CPU tests check the kernel's rounding exactly. Called only under a
+    ROUND_BITS branch, which the GPU compiler prunes."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+if HAS_TRITON:  # a kernel may only call jitted functions (interpreted ones under TRITON_INTERPRET=1)
+    _round_bf16_bits = triton.jit(_round_bf16_bits)
+
+
 def _skinny_matmul_kernel(
-    x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+    EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr,
 ):
-    # Axis 0 is the row tile, so that the programs sharing a weight tile (M > 16) run side by side and all
-    # but the first read it from L2.
+    # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
+    # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -104,39 +123,92 @@ def _skinny_matmul_kernel(
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
     x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if NORM:  # the rows' mean squares, over the whole of K, before any product
+        squares = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            xt = tl.load(x_ptrs + k0, mask=((k0 + ks) < K)[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+            squares += tl.sum(xt * xt, axis=0)
+        inv_rms = tl.rsqrt(squares / K + EPS)
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
+    u_ptrs = w_ptr + (cols.to(tl.int64) + N)[:, None] * stride_wn + ks[None, :]  # the up rows (SWIGLU)
+    g_ptrs = g_ptr + ks
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
         if EVEN_K:
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
         else:
-            k_ok = (k0 + ks) < K
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-        # IEEE: fp32 inputs, fp32 products. UPCAST: the interpreter's dot cannot multiply bf16, and bf16
-        # products are exact in fp32, so it sums the same products; else the tensor cores' dot, fp32 sums.
-        if UPCAST:
-            w = w.to(tl.float32)
+        if NORM:  # rmsnorm's two roundings: normalised x to x's dtype, then times the weight
+            gamma = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
+            normed = xt.to(tl.float32) * inv_rms[None, :]
+            if ROUND_BITS:
+                normed = _round_bf16_bits(normed)
+            normed = gamma[:, None] * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
+            if ROUND_BITS:
+                normed = _round_bf16_bits(normed)
+            xt = normed.to(x_ptr.dtype.element_ty)
+        if UPCAST:  # the interpreter's dot cannot multiply bf16; bf16 products are exact in fp32
             xt = xt.to(tl.float32)
+            w = w.to(tl.float32)
         if IEEE or UPCAST:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
             acc = tl.dot(w, xt, acc, input_precision="ieee")
         else:
             acc = tl.dot(w, xt, acc)
+        if SWIGLU:
+            if EVEN_K:
+                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+            else:
+                u = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
+            if UPCAST:
+                u = u.to(tl.float32)
+            if IEEE or UPCAST:  # noqa: SIM108 (as above)
+                acc_up = tl.dot(u, xt, acc_up, input_precision="ieee")
+            else:
+                acc_up = tl.dot(u, xt, acc_up)
+            u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+        g_ptrs += BLOCK_K
+    out_ty = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    y_ptrs = y_ptr + rows[None, :] * stride_ym + cols[:, None]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[None, :] & col_ok[:, None])
+        if SWIGLU:
+            acc_up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    # Every step rounds to the output's dtype (fp32 values of bf16 numbers in between), as the modules do.
+    if ROUND_BITS:
+        acc = _round_bf16_bits(acc)
+    y = acc.to(out_ty).to(tl.float32)
+    if SWIGLU:  # silu of the rounded gate, rounded, times the rounded up, rounded
+        silu = y / (1.0 + tl.exp(-y))
+        if ROUND_BITS:
+            silu = _round_bf16_bits(silu)
+            acc_up = _round_bf16_bits(acc_up)
+        y = silu.to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
+        if ROUND_BITS:
+            y = _round_bf16_bits(y)
+        y = y.to(out_ty).to(tl.float32)
+    out_mask = row_ok[None, :] & col_ok[:, None]
+    if RESIDUAL:
+        residual = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=out_mask, other=0.0)
+        y = residual.to(tl.float32) + y
+        if ROUND_BITS:
+            y = _round_bf16_bits(y)
+    tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], y.to(out_ty), mask=out_mask)
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias: bool,
-            config: Config | None = None) -> torch.Tensor:
-    """x [M, K] and weight [N, K] with K contiguous; `config`: the table's unless given (benchmarks)."""
+def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+           residual: torch.Tensor, eps: float, n: int, flags: dict[str, bool], config: Config | None = None,
+           ) -> torch.Tensor:
+    """The kernel over x [M, K] and weight [N or 2N (SWIGLU), K] with K contiguous, residual [M, N], for the
+    options in `flags` (NORM, SWIGLU, RESIDUAL, HAS_BIAS); unused tensors stand in for absent ones (never
+    read); `config`: the table's for (N, K) unless given (benchmarks). -> y [M, N] in x's dtype."""
     m, k = x.shape
-    n = weight.shape[0]
     config = config or config_for(n, k)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     # M not specialised: Triton would otherwise compile M == 1 (and M % 16 == 0) apart; this way an eager
@@ -144,19 +216,21 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias:
     kernel = jit(_skinny_matmul_kernel, do_not_specialize=("M",))
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
         kernel = wrap_triton(kernel)
-    block_k = config.block_k
     kernel[(-(-m // BLOCK_M), -(-n // config.block_n))](
-        x, weight, bias, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
-        HAS_BIAS=has_bias, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x, norm_weight, weight, bias, residual, y, m, n, k, x.stride(0), weight.stride(0),
+        residual.stride(0), y.stride(0), EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, IEEE=x.dtype == torch.float32,
+        UPCAST=interpreting() and x.dtype != torch.float32,
+        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, num_warps=config.num_warps,
+        num_stages=config.num_stages,
     )
     return y
 
 
 @triton_op("dflash_train::skinny_matmul", mutates_args=())
 def _skinny_matmul_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, has_bias: bool) -> torch.Tensor:
-    return _launch(x, weight, bias, has_bias)
+    flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=has_bias)  # the plain product
+    return launch(x, weight, weight, bias, x, 0.0, weight.shape[0], flags)
 
 
 def skinny_matmul_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

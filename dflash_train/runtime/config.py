@@ -16,6 +16,7 @@ KERNELS = ("auto", "triton", "torch")
 # compile whatever the depth), with what lies before and after the layers compiled as two small graphs.
 COMPILE_SCOPES = ("step", "layer")
 DRAFT_ATTENTIONS = ("kernel", "sdpa")  # EngineConfig.draft_attention
+MATMULS = ("torch", "skinny", "fused")  # EngineConfig.matmul
 # The command-line help of --compile-scope (eval, regenerate): one wording of the trade-off.
 COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: layer (default) compiles one decoder layer whose code "
                       "every layer reuses, in seconds whatever the depth (5-17 s per engine for Qwen3-8B on an H200, "
@@ -49,6 +50,10 @@ class EngineConfig:
     # With kernels "triton": the rows' state update after each cycle as one kernel (kernels/decode_state.py)
     # instead of ~30 small PyTorch ops (the benchmark's ablation turns it off).
     fuse_state_update: bool = True
+    # With kernels "triton", the products of decode and verify steps (at most 64 rows): "torch" (cuBLAS),
+    # "skinny" (kernels/skinny_matmul.py), or "fused": the skinny kernel with each layer's RMSNorms, SwiGLU and
+    # residual adds folded in (kernels/skinny_fused.py), target and drafter. Opt-in until measured on a GPU.
+    matmul: Literal["torch", "skinny", "fused"] = "torch"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.
@@ -67,6 +72,8 @@ class EngineConfig:
         check_compile_scope(self.compile_scope)
         if self.draft_attention not in DRAFT_ATTENTIONS:
             raise ValueError(f"draft_attention must be kernel or sdpa, not {self.draft_attention!r}")
+        if self.matmul not in MATMULS:
+            raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not {self.matmul!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.temperature < 0:

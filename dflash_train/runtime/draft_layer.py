@@ -20,6 +20,10 @@ reproduces when the norm weights have the activations' dtype (`supported` checks
 path runs); attention sums in fp32 with probabilities rounded to the cache's dtype, so bf16 drafts can
 differ from the reference path's in rounding, never in which keys they see (the target's verify decides
 what is emitted either way).
+
+With `fused_products` (the runner's `skinny_fusion`), a block of few rows runs the layer's four products on
+`dflash_train.kernels.skinny_fused`, the norms, SwiGLU and residual adds folded in, as the target's layers do
+(`fused_layer.FusedLayer._fused_call`).
 """
 
 from __future__ import annotations
@@ -28,9 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.kernels.rope_cache import rope_cache_triton
+from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.static_attention import fits, static_attention_triton
 from dflash_train.models.layers import DFlashDecoderLayer
-from dflash_train.runtime.fused_layer import fused_projections
+from dflash_train.runtime.fused_layer import fused_projections, fusion_supported
 
 
 def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) -> bool:
@@ -44,13 +50,14 @@ def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) ->
 class DraftLayerKernels:
     """Forward of one drafter layer over its static context cache (module docstring)."""
 
-    def __init__(self, layer: DFlashDecoderLayer) -> None:
+    def __init__(self, layer: DFlashDecoderLayer, fused_products: bool = False) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.layer, self.attn, self.mlp = layer, attn, mlp
         # The drafter's layer names its projections as the target's do: the same fused views, kept on the layer.
         fused = fused_projections(layer)
         self.qkv, self.qkv_bias, self.gate_up = fused["qkv"], fused["qkv_bias"], fused["gate_up"]
         self.heads, self.scale = attn.num_heads, attn.head_dim ** -0.5
+        self.fused_products = fused_products and fusion_supported(layer)
 
     def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
@@ -58,11 +65,23 @@ class DraftLayerKernels:
         """Block rows h [n, B, H] at positions [n, B] of cache rows [n]; keys/values [b, kv, max_len, D] (the
         block's K/V are written into them); bounds [n, 2, B]: the slots each query sees -> [n, B, H]."""
         n, t, _ = h.shape
-        attn = self.attn
-        qkv = F.linear(self.layer.input_layernorm(h), self.qkv, self.qkv_bias)
+        attn, before_attention, before_mlp = self.attn, self.layer.input_layernorm, self.layer.post_attention_layernorm
+        fuse = self.fused_products and skinny_fits(n * t) and all(
+            norm.weight.dtype == h.dtype for norm in (before_attention, before_mlp))  # static under compile
+        if fuse:
+            qkv = skinny_fused_triton(h, self.qkv, self.qkv_bias, norm_weight=before_attention.weight,
+                                      norm_eps=before_attention.eps)
+        else:
+            qkv = F.linear(before_attention(h), self.qkv, self.qkv_bias)
         q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
                               positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
         out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
-        h = h + attn.o_proj(out.reshape(n, t, -1))
-        gate, up = F.linear(self.layer.post_attention_layernorm(h), self.gate_up).chunk(2, dim=-1)
+        out = out.reshape(n, t, -1)
+        if fuse:
+            h = skinny_fused_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
+            act = skinny_fused_triton(h, self.gate_up, None, norm_weight=before_mlp.weight, norm_eps=before_mlp.eps,
+                                      swiglu=True)
+            return skinny_fused_triton(act, self.mlp.down_proj.weight, self.mlp.down_proj.bias, residual=h)
+        h = h + attn.o_proj(out)
+        gate, up = F.linear(before_mlp(h), self.gate_up).chunk(2, dim=-1)
         return h + self.mlp.down_proj(F.silu(gate) * up)

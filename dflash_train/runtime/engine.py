@@ -129,10 +129,12 @@ class DecodeEngine:
         # the drafted run's own call (same arguments, same compiled graph), or the compiler may fuse it apart.
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
-            runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels)
+            runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels,
+                                  skinny_matmul=config.matmul != "torch", skinny_fusion=config.matmul == "fused")
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
-                                     config.draft_attention) if uses_draft and not self.refuse_drafts else None
+                                     config.draft_attention, fused_products=runner.matmul == "fused",
+                                     ) if uses_draft and not self.refuse_drafts else None
         loops = LoopDetector(self.device) if config.stop_loops else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,
                                  list(config.stop_token_ids), self.device, loops,

@@ -20,6 +20,12 @@ With `skinny_matmul` on the cache (opt-in: `StaticTarget(skinny_matmul=True)` wi
 layer's four products (q/k/v, o_proj, gate/up, down) run on `dflash_train.kernels.skinny_matmul` when the
 step has at most `MAX_ROWS` rows (decode and verify), a kernel that streams the weight near the memory
 bandwidth and rounds a row the same whatever the other rows; prefill keeps torch's matmul.
+
+With `skinny_fusion` on the cache as well (opt-in: `StaticTarget(skinny_matmul=True, skinny_fusion=True)`),
+those steps run the whole layer as four products of `dflash_train.kernels.skinny_fused`, the RMSNorms folded
+into the q/k/v and gate/up products, SwiGLU into gate/up and both residual adds into o_proj and down; with
+the prologue and the two attention kernels, seven launches a layer. Layers whose norms or activation are
+not the Llama family's RMSNorm and SiLU keep the path above (`fusion_supported`).
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
+from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
+from dflash_train.models.layers import MLP as DraftMLP
 
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
 
@@ -44,6 +52,7 @@ class LayerCache(Protocol):
 
     fused_prologue: bool  # q/k norms + RoPE + cache write by the fused kernel
     skinny_matmul: bool  # products of few rows by the skinny-matmul kernel
+    skinny_fusion: bool  # those products with the norms, SwiGLU and residual adds folded in
     rows: torch.Tensor  # [n] cache row of each input row
     positions: torch.Tensor  # [n, T] position (= cache slot) of each token
 
@@ -105,9 +114,12 @@ class FusedLayer:
         self.apply_rope = importlib.import_module(type(attn).__module__).apply_rotary_pos_emb
         self.heads = attn.q_proj.out_features // self.head_dim
         self.prologue_supported = _norms_supported(self.q_norm, self.k_norm, self.head_dim)
+        self.fusion_supported = fusion_supported(layer)
 
     def __call__(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        if self._fuses(hidden, cache):
+            return self._fused_call(hidden, position_embeddings, attention_mask, cache)
         hidden = hidden + self._attention(self.layer.input_layernorm(hidden), position_embeddings, attention_mask,
                                           cache)
         return hidden + self._mlp(hidden, cache)
@@ -132,14 +144,41 @@ class FusedLayer:
 
     def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        n, t = x.shape[:2]
         qkv = linear(x, self.weights["qkv"], self.weights["qkv_bias"], cache.skinny_matmul)
+        out = self._attend(qkv, position_embeddings, attention_mask, cache)
+        return project(self.attn.o_proj, out, cache.skinny_matmul)
+
+    def _attend(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """From the q/k/v product [n, T, q+k+v] to the attention's output [n, T, heads * D], the cache written."""
+        n, t = qkv.shape[:2]
         if self._use_kernel(qkv, position_embeddings[0], cache):
             q, keys, values = self._prologue_kernel(qkv, position_embeddings, cache)
         else:
             q, keys, values = self._prologue_torch(qkv, position_embeddings, cache)
         out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
-        return project(self.attn.o_proj, out.reshape(n, t, -1), cache.skinny_matmul)
+        return out.reshape(n, t, -1)
+
+    def _fuses(self, hidden: torch.Tensor, cache: LayerCache) -> bool:
+        """Whether this step runs the layer as four fused products (shapes and dtypes only: static under
+        torch.compile): asked for, a layer the kernel reproduces, few rows, norm weights in hidden's dtype."""
+        if not (cache.skinny_fusion and self.fusion_supported and _on_skinny_kernel(hidden, True)):
+            return False
+        norms = (self.layer.input_layernorm, self.layer.post_attention_layernorm)
+        return all(norm.weight.dtype == hidden.dtype for norm in norms)
+
+    def _fused_call(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
+                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """The layer as `__call__` computes it, on four fused products (module docstring)."""
+        before_attention, before_mlp = self.layer.input_layernorm, self.layer.post_attention_layernorm
+        o_proj, down_proj = self.attn.o_proj, self.mlp.down_proj
+        qkv = skinny_fused_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"],
+                                  norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
+        out = self._attend(qkv, position_embeddings, attention_mask, cache)
+        h = skinny_fused_triton(out, o_proj.weight, o_proj.bias, residual=hidden)
+        act = skinny_fused_triton(h, self.weights["gate_up"], self.weights["gate_up_bias"],
+                                  norm_weight=before_mlp.weight, norm_eps=norm_eps(before_mlp), swiglu=True)
+        return skinny_fused_triton(act, down_proj.weight, down_proj.bias, residual=h)
 
     def _use_kernel(self, qkv: torch.Tensor, cos: torch.Tensor, cache: LayerCache) -> bool:
         """Shapes and dtypes only (static under torch.compile): the kernel rounds as the PyTorch path only
@@ -201,3 +240,31 @@ def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_di
     return all(norm is not None and isinstance(getattr(norm, "variance_epsilon", None), float)
                and getattr(norm, "weight", None) is not None and tuple(norm.weight.shape) == (head_dim,)
                for norm in (q_norm, k_norm))
+
+
+def norm_eps(norm: nn.Module) -> float:
+    """An RMSNorm's epsilon: `variance_epsilon` in transformers' Llama family, `eps` in the drafter's."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    assert isinstance(eps, float), f"{type(norm).__name__} has no epsilon"
+    return eps
+
+
+def is_rms_norm(norm: nn.Module | None, width: int) -> bool:
+    """An RMSNorm as the fused kernel computes it: weight * (x * rsqrt(mean(x^2) + eps)).to(dtype), the
+    Llama/Mistral/Qwen classes of transformers and the drafter's own (Gemma's 1 + weight is not one)."""
+    if norm is None or not type(norm).__name__.endswith("RMSNorm") or "Gemma" in type(norm).__name__:
+        return False
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    return isinstance(eps, float) and weight is not None and tuple(weight.shape) == (width,)
+
+
+def fusion_supported(layer: nn.Module) -> bool:
+    """Whether `skinny_fused` reproduces the layer's norms and MLP: RMSNorms before attention and MLP, and a
+    SiLU-gated MLP (transformers' `act_fn` a SiLU; the drafter's MLP, which has none, calls F.silu)."""
+    width = layer.self_attn.o_proj.out_features
+    act = getattr(layer.mlp, "act_fn", None)
+    silu = isinstance(layer.mlp, DraftMLP) if act is None else (
+        act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
+    return silu and all(is_rms_norm(getattr(layer, name, None), width)
+                        for name in ("input_layernorm", "post_attention_layernorm"))

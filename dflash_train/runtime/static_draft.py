@@ -32,9 +32,10 @@ from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
 
 class StaticDrafter:
     def __init__(self, draft: DFlashDraftModel, batch_size: int, block_size: int, max_length: int,
-                 kernels: str = "torch", attention: str = "kernel") -> None:
+                 kernels: str = "torch", attention: str = "kernel", fused_products: bool = False) -> None:
         """`attention`: "kernel" runs the block's layers on the Triton kernels where `kernels` is "triton" and
-        the layers allow it (`draft_layer.supported`); "sdpa" keeps the drafter's own forward."""
+        the layers allow it (`draft_layer.supported`); "sdpa" keeps the drafter's own forward.
+        `fused_products`: those layers' products on the fused skinny kernel (`DraftLayerKernels`)."""
         if attention not in DRAFT_ATTENTIONS:
             raise ValueError(f"draft attention must be kernel or sdpa, not {attention!r}")
         self.draft = draft
@@ -50,7 +51,7 @@ class StaticDrafter:
         self.layer_kernels: list[DraftLayerKernels] | None = None
         if kernels == "triton" and attention == "kernel" and all(
                 supported(layer, block_size, self.dtype) for layer in draft.layers):
-            self.layer_kernels = [DraftLayerKernels(layer) for layer in draft.layers]
+            self.layer_kernels = [DraftLayerKernels(layer, fused_products) for layer in draft.layers]
         self.rows = torch.arange(batch_size, device=device)
 
     @property

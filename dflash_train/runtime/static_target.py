@@ -19,7 +19,9 @@ itself, with our attention function); the KV cache and the attention are ours:
   embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
 - Matmuls (opt-in, `skinny_matmul=True` with `kernels="triton"`): a step of at most `MAX_ROWS` rows (decode,
   verify, the drafter's logits) runs the fused layers' four products and the output projection on
-  `dflash_train.kernels.skinny_matmul` instead of cuBLAS; prefill keeps torch's matmul.
+  `dflash_train.kernels.skinny_matmul` instead of cuBLAS; prefill keeps torch's matmul. With `skinny_fusion`
+  too, those steps run each layer as four products of `dflash_train.kernels.skinny_fused` (RMSNorms, SwiGLU and
+  residual adds folded in) and the final norm inside the output projection's.
 
 Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
 layer loop: no hooks.
@@ -39,9 +41,11 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.runtime.config import check_compile_scope
-from dflash_train.runtime.fused_layer import FusedLayer, project
+from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
 from dflash_train.target import TargetModel, validate_target_layer_ids
 from dflash_train.target.attention import attention_implementation
 
@@ -103,7 +107,8 @@ class _WriteCache:
         self.row_index, self.positions, self.kv_len = row_index, positions, kv_len
         self.rows = runner.all_rows if row_index is None else row_index  # [n]
         self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
-        self.skinny_matmul = runner.matmul == "skinny"
+        self.skinny_matmul = runner.matmul in ("skinny", "fused")
+        self.skinny_fusion = runner.matmul == "fused"
 
     def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole cache, keys and values [b, kv, max_len, D]."""
@@ -139,12 +144,14 @@ class TargetOutput:
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool = False,
-                 defer_residual: bool = True) -> None:
+                 skinny_fusion: bool = False, defer_residual: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
         `skinny_matmul`: with "triton", the products of steps with few rows on the skinny-matmul kernel
         (the fused layers' and the output projection; opt-in until measured as the default);
+        `skinny_fusion`: with `skinny_matmul`, those steps with the layers' norms, SwiGLU and residual adds folded
+        into the products (`FusedLayer._fused_call`; residuals are then not deferred);
         `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
         are compiled one at a time."""
@@ -162,7 +169,7 @@ class StaticTarget:
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
         self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
-        self.skinny_matmul = skinny_matmul  # likewise
+        self.skinny_matmul, self.skinny_fusion = skinny_matmul, skinny_fusion  # likewise
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
@@ -176,7 +183,8 @@ class StaticTarget:
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
-        self.defer_residual = defer_residual and self.fused is not None
+        # Folded into the products' epilogues, the residual adds have nothing left to join.
+        self.defer_residual = defer_residual and self.fused is not None and not (skinny_matmul and skinny_fusion)
 
     @property
     def attention(self) -> str:
@@ -190,8 +198,11 @@ class StaticTarget:
 
     @property
     def matmul(self) -> str:
-        """The products of decode and verify steps: "skinny" (the skinny-matmul kernel) or "torch"."""
-        return "skinny" if self.kernels == "triton" and self.skinny_matmul else "torch"
+        """The products of decode and verify steps: "fused" (the skinny kernel with norms and epilogues folded
+        in), "skinny" (the skinny-matmul kernel) or "torch"."""
+        if self.kernels != "triton" or not self.skinny_matmul:
+            return "torch"
+        return "fused" if self.skinny_fusion and self.fused is not None else "skinny"
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -324,14 +335,19 @@ class StaticTarget:
             pending = None if pending is None else pending.gather(1, index)
         if pending is not None:
             h = h + pending
-        logits = self.lm_head(self.base.norm(h))
+        head, norm = self.target.lm_head, self.base.norm
+        if (self.matmul == "fused" and isinstance(head, nn.Linear) and is_rms_norm(norm, h.shape[-1])
+                and norm.weight.dtype == h.dtype and skinny_fits(h.numel() // h.shape[-1])):
+            logits = skinny_fused_triton(h, head.weight, head.bias, norm_weight=norm.weight, norm_eps=norm_eps(norm))
+        else:
+            logits = self.lm_head(norm(h))
         return logits, torch.cat(captured, dim=-1) if captured else None
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         """The target's output projection of h [..., H] (the drafter's hidden states too): on the skinny
         kernel for few rows where the runner asks for it (as `fused_layer.project`)."""
         head = self.target.lm_head
-        return project(head, h, self.matmul == "skinny" and isinstance(head, nn.Linear))
+        return project(head, h, self.matmul in ("skinny", "fused") and isinstance(head, nn.Linear))
 
     @torch.no_grad()
     def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:

@@ -43,3 +43,12 @@ def test_the_default_scope_is_recorded(tmp_path: Path) -> None:
     out = tmp_path / "decode_batch.json"
     main(["--quick", "--shapes", "smollm2", "--batches", "1", "--out", str(out)])
     assert json.loads(out.read_text())["compile_scope"] == "layer"
+
+
+def test_the_products_asked_for_are_recorded_with_what_ran(tmp_path: Path) -> None:
+    """--matmul reaches the runner; on a CPU (no Triton kernels) what ran is torch's, and each point says so."""
+    out = tmp_path / "decode_batch.json"
+    main(["--quick", "--shapes", "smollm2", "--batches", "1", "--matmul", "fused", "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert result["matmul"] == "fused"
+    assert [point["matmul"] for point in result["shapes"]["smollm2"]["points"]] == ["torch", "torch"]

@@ -1,4 +1,4 @@
-"""`benchmarks/decode.py --variants skinny_matmul`: measured only where the runner has the Triton kernels (so
+"""`benchmarks/decode.py --variants skinny_matmul` (and `skinny_fused`): measured only where the runner has the Triton kernels (so
 not on a CPU, where it would repeat the default), its bookkeeping on tiny CPU shapes when forced, and its
 ratios against the default and the layer-scope step."""
 
@@ -17,11 +17,12 @@ from tests.helpers.tiny_models import make_tiny_target
 TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
 
 
-def test_the_variant_runs_only_with_the_triton_kernels() -> None:
-    assert "skinny_matmul" in VARIANTS
+@pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused"])
+def test_the_variant_runs_only_with_the_triton_kernels(variant: str) -> None:
+    assert variant in VARIANTS
     target = make_tiny_target("qwen3", num_layers=1)
-    assert not ablation_applies("skinny_matmul", StaticTarget(target, 1, 8))
-    assert ablation_applies("skinny_matmul", StaticTarget(target, 1, 8, kernels="triton"))
+    assert not ablation_applies(variant, StaticTarget(target, 1, 8))
+    assert ablation_applies(variant, StaticTarget(target, 1, 8, kernels="triton"))
 
 
 def test_ratios() -> None:
@@ -33,19 +34,25 @@ def test_ratios() -> None:
     assert ratios["dflash_cycle_skinny_matmul_over_default"] == pytest.approx(5.0 / 6.0)
     assert ratios["cycle_skinny_matmul_over_target_step_skinny_matmul"] == pytest.approx(1.25)
     assert "dflash_cycle_skinny_matmul_over_layer_scope" not in ratios  # no layer-scope cycle measured
+    assert not any("skinny_fused" in key for key in ratios)  # not measured
+    fused = derived({**result, "target_step_skinny_fused_ms": 3.5, "dflash_cycle_skinny_fused_ms": 4.2})
+    assert fused["target_step_skinny_fused_over_floor"] == pytest.approx(1.0)
+    assert fused["cycle_skinny_fused_over_target_step_skinny_fused"] == pytest.approx(1.2)
+    assert fused["target_step_skinny_fused_over_layer_scope"] == pytest.approx(0.7)
 
 
 def test_forced_on_a_cpu_it_records_what_ran(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """On a CPU the runner has no Triton kernels, so the variant runs cuBLAS's place-holder (torch) and says so."""
+    """On a CPU the runner has no Triton kernels, so the variants run cuBLAS's place-holder (torch) and say so."""
     monkeypatch.setattr(decode, "ablation_applies", lambda label, runner: True)
     out = tmp_path / "decode.json"
-    main([*TINY_QWEN3, "--variants", "skinny_matmul", "--out", str(out)])
+    main([*TINY_QWEN3, "--variants", "skinny_matmul,skinny_fused", "--out", str(out)])
     qwen = json.loads(out.read_text())["qwen3_8b"]
     for loop in ("target_step", "dflash_cycle"):
-        assert qwen[f"{loop}_skinny_matmul_ms"] > 0 and qwen[f"{loop}_skinny_matmul_setup_s"] > 0
-        assert qwen[f"{loop}_skinny_matmul_matmul"] == "torch" and qwen[f"{loop}_skinny_matmul_compile_error"] is None
-        assert qwen[f"{loop}_skinny_matmul_kernel_categories"]["matmul"]["launches"] > 0
-    assert qwen["target_step_skinny_matmul_over_floor"] > 0 and "target_step_ms" not in qwen
+        for variant in ("skinny_matmul", "skinny_fused"):
+            assert qwen[f"{loop}_{variant}_ms"] > 0 and qwen[f"{loop}_{variant}_setup_s"] > 0
+            assert qwen[f"{loop}_{variant}_matmul"] == "torch" and qwen[f"{loop}_{variant}_compile_error"] is None
+            assert qwen[f"{loop}_{variant}_kernel_categories"]["matmul"]["launches"] > 0
+    assert qwen["target_step_skinny_fused_over_floor"] > 0 and "target_step_ms" not in qwen
 
 
 def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(tmp_path: Path,

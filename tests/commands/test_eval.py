@@ -192,3 +192,15 @@ def test_draft_attention_reaches_the_engine_and_the_report(target_dir: Path, tmp
     assert json.loads(out.read_text())["environment"]["draft_attention"] == "sdpa"
     assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--draft-attention", "flash") == 2
     assert "--draft-attention: invalid choice: 'flash'" in capsys.readouterr().err
+
+
+def test_matmul_reaches_the_engine_and_the_report(target_dir: Path, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """On a CPU the runner has no Triton kernels, so what ran is torch's matmul, and the report says so; asking
+    for the fused products with --kernels torch is a one-line error."""
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--num-prompts", "1", "--no-compile",
+                    "--matmul", "fused", "--no-plot") == 0
+    assert json.loads(out.read_text())["environment"]["matmul"] == "torch"
+    assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--kernels", "torch", "--matmul", "fused") == 2
+    assert "--matmul fused runs on the Triton kernels" in capsys.readouterr().err

@@ -11,10 +11,10 @@ from dflash_train.target import TargetModel, resolve_mask_token_id
 PROMPT_LENGTHS = (11, 6, 15, 9, 4)
 
 
-def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0) -> DFlashDraftModel:
+def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0, layers: int = 2) -> DFlashDraftModel:
     torch.manual_seed(seed)
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=2,
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=layers,
                                              block_size=block_size)
     return DFlashDraftModel(config).eval()
 
@@ -31,3 +31,16 @@ def own_greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
         for _ in range(count):
             ids = torch.cat([ids, target.model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     return ids[0, len(prompt) :].tolist()
+
+
+def assert_own_greedy(target: TargetModel, prompt_list: list[list[int]], token_lists: list[list[int]],
+                      count: int) -> None:
+    """Each token list is the target's own greedy continuation of its prompt (computed on the CPU, the model
+    moved back to its device after)."""
+    device = target.model.device
+    target.model.cpu()
+    try:
+        for prompt, tokens in zip(prompt_list, token_lists, strict=True):
+            assert tokens == own_greedy(target, prompt, count)
+    finally:
+        target.model.to(device)

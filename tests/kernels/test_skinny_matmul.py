@@ -24,13 +24,16 @@ from dflash_train.kernels.skinny_matmul import (
     skinny_matmul_reference,
     skinny_matmul_triton,
 )
-from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, under_interpreter
+from tests.helpers.kernels import (
+    DEVICE,
+    compile_for_h100,
+    kernels_here,
+    pointers_written,
+    randn,
+    under_interpreter,
+)
 
 test_under_interpreter = under_interpreter(__file__)
-
-
-def random(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen).to(dtype)
 
 
 @kernels_here
@@ -43,8 +46,8 @@ def random(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tenso
 ])
 def test_kernel_matches_reference(dtype: torch.dtype, rows: int, n: int, k: int, bias: bool) -> None:
     gen = torch.Generator().manual_seed(rows * n + k)
-    x, w = random(rows, k, dtype=dtype, gen=gen), random(n, k, dtype=dtype, gen=gen) / k ** 0.5
-    b = random(n, dtype=dtype, gen=gen) if bias else None
+    x, w = randn(rows, k, dtype=dtype, gen=gen), randn(n, k, dtype=dtype, gen=gen) / k ** 0.5
+    b = randn(n, dtype=dtype, gen=gen) if bias else None
     got = skinny_matmul_triton(x.to(DEVICE), w.to(DEVICE), b.to(DEVICE) if b is not None else None).cpu()
     assert got.shape == (rows, n) and got.dtype == dtype
     exact = x.double() @ w.double().T + (b.double() if b is not None else 0.0)
@@ -62,11 +65,11 @@ def test_rows_are_batch_invariant(dtype: torch.dtype, k: int) -> None:
     """One row alone, then among 1, 15 or 39 random others at various places: bitwise the same output."""
     gen = torch.Generator().manual_seed(k)
     n = 96
-    w, b = random(n, k, dtype=dtype, gen=gen).to(DEVICE), random(n, dtype=dtype, gen=gen).to(DEVICE)
-    row = random(k, dtype=dtype, gen=gen).to(DEVICE)
+    w, b = randn(n, k, dtype=dtype, gen=gen).to(DEVICE), randn(n, dtype=dtype, gen=gen).to(DEVICE)
+    row = randn(k, dtype=dtype, gen=gen).to(DEVICE)
     alone = skinny_matmul_triton(row[None], w, b)[0]
     for rows, place in [(2, 1), (16, 0), (16, 11), (40, 37)]:
-        x = (random(rows, k, dtype=dtype, gen=gen) * 3).to(DEVICE)
+        x = (randn(rows, k, dtype=dtype, gen=gen) * 3).to(DEVICE)
         x[place] = row
         assert torch.equal(skinny_matmul_triton(x, w, b)[place], alone), (rows, place)
 
@@ -76,14 +79,14 @@ def test_leading_dimensions_strided_inputs_and_a_row_slice_of_a_weight() -> None
     """x [n, T, K] as the layers hand it over, here a transposed (non-contiguous) view; the weight a slice of
     a wider one's columns (rows strided, K contiguous: read in place); a weight strided along K refused."""
     gen = torch.Generator().manual_seed(1)
-    x = random(3, 2, 40, dtype=torch.float32, gen=gen).transpose(0, 1)  # [2, 3, 40]
-    wide = random(24, 56, dtype=torch.float32, gen=gen)
+    x = randn(3, 2, 40, dtype=torch.float32, gen=gen).transpose(0, 1)  # [2, 3, 40]
+    wide = randn(24, 56, dtype=torch.float32, gen=gen)
     w = wide[:, 8:48]  # [24, 40], row stride 56
     got = skinny_matmul_triton(x.to(DEVICE), wide.to(DEVICE)[:, 8:48]).cpu()
     assert got.shape == (2, 3, 24)
     torch.testing.assert_close(got, x @ w.T, atol=1e-5, rtol=1e-5)
     with pytest.raises(AssertionError, match="contiguous along K"):
-        skinny_matmul_triton(x.to(DEVICE), random(40, 24, dtype=torch.float32, gen=gen).to(DEVICE).T)
+        skinny_matmul_triton(x.to(DEVICE), randn(40, 24, dtype=torch.float32, gen=gen).to(DEVICE).T)
 
 
 def test_rows_that_go_to_the_kernel() -> None:
@@ -109,8 +112,10 @@ def test_registered_as_a_custom_op() -> None:
 
 
 def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, object]:
-    return dict(HAS_BIAS=True, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k,
-                IEEE=element == "fp32", UPCAST=False)
+    """The plain product's constants (no norm, SwiGLU or residual: `test_skinny_fused` compiles those)."""
+    return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, IEEE=element == "fp32",
+                UPCAST=False, ROUND_BITS=False)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -120,30 +125,23 @@ def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, ob
 ])
 def test_kernel_compiles_for_the_gpu(element: str, config: Config, even_k: bool) -> None:
     """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
-    pointers = {name: f"*{element}" for name in ("x_ptr", "w_ptr", "b_ptr", "y_ptr")}
+    pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
     compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), pointers, "fp32")
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting() or torch.cuda.is_available(), reason="CPU check of the compiler")
-def test_torch_compile_sees_only_the_output_written(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under torch.compile, the kernel's outputs are what inductor's analysis of its code finds written; a weight
-    wrongly found written would be copied at every call (hundreds of MB a step)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-
-    wrap = pytest.importorskip("torch._higher_order_ops.triton_kernel_wrap")
-    if not hasattr(wrap, "identify_accessed_tensors"):
-        pytest.skip("this torch names its kernel analysis differently")
-
-    class H200:  # the analysis asks the active driver for the target to generate the kernel's IR
-        def get_current_target(self) -> GPUTarget:
-            return GPUTarget("cuda", 90, 32)
-
-    monkeypatch.setattr(triton.runtime.driver, "_active", H200())
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("even_k", [True, False])
+def test_torch_compile_sees_only_the_output_written(fused: bool, even_k: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.compile, the kernel's outputs are what inductor's analysis of its code finds written: a weight
+    (hundreds of MB a step) or the residual wrongly found written would be copied at every call. The plain
+    product and the one with norm, SwiGLU and residual add (`skinny_fused`)."""
     bf16 = dict(dtype=torch.bfloat16)
-    for even_k in (True, False):
-        kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), w_ptr=torch.empty(64, 256, **bf16),
-                      b_ptr=torch.empty(64, **bf16), y_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256,
-                      stride_xm=256, stride_wn=256, stride_ym=64, **kernel_constants("bf16", Config(32, 128), even_k))
-        accesses = wrap.identify_accessed_tensors(triton.jit(_skinny_matmul_kernel), kwargs, {})
-        assert [dep.name for dep in accesses.read_writes.writes] == ["y_ptr"]
+    constants = kernel_constants("bf16", Config(32, 128), even_k)
+    if fused:
+        constants.update(EPS=1e-6, NORM=True, SWIGLU=True, RESIDUAL=True)
+    kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), g_ptr=torch.empty(256, **bf16),
+                  w_ptr=torch.empty(128, 256, **bf16), b_ptr=torch.empty(128, **bf16),
+                  r_ptr=torch.empty(16, 64, **bf16), y_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256,
+                  stride_xm=256, stride_wn=256, stride_rm=64, stride_ym=64, **constants)
+    assert pointers_written(_skinny_matmul_kernel, kwargs, monkeypatch) == ["y_ptr"]

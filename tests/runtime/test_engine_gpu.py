@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
-from tests.helpers.decoding import make_draft, own_greedy, prompts
+from dflash_train.runtime.static_target import StaticTarget
+from tests.helpers.decoding import assert_own_greedy, make_draft, prompts
 from tests.helpers.tiny_models import make_tiny_target
 
 pytestmark = pytest.mark.gpu
@@ -33,12 +34,21 @@ def test_graph_compiled_triton_loop_is_lossless(target_and_draft: tuple, batch_s
         engine.graph_error, engine.compile_error)
     # the drafter's block attention on the split-key kernel and the target's deferred residual adds, compiled
     assert engine.compile_error is None and engine.drafter.attention == "kernel" and engine.runner.defer_residual
-    cpu = target.model.cpu()
-    try:
-        for prompt, output in zip(prompts(5), outputs, strict=True):
-            assert output.tokens == own_greedy(target, prompt, 24)
-    finally:
-        cpu.cuda()
+    assert_own_greedy(target, prompts(5), [output.tokens for output in outputs], 24)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_fused_skinny_products_compiled_and_graphed_are_lossless(target_and_draft: tuple, batch_size: int) -> None:
+    """The opt-in fused products (norms, SwiGLU, residual adds in the skinny kernel), target and drafter,
+    under torch.compile and a CUDA graph: the target's own greedy tokens (fp32)."""
+    target, draft = target_and_draft
+    runner = StaticTarget(target, batch_size, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True)
+    engine = DecodeEngine(target, draft, EngineConfig(batch_size=batch_size, block_size=8, max_new_tokens=24,
+                                                      max_length=64), runner=runner)
+    outputs, _ = engine.generate(prompts(5))
+    assert engine.uses_cuda_graph and engine.uses_compile and engine.compile_error is None, engine.graph_error
+    assert engine.runner.matmul == "fused" and all(layer.fused_products for layer in engine.drafter.layer_kernels)
+    assert_own_greedy(target, prompts(5), [output.tokens for output in outputs], 24)
 
 
 def test_no_host_sync_inside_a_cycle(target_and_draft: tuple) -> None:

@@ -12,12 +12,10 @@ import pytest
 import torch
 
 from dflash_train.kernels.skinny_matmul import MAX_ROWS
-from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime import fused_layer
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
-from dflash_train.target import TargetModel, resolve_mask_token_id
-from tests.helpers.decoding import own_greedy, prompts
+from tests.helpers.decoding import make_draft, own_greedy, prompts
 from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 from tests.helpers.tiny_models import make_tiny_target
 
@@ -41,15 +39,6 @@ def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
     return calls
 
 
-def one_layer_draft(target: TargetModel, block_size: int) -> DFlashDraftModel:
-    """A random one-layer drafter (one feature layer: a 3-layer target feeds it)."""
-    torch.manual_seed(0)
-    mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=1,
-                                             block_size=block_size)
-    return DFlashDraftModel(config).eval()
-
-
 @kernels_here
 @pytest.mark.parametrize("block_size", [1, 4])
 def test_greedy_tokens_with_the_kernel_are_the_targets_own(block_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -57,7 +46,7 @@ def test_greedy_tokens_with_the_kernel_are_the_targets_own(block_size: int, monk
     layers = 3 if block_size > 1 else 2  # a drafter needs 3
     target = make_tiny_target("qwen3", num_layers=layers, seed=1)
     expected = [own_greedy(target, prompt, NEW) for prompt in prompts(1)]
-    draft = one_layer_draft(target, block_size).to(DEVICE) if block_size > 1 else None
+    draft = make_draft(target, block_size, layers=1).to(DEVICE) if block_size > 1 else None
     target.model.to(DEVICE)
     # Counted on a CPU only: on a GPU the cycle is compiled and replayed as a CUDA graph, no Python per call.
     calls = count_kernel_calls(monkeypatch) if DEVICE == "cpu" else None

@@ -1,0 +1,129 @@
+"""The decode loop with the fused skinny products (`StaticTarget(skinny_matmul=True, skinny_fusion=True)`): each
+layer's norms, SwiGLU and residual adds folded into four products. Greedy tokens equal the target's own
+(Llama and Qwen3 layouts, target alone and with a drafter whose layers fuse too); a step runs exactly four
+fused products a layer plus one for the final norm and logits; a layer forward equals the Hugging Face
+layer's; layers the kernel does not reproduce keep the unfused path. Tiny models in fp32, kernels interpreted
+on CPU."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_train.kernels import skinny_fused
+from dflash_train.runtime import draft_layer, fused_layer, static_target
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.fused_layer import FusedLayer, fusion_supported
+from dflash_train.runtime.static_target import StaticTarget
+from tests.helpers.decoding import make_draft, own_greedy, prompts
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.tiny_models import make_tiny_target
+
+test_under_interpreter = under_interpreter(__file__)
+
+NEW = 8
+FUSE_PROLOGUE = DEVICE == "cuda"  # the prologue kernel is tested elsewhere; interpreted it is slow
+
+
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, int]]:
+    """(which call, rows) of every fused product, by the target's layers, its output and the drafter's layers."""
+    calls: Counter[tuple[str, int]] = Counter()
+    kernel = skinny_fused.skinny_fused_triton
+
+    def counted(where: str) -> Any:
+        def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[where, x.numel() // x.shape[-1]] += 1
+            return kernel(x, *args, **kwargs)
+        return call
+
+    for module, where in ((fused_layer, "target layer"), (static_target, "output"), (draft_layer, "draft layer")):
+        monkeypatch.setattr(module, "skinny_fused_triton", counted(where))
+    return calls
+
+
+@kernels_here
+@pytest.mark.parametrize(("model_type", "block_size"), [("qwen3", 1), ("llama", 1), ("qwen3", 4)])
+def test_greedy_tokens_are_the_targets_own(model_type: str, block_size: int,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    layers = 3 if block_size > 1 else 2  # a drafter needs 3
+    target = make_tiny_target(model_type, num_layers=layers, seed=1)
+    expected = [own_greedy(target, prompt, NEW) for prompt in prompts(1)]
+    draft = make_draft(target, block_size, layers=1).to(DEVICE) if block_size > 1 else None
+    target.model.to(DEVICE)
+    calls = count_fused_calls(monkeypatch) if DEVICE == "cpu" else None  # a GPU replays graphs: no Python
+    runner = StaticTarget(target, 1, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                          fuse_prologue=FUSE_PROLOGUE)
+    assert runner.matmul == "fused" and not runner.defer_residual
+    config = EngineConfig(block_size=block_size, max_new_tokens=NEW, max_length=64, kernels="triton")
+    outputs, _ = DecodeEngine(target, draft, config, runner=runner).generate(prompts(1))
+    assert [output.tokens for output in outputs] == expected
+    if calls is not None:
+        # Four products a layer in every decode or verify step, and the step's logits (the prefill's last
+        # position's logits are one row too, hence at least as many).
+        steps, rest = divmod(calls["target layer", block_size], 4 * layers)
+        assert rest == 0 and steps >= 2 and calls["output", block_size] >= steps
+        if block_size > 1:  # the drafter's one layer over its block, once a cycle (each cycle one verify)
+            assert calls["draft layer", block_size] == 4 * steps
+
+
+@kernels_here
+def test_a_layer_equals_the_hugging_face_layer() -> None:
+    """One fused layer over 3 new tokens after a 5-token context, against the model's own layer on the same
+    8 tokens with its own cache (fp32: equal to rounding)."""
+    torch.manual_seed(0)
+    target = make_tiny_target("llama", num_layers=1, seed=2)
+    target.model.to(DEVICE)
+    ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    with torch.no_grad():
+        expected = target.model(ids).logits[0, 5:]
+        runner = StaticTarget(target, 1, 16, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                              fuse_prologue=FUSE_PROLOGUE)
+        runner.forward(ids[:, :5], torch.arange(5, device=DEVICE)[None])
+        got = runner.forward(ids[:, 5:], torch.arange(5, 8, device=DEVICE)[None]).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_fusion_is_opt_in_and_follows_the_runners_kernels() -> None:
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert StaticTarget(target, 1, 8, kernels="triton", skinny_fusion=True).matmul == "torch"  # needs skinny
+    assert StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True).matmul == "skinny"
+    runner = StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True, skinny_fusion=True)
+    assert runner.matmul == "fused" and not runner.defer_residual
+    runner.kernels = "torch"  # the engine's fallback after a compiler failure
+    assert runner.matmul == "torch"
+    unfused = StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                           fuse_projections=False)
+    assert unfused.matmul == "skinny"  # the fusion lives in the fused layers
+
+
+def test_which_layers_the_kernel_reproduces() -> None:
+    """The Llama family's layers and the drafter's: yes. A GELU MLP or a LayerNorm: no (they keep the unfused
+    path, which computes them as they are)."""
+    for model_type in ("llama", "qwen3", "qwen2", "mistral"):
+        layer = make_tiny_target(model_type, num_layers=1).decoder_layers[0]
+        assert fusion_supported(layer), model_type
+    target = make_tiny_target("llama", num_layers=3)
+    assert fusion_supported(make_draft(target, 4, layers=1).layers[0])
+    gelu = make_tiny_target("llama", num_layers=1).decoder_layers[0]
+    gelu.mlp.act_fn = nn.GELU()
+    assert not fusion_supported(gelu)
+    layer_norm = make_tiny_target("llama", num_layers=1).decoder_layers[0]
+    layer_norm.post_attention_layernorm = nn.LayerNorm(layer_norm.self_attn.o_proj.out_features)
+    assert not fusion_supported(layer_norm)
+    assert not FusedLayer(gelu, lambda *a, **k: None).fusion_supported
+
+
+def test_the_engine_config_chooses_the_products() -> None:
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert DecodeEngine(target, None, EngineConfig(max_length=16, kernels="torch")).runner.matmul == "torch"
+    with pytest.raises(ValueError, match="matmul must be one of torch, skinny, fused"):
+        EngineConfig(matmul="cublas")
+    runner = DecodeEngine(target, None, EngineConfig(max_length=16, kernels="torch", matmul="fused")).runner
+    assert runner.skinny_matmul and runner.skinny_fusion and runner.matmul == "torch"  # no Triton kernels here
+    runner.kernels = "triton"
+    assert runner.matmul == "fused"
