@@ -37,7 +37,8 @@ exactly q and the two caches (it would otherwise assume every input written, and
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
+from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels.rounding import rounded
 
 
 def supports_rope(cos: torch.Tensor, head_dim: int) -> bool:
@@ -89,22 +90,6 @@ def rope_cache_reference(
     return q
 
 
-def _rounded(x, BF16: tl.constexpr, FP16: tl.constexpr):
-    """fp32 x rounded to the activations' dtype (to nearest, ties to even) and back. bf16 by hand: the
-    Triton interpreter's own bf16 cast truncates, and the tests compare with PyTorch's rounding."""
-    if BF16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = bits + 0x7FFF + ((bits >> 16) & 1)
-        x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
-    elif FP16:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
-
-
-if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles (so jitted at import)
-    _rounded = triton.jit(_rounded)
-
-
 def _rope_cache_kernel(
     qkv_ptr, q_norm_ptr, k_norm_ptr, cos_ptr, sin_ptr, pos_ptr, row_ptr, q_ptr, cache_k_ptr, cache_v_ptr,
     T, sc_row, sc_head, sc_slot,
@@ -131,8 +116,8 @@ def _rope_cache_kernel(
                       tl.load(k_norm_ptr + d, mask=dmask, other=0.0)).to(tl.float32)
         w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + d, mask=dmask, other=0.0),
                       tl.load(k_norm_ptr + HALF + d, mask=dmask, other=0.0)).to(tl.float32)
-        x1 = _rounded(w1 * _rounded(x1 * inv_rms, BF16, FP16), BF16, FP16)
-        x2 = _rounded(w2 * _rounded(x2 * inv_rms, BF16, FP16), BF16, FP16)
+        x1 = rounded(w1 * rounded(x1 * inv_rms, BF16, FP16), BF16, FP16)
+        x2 = rounded(w2 * rounded(x2 * inv_rms, BF16, FP16), BF16, FP16)
     cs = cos_ptr + token.to(tl.int64) * dim
     sn = sin_ptr + token.to(tl.int64) * dim
     c1 = tl.load(cs + d, mask=dmask, other=0.0).to(tl.float32)
@@ -140,8 +125,8 @@ def _rope_cache_kernel(
     s1 = tl.load(sn + d, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sn + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     # Rounded as the eager code rounds: each product, then their sum.
-    y1 = _rounded(_rounded(x1 * c1, BF16, FP16) - _rounded(x2 * s1, BF16, FP16), BF16, FP16)
-    y2 = _rounded(_rounded(x2 * c2, BF16, FP16) + _rounded(x1 * s2, BF16, FP16), BF16, FP16)
+    y1 = rounded(rounded(x1 * c1, BF16, FP16) - rounded(x2 * s1, BF16, FP16), BF16, FP16)
+    y2 = rounded(rounded(x2 * c2, BF16, FP16) + rounded(x1 * s2, BF16, FP16), BF16, FP16)
     q_dst = q_ptr + (token.to(tl.int64) * HEADS + head) * dim
     is_k = dmask & ~is_q
     tl.store(q_dst + d, y1.to(q_ptr.dtype.element_ty), mask=dmask & is_q)  # exact: y is already rounded

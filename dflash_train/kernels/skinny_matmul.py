@@ -41,7 +41,8 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
+from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels.rounding import rounded
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
@@ -94,20 +95,6 @@ def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
     return y.to(x.dtype)
 
 
-def _round_bf16_bits(x):
-    """fp32 x rounded to the nearest bf16 value (ties to even), still as fp32, as the GPU's cast rounds.
-    Triton's interpreter truncates bf16 casts instead: with ROUND_BITS (interpreted bf16) each rounding step
-    goes through this first, so that the CPU tests check the kernel's rounding exactly. Called only under a
-    ROUND_BITS branch, which the GPU compiler prunes."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
-
-
-if HAS_TRITON:  # a kernel may only call jitted functions (interpreted ones under TRITON_INTERPRET=1)
-    _round_bf16_bits = triton.jit(_round_bf16_bits)
-
-
 def _skinny_matmul_kernel(
     x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -146,12 +133,8 @@ def _skinny_matmul_kernel(
             xt = tl.load(x_ptrs, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         if NORM:  # rmsnorm's two roundings: normalised x to x's dtype, then times the weight
             gamma = tl.load(g_ptrs, mask=k_ok, other=0.0).to(tl.float32)
-            normed = xt.to(tl.float32) * inv_rms[None, :]
-            if ROUND_BITS:
-                normed = _round_bf16_bits(normed)
-            normed = gamma[:, None] * normed.to(x_ptr.dtype.element_ty).to(tl.float32)
-            if ROUND_BITS:
-                normed = _round_bf16_bits(normed)
+            normed = rounded(xt.to(tl.float32) * inv_rms[None, :], ROUND_BITS, False)
+            normed = rounded(gamma[:, None] * normed.to(x_ptr.dtype.element_ty).to(tl.float32), ROUND_BITS, False)
             xt = normed.to(x_ptr.dtype.element_ty)
         if UPCAST:  # the interpreter's dot cannot multiply bf16; bf16 products are exact in fp32
             xt = xt.to(tl.float32)
@@ -181,24 +164,16 @@ def _skinny_matmul_kernel(
         if SWIGLU:
             acc_up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
     # Every step rounds to the output's dtype (fp32 values of bf16 numbers in between), as the modules do.
-    if ROUND_BITS:
-        acc = _round_bf16_bits(acc)
-    y = acc.to(out_ty).to(tl.float32)
+    # ROUND_BITS (interpreted bf16): on the bits first, since the interpreter's casts truncate.
+    y = rounded(acc, ROUND_BITS, False).to(out_ty).to(tl.float32)
     if SWIGLU:  # silu of the rounded gate, rounded, times the rounded up, rounded
-        silu = y / (1.0 + tl.exp(-y))
-        if ROUND_BITS:
-            silu = _round_bf16_bits(silu)
-            acc_up = _round_bf16_bits(acc_up)
-        y = silu.to(out_ty).to(tl.float32) * acc_up.to(out_ty).to(tl.float32)
-        if ROUND_BITS:
-            y = _round_bf16_bits(y)
-        y = y.to(out_ty).to(tl.float32)
+        silu = rounded(y / (1.0 + tl.exp(-y)), ROUND_BITS, False).to(out_ty).to(tl.float32)
+        up = rounded(acc_up, ROUND_BITS, False).to(out_ty).to(tl.float32)
+        y = rounded(silu * up, ROUND_BITS, False).to(out_ty).to(tl.float32)
     out_mask = row_ok[None, :] & col_ok[:, None]
     if RESIDUAL:
         residual = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=out_mask, other=0.0)
-        y = residual.to(tl.float32) + y
-        if ROUND_BITS:
-            y = _round_bf16_bits(y)
+        y = rounded(residual.to(tl.float32) + y, ROUND_BITS, False)
     tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], y.to(out_ty), mask=out_mask)
 
 
