@@ -31,7 +31,8 @@ same run (CUDA events, median):
   (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
   logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`), and
   (`skinny_fused`) the same with each layer's norms, SwiGLU and residual adds folded into its products
-  (`dflash_train.kernels.skinny_fused`: seven launches a layer), the drafter's layers too;
+  (`dflash_train.kernels.skinny_fused`) and the attention prologue into the q/k/v product's epilogue
+  (`dflash_train.kernels.qkv_rope_cache`): six launches a layer, the drafter's layers too;
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
   graph reused by every layer, plus small graphs before and after the layers; the engine's default since
   2026-12-02), beside the whole-step graph (the variant named `default`, the engine's default before): step

@@ -79,7 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--matmul", default="torch", choices=MATMULS,
                         help="with --kernels triton, the products of decode and verify steps of at most 64 rows: torch "
                              "(cuBLAS), skinny (a kernel that streams the weight) or fused (skinny with each layer's "
-                             "norms, SwiGLU and residual adds folded in: 7 launches a layer; target and drafter)")
+                             "norms, SwiGLU, residual adds and attention prologue folded in: 6 launches a layer; target and "
+                             "drafter)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
     parser.add_argument("--no-compile", action="store_true",
                         help="skip torch.compile (CUDA graphs still apply): starts in seconds, decodes a little slower; "

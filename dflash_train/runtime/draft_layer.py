@@ -21,9 +21,10 @@ path runs); attention sums in fp32 with probabilities rounded to the cache's dty
 differ from the reference path's in rounding, never in which keys they see (the target's verify decides
 what is emitted either way).
 
-With `fused_products` (the runner's `skinny_fusion`), a block of few rows runs the layer's four products on
-`dflash_train.kernels.skinny_fused`, the norms, SwiGLU and residual adds folded in, as the target's layers do
-(`fused_layer.FusedLayer._fused_call`).
+With `fused_products` (the runner's `skinny_fusion`), a block of few rows runs the layer as the target's
+layers do (`fused_layer.FusedLayer._fused_call`): the input norm, the q/k/v product and the prologue in one
+launch (`dflash_train.kernels.qkv_rope_cache`), then o_proj with the residual add, gate/up with the norm and
+SwiGLU, and down with the residual add (`dflash_train.kernels.skinny_fused`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dflash_train.kernels.qkv_rope_cache import qkv_rope_cache_triton
 from dflash_train.kernels.rope_cache import rope_cache_triton
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
@@ -68,13 +70,14 @@ class DraftLayerKernels:
         attn, before_attention, before_mlp = self.attn, self.layer.input_layernorm, self.layer.post_attention_layernorm
         fuse = self.fused_products and skinny_fits(n * t) and all(
             norm.weight.dtype == h.dtype for norm in (before_attention, before_mlp))  # static under compile
-        if fuse:
-            qkv = skinny_fused_triton(h, self.qkv, self.qkv_bias, norm_weight=before_attention.weight,
-                                      norm_eps=before_attention.eps)
+        if fuse:  # the input norm, the q/k/v product and the attention prologue in one launch
+            q = qkv_rope_cache_triton(h, self.qkv, self.qkv_bias, before_attention.weight, before_attention.eps,
+                                      self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
+                                      positions, rows, keys, values, k_eps=attn.k_norm.eps)
         else:
             qkv = F.linear(before_attention(h), self.qkv, self.qkv_bias)
-        q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
-                              positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
+            q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos,
+                                  sin, positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
         out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
         out = out.reshape(n, t, -1)
         if fuse:

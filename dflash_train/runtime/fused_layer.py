@@ -23,8 +23,9 @@ bandwidth and rounds a row the same whatever the other rows; prefill keeps torch
 
 With `skinny_fusion` on the cache as well (opt-in: `StaticTarget(skinny_matmul=True, skinny_fusion=True)`),
 those steps run the whole layer as four products of `dflash_train.kernels.skinny_fused`, the RMSNorms folded
-into the q/k/v and gate/up products, SwiGLU into gate/up and both residual adds into o_proj and down; with
-the prologue and the two attention kernels, seven launches a layer. Layers whose norms or activation are
+into the q/k/v and gate/up products, SwiGLU into gate/up and both residual adds into o_proj and down, and
+with the prologue kernel on, the attention prologue in the q/k/v product's epilogue
+(`dflash_train.kernels.qkv_rope_cache`): with the two attention kernels, six launches a layer. Layers whose norms or activation are
 not the Llama family's RMSNorm and SiLU keep the path above (`fusion_supported`).
 """
 
@@ -38,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.kernels.qkv_rope_cache import qkv_rope_cache_triton
 from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
@@ -151,13 +153,17 @@ class FusedLayer:
     def _attend(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         """From the q/k/v product [n, T, q+k+v] to the attention's output [n, T, heads * D], the cache written."""
-        n, t = qkv.shape[:2]
         if self._use_kernel(qkv, position_embeddings[0], cache):
             q, keys, values = self._prologue_kernel(qkv, position_embeddings, cache)
         else:
             q, keys, values = self._prologue_torch(qkv, position_embeddings, cache)
+        return self._attention_output(q, keys, values, attention_mask)
+
+    def _attention_output(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                          attention_mask: torch.Tensor) -> torch.Tensor:
+        """q [n, heads, T, D] over the visible keys and values -> [n, T, heads * D]."""
         out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
-        return out.reshape(n, t, -1)
+        return out.reshape(q.shape[0], q.shape[2], -1)
 
     def _fuses(self, hidden: torch.Tensor, cache: LayerCache) -> bool:
         """Whether this step runs the layer as four fused products (shapes and dtypes only: static under
@@ -172,9 +178,18 @@ class FusedLayer:
         """The layer as `__call__` computes it, on four fused products (module docstring)."""
         before_attention, before_mlp = self.layer.input_layernorm, self.layer.post_attention_layernorm
         o_proj, down_proj = self.attn.o_proj, self.mlp.down_proj
-        qkv = skinny_fused_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"],
-                                  norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
-        out = self._attend(qkv, position_embeddings, attention_mask, cache)
+        if self._use_kernel(hidden, position_embeddings[0], cache):  # the prologue in the product's epilogue
+            cos, sin = position_embeddings
+            keys, values = cache.storage(self.layer_idx)
+            q_weight, k_weight, eps, k_eps = self._norm_arguments()
+            q = qkv_rope_cache_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"], before_attention.weight,
+                                      norm_eps(before_attention), self.heads, q_weight, k_weight, eps, cos, sin,
+                                      cache.positions, cache.rows, keys, values, k_eps=k_eps)
+            out = self._attention_output(q.transpose(1, 2), *cache.visible(self.layer_idx), attention_mask)
+        else:
+            qkv = skinny_fused_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"],
+                                      norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
+            out = self._attend(qkv, position_embeddings, attention_mask, cache)
         h = skinny_fused_triton(out, o_proj.weight, o_proj.bias, residual=hidden)
         act = skinny_fused_triton(h, self.weights["gate_up"], self.weights["gate_up_bias"],
                                   norm_weight=before_mlp.weight, norm_eps=norm_eps(before_mlp), swiglu=True)

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_train.kernels import skinny_fused
+from dflash_train.kernels import qkv_rope_cache, skinny_fused
 from dflash_train.runtime import draft_layer, fused_layer, static_target
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.fused_layer import FusedLayer, fusion_supported
@@ -26,28 +26,33 @@ from tests.helpers.tiny_models import make_tiny_target
 test_under_interpreter = under_interpreter(__file__)
 
 NEW = 8
-FUSE_PROLOGUE = DEVICE == "cuda"  # the prologue kernel is tested elsewhere; interpreted it is slow
 
 
-def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, int]]:
-    """(which call, rows) of every fused product, by the target's layers, its output and the drafter's layers."""
-    calls: Counter[tuple[str, int]] = Counter()
-    kernel = skinny_fused.skinny_fused_triton
+def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str, int]]:
+    """(where, which kernel, rows) of every fused product (`skinny_fused`) and every q/k/v product with the
+    attention prologue (`qkv_rope_cache`), by the target's layers, its output and the drafter's layers."""
+    calls: Counter[tuple[str, str, int]] = Counter()
 
-    def counted(where: str) -> Any:
+    def counted(where: str, name: str, kernel: Any) -> Any:
         def call(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            calls[where, x.numel() // x.shape[-1]] += 1
+            calls[where, name, x.numel() // x.shape[-1]] += 1
             return kernel(x, *args, **kwargs)
         return call
 
     for module, where in ((fused_layer, "target layer"), (static_target, "output"), (draft_layer, "draft layer")):
-        monkeypatch.setattr(module, "skinny_fused_triton", counted(where))
+        monkeypatch.setattr(module, "skinny_fused_triton", counted(where, "fused", skinny_fused.skinny_fused_triton))
+        if hasattr(module, "qkv_rope_cache_triton"):
+            monkeypatch.setattr(module, "qkv_rope_cache_triton",
+                                counted(where, "qkv_rope", qkv_rope_cache.qkv_rope_cache_triton))
     return calls
 
 
 @kernels_here
-@pytest.mark.parametrize(("model_type", "block_size"), [("qwen3", 1), ("llama", 1), ("qwen3", 4)])
-def test_greedy_tokens_are_the_targets_own(model_type: str, block_size: int,
+@pytest.mark.parametrize(("model_type", "block_size", "prologue"), [
+    ("qwen3", 1, False), ("llama", 1, False), ("qwen3", 4, False),  # the q/k/v product, then the PyTorch prologue
+    ("qwen3", 1, True), ("llama", 4, True),  # the q/k/v product with the prologue kernel in its epilogue
+])
+def test_greedy_tokens_are_the_targets_own(model_type: str, block_size: int, prologue: bool,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     torch.set_num_threads(1)
     layers = 3 if block_size > 1 else 2  # a drafter needs 3
@@ -57,18 +62,20 @@ def test_greedy_tokens_are_the_targets_own(model_type: str, block_size: int,
     target.model.to(DEVICE)
     calls = count_fused_calls(monkeypatch) if DEVICE == "cpu" else None  # a GPU replays graphs: no Python
     runner = StaticTarget(target, 1, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True,
-                          fuse_prologue=FUSE_PROLOGUE)
+                          fuse_prologue=prologue)
     assert runner.matmul == "fused" and not runner.defer_residual
     config = EngineConfig(block_size=block_size, max_new_tokens=NEW, max_length=64, kernels="triton")
     outputs, _ = DecodeEngine(target, draft, config, runner=runner).generate(prompts(1))
     assert [output.tokens for output in outputs] == expected
     if calls is not None:
-        # Four products a layer in every decode or verify step, and the step's logits (the prefill's last
-        # position's logits are one row too, hence at least as many).
-        steps, rest = divmod(calls["target layer", block_size], 4 * layers)
-        assert rest == 0 and steps >= 2 and calls["output", block_size] >= steps
+        # Four products a layer in every decode or verify step (the first with the prologue where it is on),
+        # and the step's logits (the prefill's last position's logits are one row too, hence at least as many).
+        steps, rest = divmod(calls["target layer", "fused", block_size], (3 if prologue else 4) * layers)
+        assert rest == 0 and steps >= 2 and calls["output", "fused", block_size] >= steps
+        assert calls["target layer", "qkv_rope", block_size] == (layers * steps if prologue else 0)
         if block_size > 1:  # the drafter's one layer over its block, once a cycle (each cycle one verify)
-            assert calls["draft layer", block_size] == 4 * steps
+            assert calls["draft layer", "fused", block_size] == 3 * steps
+            assert calls["draft layer", "qkv_rope", block_size] == steps
 
 
 @kernels_here
@@ -81,8 +88,7 @@ def test_a_layer_equals_the_hugging_face_layer() -> None:
     ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     with torch.no_grad():
         expected = target.model(ids).logits[0, 5:]
-        runner = StaticTarget(target, 1, 16, kernels="triton", skinny_matmul=True, skinny_fusion=True,
-                              fuse_prologue=FUSE_PROLOGUE)
+        runner = StaticTarget(target, 1, 16, kernels="triton", skinny_matmul=True, skinny_fusion=True)
         runner.forward(ids[:, :5], torch.arange(5, device=DEVICE)[None])
         got = runner.forward(ids[:, 5:], torch.arange(5, 8, device=DEVICE)[None]).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
