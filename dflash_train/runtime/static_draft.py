@@ -7,7 +7,8 @@ overwritten by the next cycle before the mask ever shows them.
 
 Context materialisation: `fuse_context` (fc + hidden_norm), then either the drafter's own `key_values`
 per layer ("torch") or one GEMM over all layers' [k_proj; v_proj] plus the fused Triton kernel for
-k_norm + RoPE + cache write ("triton").
+k_norm + RoPE + cache write ("triton"); with the fused products, fc and that GEMM on the skinny kernel with
+hidden_norm folded into the second (a verify block's few rows).
 
 The block's layers: the drafter's own forward with a dense mask over the whole cache ("torch", and
 `attention="sdpa"`), or on the Triton kernels, the block's K/V written into the cache and attended with
@@ -25,6 +26,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.kernels.context_kv import context_kv_triton
+from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_matmul import fits as skinny_fits
+from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
@@ -45,6 +49,7 @@ class StaticDrafter:
         self.slots = torch.arange(max_length, device=device)
         self.block_visible = torch.ones(batch_size, 1, block_size, block_size, dtype=torch.bool, device=device)
         self.kernels = kernels
+        self.fused_products = fused_products and kernels == "triton"
         self._compiled_hidden: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., torch.Tensor]] = {}
         if kernels == "triton":
             self._prepare_fused(max_length)
@@ -78,22 +83,34 @@ class StaticDrafter:
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
                       row_index: torch.Tensor | None = None) -> None:
         """Context K/V of target features [n, T, K*H] at positions [n, T] into cache rows row_index [n]."""
-        context = self.draft.fuse_context(features.to(self.dtype))  # [n, T, H]
         n, t = positions.shape
         rows = torch.arange(n, device=positions.device) if row_index is None else row_index
         if self.kernels == "triton":
             attn = self.draft.layers[0].self_attn
-            kv = F.linear(context, self.kv_weight, self.kv_bias)
+            kv = self._context_kv_product(features.to(self.dtype))
             kv = kv.view(n * t, len(self.draft.layers), 2, attn.num_kv_heads, attn.head_dim)
             context_kv_triton(kv, self.k_norm_weight, self.draft.config.rms_norm_eps, self.cos, self.sin,
                               positions.reshape(-1), rows[:, None].expand(n, t).reshape(-1),
                               self.cache.keys, self.cache.values)
             return
+        context = self.draft.fuse_context(features.to(self.dtype))  # [n, T, H]
         cos, sin = self.draft.rotary_emb(positions, context.dtype)
         for index, layer in enumerate(self.draft.layers):
             k, v = layer.self_attn.key_values(context, cos, sin)  # [n, kv, T, D]
             self.cache.keys[index][rows[:, None], :, positions] = k.transpose(1, 2)
             self.cache.values[index][rows[:, None], :, positions] = v.transpose(1, 2)
+
+    def _context_kv_product(self, features: torch.Tensor) -> torch.Tensor:
+        """Every layer's context [k; v] of features [n, T, K*H] before their norm and RoPE: fc, the hidden
+        norm and one product over all layers' k/v weights; with the fused products (few rows), two launches,
+        the norm folded into the second product instead of a string of eager kernels between them."""
+        fc, norm = self.draft.fc, self.draft.hidden_norm
+        if self.fused_products and skinny_fits(features.numel() // features.shape[-1]) and (
+                norm.weight.dtype == features.dtype == fc.weight.dtype):
+            context = skinny_matmul_triton(features, fc.weight, fc.bias)
+            return skinny_fused_triton(context, self.kv_weight, self.kv_bias, norm_weight=norm.weight,
+                                       norm_eps=norm.eps)
+        return F.linear(self.draft.fuse_context(features), self.kv_weight, self.kv_bias)
 
     @torch.no_grad()
     def hidden(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor,

@@ -19,12 +19,13 @@ from tests.helpers.tiny_models import make_tiny_target
 test_under_interpreter = under_interpreter(__file__)
 
 
-def blocks_through(attention: str) -> tuple[list[torch.Tensor], StaticDrafter]:
+def blocks_through(attention: str, fused_products: bool = False) -> tuple[list[torch.Tensor], StaticDrafter]:
     """Context from random features at 12 positions, then three blocks of 4 at per-row starts, with the
     context written after each block as the engine does after a verify (over the block's slots)."""
     target = make_tiny_target("llama", num_layers=5, seed=3)
     draft = make_draft(target, block_size=4, seed=5).to(DEVICE)
-    drafter = StaticDrafter(draft, batch_size=2, block_size=4, max_length=32, kernels="triton", attention=attention)
+    drafter = StaticDrafter(draft, batch_size=2, block_size=4, max_length=32, kernels="triton", attention=attention,
+                            fused_products=fused_products)
     gen = torch.Generator().manual_seed(4)
     features = torch.randn(2, 12, draft.fc.in_features, generator=gen).to(DEVICE)
     drafter.write_context(features, torch.arange(12, device=DEVICE).expand(2, 12))
@@ -40,9 +41,13 @@ def blocks_through(attention: str) -> tuple[list[torch.Tensor], StaticDrafter]:
 
 
 @kernels_here
-def test_kernel_layers_equal_the_drafters_own_forward() -> None:
+@pytest.mark.parametrize("fused_products", [False, True])
+def test_kernel_layers_equal_the_drafters_own_forward(fused_products: bool) -> None:
+    """With `fused_products`: the layers on the fused products and the context's fc, norm and K/V product on
+    the skinny kernels (`qkv_rope_cache`, `skinny_fused`), every block and context write of few rows."""
     torch.set_num_threads(1)
-    kernel_hidden, kernel_drafter = blocks_through("kernel")
+    kernel_hidden, kernel_drafter = blocks_through("kernel", fused_products)
+    assert all(layer.fused_products == fused_products for layer in kernel_drafter.layer_kernels)
     sdpa_hidden, sdpa_drafter = blocks_through("sdpa")
     assert kernel_drafter.attention == "kernel" and sdpa_drafter.attention == "sdpa"
     for ours, reference in zip(kernel_hidden, sdpa_hidden, strict=True):
