@@ -52,7 +52,8 @@ class EngineConfig:
     fuse_state_update: bool = True
     # With kernels "triton", the products of decode and verify steps (at most 64 rows): "torch" (cuBLAS),
     # "skinny" (kernels/skinny_matmul.py), or "fused": the skinny kernel with each layer's RMSNorms, SwiGLU and
-    # residual adds folded in (kernels/skinny_fused.py), target and drafter. Opt-in until measured on a GPU.
+    # residual adds folded in (kernels/skinny_fused.py) and the attention prologue in the q/k/v product
+    # (kernels/qkv_rope_cache.py), target and drafter. Opt-in until measured on a GPU.
     matmul: Literal["torch", "skinny", "fused"] = "torch"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
