@@ -168,7 +168,9 @@ def _qkv_rope_cache_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
         EPS=norm_eps, EPS_Q=eps_q, EPS_K=eps_k, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         BLOCK_HALF=max(16, next_power_of_2(dim // 2)), BLOCK_M=BLOCK_M, BLOCK_K=min(BLOCK_K, max(16, next_power_of_2(k))),
         HAS_BIAS=has_bias, HAS_QK_NORM=has_qk_norm, BF16=x.dtype == torch.bfloat16, FP16=x.dtype == torch.float16,
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, num_warps=4, num_stages=3,
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, num_warps=4,
+        # Four weight tiles of D/2 x BLOCK_K a stage: 16 KB each at D = 128 in bf16, so two stages there.
+        num_stages=3 if dim <= 64 else 2,
     )
     return q
 
