@@ -7,7 +7,7 @@ normed q/k/v product and the prologue kernel; here it is one, and the q/k/v prod
 
 Semantics: `rope_cache_reference(skinny_fused_reference(x, weight, bias, norm_weight, norm_eps), heads, ...)`
 exactly, step for step in its roundings: the product rounded to x's dtype, then the q/k norms (Qwen3), each
-RoPE product and their sum, as the modules round them (`rounding.rounded`).
+RoPE product and their sum, as the modules round them (`device.rounded`).
 
 How: one program per (16 token rows, head) over the query heads and then the key heads, as in `rope_cache`.
 A program computes its head's two halves of the product as two accumulators, [D/2, 16] each (rotate-half
@@ -25,9 +25,9 @@ small target's launch-bound step rather than a large one's bandwidth-bound q/k/v
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
+from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels.device import dot, rounded
 from dflash_train.kernels.rope_cache import rope_cache_reference, supports_rope
-from dflash_train.kernels.rounding import rounded
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
 from dflash_train.kernels.skinny_matmul import BLOCK_M, fits
 
@@ -43,23 +43,6 @@ def qkv_rope_cache_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     qkv = skinny_fused_reference(x, weight, bias, norm_weight, norm_eps)
     return rope_cache_reference(qkv, heads, q_norm_weight, k_norm_weight, eps, cos, sin, positions, rows,
                                 cache_k, cache_v)
-
-
-def _dot(w, xt, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """acc + w @ xt with fp32 sums: full fp32 products for fp32 (IEEE) and under the interpreter (UPCAST: its
-    dot cannot multiply bf16, whose products are exact in fp32), else the tensor cores'."""
-    if UPCAST:
-        w = w.to(tl.float32)
-        xt = xt.to(tl.float32)
-    if IEEE or UPCAST:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
-        acc = tl.dot(w, xt, acc, input_precision="ieee")
-    else:
-        acc = tl.dot(w, xt, acc)
-    return acc
-
-
-if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles (so jitted at import)
-    _dot = triton.jit(_dot)
 
 
 def _qkv_rope_cache_kernel(
@@ -104,11 +87,11 @@ def _qkv_rope_cache_kernel(
         normed = rounded(xt.to(tl.float32) * inv_rms[None, :], BF16, FP16)  # rmsnorm's two roundings
         xt = rounded(gamma[:, None] * normed, BF16, FP16).to(x_ptr.dtype.element_ty)
         w_mask = d_ok[:, None] & k_ok[None, :]
-        lo = _dot(tl.load(w_lo + k0, mask=w_mask, other=0.0), xt, lo, IEEE, UPCAST)
-        hi = _dot(tl.load(w_hi + k0, mask=w_mask, other=0.0), xt, hi, IEEE, UPCAST)
+        lo = dot(tl.load(w_lo + k0, mask=w_mask, other=0.0), xt, lo, IEEE, UPCAST)
+        hi = dot(tl.load(w_hi + k0, mask=w_mask, other=0.0), xt, hi, IEEE, UPCAST)
         v_mask = is_k[:, None] & k_ok[None, :]  # a query program reads no value weights
-        vlo = _dot(tl.load(v_lo + k0, mask=v_mask, other=0.0), xt, vlo, IEEE, UPCAST)
-        vhi = _dot(tl.load(v_hi + k0, mask=v_mask, other=0.0), xt, vhi, IEEE, UPCAST)
+        vlo = dot(tl.load(v_lo + k0, mask=v_mask, other=0.0), xt, vlo, IEEE, UPCAST)
+        vhi = dot(tl.load(v_hi + k0, mask=v_mask, other=0.0), xt, vhi, IEEE, UPCAST)
     if HAS_BIAS:
         lo += tl.load(b_ptr + head * dim + d, mask=d_ok, other=0.0).to(tl.float32)[:, None]
         hi += tl.load(b_ptr + head * dim + HALF + d, mask=d_ok, other=0.0).to(tl.float32)[:, None]

@@ -38,7 +38,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
-from dflash_train.kernels.rounding import rounded
+from dflash_train.kernels.device import rounded
 
 
 def supports_rope(cos: torch.Tensor, head_dim: int) -> bool:

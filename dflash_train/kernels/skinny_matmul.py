@@ -42,7 +42,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
-from dflash_train.kernels.rounding import rounded
+from dflash_train.kernels.device import dot, rounded
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
@@ -136,24 +136,13 @@ def _skinny_matmul_kernel(
             normed = rounded(xt.to(tl.float32) * inv_rms[None, :], ROUND_BITS, False)
             normed = rounded(gamma[:, None] * normed.to(x_ptr.dtype.element_ty).to(tl.float32), ROUND_BITS, False)
             xt = normed.to(x_ptr.dtype.element_ty)
-        if UPCAST:  # the interpreter's dot cannot multiply bf16; bf16 products are exact in fp32
-            xt = xt.to(tl.float32)
-            w = w.to(tl.float32)
-        if IEEE or UPCAST:  # noqa: SIM108 (a constexpr branch: one of the two is compiled)
-            acc = tl.dot(w, xt, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(w, xt, acc)
+        acc = dot(w, xt, acc, IEEE, UPCAST)
         if SWIGLU:
             if EVEN_K:
                 u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
             else:
                 u = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-            if UPCAST:
-                u = u.to(tl.float32)
-            if IEEE or UPCAST:  # noqa: SIM108 (as above)
-                acc_up = tl.dot(u, xt, acc_up, input_precision="ieee")
-            else:
-                acc_up = tl.dot(u, xt, acc_up)
+            acc_up = dot(u, xt, acc_up, IEEE, UPCAST)
             u_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
