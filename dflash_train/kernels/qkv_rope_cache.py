@@ -26,7 +26,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
-from dflash_train.kernels.device import dot, rounded
+from dflash_train.kernels.device import dot, head_norm, head_norm_weights, rotate_half, rounded
 from dflash_train.kernels.rope_cache import rope_cache_reference, supports_rope
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
 from dflash_train.kernels.skinny_matmul import BLOCK_M, fits
@@ -103,21 +103,15 @@ def _qkv_rope_cache_kernel(
     if HAS_QK_NORM:  # the head's RMSNorm (Qwen3): statistics over both halves, per token
         eps = tl.where(head < HEADS, EPS_Q, EPS_K)
         head_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / dim + eps)
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + d, mask=d_ok, other=0.0),
-                      tl.load(k_norm_ptr + d, mask=d_ok, other=0.0)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + d, mask=d_ok, other=0.0),
-                      tl.load(k_norm_ptr + HALF + d, mask=d_ok, other=0.0)).to(tl.float32)
-        x1 = rounded(w1[:, None] * rounded(x1 * head_rms[None, :], BF16, FP16), BF16, FP16)
-        x2 = rounded(w2[:, None] * rounded(x2 * head_rms[None, :], BF16, FP16), BF16, FP16)
+        w1, w2 = head_norm_weights(q_norm_ptr, k_norm_ptr, d, d_ok, is_q, HALF)
+        x1, x2 = head_norm(x1, x2, w1[:, None], w2[:, None], head_rms[None, :], BF16, FP16)
     rope = tokens.to(tl.int64)[None, :] * dim + d[:, None]  # cos/sin [M, D]: [BLOCK_HALF, BLOCK_M] tiles
     rope_mask = d_ok[:, None] & token_ok[None, :]
     c1 = tl.load(cos_ptr + rope, mask=rope_mask, other=0.0).to(tl.float32)
     c2 = tl.load(cos_ptr + rope + HALF, mask=rope_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + rope, mask=rope_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + rope + HALF, mask=rope_mask, other=0.0).to(tl.float32)
-    # Rounded as the eager code rounds: each product, then their sum.
-    y1 = rounded(rounded(x1 * c1, BF16, FP16) - rounded(x2 * s1, BF16, FP16), BF16, FP16)
-    y2 = rounded(rounded(x2 * c2, BF16, FP16) + rounded(x1 * s2, BF16, FP16), BF16, FP16)
+    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16)
     q_dst = q_ptr + (tokens.to(tl.int64)[None, :] * HEADS + head) * dim + d[:, None]
     q_mask = (d_ok & is_q)[:, None] & token_ok[None, :]
     tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)  # exact: y is already rounded

@@ -38,7 +38,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
-from dflash_train.kernels.device import rounded
+from dflash_train.kernels.device import head_norm, head_norm_weights, rotate_half
 
 
 def supports_rope(cos: torch.Tensor, head_dim: int) -> bool:
@@ -111,22 +111,15 @@ def _rope_cache_kernel(
         # Epsilons as constants: torch.compile passes float arguments as fp64.
         eps = tl.where(head < HEADS, EPS_Q, EPS_K)
         inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / dim + eps)
-        # Both weights are read and one is kept: a select instead of a branch (see the module docstring).
-        w1 = tl.where(is_q, tl.load(q_norm_ptr + d, mask=dmask, other=0.0),
-                      tl.load(k_norm_ptr + d, mask=dmask, other=0.0)).to(tl.float32)
-        w2 = tl.where(is_q, tl.load(q_norm_ptr + HALF + d, mask=dmask, other=0.0),
-                      tl.load(k_norm_ptr + HALF + d, mask=dmask, other=0.0)).to(tl.float32)
-        x1 = rounded(w1 * rounded(x1 * inv_rms, BF16, FP16), BF16, FP16)
-        x2 = rounded(w2 * rounded(x2 * inv_rms, BF16, FP16), BF16, FP16)
+        w1, w2 = head_norm_weights(q_norm_ptr, k_norm_ptr, d, dmask, is_q, HALF)
+        x1, x2 = head_norm(x1, x2, w1, w2, inv_rms, BF16, FP16)
     cs = cos_ptr + token.to(tl.int64) * dim
     sn = sin_ptr + token.to(tl.int64) * dim
     c1 = tl.load(cs + d, mask=dmask, other=0.0).to(tl.float32)
     c2 = tl.load(cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     s1 = tl.load(sn + d, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sn + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    # Rounded as the eager code rounds: each product, then their sum.
-    y1 = rounded(rounded(x1 * c1, BF16, FP16) - rounded(x2 * s1, BF16, FP16), BF16, FP16)
-    y2 = rounded(rounded(x2 * c2, BF16, FP16) + rounded(x1 * s2, BF16, FP16), BF16, FP16)
+    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16)
     q_dst = q_ptr + (token.to(tl.int64) * HEADS + head) * dim
     is_k = dmask & ~is_q
     tl.store(q_dst + d, y1.to(q_ptr.dtype.element_ty), mask=dmask & is_q)  # exact: y is already rounded

@@ -2,10 +2,8 @@
 (`skinny_fused_reference` then `rope_cache_reference`): q and both caches, with and without Qwen3's q/k
 norms and q/k/v biases, tokens of several cache rows at scattered positions, in fp32 and bf16 (bf16 rounded
 on the bits under the interpreter, so equal but for a sum whose order tips a rounding); and the kernel's
-GPU compilation and the tensors torch.compile finds it writes.
-
-On CPU the kernels run under TRITON_INTERPRET=1; when this process imported triton without it, the file
-re-runs itself in a subprocess that sets it from the start.
+GPU compilation and the tensors torch.compile finds it writes (kernels interpreted on CPU:
+`tests.helpers.kernels`).
 """
 
 from __future__ import annotations
@@ -20,34 +18,34 @@ from dflash_train.kernels.qkv_rope_cache import (
     qkv_rope_cache_triton,
 )
 from dflash_train.kernels.skinny_matmul import BLOCK_M
-from tests.helpers.kernels import (
-    DEVICE,
-    compile_for_h100,
-    kernels_here,
-    pointers_written,
-    randn,
-    under_interpreter,
-)
+from tests.helpers import kernels as helpers
+from tests.helpers.kernels import DEVICE, kernels_here
 
-test_under_interpreter = under_interpreter(__file__)
+test_under_interpreter = helpers.under_interpreter(__file__)
 
 HEADS, KV_HEADS, DIM, HIDDEN, SLOTS = 4, 2, 32, 80, 24
 
 
 def inputs(n: int, t: int, dtype: torch.dtype, norms: bool, bias: bool, seed: int) -> dict[str, object]:
     gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return helpers.randn(*shape, dtype=dtype, gen=gen)
+
+    def norm_weight(width: int) -> torch.Tensor:
+        return (1 + draw(width) / 4).to(dtype)
+
     width = (HEADS + 2 * KV_HEADS) * DIM
     angles = torch.rand(n, t, DIM // 2, generator=gen) * 6
     cos, sin = torch.cat([angles.cos()] * 2, dim=-1), torch.cat([angles.sin()] * 2, dim=-1)
     positions = torch.stack([torch.randperm(SLOTS, generator=gen)[:t] for _ in range(n)])
     return dict(
-        x=randn(n, t, HIDDEN, dtype=dtype, gen=gen) * 2, weight=randn(width, HIDDEN, dtype=dtype, gen=gen) / 9,
-        bias=randn(width, dtype=dtype, gen=gen) if bias else None,
-        norm_weight=(1 + randn(HIDDEN, dtype=dtype, gen=gen) / 4).to(dtype), norm_eps=1e-5, heads=HEADS,
-        q_norm_weight=(1 + randn(DIM, dtype=dtype, gen=gen) / 4).to(dtype) if norms else None,
-        k_norm_weight=(1 + randn(DIM, dtype=dtype, gen=gen) / 4).to(dtype) if norms else None, eps=1e-6,
-        cos=cos.to(dtype), sin=sin.to(dtype), positions=positions, rows=torch.randperm(3, generator=gen)[:n],
-        cache_k=torch.zeros(3, KV_HEADS, SLOTS, DIM, dtype=dtype), cache_v=torch.zeros(3, KV_HEADS, SLOTS, DIM, dtype=dtype))
+        x=draw(n, t, HIDDEN) * 2, weight=draw(width, HIDDEN) / 9, bias=draw(width) if bias else None,
+        norm_weight=norm_weight(HIDDEN), norm_eps=1e-5, heads=HEADS,
+        q_norm_weight=norm_weight(DIM) if norms else None, k_norm_weight=norm_weight(DIM) if norms else None,
+        eps=1e-6, cos=cos.to(dtype), sin=sin.to(dtype), positions=positions,
+        rows=torch.randperm(3, generator=gen)[:n], cache_k=torch.zeros(3, KV_HEADS, SLOTS, DIM, dtype=dtype),
+        cache_v=torch.zeros(3, KV_HEADS, SLOTS, DIM, dtype=dtype))
 
 
 def on(device: str, args: dict[str, object]) -> dict[str, object]:
@@ -94,7 +92,7 @@ POINTERS = ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "q_norm_ptr", "k_norm_ptr", "cos
 @pytest.mark.parametrize(("element", "norms"), [("bf16", True), ("bf16", False), ("fp32", True)])
 def test_kernel_compiles_for_the_gpu(element: str, norms: bool) -> None:
     pointers = {name: f"*{element}" for name in POINTERS} | {"pos_ptr": "*i64", "row_ptr": "*i64"}
-    compile_for_h100(_qkv_rope_cache_kernel, constants(element, norms), pointers, "fp32")
+    helpers.compile_for_h100(_qkv_rope_cache_kernel, constants(element, norms), pointers, "fp32")
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting() or torch.cuda.is_available(), reason="CPU check of the compiler")
@@ -109,4 +107,4 @@ def test_torch_compile_sees_exactly_q_and_the_caches_written(monkeypatch: pytest
                    cache_v_ptr=torch.empty(1, 8, 64, 128, **bf16))
     kwargs = {**tensors, "M": 1, "K": 4096, "T": 1, "stride_xm": 4096, "stride_wn": 4096, "sc_row": 8 * 64 * 128,
               "sc_head": 64 * 128, "sc_slot": 128, **constants("bf16", norms=True)}
-    assert pointers_written(_qkv_rope_cache_kernel, kwargs, monkeypatch) == ["cache_k_ptr", "cache_v_ptr", "q_ptr"]
+    assert helpers.pointers_written(_qkv_rope_cache_kernel, kwargs, monkeypatch) == ["cache_k_ptr", "cache_v_ptr", "q_ptr"]
