@@ -38,7 +38,7 @@ from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.static_attention import fits, static_attention_triton
 from dflash_train.models.layers import DFlashDecoderLayer
-from dflash_train.runtime.fused_layer import fused_projections, fusion_supported
+from dflash_train.runtime.fused_layer import fused_projections, fusion_supported, prologue_in_product
 
 
 def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) -> bool:
@@ -70,14 +70,7 @@ class DraftLayerKernels:
         attn, before_attention, before_mlp = self.attn, self.layer.input_layernorm, self.layer.post_attention_layernorm
         fuse = self.fused_products and skinny_fits(n * t) and all(
             norm.weight.dtype == h.dtype for norm in (before_attention, before_mlp))  # static under compile
-        if fuse:  # the input norm, the q/k/v product and the attention prologue in one launch
-            q = qkv_rope_cache_triton(h, self.qkv, self.qkv_bias, before_attention.weight, before_attention.eps,
-                                      self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin,
-                                      positions, rows, keys, values, k_eps=attn.k_norm.eps)
-        else:
-            qkv = F.linear(before_attention(h), self.qkv, self.qkv_bias)
-            q = rope_cache_triton(qkv, self.heads, attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos,
-                                  sin, positions, rows, keys, values, k_eps=attn.k_norm.eps)  # [n, B, heads, D]
+        q = self._queries(h, fuse, cos, sin, keys, values, positions, rows)  # [n, B, heads, D], K/V written
         out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
         out = out.reshape(n, t, -1)
         if fuse:
@@ -88,3 +81,20 @@ class DraftLayerKernels:
         h = h + attn.o_proj(out)
         gate, up = F.linear(before_mlp(h), self.gate_up).chunk(2, dim=-1)
         return h + self.mlp.down_proj(F.silu(gate) * up)
+
+    def _queries(self, h: torch.Tensor, fuse: bool, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
+                 values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The block's queries [n, B, heads, D] after the input norm, the q/k/v product and the prologue (q/k
+        norms, RoPE), its K/V written into the cache: fused, in one launch where `prologue_in_product`, else
+        the product (on the fused kernel or torch's) and the prologue kernel."""
+        attn, before_attention = self.attn, self.layer.input_layernorm
+        prologue = (attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, cos, sin, positions, rows, keys, values)
+        if fuse and prologue_in_product(self.qkv):
+            return qkv_rope_cache_triton(h, self.qkv, self.qkv_bias, before_attention.weight, before_attention.eps,
+                                         self.heads, *prologue, k_eps=attn.k_norm.eps)
+        if fuse:
+            qkv = skinny_fused_triton(h, self.qkv, self.qkv_bias, norm_weight=before_attention.weight,
+                                      norm_eps=before_attention.eps)
+        else:
+            qkv = F.linear(before_attention(h), self.qkv, self.qkv_bias)
+        return rope_cache_triton(qkv, self.heads, *prologue, k_eps=attn.k_norm.eps)

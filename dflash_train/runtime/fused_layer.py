@@ -47,6 +47,11 @@ from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.models.layers import MLP as DraftMLP
 
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
+# The q/k/v product carries the attention prologue (`qkv_rope_cache`) only for weights up to this size: that
+# kernel has one program per head (48 for Qwen3-8B at batch 1), enough to stream a small target's weight but
+# few for a large one's 50 MB, which the skinny product spreads over hundreds of programs instead (then the
+# prologue is a launch of its own).
+PROLOGUE_IN_PRODUCT_MAX_BYTES = 16 * 2**20
 
 
 class LayerCache(Protocol):
@@ -178,16 +183,17 @@ class FusedLayer:
         """The layer as `__call__` computes it, on four fused products (module docstring)."""
         before_attention, before_mlp = self.layer.input_layernorm, self.layer.post_attention_layernorm
         o_proj, down_proj = self.attn.o_proj, self.mlp.down_proj
-        if self._use_kernel(hidden, position_embeddings[0], cache):  # the prologue in the product's epilogue
+        qkv_weight = self.weights["qkv"]
+        if self._use_kernel(hidden, position_embeddings[0], cache) and prologue_in_product(qkv_weight):
             cos, sin = position_embeddings
             keys, values = cache.storage(self.layer_idx)
             q_weight, k_weight, eps, k_eps = self._norm_arguments()
-            q = qkv_rope_cache_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"], before_attention.weight,
+            q = qkv_rope_cache_triton(hidden, qkv_weight, self.weights["qkv_bias"], before_attention.weight,
                                       norm_eps(before_attention), self.heads, q_weight, k_weight, eps, cos, sin,
                                       cache.positions, cache.rows, keys, values, k_eps=k_eps)
             out = self._attention_output(q.transpose(1, 2), *cache.visible(self.layer_idx), attention_mask)
         else:
-            qkv = skinny_fused_triton(hidden, self.weights["qkv"], self.weights["qkv_bias"],
+            qkv = skinny_fused_triton(hidden, qkv_weight, self.weights["qkv_bias"],
                                       norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
             out = self._attend(qkv, position_embeddings, attention_mask, cache)
         h = skinny_fused_triton(out, o_proj.weight, o_proj.bias, residual=hidden)
@@ -283,3 +289,8 @@ def fusion_supported(layer: nn.Module) -> bool:
         act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")
     return silu and all(is_rms_norm(getattr(layer, name, None), width)
                         for name in ("input_layernorm", "post_attention_layernorm"))
+
+
+def prologue_in_product(qkv_weight: torch.Tensor) -> bool:
+    """Whether the fused path puts the attention prologue in the q/k/v product (`PROLOGUE_IN_PRODUCT_MAX_BYTES`)."""
+    return qkv_weight.numel() * qkv_weight.element_size() <= PROLOGUE_IN_PRODUCT_MAX_BYTES

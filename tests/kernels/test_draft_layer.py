@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash_train.runtime import fused_layer
 from dflash_train.runtime.draft_layer import supported
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_draft import StaticDrafter
@@ -41,10 +42,15 @@ def blocks_through(attention: str, fused_products: bool = False) -> tuple[list[t
 
 
 @kernels_here
-@pytest.mark.parametrize("fused_products", [False, True])
-def test_kernel_layers_equal_the_drafters_own_forward(fused_products: bool) -> None:
+@pytest.mark.parametrize(("fused_products", "prologue_in_product"), [(False, True), (True, True), (True, False)])
+def test_kernel_layers_equal_the_drafters_own_forward(fused_products: bool, prologue_in_product: bool,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """With `fused_products`: the layers on the fused products and the context's fc, norm and K/V product on
-    the skinny kernels (`qkv_rope_cache`, `skinny_fused`), every block and context write of few rows."""
+    the skinny kernels, every block and context write of few rows; the q/k/v product with the prologue in
+    its epilogue (`qkv_rope_cache`), or, as for a weight over `PROLOGUE_IN_PRODUCT_MAX_BYTES`, the normed
+    product (`skinny_fused`) and then the prologue kernel."""
+    if not prologue_in_product:
+        monkeypatch.setattr(fused_layer, "PROLOGUE_IN_PRODUCT_MAX_BYTES", 0)
     torch.set_num_threads(1)
     kernel_hidden, kernel_drafter = blocks_through("kernel", fused_products)
     assert all(layer.fused_products == fused_products for layer in kernel_drafter.layer_kernels)

@@ -134,3 +134,10 @@ def test_the_engine_config_chooses_the_products() -> None:
     assert runner.skinny_matmul and runner.skinny_fusion and runner.matmul == "torch"  # no Triton kernels here
     runner.kernels = "triton"
     assert runner.matmul == "fused"
+
+
+def test_the_prologue_goes_into_the_product_for_small_weights_only() -> None:
+    """A small target's q/k/v weight (SmolLM2's 1.1 MB) takes the prologue in its product; Qwen3-8B's 50 MB
+    keeps the wide skinny product and the prologue kernel apart."""
+    assert fused_layer.prologue_in_product(torch.empty(960, 576, dtype=torch.bfloat16, device="meta"))
+    assert not fused_layer.prologue_in_product(torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta"))
