@@ -21,7 +21,8 @@ itself, with our attention function); the KV cache and the attention are ours:
   verify, the drafter's logits) runs the fused layers' four products and the output projection on
   `dflash_train.kernels.skinny_matmul` instead of cuBLAS; prefill keeps torch's matmul. With `skinny_fusion`
   too, those steps run each layer as four products of `dflash_train.kernels.skinny_fused` (RMSNorms, SwiGLU and
-  residual adds folded in) and the final norm inside the output projection's.
+  residual adds folded in; the attention prologue in the q/k/v product's epilogue for small weights,
+  `dflash_train.kernels.qkv_rope_cache`) and the final norm inside the output projection's.
 
 Features for the drafter (outputs of `feature_layer_ids`, before the final norm) are read directly from the
 layer loop: no hooks.
