@@ -67,8 +67,9 @@
 #                   float32 check at batch 8 (default 16); BATCH8_PROMPTS for the bf16 eval at batch 8 (τ, speedup
 #                   and the exact check with 8 requests decoded together; default 16, 0: none)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
-#   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once (1024:
-#                   154.7k tokens/s against 135.6k at 512 on an H200, benchmarks.regenerate at 923fd32)
+#   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once when
+#                   regenerating and self-prompting (1024: 154.7k tokens/s against 135.6k at 512 on an H200,
+#                   benchmarks.regenerate at 923fd32)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
 #                   train every run with `accelerate launch` (LAUNCH_CONFIG, default recipes/accelerate/ddp.yaml;
 #                   RUN_PORT its rendezvous port, default 29501); eval stays on one GPU, as a user decodes
@@ -150,7 +151,7 @@ prompts() {
     # shellcheck disable=SC2086  # SELF_PROMPT_EXTRA is a list of flags
     if [[ ! -f "$OUT/self_prompts.jsonl" ]]; then
       local started=$SECONDS
-      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_PROMPTS" \
+      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_PROMPTS" --decode-rows "$DECODE_ROWS" \
         --out "$OUT/self_prompts.jsonl" $SELF_PROMPT_EXTRA
       echo $(( SECONDS - started )) > "$OUT/self_prompts.seconds"  # paid from REGEN_MINUTES
     fi
@@ -161,7 +162,7 @@ prompts() {
       local math_started=$SECONDS
       run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_MATH_PROMPTS" --seed 1 \
         --opening "$SELF_MATH_OPENING" --request 'Solve it step by step, then give the final answer in \boxed{}.' \
-        --label math --out "$OUT/self_prompts-math.jsonl"
+        --label math --decode-rows "$DECODE_ROWS" --out "$OUT/self_prompts-math.jsonl"
       echo $(( SECONDS - math_started )) > "$OUT/self_prompts-math.seconds"  # paid from REGEN_MINUTES
     fi
     sources+=(--source "$OUT/self_prompts-math.jsonl=$SELF_MATH_PROMPTS")

@@ -122,12 +122,14 @@ def test_a_bad_gpu_count_or_launch_config_is_one_line(tmp_path: pathlib.Path) ->
 
 
 def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_path: pathlib.Path) -> None:
-    calls = run_stage("prompts", tmp_path, SELF_PROMPTS="300", SELF_PROMPT_EXTRA="--top-p 0.95", MIX="sharegpt=10")
+    calls = run_stage("prompts", tmp_path, SELF_PROMPTS="300", SELF_PROMPT_EXTRA="--top-p 0.95", MIX="sharegpt=10",
+                      DECODE_ROWS="96")
     self_prompt = [c.split() for c in calls if "self-prompt" in c]
     assert len(self_prompt) == 1
     written = str(tmp_path / "run" / "self_prompts.jsonl")
     args = self_prompt[0]
     assert args[args.index("--num-prompts") + 1] == "300" and args[args.index("--out") + 1] == written
+    assert args[args.index("--decode-rows") + 1] == "96"  # as many rows in flight as regeneration
     assert args[-2:] == ["--top-p", "0.95"]
     pack = [c.split() for c in calls if "dflash_train.data.pack" in c][0]
     assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == ["sharegpt=10", f"{written}=300"]
