@@ -5,8 +5,9 @@
 Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
 trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`. A regeneration's
 `regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
-(summary.json stays a list of eval rows, as its readers expect); each training run a "training:" line (steps,
-median step, the cold first step).
+(summary.json stays a list of eval rows, as its readers expect); the prepared chats (`<run>/prepared/dflash_data.json`)
+a "data:" line (chats kept: the distinct conversations training saw, and why the others were dropped); each
+training run a "training:" line (steps, median step, the cold first step).
 """
 
 from __future__ import annotations
@@ -100,6 +101,18 @@ def report_regeneration(run_dir: Path) -> None:
         (run_dir / "summary_regeneration.json").write_text(json.dumps(regeneration, indent=2) + "\n")
 
 
+def data_line(run_dir: Path) -> str | None:
+    """The prepared chats of `<run>/prepared`: kept (one per distinct conversation: prepare drops repeats),
+    their tokens, and each reason a row was dropped; None without a prepared dataset."""
+    path = run_dir / "prepared" / "dflash_data.json"
+    if not path.is_file():
+        return None
+    counts = json.loads(path.read_text())["counts"]
+    dropped = ", ".join(f"{reason} {n:,}" for reason, n in sorted(counts.get("dropped", {}).items()))
+    return (f"data: {counts['kept']:,} chats kept of {counts['read']:,} answers, {counts['tokens']:,} tokens "
+            f"({counts['supervised tokens']:,} supervised); dropped: {dropped or 'none'}")
+
+
 def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
     """Per training run under `<run>/train`: steps, minutes, the median logged step and the cold first step
     (compilation included; runs older than this field have none)."""
@@ -167,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     run_dir = Path(args[0])
     report_regeneration(run_dir)  # before the table's checks: a run stopped before eval has its speed too
+    data = data_line(run_dir)
+    if data:
+        print(data)
     for name, figures in training_figures(run_dir).items():
         print(training_line(name, figures))
     rows = summary_rows(run_dir)

@@ -96,3 +96,16 @@ def test_a_cycle_is_priced_in_target_steps_from_the_reports_timings(tmp_path: Pa
     assert abs(rows["humaneval"]["cycle_in_steps"] - 4 / 3) < 1e-12 and rows["mt-bench"]["cycle_in_steps"] is None
     tokens_per_cycle = timed["new_tokens_with_draft"] / timed["cycles"]
     assert abs(tokens_per_cycle / rows["humaneval"]["cycle_in_steps"] - timed["speedup"]) < 1e-12
+
+
+def test_the_prepared_chats_add_a_data_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The ≥ 150k distinct conversations a run trained on are read off one line: kept chats and drops."""
+    (tmp_path / "prepared").mkdir()
+    counts = {"read": 53248, "kept": 51354, "tokens": 15948806, "supervised tokens": 10882099,
+              "dropped": {"too_few_supervised_tokens": 1890, "duplicate_conversation": 4}}
+    (tmp_path / "prepared" / "dflash_data.json").write_text(json.dumps({"format": "dflash-prepared-v1", "counts": counts}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "data: 51,354 chats kept of 53,248 answers, 15,948,806 tokens (10,882,099 supervised); "
+        "dropped: duplicate_conversation 4, too_few_supervised_tokens 1,890")
