@@ -13,12 +13,24 @@ reference implementations, skip markers, paths) live in tests/helpers/, and no t
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.kernels import INTERPRETED_TARGET, InterpretedRun, run_interpreted
+from dflash_train.kernels._triton import HAS_TRITON
+from tests.helpers.kernels import (
+    IN_PROCESS,
+    INTERPRETED_TARGET,
+    InterpretedProcess,
+    InterpretedRun,
+    run_interpreted,
+)
+
+_INTERPRETED = pytest.StashKey[InterpretedProcess]()  # the session's interpreted kernel tests, once started
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -31,10 +43,32 @@ def _one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+def _interpreted_targets(items: list[pytest.Item]) -> list[str]:
+    return [getattr(item.function, INTERPRETED_TARGET) for item in items
+            if hasattr(getattr(item, "function", None), INTERPRETED_TARGET)]
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the interpreted kernel tests as soon as the session knows which it runs: in a process of their
+    own they take minutes, which overlap the other tests' on a machine with a second core."""
+    targets = _interpreted_targets(session.items)
+    if targets and HAS_TRITON and not IN_PROCESS and not session.config.option.collectonly:
+        session.config.stash[_INTERPRETED] = InterpretedProcess(targets, Path(tempfile.mkdtemp(prefix="interpreted-")))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    running = session.config.stash.get(_INTERPRETED, None)
+    if running is not None:
+        running.stop()
+        shutil.rmtree(running.report.parent, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def interpreted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> InterpretedRun:
     """The kernel tests of every file this session checks under the Triton interpreter (`under_interpreter`
-    in tests/helpers/kernels.py), run in one process when the first of them is checked."""
-    targets = [getattr(item.function, INTERPRETED_TARGET) for item in request.session.items
-               if hasattr(getattr(item, "function", None), INTERPRETED_TARGET)]
-    return run_interpreted(targets, tmp_path_factory.mktemp("interpreted") / "junit.xml")
+    in tests/helpers/kernels.py), in one process started when collection ended (or now, if it was not)."""
+    running = request.config.stash.get(_INTERPRETED, None)
+    if running is not None:
+        return running.result()
+    return run_interpreted(_interpreted_targets(request.session.items),
+                           tmp_path_factory.mktemp("interpreted") / "junit.xml")

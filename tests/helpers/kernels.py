@@ -77,10 +77,43 @@ class InterpretedRun:
         assert not failed, "\n\n".join(failed)[-8000:]
 
 
+class InterpretedProcess:
+    """`targets` in one pytest process under TRITON_INTERPRET=1, started at once and left running: the session
+    starts it when collection ends, so that it runs on the second core while the other tests run on the first
+    (the suite runs single-threaded), and waits for it when the first interpreted check comes up."""
+
+    def __init__(self, targets: Sequence[str], folder: Path) -> None:
+        self.report, self.log = folder / "junit.xml", folder / "output.txt"
+        command = [sys.executable, "-m", "pytest", *dict.fromkeys(targets), "-q", "-p", "no:cacheprovider",
+                   "--junitxml", str(self.report), "--continue-on-collection-errors"]
+        # One thread: the process shares the machine with the session's own tests.
+        env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1"}
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        self._result: InterpretedRun | None = None
+
+    def result(self, timeout: float = 3600.0) -> InterpretedRun:
+        if self._result is None:
+            returncode = self.process.wait(timeout)
+            self._result = interpreted_outcomes(returncode, self.log.read_text(), self.report)
+        return self._result
+
+    def stop(self) -> None:
+        """Ends a run nobody waited for (a session cut short)."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+
+
 def run_interpreted(targets: Sequence[str], report: Path) -> InterpretedRun:
     """`targets` in one pytest process under TRITON_INTERPRET=1; outcomes from its JUnit XML `report`."""
     result = run_pytest_under_interpreter(*dict.fromkeys(targets), timeout=3600.0, args=(
         "--junitxml", str(report), "--continue-on-collection-errors"))
+    return interpreted_outcomes(result.returncode, result.stdout + result.stderr, report)
+
+
+def interpreted_outcomes(returncode: int, output: str, report: Path) -> InterpretedRun:
+    """How an interpreted pytest process ended, with each test's outcome from its JUnit XML `report`."""
     cases = []
     if report.is_file():
         for case in ElementTree.parse(report).iter("testcase"):
@@ -88,7 +121,7 @@ def run_interpreted(targets: Sequence[str], report: Path) -> InterpretedRun:
             problems = [child for child in case if child.tag in ("failure", "error")]
             failure = "\n".join(f"{p.get('message', '')}\n{p.text or ''}" for p in problems) if problems else None
             cases.append(InterpretedCase(f"{classname}.{name}" if classname else name, name, failure))
-    return InterpretedRun(result.returncode, result.stdout + result.stderr, cases)
+    return InterpretedRun(returncode, output, cases)
 
 
 def under_interpreter(test_file: str) -> Callable[[InterpretedRun], None]:
