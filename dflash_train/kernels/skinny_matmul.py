@@ -12,7 +12,9 @@ the library's kernels are built for large M; a DFlash verify step runs the same 
 Design: the product is computed transposed, y^T = W · x^T, so that the weight tile [BLOCK_N, BLOCK_K] is
 the tensor cores' wide operand, loaded along K in wide vectors, and the rows of x are the narrow one
 (BLOCK_M = 16, the smallest tile a Triton dot takes). One program per (16 rows, BLOCK_N outputs) walks the
-whole of K (no split-K, so no second kernel and no atomics), software-pipelined `num_stages` deep. The
+whole of K, software-pipelined `num_stages` deep where Triton pipelines it; or, with `split_k` > 1, one
+program per K slice writes its fp32 sums and a second kernel adds the slices in slice order and finishes
+(more programs in flight for an output too narrow to keep every multiprocessor streaming; no atomics). The
 tiling per (N, K) comes from a small table (`CONFIGS`, filled from `python -m benchmarks.skinny_matmul
 --sweep` on the GPU) or else `default_config`, whose BLOCK_N leaves even N = 4096 a program or two per
 multiprocessor of an H100/H200. With those default tilings it is slower than cuBLAS on an H200 (Qwen3-8B's
@@ -22,10 +24,11 @@ a launch), so the runtime uses it only when asked (`StaticTarget(skinny_matmul=T
 
 Batch invariance: a row's output is bitwise the same whatever M is (1, 16 or 40) and whatever the other
 rows hold. The tiling is chosen from (N, K) only, never from M; rows are processed 16 at a time by
-identical programs (padding rows read as zeros); M only masks loads and stores (a run-time argument that
-eager launches do not specialise on; torch.compile may compile M = 1 apart, which changes which rows are
-loaded, not a row's arithmetic); and in a tensor-core product each output element is the sum over K of
-its own row's products, accumulated in the same order (K ascending, fp32) whatever the other rows hold.
+identical programs (padding rows read as zeros), and a split product's slices are added in one fixed
+order; M only masks loads and stores (a run-time argument that eager launches do not specialise on;
+torch.compile may compile M = 1 apart, which changes which rows are loaded, not a row's arithmetic); and in
+a tensor-core product each output element is the sum over K of its own row's products, accumulated in the
+same order (K ascending, fp32) whatever the other rows hold.
 So a target-only step at M = 1 and a verify block at M = 16 round every logit identically, which the
 runtime's bf16 lossless check relies on (`dflash_train.runtime.engine`).
 
@@ -43,7 +46,7 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
 from dflash_train.kernels.device import dot, rounded
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
@@ -57,6 +60,7 @@ class Config(NamedTuple):
     block_k: int
     num_warps: int = 4
     num_stages: int = 4
+    split_k: int = 1  # K slices run as programs of their own, their fp32 sums added by a second kernel
 
 
 # (N, K) -> Config, to be measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints
@@ -98,15 +102,19 @@ def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def _skinny_matmul_kernel(
-    x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_rm, stride_ym,
+    x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_rm, stride_ym,
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
+    # Axis 2 is the K slice [K_SPLIT * s, K_SPLIT * (s + 1)) of a split product (SPLIT_K > 1), whose fp32 sums
+    # go to p_ptr [SPLIT_K, M, width] for `_skinny_reduce_kernel` to add and finish.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    k_first = tl.program_id(2) * K_SPLIT
+    k_end = tl.minimum(K, k_first + K_SPLIT)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -114,19 +122,20 @@ def _skinny_matmul_kernel(
     col_ok = cols < N
     x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # the rows' mean squares, over the whole of K, before any product
+    if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             xt = tl.load(x_ptrs + k0, mask=((k0 + ks) < K)[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(xt * xt, axis=0)
         inv_rms = tl.rsqrt(squares / K + EPS)
-    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K], K contiguous
-    u_ptrs = w_ptr + (cols.to(tl.int64) + N)[:, None] * stride_wn + ks[None, :]  # the up rows (SWIGLU)
-    g_ptrs = g_ptr + ks
+    x_ptrs += k_first
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * stride_wn + (k_first + ks)[None, :]  # [BLOCK_N, BLOCK_K]
+    u_ptrs = w_ptr + (cols.to(tl.int64) + N)[:, None] * stride_wn + (k_first + ks)[None, :]  # the up rows (SWIGLU)
+    g_ptrs = g_ptr + k_first + ks
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        k_ok = (k0 + ks) < K
+    for k0 in range(k_first, k_end, BLOCK_K):
+        k_ok = (k0 + ks) < k_end
         if EVEN_K:
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
             xt = tl.load(x_ptrs, mask=row_ok[None, :], other=0.0)
@@ -149,6 +158,45 @@ def _skinny_matmul_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    if SPLIT_K > 1:  # this slice's sums; the reduce kernel adds the slices in order and finishes
+        width = 2 * N if SWIGLU else N
+        partial = p_ptr + tl.program_id(2) * M * width + rows[None, :] * width + cols[:, None]
+        tl.store(partial, acc, mask=row_ok[None, :] & col_ok[:, None])
+        if SWIGLU:
+            tl.store(partial + N, acc_up, mask=row_ok[None, :] & col_ok[:, None])
+    else:
+        _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
+                SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS)
+
+
+def _skinny_reduce_kernel(
+    p_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
+    ROUND_BITS: tl.constexpr,
+):
+    """A split product's slices added in slice order (the same sum for every row, whatever M), then finished
+    as the unsplit kernel finishes."""
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    mask = row_ok[None, :] & col_ok[:, None]
+    width = 2 * N if SWIGLU else N
+    partial = p_ptr + rows[None, :] * width + cols[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(partial + s * M * width, mask=mask, other=0.0)
+        if SWIGLU:
+            acc_up += tl.load(partial + s * M * width + N, mask=mask, other=0.0)
+    _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
+            SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS)
+
+
+def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
+            SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BITS: tl.constexpr):
+    """The product's fp32 sums [BLOCK_N, BLOCK_M] (and the up half's, SWIGLU) to y: bias, the modules'
+    roundings, SwiGLU, the residual add."""
     out_ty = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -168,6 +216,10 @@ def _skinny_matmul_kernel(
     tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], y.to(out_ty), mask=out_mask)
 
 
+if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
+    _finish = triton.jit(_finish)
+
+
 def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
            residual: torch.Tensor, eps: float, n: int, flags: dict[str, bool], config: Config | None = None,
            ) -> torch.Tensor:
@@ -177,19 +229,32 @@ def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bia
     m, k = x.shape
     config = config or config_for(n, k)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
+    split = max(1, config.split_k)
+    # Slices of whole K steps, so that EVEN_K holds in every slice when it holds for K.
+    k_split = -(-k // (split * config.block_k)) * config.block_k
+    partials = y if split == 1 else torch.empty((split, m, 2 * n if flags["SWIGLU"] else n), device=x.device,
+                                                dtype=torch.float32)
     # M not specialised: Triton would otherwise compile M == 1 (and M % 16 == 0) apart; this way an eager
     # launch runs the same binary for every M (module docstring: batch invariance).
     kernel = jit(_skinny_matmul_kernel, do_not_specialize=("M",))
+    reduce = jit(_skinny_reduce_kernel, do_not_specialize=("M",))
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
-        kernel = wrap_triton(kernel)
-    kernel[(-(-m // BLOCK_M), -(-n // config.block_n))](
-        x, norm_weight, weight, bias, residual, y, m, n, k, x.stride(0), weight.stride(0),
+        kernel, reduce = wrap_triton(kernel), wrap_triton(reduce)
+    tiles = (-(-m // BLOCK_M), -(-n // config.block_n))
+    kernel[(*tiles, split)](
+        x, norm_weight, weight, bias, residual, y, partials, m, n, k, k_split, x.stride(0), weight.stride(0),
         residual.stride(0), y.stride(0), EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, IEEE=x.dtype == torch.float32,
+        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=x.dtype == torch.float32,
         UPCAST=interpreting() and x.dtype != torch.float32,
         ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
+    if split > 1:
+        reduce[tiles](
+            partials, bias, residual, y, m, n, residual.stride(0), y.stride(0), SWIGLU=flags["SWIGLU"],
+            RESIDUAL=flags["RESIDUAL"], HAS_BIAS=flags["HAS_BIAS"], BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
+            SPLIT_K=split, ROUND_BITS=interpreting() and x.dtype == torch.bfloat16,
+        )
     return y
 
 

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from dflash_train.kernels._triton import HAS_TRITON, interpreting
 from dflash_train.kernels.skinny_fused import skinny_fused_reference, skinny_fused_triton
-from dflash_train.kernels.skinny_matmul import BLOCK_M, _skinny_matmul_kernel
+from dflash_train.kernels.skinny_matmul import BLOCK_M, Config, _skinny_matmul_kernel, launch
 from dflash_train.models.layers import RMSNorm
 from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, randn, under_interpreter
 
@@ -92,6 +92,32 @@ def test_rows_are_batch_invariant() -> None:
         assert torch.equal(got[place], alone), (rows, place)
 
 
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_k_with_norm_swiglu_and_residual(dtype: torch.dtype) -> None:
+    """K in three slices: every slice normalises x with the whole row's mean square, the slices' gate and up
+    sums are added in order, then SwiGLU and the residual add: the reference's result (fp32 sums in another
+    order), and a row's output bitwise the same alone and among others."""
+    gen = torch.Generator().manual_seed(11)
+    rows, n, k = 16, 24, 320
+    x = (randn(rows, k, dtype=dtype, gen=gen) * 2).to(DEVICE)
+    w = (randn(2 * n, k, dtype=dtype, gen=gen) / k ** 0.5).to(DEVICE)
+    b = randn(2 * n, dtype=dtype, gen=gen).to(DEVICE)
+    gamma = (1 + randn(k, dtype=dtype, gen=gen) / 4).to(DEVICE)
+    r = randn(rows, n, dtype=dtype, gen=gen).to(DEVICE)
+    flags = dict(NORM=True, SWIGLU=True, RESIDUAL=True, HAS_BIAS=True)
+    config = Config(16, 64, split_k=3)
+    got = launch(x, gamma, w, b, r, 1e-5, n, flags, config).cpu()
+    spelled = skinny_fused_reference(x.cpu(), w.cpu(), b.cpu(), gamma.cpu(), 1e-5, True, r.cpu())
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, spelled, atol=2e-5, rtol=2e-5)
+    else:
+        assert float((got != spelled).float().mean()) < 0.02
+        torch.testing.assert_close(got, spelled, atol=1e-2, rtol=8e-3)
+    alone = launch(x[7:8].contiguous(), gamma, w, b, r[7:8].contiguous(), 1e-5, n, flags, config)[0].cpu()
+    assert torch.equal(got[7], alone)
+
+
 def test_arguments_checked() -> None:
     x, w = torch.zeros(2, 8), torch.zeros(6, 8)
     with pytest.raises(AssertionError, match="even number of rows"):
@@ -117,8 +143,8 @@ def test_registered_as_a_custom_op() -> None:
 ])
 def test_kernel_compiles_for_the_gpu(element: str, flags: dict[str, bool]) -> None:
     """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
-    constants = dict(**flags, EPS=1e-6, BLOCK_M=BLOCK_M, BLOCK_N=32, BLOCK_K=128, EVEN_K=False, IEEE=element == "fp32",
-                     UPCAST=False, ROUND_BITS=False)
+    constants = dict(**flags, EPS=1e-6, BLOCK_M=BLOCK_M, BLOCK_N=32, BLOCK_K=128, EVEN_K=False, SPLIT_K=1,
+                     IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False)
     pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
-    compile_for_h100(_skinny_matmul_kernel, constants, pointers, "fp32")
+    compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
 

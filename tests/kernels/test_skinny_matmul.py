@@ -18,9 +18,11 @@ from dflash_train.kernels.skinny_matmul import (
     MAX_ROWS,
     Config,
     _skinny_matmul_kernel,
+    _skinny_reduce_kernel,
     config_for,
     default_config,
     fits,
+    launch,
     skinny_matmul_reference,
     skinny_matmul_triton,
 )
@@ -74,6 +76,37 @@ def test_rows_are_batch_invariant(dtype: torch.dtype, k: int) -> None:
         assert torch.equal(skinny_matmul_triton(x, w, b)[place], alone), (rows, place)
 
 
+PLAIN = dict(NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True)
+
+
+@kernels_here
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("split", "block_k", "k"), [
+    (2, 64, 256),  # two slices of whole steps
+    (3, 64, 320),  # three slices, the last one shorter
+    (4, 128, 256),  # more slices than K has steps: the last two are empty
+    (2, 64, 200),  # K not a whole number of steps
+])
+def test_split_k_is_the_same_product_and_keeps_rows_batch_invariant(dtype: torch.dtype, split: int, block_k: int,
+                                                                   k: int) -> None:
+    """K cut into slices whose fp32 sums a second kernel adds in order: the product of float64 (fp32) or of
+    the reference (bf16), and a row's output bitwise the same alone and among 16 others."""
+    gen = torch.Generator().manual_seed(split * k)
+    n = 40
+    x = randn(16, k, dtype=dtype, gen=gen).to(DEVICE)
+    w = (randn(n, k, dtype=dtype, gen=gen) / k ** 0.5).to(DEVICE)
+    b = randn(n, dtype=dtype, gen=gen).to(DEVICE)
+    config = Config(16, block_k, split_k=split)
+    got = launch(x, w, w, b, x, 0.0, n, PLAIN, config).cpu()
+    exact = x.cpu().double() @ w.cpu().double().T + b.cpu().double()
+    if dtype == torch.float32:
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+    else:
+        torch.testing.assert_close(got, skinny_matmul_reference(x.cpu(), w.cpu(), b.cpu()), atol=1e-2, rtol=1e-2)
+    alone = launch(x[5:6].contiguous(), w, w, b, x, 0.0, n, PLAIN, config)[0].cpu()
+    assert torch.equal(got[5], alone)
+
+
 @kernels_here
 def test_leading_dimensions_strided_inputs_and_a_row_slice_of_a_weight() -> None:
     """x [n, T, K] as the layers hand it over, here a transposed (non-contiguous) view; the weight a slice of
@@ -101,7 +134,7 @@ def test_configs_depend_on_the_weight_only_and_keep_the_chip_busy() -> None:
         assert config_for(n, k) == config
     for config in [*CONFIGS.values(), default_config(4096, 4096), default_config(151936, 4096), default_config(8, 40)]:
         assert config.block_n in (16, 32, 64, 128) and config.block_k in (16, 32, 64, 128, 256, 512)
-        assert config.num_warps in (2, 4, 8) and config.num_stages >= 1
+        assert config.num_warps in (2, 4, 8) and config.num_stages >= 1 and config.split_k >= 1
     assert -(-4096 // default_config(4096, 4096).block_n) >= 132
     assert default_config(8, 40) == Config(16, 64, num_warps=2)
 
@@ -114,19 +147,25 @@ def test_registered_as_a_custom_op() -> None:
 def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, object]:
     """The plain product's constants (no norm, SwiGLU or residual: `test_skinny_fused` compiles those)."""
     return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
-                BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, IEEE=element == "fp32",
-                UPCAST=False, ROUND_BITS=False)
+                BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SPLIT_K=config.split_k,
+                IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
 @pytest.mark.parametrize(("element", "config", "even_k"), [
     ("bf16", Config(16, 256), True), ("bf16", Config(64, 128), False), ("fp16", Config(32, 256), True),
-    ("fp32", Config(16, 64), False),
+    ("fp32", Config(16, 64), False), ("bf16", Config(16, 256, split_k=4), True),
 ])
 def test_kernel_compiles_for_the_gpu(element: str, config: Config, even_k: bool) -> None:
-    """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
+    """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU;
+    with K split, the kernel that adds the slices too."""
     pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
-    compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), pointers, "fp32")
+    compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), {**pointers, "p_ptr": "*fp32"},
+                     "fp32")
+    if config.split_k > 1:
+        compile_for_h100(_skinny_reduce_kernel, dict(SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
+                                                     BLOCK_N=config.block_n, SPLIT_K=config.split_k, ROUND_BITS=False),
+                         {**pointers, "p_ptr": "*fp32"}, "fp32")
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting() or torch.cuda.is_available(), reason="CPU check of the compiler")
@@ -142,6 +181,7 @@ def test_torch_compile_sees_only_the_output_written(fused: bool, even_k: bool, m
         constants.update(EPS=1e-6, NORM=True, SWIGLU=True, RESIDUAL=True)
     kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), g_ptr=torch.empty(256, **bf16),
                   w_ptr=torch.empty(128, 256, **bf16), b_ptr=torch.empty(128, **bf16),
-                  r_ptr=torch.empty(16, 64, **bf16), y_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256,
+                  r_ptr=torch.empty(16, 64, **bf16), y_ptr=torch.empty(16, 64, **bf16),
+                  p_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256, K_SPLIT=256,
                   stride_xm=256, stride_wn=256, stride_rm=64, stride_ym=64, **constants)
     assert pointers_written(_skinny_matmul_kernel, kwargs, monkeypatch) == ["y_ptr"]
