@@ -66,7 +66,9 @@ def _qkv_rope_cache_kernel(
     ks = tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + tokens[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
     squares = tl.zeros([BLOCK_M], dtype=tl.float32)  # the input RMSNorm's statistics, over the whole of K
-    for k0 in range(0, K, BLOCK_K):
+    # Pipelined, 4 tiles in flight: the pass's loads are otherwise issued one tile at a time, each waiting out
+    # the memory latency before the weight stream starts (16 tiles at K = 4,096).
+    for k0 in tl.range(0, K, BLOCK_K, num_stages=4):
         xt = tl.load(x_ptrs + k0, mask=((k0 + ks) < K)[:, None] & token_ok[None, :], other=0.0).to(tl.float32)
         squares += tl.sum(xt * xt, axis=0)
     inv_rms = tl.rsqrt(squares / K + EPS)

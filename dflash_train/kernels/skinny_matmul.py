@@ -124,7 +124,9 @@ def _skinny_matmul_kernel(
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
+        # Pipelined, 4 tiles in flight: the pass's loads are otherwise issued one tile at a time, each waiting
+        # out the memory latency before the weight stream starts (16 tiles at K = 4,096).
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=4):
             xt = tl.load(x_ptrs + k0, mask=((k0 + ks) < K)[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(xt * xt, axis=0)
         inv_rms = tl.rsqrt(squares / K + EPS)
