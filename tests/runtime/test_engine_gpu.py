@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.kernels import skinny_matmul
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.decoding import assert_own_greedy, make_draft, prompts
@@ -49,6 +50,21 @@ def test_fused_skinny_products_compiled_and_graphed_are_lossless(target_and_draf
     assert engine.uses_cuda_graph and engine.uses_compile and engine.compile_error is None, engine.graph_error
     assert engine.runner.matmul == "fused" and all(layer.fused_products for layer in engine.drafter.layer_kernels)
     assert_own_greedy(target, prompts(5), [output.tokens for output in outputs], 24)
+
+
+@pytest.mark.parametrize("fusion", [False, True])
+def test_products_with_k_split_compiled_and_graphed_are_lossless(target_and_draft: tuple, fusion: bool,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every skinny product with K in three slices (a second kernel adds them) under torch.compile and a CUDA
+    graph: the target's own greedy tokens (fp32), with and without the fused norms and epilogues."""
+    monkeypatch.setattr(skinny_matmul, "config_for", lambda n, k: skinny_matmul.Config(16, 32, split_k=3))
+    target, draft = target_and_draft
+    runner = StaticTarget(target, 2, 64, kernels="triton", skinny_matmul=True, skinny_fusion=fusion)
+    engine = DecodeEngine(target, draft, EngineConfig(batch_size=2, block_size=8, max_new_tokens=24,
+                                                      max_length=64), runner=runner)
+    outputs, _ = engine.generate(prompts(4))
+    assert engine.uses_cuda_graph and engine.uses_compile and engine.compile_error is None, engine.graph_error
+    assert_own_greedy(target, prompts(4), [output.tokens for output in outputs], 24)
 
 
 def test_no_host_sync_inside_a_cycle(target_and_draft: tuple) -> None:
