@@ -27,7 +27,6 @@ from tests.helpers.kernels import (
     INTERPRETED_TARGET,
     InterpretedProcess,
     InterpretedRun,
-    run_interpreted,
 )
 
 _INTERPRETED = pytest.StashKey[InterpretedProcess]()  # the session's interpreted kernel tests, once started
@@ -68,7 +67,6 @@ def interpreted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     """The kernel tests of every file this session checks under the Triton interpreter (`under_interpreter`
     in tests/helpers/kernels.py), in one process started when collection ended (or now, if it was not)."""
     running = request.config.stash.get(_INTERPRETED, None)
-    if running is not None:
-        return running.result()
-    return run_interpreted(_interpreted_targets(request.session.items),
-                           tmp_path_factory.mktemp("interpreted") / "junit.xml")
+    if running is None:
+        running = InterpretedProcess(_interpreted_targets(request.session.items), tmp_path_factory.mktemp("interpreted"))
+    return running.result()

@@ -29,16 +29,6 @@ IN_PROCESS = DEVICE == "cuda" or interpreter_ready()
 kernels_here = pytest.mark.skipif(not (HAS_TRITON and IN_PROCESS), reason="run by test_under_interpreter")
 
 
-def run_pytest_under_interpreter(
-    *targets: str, args: Sequence[str] = (), timeout: float = 600.0
-) -> subprocess.CompletedProcess[str]:
-    """Run test files (or node ids) in one fresh process with TRITON_INTERPRET=1 set from the start; `args`
-    are more pytest options."""
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    command = [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", *args]
-    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout)
-
-
 # The attribute of a test made by `under_interpreter` that names what it checks (a file, or file::test).
 INTERPRETED_TARGET = "interpreted_target"
 
@@ -103,13 +93,6 @@ class InterpretedProcess:
         if self.process.poll() is None:
             self.process.kill()
             self.process.wait()
-
-
-def run_interpreted(targets: Sequence[str], report: Path) -> InterpretedRun:
-    """`targets` in one pytest process under TRITON_INTERPRET=1; outcomes from its JUnit XML `report`."""
-    result = run_pytest_under_interpreter(*dict.fromkeys(targets), timeout=3600.0, args=(
-        "--junitxml", str(report), "--continue-on-collection-errors"))
-    return interpreted_outcomes(result.returncode, result.stdout + result.stderr, report)
 
 
 def interpreted_outcomes(returncode: int, output: str, report: Path) -> InterpretedRun:
