@@ -1,9 +1,10 @@
 """The skinny-matmul kernel (`dflash_train.kernels.skinny_matmul`) against cuBLAS at Qwen3-8B's decode
-products (fused qkv, o_proj, gate_up, down, lm_head), at 1 row (a decode step at batch 1) and 16 (a verify
+products (fused qkv, o_proj, gate_up, down, lm_head; `--shape smollm2`: SmolLM2-135M's), at 1 row (a decode step at batch 1) and 16 (a verify
 block), bf16, on one GPU:
 
     python -m benchmarks.skinny_matmul                   # the kernel's table against cuBLAS, and the checks
     python -m benchmarks.skinny_matmul --sweep           # + every candidate tiling per shape (a few minutes)
+    python -m benchmarks.skinny_matmul --sweep --shape smollm2 --out benchmarks/results/skinny_matmul-smollm2.json
 
 A product is timed as a CUDA graph of calls over several copies of its weight, together larger than the
 L2, so that each call reads its weight from HBM as in a decode step, with no launch gap between calls; the
@@ -31,16 +32,23 @@ from dflash_train.kernels import skinny_matmul as sm
 
 QWEN3_8B_PRODUCTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
                      "down": (4096, 12288), "lm_head": (151936, 4096)}
+# SmolLM2-135M's: products of a few µs each, where a kernel's latency counts for more than its bandwidth
+SMOLLM2_PRODUCTS = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
+                    "lm_head": (49152, 576)}
+SHAPES = {"qwen3-8b": QWEN3_8B_PRODUCTS, "smollm2": SMOLLM2_PRODUCTS}
 ROWS = (1, 16)
 SPLITS = (2, 4, 8)  # K slices tried on each shape's three best whole-K tilings
 L2_BYTES = 60 * 2**20  # the H200's (50 MB on an H100): the copies of a weight together hold 4x this
 SHARED_BYTES = 227 * 2**10  # shared memory a program may take on Hopper
 
 
-def candidates() -> list[sm.Config]:
-    """Tilings whose pipeline fits in shared memory (weight and x tiles, `num_stages` deep)."""
+def candidates(k: int = 4096) -> list[sm.Config]:
+    """Tilings whose pipeline fits in shared memory (weight and x tiles, `num_stages` deep); for a short K
+    (SmolLM2's 576) also steps of 64, and shallower pipelines, which a K of a few steps may prefer."""
     configs = []
-    for block_n, block_k, warps, stages in itertools.product((16, 32, 64, 128), (128, 256, 512), (2, 4, 8), (3, 4)):
+    steps = (64, 128, 256, 512) if k <= 2048 else (128, 256, 512)
+    depths = (2, 3, 4) if k <= 2048 else (3, 4)
+    for block_n, block_k, warps, stages in itertools.product((16, 32, 64, 128), steps, (2, 4, 8), depths):
         if stages * (block_n + sm.BLOCK_M) * block_k * 2 <= SHARED_BYTES:
             configs.append(sm.Config(block_n, block_k, warps, stages))
     return configs
@@ -96,7 +104,7 @@ def measure(name: str, n: int, k: int, sweep: bool, replays: int) -> dict[str, A
     out["table_config"] = list(sm.config_for(n, k))
     if sweep:
         ranked = []
-        for config in candidates():
+        for config in candidates(k):
             try:
                 times = [graph_us(kernel_fn(config), xs[m], weights, replays) for m in ROWS]
             except Exception as error:  # out of resources for this tiling: skip it
@@ -149,18 +157,24 @@ def checks(n: int, k: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sweep", action="store_true", help="time every candidate tiling (a few minutes)")
-    parser.add_argument("--products", default=",".join(QWEN3_8B_PRODUCTS),
-                        help=f"comma-separated, of {', '.join(QWEN3_8B_PRODUCTS)}")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-8b", help="whose products (default qwen3-8b)")
+    parser.add_argument("--products", default=None,
+                        help=f"comma-separated, of {', '.join(QWEN3_8B_PRODUCTS)} (default: all)")
     parser.add_argument("--replays", type=int, default=20)
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/skinny_matmul.json)")
     args = parser.parse_args(argv)
+    products = SHAPES[args.shape]
+    unknown = sorted(set((args.products or "").split(",")) - set(products) - {""})
+    if unknown:
+        parser.error(f"--products: unknown {', '.join(unknown)}; choose from {', '.join(products)}")
     if not torch.cuda.is_available():
         parser.exit(2, "skinny_matmul: needs a CUDA device (the CPU tests run the kernel interpreted)\n")
     path = pathlib.Path(args.out or pathlib.Path(os.environ.get("DFLASH_BENCH_RESULTS", RESULTS_DIR))
                         / "skinny_matmul.json")
     results: dict[str, Any] = {**stamp(), "products": {}}
-    for name in args.products.split(","):
-        n, k = QWEN3_8B_PRODUCTS[name]
+    results["shape"] = args.shape
+    for name in (args.products or ",".join(products)).split(","):
+        n, k = products[name]
         entry = results["products"][name] = measure(name, n, k, args.sweep, args.replays)
         if args.sweep:  # the checks with the best tiling in force
             sm.CONFIGS[(n, k)] = sm.Config(*entry["best_config"])

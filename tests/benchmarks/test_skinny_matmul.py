@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.skinny_matmul import QWEN3_8B_PRODUCTS, SHARED_BYTES, candidates, main, table
+from benchmarks.skinny_matmul import (
+    QWEN3_8B_PRODUCTS,
+    SHARED_BYTES,
+    SMOLLM2_PRODUCTS,
+    candidates,
+    main,
+    table,
+)
 from dflash_train.kernels.skinny_matmul import BLOCK_M
 
 
@@ -16,6 +23,16 @@ def test_candidates_fit_in_shared_memory() -> None:
     for config in configs:
         assert config.num_stages * (config.block_n + BLOCK_M) * config.block_k * 2 <= SHARED_BYTES
     assert {config.block_n for config in configs} == {16, 32, 64, 128}
+    short = candidates(576)  # SmolLM2's K: steps of 64 and shallower pipelines too
+    assert {c.block_k for c in short} == {64, 128, 256, 512} and {c.num_stages for c in short} == {2, 3, 4}
+    assert all(c.num_stages * (c.block_n + BLOCK_M) * c.block_k * 2 <= SHARED_BYTES for c in short)
+
+
+def test_unknown_products_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--shape", "smollm2", "--products", "qkv,attn"])
+    assert "--products: unknown attn; choose from qkv, o_proj, gate_up, down, lm_head" in capsys.readouterr().err
+    assert SMOLLM2_PRODUCTS["down"] == (576, 1536)
 
 
 def test_table() -> None:
