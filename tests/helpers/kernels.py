@@ -5,7 +5,8 @@ On a GPU the kernels run in the test process. On CPU they run under TRITON_INTER
 when set before triton is first imported; a file imported without it re-runs itself in a subprocess that
 sets it from the start (`under_interpreter`), and its kernel tests (`kernels_here`) are skipped here. One
 subprocess runs every file of the session that needs it (the `interpreted` fixture of tests/conftest.py):
-a process of its own per file would pay torch's and triton's imports again each time (4 s on 2 cores).
+a process of its own per file would pay torch's and triton's imports again each time (4 s on 2 cores). It
+starts when collection ends and runs beside the other tests, on the core they leave idle.
 """
 
 from __future__ import annotations
