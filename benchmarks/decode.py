@@ -87,6 +87,7 @@ import torch
 
 from benchmarks.common import median, results_directory, stamp, time_calls
 from benchmarks.shapes import SHAPES, TINY_QWEN3, random_target
+from dflash_train.kernels import skinny_matmul
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.config import resolve_kernels
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
@@ -856,8 +857,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
                         help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
                              "token for token (in bf16 their different kernels round the target's ties differently)")
+    parser.add_argument("--skinny-configs", type=pathlib.Path, default=None, metavar="SWEEP.json",
+                        help="the skinny kernel's tilings from a `benchmarks.skinny_matmul --sweep` result (its best "
+                             "per product) instead of the built-in table, for the skinny_matmul/skinny_fused variants")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/decode.json)")
     args = parser.parse_args(argv)
+    if args.skinny_configs is not None and not args.skinny_configs.is_file():
+        parser.error(f"--skinny-configs {args.skinny_configs}: no such file (a `benchmarks.skinny_matmul --sweep` "
+                     "result)")
     args.variants = known_names(parser, "--variants", args.variants, VARIANTS)
     known_names(parser, "--compile-variants", args.compile_variants, tuple(COMPILE_VARIANTS))
     return args
@@ -892,6 +899,20 @@ class Output:
             self.path.with_suffix(".profile.txt").write_text(tables)
 
 
+def use_swept_tilings(sweep: pathlib.Path) -> dict[str, list[int]]:
+    """The skinny kernel's table set from a sweep's best tiling per product (`benchmarks.skinny_matmul --sweep`):
+    what the swept tilings make of the decode step, in the same call as the sweep. -> "N,K": tiling."""
+    products = json.loads(sweep.read_text()).get("products", {})
+    applied = {}
+    for entry in products.values():
+        if "best_config" in entry:
+            skinny_matmul.CONFIGS[(entry["n"], entry["k"])] = skinny_matmul.Config(*entry["best_config"])
+            applied[f"{entry['n']},{entry['k']}"] = list(entry["best_config"])
+    if not applied:
+        raise SystemExit(f"decode: {sweep} holds no swept tilings (run `benchmarks.skinny_matmul --sweep`)")
+    return applied
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -900,6 +921,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # DFLASH_BENCH_RESULTS moves the default folder, as for `benchmarks.common.write_result`.
     path = pathlib.Path(args.out or results_directory(smoke=args.tiny) / "decode.json")
     output = Output(path, {"tiny": args.tiny, "complete": False})
+    if args.skinny_configs is not None:
+        output.results["skinny_configs"] = use_swept_tilings(args.skinny_configs)
     if args.section in ("all", "qwen3-8b", "random"):
         section_qwen3(args, device, dtype, output)
         output.save()

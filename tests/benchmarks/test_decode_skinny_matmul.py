@@ -11,6 +11,7 @@ import pytest
 
 from benchmarks import decode
 from benchmarks.decode import VARIANTS, ablation_applies, derived, main
+from dflash_train.kernels import skinny_matmul
 from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.tiny_models import make_tiny_target
 
@@ -88,3 +89,21 @@ def test_the_state_update_ablation_measures_the_cycle_unfused(tmp_path: Path, mo
     assert qwen["dflash_cycle_layer_scope_fused_state_update"] is False  # a CPU runner has no Triton kernels
     assert qwen["cycle_ms_saved_by_fused_state_update"] == pytest.approx(
         qwen["dflash_cycle_torch_state_update_ms"] - qwen["dflash_cycle_layer_scope_ms"])
+
+
+def test_swept_tilings_replace_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--skinny-configs` puts a sweep's best tiling per product in the kernel's table (a product the sweep did not
+    reach keeps the default); a file without swept tilings, or no file, is one line."""
+    monkeypatch.setattr(skinny_matmul, "CONFIGS", {})
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"products": {
+        "o_proj": {"n": 576, "k": 576, "best_config": [16, 64, 2, 2, 4]},
+        "qkv": {"n": 960, "k": 576}}}))  # timed, not swept
+    assert decode.use_swept_tilings(sweep) == {"576,576": [16, 64, 2, 2, 4]}
+    assert skinny_matmul.config_for(576, 576) == skinny_matmul.Config(16, 64, 2, 2, split_k=4)
+    assert skinny_matmul.config_for(960, 576) == skinny_matmul.default_config(960, 576)
+    sweep.write_text(json.dumps({"products": {}}))
+    with pytest.raises(SystemExit, match="holds no swept tilings"):
+        decode.use_swept_tilings(sweep)
+    with pytest.raises(SystemExit):
+        main([*TINY_QWEN3, "--skinny-configs", str(tmp_path / "missing.json")])
