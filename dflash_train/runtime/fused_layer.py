@@ -48,9 +48,9 @@ from dflash_train.models.layers import MLP as DraftMLP
 
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
 # The q/k/v product carries the attention prologue (`qkv_rope_cache`) only for weights up to this size: that
-# kernel has one program per query head and per key head (40 for Qwen3-8B at batch 1), enough to stream a small target's weight but
-# few for a large one's 50 MB, which the skinny product spreads over hundreds of programs instead (then the
-# prologue is a launch of its own).
+# kernel has one program per query head and per key head (40 for Qwen3-8B at batch 1), enough to stream a
+# small target's weight but few for a large one's 50 MB, which the skinny product spreads over hundreds of
+# programs instead (then the prologue is a launch of its own).
 PROLOGUE_IN_PRODUCT_MAX_BYTES = 16 * 2**20
 
 
