@@ -12,6 +12,7 @@ training run a "training:" line (steps, median step, the cold first step).
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -174,11 +175,14 @@ def breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m dflash_train.eval.summary RUN_DIR", file=sys.stderr)
+    parser = argparse.ArgumentParser(prog="python -m dflash_train.eval.summary",
+                                     description="One table for a recipe run directory: its eval reports with "
+                                                 "the training runs behind them (writes summary.json and .md).")
+    parser.add_argument("run_dir", type=Path, help="the recipe's OUT folder (with eval/ and train/ in it)")
+    run_dir = parser.parse_args(argv).run_dir
+    if not run_dir.is_dir():
+        print(f"summary: {run_dir} is not a folder: give a recipe's OUT folder", file=sys.stderr)
         return 2
-    run_dir = Path(args[0])
     report_regeneration(run_dir)  # before the table's checks: a run stopped before eval has its speed too
     data = data_line(run_dir)
     if data:

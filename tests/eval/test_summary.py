@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from dflash_train.eval.summary import main, summary_rows
 from tests.helpers.eval_reports import result, write_report
 
@@ -109,3 +111,12 @@ def test_the_prepared_chats_add_a_data_line(tmp_path: Path, capsys) -> None:  # 
     assert capsys.readouterr().out.splitlines()[0] == (
         "data: 51,354 chats kept of 53,248 answers, 15,948,806 tokens (10,882,099 supervised); "
         "dropped: duplicate_conversation 4, too_few_supervised_tokens 1,890")
+
+
+def test_a_missing_folder_is_one_line_and_help_is_help(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a folder: give a recipe's OUT folder" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "RUN_DIR" in capsys.readouterr().out.upper()
