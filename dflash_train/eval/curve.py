@@ -13,6 +13,7 @@ the curve from their own directories; with more than one directory a point's run
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -91,11 +92,16 @@ def merged_points(run_dirs: list[Path]) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    if not args:
-        print("usage: python -m dflash_train.eval.curve RUN_DIR [MORE_RUN_DIRS ...]", file=sys.stderr)
+    parser = argparse.ArgumentParser(prog="python -m dflash_train.eval.curve",
+                                     description="τ and speedup against training minutes from recipe run "
+                                                 "folders' eval reports (writes curve.json and curve.png to the first).")
+    parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a recipe's OUT folder")
+    run_dirs: list[Path] = parser.parse_args(argv).run_dirs
+    args = [str(run_dir) for run_dir in run_dirs]
+    missing = [str(run_dir) for run_dir in run_dirs if not run_dir.is_dir()]
+    if missing:
+        print(f"curve: {', '.join(missing)} is not a folder: give recipe OUT folders", file=sys.stderr)
         return 2
-    run_dirs = [Path(arg) for arg in args]
     if len({run_dir.name for run_dir in run_dirs}) < len(run_dirs):
         print("curve: the run directories need different names (a point's run is named dir/run)", file=sys.stderr)
         return 2

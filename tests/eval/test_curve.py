@@ -90,3 +90,13 @@ def test_run_directories_of_one_name_are_refused(run_dir: Path, tmp_path_factory
     twin.mkdir()
     assert main([str(run_dir), str(twin)]) == 2
     assert "need different names" in capsys.readouterr().err
+
+
+def test_no_folder_is_a_usage_error_and_a_missing_one_a_one_line_error(tmp_path: Path,
+                                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2 and "RUN_DIR" in capsys.readouterr().err
+    assert main([str(tmp_path), str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{tmp_path / 'nowhere'} is not a folder" in err
