@@ -107,7 +107,14 @@ def load_draft(
 
     `dtype=None` keeps the stored dtype (float32 if the file mixes dtypes).
     """
-    checkpoint = read_checkpoint(path_or_hub_id)
+    return draft_from_checkpoint(read_checkpoint(path_or_hub_id), device=device, dtype=dtype)
+
+
+def draft_from_checkpoint(
+    checkpoint: DraftCheckpoint, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+) -> DFlashDraftModel:
+    """The drafter of a checkpoint already read (a command reads it before loading the target, so a bad path
+    fails in a second, not after the target has loaded)."""
     dtype = dtype or _stored_dtype(checkpoint.tensors)
     # Built on the meta device: random initialisation of a Qwen3-8B-sized drafter would take seconds.
     with torch.device("meta"):

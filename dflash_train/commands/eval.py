@@ -24,7 +24,8 @@ from typing import Any
 
 import torch
 
-from dflash_train.checkpoint import load_draft
+from dflash_train.checkpoint import draft_from_checkpoint, read_checkpoint
+from dflash_train.checkpoint.io import DraftCheckpoint
 from dflash_train.commands import run_command
 from dflash_train.data.cli_args import positive_int
 from dflash_train.disk import note_output
@@ -131,10 +132,10 @@ def _load_target(name: str, device: torch.device, dtype: torch.dtype, phases: Ph
         return load_target(source, dtype=dtype, device=device)
 
 
-def _load_draft(args: argparse.Namespace, target: TargetModel, device: torch.device,
-                dtype: torch.dtype) -> DFlashDraftModel:
-    if args.draft != "random":
-        return load_draft(args.draft, device=device, dtype=dtype).eval()
+def _load_draft(args: argparse.Namespace, checkpoint: DraftCheckpoint | None, target: TargetModel,
+                device: torch.device, dtype: torch.dtype) -> DFlashDraftModel:
+    if checkpoint is not None:
+        return draft_from_checkpoint(checkpoint, device=device, dtype=dtype).eval()
     mask_id = resolve_mask_token_id(target.tokenizer, target.vocab_size)
     config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id,
                                              num_hidden_layers=args.random_draft_layers,
@@ -181,9 +182,11 @@ def run(args: argparse.Namespace) -> int:
     with phases.phase("load/prompts"):  # fail fast on bad names
         prompt_sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset]
     device, dtype = _device_and_dtype(args)
+    with phases.phase("load/draft"):  # before the target: a wrong drafter path fails at once
+        checkpoint = None if args.draft == "random" else read_checkpoint(args.draft)
     target = _load_target(args.target, device, dtype, phases)
     with phases.phase("load/draft"):
-        draft = _load_draft(args, target, device, dtype)
+        draft = _load_draft(args, checkpoint, target, device, dtype)
         _warn_if_trained_for_another_target(draft, target, args.target)  # hashes the target's weights
     block_size = args.block_size or draft.config.block_size
     check_compatible(draft, target, block_size)

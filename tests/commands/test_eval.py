@@ -143,6 +143,20 @@ def test_user_errors_are_one_line(target_dir: Path, tmp_path: Path, capsys: pyte
     assert last.startswith("dflash-train eval: error:") and message in last
 
 
+def test_a_missing_drafter_fails_before_the_target_is_loaded(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import dflash_train.commands.eval as eval_command
+
+    def must_not_load(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the target was loaded before the drafter path was checked")
+
+    monkeypatch.setattr(eval_command, "_load_target", must_not_load)
+    code = main(["eval", "--target", "smollm2-135m-instruct", "--draft", str(tmp_path / "nowhere"),
+                 "--dataset", "humaneval", "--no-progress", "--out", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "No drafter checkpoint at" in err
+
+
 def test_drafter_checkpoint_is_loaded_and_checked(target_dir: Path, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     checkpoint = pytest.importorskip("dflash_train.checkpoint", reason="drafter checkpoints not available")
