@@ -1,0 +1,243 @@
+"""Acceptance length of a DFlash drafter as a serving runtime measures it (vLLM, or any OpenAI-compatible
+server exposing vLLM's Prometheus speculative-decoding counters).
+
+Each prompt set is sent with the prompts `dflash-train eval` uses (same loaders, same `--num-prompts`
+choice, same chat rendering, sent as token ids so the server sees the very prompt the eval decoded),
+greedy, one request at a time. Later turns (MT-Bench's second) are asked after the served answer to the
+earlier one, as the eval asks them after the target's own answer; greedy speculation is lossless, so the
+served answer is the target's. The counters are read before and after each set:
+τ = 1 + Δaccepted / Δdrafts, the mean tokens per verify cycle (dflash-train eval's
+`acceptance_length_cycle_weighted`).
+
+    python -m dflash_train.eval.served --url http://127.0.0.1:8000 --tokenizer TARGET_DIR \
+        --dataset mt-bench --dataset humaneval --num-prompts 40 --json served.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from transformers import AutoTokenizer, GenerationConfig
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from dflash_train.eval.chat import prompt_ids, stop_token_ids
+from dflash_train.eval.prompts import PromptSet, load_prompt_set
+
+DRAFTS = "vllm:spec_decode_num_drafts_total"
+ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+POSITION = re.compile(r'position="(\d+)"')
+TIMEOUT_S = 600.0  # one greedy request on a CPU server can take minutes
+
+
+class ServerError(RuntimeError):
+    """A server that cannot be measured; its message is one line for the command line."""
+
+
+@dataclass
+class Counters:
+    drafts: float = 0.0
+    accepted: float = 0.0
+    draft_tokens: float = 0.0
+    per_position: dict[int, float] = field(default_factory=dict)
+
+    def minus(self, before: Counters) -> Counters:
+        positions = {k: v - before.per_position.get(k, 0.0) for k, v in self.per_position.items()}
+        return Counters(self.drafts - before.drafts, self.accepted - before.accepted,
+                        self.draft_tokens - before.draft_tokens, positions)
+
+
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int] | None  # None when the server does not return them
+    completion_tokens: int
+    seconds: float
+
+
+@dataclass
+class SetResult:
+    dataset: str
+    requests: int
+    drafts: int
+    accepted: int
+    tau: float | None
+    completion_tokens: int
+    seconds: float
+    tokens_per_s: float
+    per_position_acceptance: list[float]  # fraction of drafts whose slot k was accepted, k = 1..
+    outputs: list[dict[str, Any]]
+
+
+def parse_metrics(text: str) -> Counters:
+    """The speculative-decoding counters of a Prometheus text page, summed over label sets (one per engine
+    or model); ServerError if the page has none (no drafter, or not a vLLM-style server)."""
+    counters, seen = Counters(), False
+    for line in text.splitlines():
+        match = SAMPLE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        seen |= name == DRAFTS
+        _add_sample(counters, name, labels, value)
+    if not seen:
+        raise ServerError(f"the server's /metrics has no {DRAFTS}: is it serving with a speculative config?")
+    return counters
+
+
+def _add_sample(counters: Counters, name: str, labels: str, value: float) -> None:
+    if name == DRAFTS:
+        counters.drafts += value
+    elif name == ACCEPTED:
+        counters.accepted += value
+    elif name == DRAFT_TOKENS:
+        counters.draft_tokens += value
+    elif name == PER_POSITION and (position := POSITION.search(labels)):
+        key = int(position.group(1))
+        counters.per_position[key] = counters.per_position.get(key, 0.0) + value
+
+
+def _http(url: str, body: dict[str, Any] | None = None) -> str:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
+            return response.read().decode()
+    except urllib.error.HTTPError as error:
+        raise ServerError(f"{url}: HTTP {error.code} {error.reason}") from None
+    except (urllib.error.URLError, OSError) as error:
+        raise ServerError(f"{url}: {getattr(error, 'reason', error)}") from None
+
+
+def read_counters(url: str) -> Counters:
+    return parse_metrics(_http(f"{url}/metrics"))
+
+
+def served_model(url: str) -> str:
+    models = json.loads(_http(f"{url}/v1/models")).get("data") or []
+    if not models:
+        raise ServerError(f"{url}/v1/models lists no model; pass --model")
+    return str(models[0]["id"])
+
+
+def complete(url: str, model: str, ids: list[int], max_tokens: int, stop_ids: Sequence[int]) -> Reply:
+    """One greedy completion of a prompt given as token ids."""
+    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "stop_token_ids": list(stop_ids), "return_token_ids": True}  # both are vLLM/SGLang extensions
+    start = time.perf_counter()
+    reply = json.loads(_http(f"{url}/v1/completions", body))
+    seconds = time.perf_counter() - start
+    choice = reply["choices"][0]
+    tokens = choice.get("token_ids")
+    count = int((reply.get("usage") or {}).get("completion_tokens") or len(tokens or []))
+    return Reply(choice.get("text") or "", list(tokens) if tokens is not None else None, count, seconds)
+
+
+@dataclass
+class Run:
+    """What every request of a measurement shares."""
+
+    url: str
+    model: str
+    tokenizer: PreTrainedTokenizerBase
+    max_tokens: int
+    stop_ids: list[int]
+
+
+def decode_set(run: Run, prompt_set: PromptSet) -> list[dict[str, Any]]:
+    """Every turn of every conversation, turn by turn as the eval orders them: a later turn sees the
+    served answer to the earlier one, as text (the eval decodes the target's answer the same way)."""
+    histories = [list(c.prefix) for c in prompt_set.conversations]
+    outputs: list[dict[str, Any]] = []
+    for turn in range(max(len(c.turns) for c in prompt_set.conversations)):
+        for index, conversation in enumerate(prompt_set.conversations):
+            if turn >= len(conversation.turns):
+                continue
+            messages = histories[index] + [{"role": "user", "content": conversation.turns[turn]}]
+            ids = prompt_ids(run.tokenizer, messages, thinking=False)
+            reply = complete(run.url, run.model, ids, run.max_tokens, run.stop_ids)
+            histories[index] = messages + [{"role": "assistant", "content": reply.text}]
+            outputs.append({"conversation": index, "turn": turn, "prompt_tokens": len(ids), **asdict(reply)})
+    return outputs
+
+
+def measure_set(run: Run, prompt_set: PromptSet) -> SetResult:
+    before = read_counters(run.url)
+    outputs = decode_set(run, prompt_set)
+    delta = read_counters(run.url).minus(before)
+    tokens = sum(o["completion_tokens"] for o in outputs)
+    seconds = sum(o["seconds"] for o in outputs)
+    tau = 1 + delta.accepted / delta.drafts if delta.drafts else None
+    positions = [delta.per_position[k] / delta.drafts if delta.drafts else 0.0 for k in sorted(delta.per_position)]
+    return SetResult(prompt_set.name, len(outputs), round(delta.drafts), round(delta.accepted), tau, tokens,
+                     seconds, tokens / seconds if seconds else 0.0, positions, outputs)
+
+
+def table(results: Sequence[SetResult]) -> str:
+    lines = ["| set | requests | drafts | accepted | τ | tokens/s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        tau = f"{r.tau:.3f}" if r.tau is not None else "n/a"
+        lines.append(f"| {r.dataset} | {r.requests} | {r.drafts} | {r.accepted} | {tau} | {r.tokens_per_s:.1f} |")
+    return "\n".join(lines)
+
+
+def _stop_ids(tokenizer_dir: str, tokenizer: PreTrainedTokenizerBase, given: list[int] | None) -> list[int]:
+    # Default: the stop ids `dflash-train eval` decodes with (tokenizer EOS + generation-config EOS).
+    if given is not None:
+        return given
+    try:
+        generation = GenerationConfig.from_pretrained(tokenizer_dir)
+    except OSError:
+        generation = None
+    return stop_token_ids(tokenizer, generation)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--url", required=True, help="server root, e.g. http://127.0.0.1:8000")
+    parser.add_argument("--dataset", action="append", help="mt-bench, humaneval, ... or a .jsonl (repeatable)")
+    parser.add_argument("--num-prompts", type=int, default=40, help="conversations per set, as eval picks them")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--model", help="served model name (default: the first of /v1/models)")
+    parser.add_argument("--tokenizer", help="target tokenizer directory (default: --model)")
+    parser.add_argument("--stop-token-ids", type=int, nargs="*", help="default: the target's EOS ids")
+    parser.add_argument("--json", type=Path, help="write the figures and every reply here")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    url = args.url.rstrip("/")
+    try:
+        model = args.model or served_model(url)
+        tokenizer_dir = args.tokenizer or model
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        run = Run(url, model, tokenizer, args.max_tokens, _stop_ids(tokenizer_dir, tokenizer, args.stop_token_ids))
+        read_counters(url)  # fail before decoding anything on a server without the counters
+        results = [measure_set(run, load_prompt_set(name, args.num_prompts))
+                   for name in args.dataset or ["mt-bench", "humaneval"]]
+    except (ServerError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({"url": url, "model": model, "max_tokens": args.max_tokens,
+                                         "stop_token_ids": run.stop_ids,
+                                         "sets": [asdict(r) for r in results]}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

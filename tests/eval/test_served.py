@@ -1,0 +1,126 @@
+"""`python -m dflash_train.eval.served` against a fake OpenAI-compatible server: τ from the metric deltas, later turns
+asked after the served answer, and a clear one-line error from a server without the counters."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import NamedTuple
+
+import pytest
+
+from dflash_train.eval import served
+from dflash_train.eval.chat import prompt_ids
+from tests.helpers.byte_tokenizer import byte_tokenizer
+
+# Each completion adds 4 drafts and 10 accepted tokens (3 at position 0, 2 at position 1) to counters that do
+# not start at zero: τ = 1 + 10/4 = 3.5 whatever the counters held before the set.
+DRAFTS, ACCEPTED, AT_POSITION = 4, 10, (3, 2)
+METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
+# TYPE vllm:spec_decode_num_drafts_total counter
+vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
+vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepted}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {pos0}
+vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {pos1}
+"""
+
+
+class FakeServer(BaseHTTPRequestHandler):
+    metrics: str | None = "vllm"  # "vllm": the counters; "none": a 404; "plain": a page without them
+    prompts: list[list[int]] = []
+
+    def log_message(self, *args: object) -> None:  # keep pytest's output clean
+        pass
+
+    def _send(self, code: int, body: str, kind: str = "application/json") -> None:
+        self.send_response(code)
+        self.send_header("Content-Type", kind)
+        self.send_header("Content-Length", str(len(body.encode())))
+        self.end_headers()
+        self.wfile.write(body.encode())
+
+    def do_GET(self) -> None:
+        if self.path == "/v1/models":
+            self._send(200, json.dumps({"data": [{"id": "fake"}]}))
+        elif self.path == "/metrics" and self.metrics == "vllm":
+            n = len(self.prompts)
+            page = METRICS.format(drafts=7 + DRAFTS * n, accepted=5 + ACCEPTED * n, pos0=AT_POSITION[0] * n,
+                                  pos1=AT_POSITION[1] * n)
+            self._send(200, page, "text/plain")
+        elif self.path == "/metrics" and self.metrics == "plain":
+            self._send(200, "process_cpu_seconds_total 1.0\n", "text/plain")
+        else:
+            self._send(404, "{}")
+
+    def do_POST(self) -> None:
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert self.path == "/v1/completions" and body["temperature"] == 0.0
+        self.prompts.append(body["prompt"])
+        text = f"answer {len(self.prompts)}"
+        self._send(200, json.dumps({"choices": [{"text": text, "token_ids": [5, 6, 7]}],
+                                    "usage": {"completion_tokens": 3}}))
+
+
+class Fake(NamedTuple):
+    url: str
+    handler: type[FakeServer]  # its `prompts`: the token ids of every completion request, in order
+
+
+@pytest.fixture
+def server(request: pytest.FixtureRequest) -> Iterator[Fake]:
+    handler = type("Handler", (FakeServer,), {"metrics": getattr(request, "param", "vllm"), "prompts": []})
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield Fake(f"http://127.0.0.1:{httpd.server_address[1]}", handler)
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture
+def setup(tmp_path: Path) -> tuple[Path, Path]:
+    """A tokenizer directory with a chat template, and a prompt file of one two-turn and one one-turn chat."""
+    byte_tokenizer("qwen3").save_pretrained(tmp_path / "tok")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["Hi?", "And then?"]}) + "\n" + json.dumps({"turns": ["Yo?"]}) + "\n")
+    return tmp_path / "tok", prompts
+
+
+def test_tau_is_one_plus_accepted_over_drafts(server: Fake, setup: tuple[Path, Path], tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    tok, prompts = setup
+    out = tmp_path / "served.json"
+    code = served.main(["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts),
+                                     "--json", str(out), "--stop-token-ids", "1", "2"])
+    assert code == 0
+    result = json.loads(out.read_text())["sets"][0]
+    assert (result["requests"], result["drafts"], result["accepted"]) == (3, 12, 30)
+    assert result["tau"] == pytest.approx(3.5)
+    assert result["per_position_acceptance"] == pytest.approx([0.75, 0.5])
+    assert result["completion_tokens"] == 9
+    assert "| prompts | 3 | 12 | 30 | 3.500 |" in capsys.readouterr().out
+
+
+def test_a_later_turn_is_asked_after_the_served_answer(server: Fake, setup: tuple[Path, Path]) -> None:
+    tok, prompts = setup
+    assert served.main(["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts)]) == 0
+    # Turn by turn, as the eval asks them: both first turns, then the second, after the first reply; each
+    # prompt is the very token ids the eval renders.
+    history = [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "answer 1"}]
+    expected = [[{"role": "user", "content": "Hi?"}], [{"role": "user", "content": "Yo?"}],
+                history + [{"role": "user", "content": "And then?"}]]
+    tokenizer = byte_tokenizer("qwen3")
+    assert server.handler.prompts == [prompt_ids(tokenizer, messages, thinking=False) for messages in expected]
+
+
+@pytest.mark.parametrize("server", ["none", "plain"], indirect=True)
+def test_a_server_without_the_counters_is_a_one_line_error(server: Fake, setup: tuple[Path, Path],
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    tok, prompts = setup
+    code = served.main(["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts)])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err and err.startswith("error: ") and "metrics" in err
+    assert server.handler.prompts == []  # failed before decoding anything
