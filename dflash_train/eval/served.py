@@ -5,9 +5,10 @@ Each prompt set is sent with the prompts `dflash-train eval` uses (same loaders,
 choice, same chat rendering, sent as token ids so the server sees the very prompt the eval decoded),
 greedy, one request at a time. Later turns (MT-Bench's second) are asked after the served answer to the
 earlier one, as the eval asks them after the target's own answer; greedy speculation is lossless, so the
-served answer is the target's. The counters are read before and after each set:
-τ = 1 + Δaccepted / Δdrafts, the mean tokens per verify cycle (dflash-train eval's
-`acceptance_length_cycle_weighted`).
+served answer is the target's. The counters are read around every request, so both of the eval's
+figures come out: τ, the mean over requests of each request's 1 + accepted / drafts (as published DFlash
+benchmarks average, `acceptance_length`), and τ per cycle, 1 + accepted / drafts over the whole set
+(`acceptance_length_cycle_weighted`, the figure vLLM's own logs print).
 
     python -m dflash_train.eval.served --url http://127.0.0.1:8000 --tokenizer TARGET_DIR \
         --dataset mt-bench --dataset humaneval --num-prompts 40 --json served.json
@@ -73,7 +74,8 @@ class SetResult:
     requests: int
     drafts: int
     accepted: int
-    tau: float | None
+    acceptance_length: float | None  # mean over requests with a draft of 1 + accepted / drafts
+    acceptance_length_cycle_weighted: float | None  # 1 + accepted / drafts over the set
     completion_tokens: int
     seconds: float
     tokens_per_s: float
@@ -167,9 +169,12 @@ def decode_set(run: Run, prompt_set: PromptSet) -> list[dict[str, Any]]:
                 continue
             messages = histories[index] + [{"role": "user", "content": conversation.turns[turn]}]
             ids = prompt_ids(run.tokenizer, messages, thinking=False)
+            before = read_counters(run.url)
             reply = complete(run.url, run.model, ids, run.max_tokens, run.stop_ids)
+            delta = read_counters(run.url).minus(before)  # one request at a time: this request's cycles
             histories[index] = messages + [{"role": "assistant", "content": reply.text}]
-            outputs.append({"conversation": index, "turn": turn, "prompt_tokens": len(ids), **asdict(reply)})
+            outputs.append({"conversation": index, "turn": turn, "prompt_tokens": len(ids), **asdict(reply),
+                            "drafts": round(delta.drafts), "accepted": round(delta.accepted)})
     return outputs
 
 
@@ -179,17 +184,21 @@ def measure_set(run: Run, prompt_set: PromptSet) -> SetResult:
     delta = read_counters(run.url).minus(before)
     tokens = sum(o["completion_tokens"] for o in outputs)
     seconds = sum(o["seconds"] for o in outputs)
-    tau = 1 + delta.accepted / delta.drafts if delta.drafts else None
+    per_cycle = 1 + delta.accepted / delta.drafts if delta.drafts else None
+    drafted = [1 + o["accepted"] / o["drafts"] for o in outputs if o["drafts"]]  # as the eval: no cycle, no τ
+    per_request = sum(drafted) / len(drafted) if drafted else None
     positions = [delta.per_position[k] / delta.drafts if delta.drafts else 0.0 for k in sorted(delta.per_position)]
-    return SetResult(prompt_set.name, len(outputs), round(delta.drafts), round(delta.accepted), tau, tokens,
-                     seconds, tokens / seconds if seconds else 0.0, positions, outputs)
+    return SetResult(prompt_set.name, len(outputs), round(delta.drafts), round(delta.accepted), per_request,
+                     per_cycle, tokens, seconds, tokens / seconds if seconds else 0.0, positions, outputs)
 
 
 def table(results: Sequence[SetResult]) -> str:
-    lines = ["| set | requests | drafts | accepted | τ | tokens/s |", "|---|---|---|---|---|---|"]
+    lines = ["| set | requests | drafts | accepted | τ | τ/cycle | tokens/s |", "|---|---|---|---|---|---|---|"]
     for r in results:
-        tau = f"{r.tau:.3f}" if r.tau is not None else "n/a"
-        lines.append(f"| {r.dataset} | {r.requests} | {r.drafts} | {r.accepted} | {tau} | {r.tokens_per_s:.1f} |")
+        tau, per_cycle = (f"{t:.3f}" if t is not None else "n/a"
+                          for t in (r.acceptance_length, r.acceptance_length_cycle_weighted))
+        lines.append(f"| {r.dataset} | {r.requests} | {r.drafts} | {r.accepted} | {tau} | {per_cycle} | "
+                     f"{r.tokens_per_s:.1f} |")
     return "\n".join(lines)
 
 

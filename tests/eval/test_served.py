@@ -16,9 +16,8 @@ from dflash_train.eval import served
 from dflash_train.eval.chat import prompt_ids
 from tests.helpers.byte_tokenizer import byte_tokenizer
 
-# Each completion adds 4 drafts and 10 accepted tokens (3 at position 0, 2 at position 1) to counters that do
-# not start at zero: τ = 1 + 10/4 = 3.5 whatever the counters held before the set.
-DRAFTS, ACCEPTED, AT_POSITION = 4, 10, (3, 2)
+# Completion n (1, 2, 3) adds n + 1 drafts and 3n accepted tokens (n at position 0, n - 1 at position 1) to
+# counters that do not start at zero: per request τ 2.5, 3, 3.25 (mean 2.9167); over the set 1 + 18/9 = 3.
 METRICS = """# HELP vllm:spec_decode_num_drafts_total Number of spec decoding drafts.
 # TYPE vllm:spec_decode_num_drafts_total counter
 vllm:spec_decode_num_drafts_total{{engine="0",model_name="m"}} {drafts}
@@ -46,9 +45,9 @@ class FakeServer(BaseHTTPRequestHandler):
         if self.path == "/v1/models":
             self._send(200, json.dumps({"data": [{"id": "fake"}]}))
         elif self.path == "/metrics" and self.metrics == "vllm":
-            n = len(self.prompts)
-            page = METRICS.format(drafts=7 + DRAFTS * n, accepted=5 + ACCEPTED * n, pos0=AT_POSITION[0] * n,
-                                  pos1=AT_POSITION[1] * n)
+            done = range(1, len(self.prompts) + 1)
+            page = METRICS.format(drafts=7 + sum(n + 1 for n in done), accepted=5 + sum(3 * n for n in done),
+                                  pos0=sum(done), pos1=sum(n - 1 for n in done))
             self._send(200, page, "text/plain")
         elif self.path == "/metrics" and self.metrics == "plain":
             self._send(200, "process_cpu_seconds_total 1.0\n", "text/plain")
@@ -89,7 +88,7 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "tok", prompts
 
 
-def test_tau_is_one_plus_accepted_over_drafts(server: Fake, setup: tuple[Path, Path], tmp_path: Path,
+def test_tau_per_request_and_per_cycle_from_the_counters(server: Fake, setup: tuple[Path, Path], tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
     tok, prompts = setup
     out = tmp_path / "served.json"
@@ -97,11 +96,13 @@ def test_tau_is_one_plus_accepted_over_drafts(server: Fake, setup: tuple[Path, P
                                      "--json", str(out), "--stop-token-ids", "1", "2"])
     assert code == 0
     result = json.loads(out.read_text())["sets"][0]
-    assert (result["requests"], result["drafts"], result["accepted"]) == (3, 12, 30)
-    assert result["tau"] == pytest.approx(3.5)
-    assert result["per_position_acceptance"] == pytest.approx([0.75, 0.5])
+    assert (result["requests"], result["drafts"], result["accepted"]) == (3, 9, 18)
+    assert [(o["drafts"], o["accepted"]) for o in result["outputs"]] == [(2, 3), (3, 6), (4, 9)]
+    assert result["acceptance_length"] == pytest.approx((2.5 + 3 + 3.25) / 3)
+    assert result["acceptance_length_cycle_weighted"] == pytest.approx(3.0)
+    assert result["per_position_acceptance"] == pytest.approx([6 / 9, 3 / 9])
     assert result["completion_tokens"] == 9
-    assert "| prompts | 3 | 12 | 30 | 3.500 |" in capsys.readouterr().out
+    assert "| prompts | 3 | 9 | 18 | 2.917 | 3.000 |" in capsys.readouterr().out
 
 
 def test_a_later_turn_is_asked_after_the_served_answer(server: Fake, setup: tuple[Path, Path]) -> None:
