@@ -31,6 +31,7 @@ from typing import Any
 from transformers import AutoTokenizer, GenerationConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.atomic import write_json_atomically
 from dflash_train.eval.chat import prompt_ids, stop_token_ids
 from dflash_train.eval.prompts import PromptSet, load_prompt_set
 
@@ -226,9 +227,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def foreign_json(path: Path | None) -> bool:
+    """Whether `path` exists and is not a report an earlier run of this command wrote (never overwritten)."""
+    if path is None or not path.exists():
+        return False
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(report, dict) and {"url", "sets"} <= report.keys())
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     url = args.url.rstrip("/")
+    if foreign_json(args.json):
+        print(f"error: {args.json} was not written by this command; pick another --json, it is not overwritten",
+              file=sys.stderr)
+        return 2
     try:
         model = args.model or served_model(url)
         tokenizer_dir = args.tokenizer or model
@@ -242,9 +258,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     print(table(results))
     if args.json:
-        args.json.write_text(json.dumps({"url": url, "model": model, "max_tokens": args.max_tokens,
-                                         "stop_token_ids": run.stop_ids,
-                                         "sets": [asdict(r) for r in results]}, indent=1))
+        write_json_atomically(args.json, {"url": url, "model": model, "max_tokens": args.max_tokens,
+                                          "stop_token_ids": run.stop_ids, "sets": [asdict(r) for r in results]})
     return 0
 
 

@@ -125,3 +125,17 @@ def test_a_server_without_the_counters_is_a_one_line_error(server: Fake, setup: 
     err = capsys.readouterr().err.strip()
     assert code == 1 and "\n" not in err and err.startswith("error: ") and "metrics" in err
     assert server.handler.prompts == []  # failed before decoding anything
+
+
+def test_a_json_file_it_did_not_write_is_not_overwritten(server: Fake, setup: tuple[Path, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    tok, prompts = setup
+    notes = tmp_path / "notes.json"
+    notes.write_text('{"mine": true}')
+    args = ["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts), "--json", str(notes)]
+    assert served.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not written by this command" in err
+    assert notes.read_text() == '{"mine": true}' and server.handler.prompts == []
+    ours = tmp_path / "served.json"
+    assert served.main([*args[:-1], str(ours)]) == 0 and served.main([*args[:-1], str(ours)]) == 0  # its own: replaced
