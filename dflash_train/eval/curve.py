@@ -50,7 +50,13 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
         if speeds:
             speed_axis.plot(*zip(*speeds, strict=True), marker="o", label=dataset)
     speed_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    minutes = sorted({p["train_minutes"] for p in points})
     for axis, label in ((tau_axis, "acceptance length τ (batch 1)"), (speed_axis, "decode speedup over the target")):
+        if minutes[0] > 0 and minutes[-1] >= 2 * minutes[0]:
+            # τ grows about linearly in the log of training time: equal steps per doubling read as a line.
+            axis.set_xscale("log", base=2)
+            axis.set_xticks(minutes, [f"{m:g}" for m in minutes])
+            axis.minorticks_off()
         axis.set_xlabel("training minutes")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
