@@ -12,7 +12,6 @@ import shutil
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,14 +22,11 @@ from accelerate import Accelerator
 from torch.profiler import record_function
 
 from dflash_train.checkpoint.io import save_draft
-from dflash_train.data.features import compute_features
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
-from dflash_train.target.attention import FLEX, attention_implementation, packed_target_attention
-from dflash_train.target.graphed import GraphedFeatures
-from dflash_train.target.varlen import VARLEN, packed_sequences
+from dflash_train.target.attention import packed_target_attention
 from dflash_train.training import checkpointing as ckpt
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.checkpoint_files import read_trainer_state
@@ -38,6 +34,7 @@ from dflash_train.training.compile_report import compile_seconds, first_step_lin
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
+from dflash_train.training.online_features import OnlineFeatures
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_layout,
@@ -46,7 +43,6 @@ from dflash_train.training.packing import (
     collate_packed,
     derive_anchors_per_row,
     pack_rows,
-    packed_features_and_final_states,
 )
 from dflash_train.training.progress import TrainProgress
 from dflash_train.training.setup import (
@@ -144,9 +140,11 @@ class Trainer:
         self.val_sources = dict(zip(self.val_ids, sources, strict=True)) if sources else {}
         draft = build_draft(config, self.target)
         self.draft_config = draft.config
-        # The target's attention over packed rows (`_features`): flex or varlen, or None for SDPA; "auto": flex on
-        # CUDA. A failure switches the rest of the run to SDPA.
-        self.packed_target_attention = packed_target_attention(t.target_attention, self.accelerator.device)
+        # The target's attention over packed rows: flex or varlen, or None for SDPA ("auto": flex on CUDA).
+        self.features = OnlineFeatures(
+            self.target, self.draft_config.target_layer_ids,
+            packed_target_attention(t.target_attention, self.accelerator.device), t.soft_targets,
+            whole_rows=t.compile_target, say=self.accelerator.print)
         self._check_offline_features()
         deepspeed = self.accelerator.state.deepspeed_plugin
         if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
@@ -159,7 +157,9 @@ class Trainer:
             self.accelerator.unwrap_model(self.model).compile_layers()
         if t.compile_target and not self.samples.offline:
             self.target.compile_decoder_layers()
-        self.target_graphs = self._build_target_graphs()
+        if t.target_cuda_graphs:
+            self.features.build_graphs(not self.samples.offline and self.packed is not None, t.batch_size,
+                                       config.data.pack_tokens or 0, self.accelerator.device)
         self.objective = DFlashObjective(
             block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
             num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
@@ -201,19 +201,6 @@ class Trainer:
             f"{anchor_fill:.1%} of the anchor slots are used")
         return plan
 
-    def _build_target_graphs(self) -> GraphedFeatures | None:
-        """CUDA graphs of the target's pass over packed rows (training.target_cuda_graphs), where they apply:
-        online features, packed rows, varlen attention, a CUDA device; elsewhere a note and none."""
-        t, device = self.config.training, self.accelerator.device
-        if not t.target_cuda_graphs:
-            return None
-        if self.samples.offline or self.packed is None or self.packed_target_attention != VARLEN or device.type != "cuda":
-            self.accelerator.print("training.target_cuda_graphs applies to online features of packed rows on CUDA "
-                                   "with training.target_attention=varlen: the target runs uncaptured")
-            return None
-        return GraphedFeatures(lambda ids, positions: self._target_pass(ids, positions, VARLEN), t.batch_size,
-                               self.config.data.pack_tokens, device)
-
     def _check_offline_features(self) -> None:
         if not self.samples.offline:
             return
@@ -221,84 +208,6 @@ class Trainer:
             self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target.model))
 
     # -- one step -------------------------------------------------------------------------------
-    def _features(self, batch: dict[str, torch.Tensor], real: int, host_positions: torch.Tensor | None = None) -> tuple[
-            torch.Tensor, torch.Tensor | None]:
-        """Context features [b, S, K*H] and, with soft targets, the target's final states [b, S, H];
-        `real` is the longest unpadded sequence of the batch; `host_positions` the packed rows' position ids
-        on the host. Packed rows go through the attention `training.target_attention` asks for, and through
-        SDPA from the first failure on."""
-        if "features" in batch:
-            return batch["features"], None
-        attention = self.packed_target_attention if "position_ids" in batch else None
-        if attention is None:
-            return self._target_features(batch, real, None, host_positions)
-        try:
-            return self._target_features(batch, real, attention, host_positions)
-        except Exception as error:  # a compiler or kernel failure costs speed, not the run
-            self.packed_target_attention = None
-            reason = (str(error).strip().splitlines() or [""])[0][:200]
-            self.accelerator.print(f"{attention} attention failed for the target ({type(error).__name__}: {reason}); "
-                                   "packed rows use SDPA from now on (training.target_attention=sdpa skips the try)")
-            return self._target_features(batch, real, None, host_positions)
-
-    def _target_features(self, batch: dict[str, torch.Tensor], real: int, attention: str | None,
-                         host_positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        # The target runs only up to the longest real sequence: a batch padded to one shape for compiled
-        # attention would otherwise push mostly padding through it. Its outputs are padded back with zeros.
-        # Rows are right-padded, so, as in extraction, no attention mask: causal attention keeps the pads
-        # out of every real token, and a mask would only cost host syncs in Hugging Face's mask check.
-        # Packed rows pass their per-chat position ids: Hugging Face then keeps each chat to itself. Under
-        # flex attention they run whole: compiled flex attention and its block mask specialise on the
-        # length, and the padding is a sequence of its own there (collate_packed numbers it so); varlen
-        # attention cuts the chats out of the rows by their boundaries (target/varlen.py). Compiled target
-        # layers (training.compile_target) specialise on the length too: they also get whole rows.
-        graphed = attention == VARLEN and self.target_graphs is not None
-        whole = attention == FLEX or self.config.training.compile_target or graphed
-        real = batch["input_ids"].shape[1] if whole else real
-        ids = batch["input_ids"][:, :real]
-        positions = batch["position_ids"][:, :real] if "position_ids" in batch else None
-        chats = nullcontext()
-        if attention == VARLEN:
-            host = host_positions if host_positions is not None else batch["position_ids"].cpu()
-            if graphed and positions is not None and (replayed := self._graphed_pass(ids, positions, host)):
-                return replayed
-            chats = packed_sequences(host[:, :real], ids.device)
-        with chats:
-            features, final = self._target_pass(ids, positions, attention)
-        padding = batch["input_ids"].shape[1] - real
-        if padding:
-            features = torch.nn.functional.pad(features, (0, 0, 0, padding))
-            final = None if final is None else torch.nn.functional.pad(final, (0, 0, 0, padding))
-        return features, final
-
-    def _target_pass(self, ids: torch.Tensor, positions: torch.Tensor | None,
-                     attention: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """(features, final states or None) of the target's pass over `ids`; online, the very call offline
-        extraction makes (bit-identical features for unpacked rows)."""
-        layer_ids = self.draft_config.target_layer_ids
-        with torch.no_grad(), attention_implementation(self.target.model, attention):
-            if not self.config.training.soft_targets:
-                return compute_features(self.target, ids, layer_ids, position_ids=positions), None
-            if positions is None:
-                features, final = self.target.capture_features_and_final_states(ids, layer_ids)
-            else:
-                features, final = packed_features_and_final_states(self.target, ids, positions, layer_ids)
-            return features.to(torch.bfloat16), final
-
-    def _graphed_pass(self, ids: torch.Tensor, positions: torch.Tensor,
-                      host_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None] | None:
-        """The target's pass replayed from CUDA graphs (training.target_cuda_graphs), or None after a failure,
-        which turns the graphs off for the rest of the run (they cost speed, never the run)."""
-        assert self.target_graphs is not None
-        try:
-            return self.target_graphs(ids, positions, host_positions)
-        except Exception as error:  # a capture that fails leaves nothing half-done: the pass runs uncaptured
-            self.target_graphs = None
-            reason = (str(error).strip().splitlines() or [""])[0][:200]
-            self.accelerator.print(f"CUDA graphs of the target's pass failed ({type(error).__name__}: {reason}); "
-                                   "the target runs uncaptured from now on (training.target_cuda_graphs=false)")
-            return None
-
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices], self.pad_to)
         if self.accelerator.device.type == "cuda":
@@ -346,8 +255,8 @@ class Trainer:
         device = self.accelerator.device
         batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items() if k not in HOST_ONLY}
         with record_function("train/target_features"):
-            features, teacher_states = self._features(batch, max(start + n for _, start, n in chats),
-                                                      cpu_batch.get("position_ids"))
+            features, teacher_states = self.features(batch, max(start + n for _, start, n in chats),
+                                                     cpu_batch.get("position_ids"))
         with record_function("train/drafter_and_loss"):
             out = self._drafter_loss(batch, features, host_blocks.to(device, non_blocking=True), teacher_states)
         tokens = sum(n for _, _, n in chats)

@@ -68,7 +68,7 @@ def test_the_loss_never_counts_rows_on_the_device(assets: dict[str, pathlib.Path
         _, cpu_batch = trainer._load_step(0)[0]
         device = trainer.accelerator.device  # moved as the trainer's forward moves it (a GPU run: CUDA)
         batch = {k: v.to(device) for k, v in cpu_batch.items() if k not in HOST_ONLY}
-        features, _ = trainer._features(batch, batch["input_ids"].shape[1], cpu_batch["position_ids"])
+        features, _ = trainer.features(batch, batch["input_ids"].shape[1], cpu_batch["position_ids"])
         blocks = cpu_batch["blocks"].to(device)
         ops = OpNames()
         with ops:

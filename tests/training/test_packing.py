@@ -44,7 +44,7 @@ def test_packed_validation_equals_unpacked(assets: dict[str, pathlib.Path], tmp_
         # the attention asked for ran the packed target forward: no fallback to SDPA
         asked = variant.get("training.target_attention")
         if name == "packed" and asked in ("flex", "varlen"):
-            assert trainer.packed_target_attention == {"flex": "flex_attention", "varlen": "dflash_varlen"}[asked]
+            assert trainer.features.attention == {"flex": "flex_attention", "varlen": "dflash_varlen"}[asked]
     assert results["packed"]["loss"] == pytest.approx(results["unpacked"]["loss"], rel=1e-5)
     assert results["packed"]["slot_accuracy"] == pytest.approx(results["unpacked"]["slot_accuracy"], abs=1e-5)
 
@@ -98,9 +98,9 @@ def test_a_failing_flex_target_falls_back_to_sdpa(assets: dict[str, pathlib.Path
     monkeypatch.setattr("dflash_train.target.attention.FLEX", "no_such_attention")
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "flex", **{
         **settings, "training.target_attention": "flex"})))
-    assert trainer.packed_target_attention == "no_such_attention"
+    assert trainer.features.attention == "no_such_attention"
     result = trainer.validate()
-    assert trainer.packed_target_attention is None and result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
+    assert trainer.features.attention is None and result["loss"] == pytest.approx(expected["loss"], rel=1e-6)
     out = capsys.readouterr().out
     assert out.count("no_such_attention attention failed for the target") == 1
     assert "training.target_attention=sdpa" in out
@@ -112,14 +112,14 @@ def test_the_graphed_target_pass_trains_like_the_uncaptured_one(
     CPU stand-in (the same buffers replayed) takes the same steps as without them."""
     varlen = {**PACKED, "training.target_attention": "varlen", "training.target_cuda_graphs": True}
     plain = Trainer(load_config(None, overrides(assets, tmp_path / "plain", **varlen)))
-    assert plain.target_graphs is None and "the target runs uncaptured" in capsys.readouterr().out
+    assert plain.features.graphs is None and "the target runs uncaptured" in capsys.readouterr().out
     graphed = Trainer(load_config(None, overrides(assets, tmp_path / "graphed", **varlen)))
     t = graphed.config.training
-    graphed.target_graphs = GraphedFeatures(lambda ids, positions: graphed._target_pass(ids, positions, VARLEN),
-                                            t.batch_size, graphed.config.data.pack_tokens, torch.device("cpu"),
-                                            eager=True)
+    graphed.features.graphs = GraphedFeatures(
+        lambda ids, positions: graphed.features.target_pass(ids, positions, VARLEN), t.batch_size,
+        graphed.config.data.pack_tokens, torch.device("cpu"), eager=True)
     losses = [(plain.train_step()["loss"], graphed.train_step()["loss"]) for _ in range(3)]
-    assert graphed.target_graphs is not None and graphed.target_graphs.graphs  # replayed, never turned off
+    assert graphed.features.graphs is not None and graphed.features.graphs.graphs  # replayed, never turned off
     for uncaptured, replayed in losses:
         assert replayed == pytest.approx(uncaptured, rel=1e-6)
 
