@@ -39,6 +39,12 @@ def curve_points(run_dir: Path) -> list[dict[str, Any]]:
     return sorted(best.values(), key=lambda p: (p["train_minutes"], p["run"], p["dataset"]))
 
 
+def log_minutes(minutes: list[float]) -> bool:
+    """Whether the minutes axis is logarithmic (base 2): when the budgets span a doubling or more. τ grows
+    about linearly in the log of training time, so equal gains per doubling then read as a straight line."""
+    return bool(minutes) and minutes[0] > 0 and minutes[-1] >= 2 * minutes[0]
+
+
 def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
     fig = Figure(figsize=(11, 3.8))
     tau_axis, speed_axis = fig.subplots(1, 2)
@@ -52,8 +58,7 @@ def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
     speed_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     minutes = sorted({p["train_minutes"] for p in points})
     for axis, label in ((tau_axis, "acceptance length τ (batch 1)"), (speed_axis, "decode speedup over the target")):
-        if minutes[0] > 0 and minutes[-1] >= 2 * minutes[0]:
-            # τ grows about linearly in the log of training time: equal steps per doubling read as a line.
+        if log_minutes(minutes):
             axis.set_xscale("log", base=2)
             axis.set_xticks(minutes, [f"{m:g}" for m in minutes])
             axis.minorticks_off()

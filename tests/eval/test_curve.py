@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.eval.curve import curve_points, main
+from dflash_train.eval.curve import curve_points, log_minutes, main
 from tests.helpers.eval_reports import result, write_report
 
 
@@ -100,3 +100,8 @@ def test_no_folder_is_a_usage_error_and_a_missing_one_a_one_line_error(tmp_path:
     assert main([str(tmp_path), str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"{tmp_path / 'nowhere'} is not a folder" in err
+
+
+def test_the_minutes_axis_is_logarithmic_once_budgets_span_a_doubling() -> None:
+    assert log_minutes([5.0, 10.0, 20.0]) and log_minutes([9.0, 20.0])
+    assert not log_minutes([9.0, 12.0]) and not log_minutes([0.0, 9.0]) and not log_minutes([])
