@@ -2,7 +2,7 @@
 
     python -m benchmarks.train_packing                       # random SmolLM2-shaped target, synthetic chats
     python -m benchmarks.train_packing --prepared DIR --target DIR   # real regenerated chats and target
-    python -m benchmarks.train_packing --recipe recipes/smollm2-135m-dflash-b16-packed.yaml --num-anchors 128 \
+    python -m benchmarks.train_packing --recipe recipes/smollm2-135m-dflash-b16-packed.yaml --num-anchors 64 \
         --variants packed --profile        # the speedrun's recipe, and where its step's time goes
 
 Each variant runs the real `Trainer` in its own process with an empty compilation cache, so its first
