@@ -62,8 +62,10 @@
 #                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
-#                   beside the others (default "trim_loops:--trim-loops;maxlen1024:--max-length 1024": loops cut
-#                   to two copies, and chats capped at 1,024 tokens instead of MAX_LENGTH; empty: none). Their
+#                   beside the others (default "trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:
+#                   --exclude-source self-prompts": loops cut to two copies, chats capped at 1,024 tokens instead
+#                   of MAX_LENGTH, and the mix without the target's own prompts, so the code, math and ShareGPT
+#                   chats get all the steps; empty: none). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
@@ -102,7 +104,7 @@ EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens32k:data.pack_tokens=16384 training.batch_size=2}
-ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024}
+ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:--exclude-source self-prompts}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}

@@ -280,3 +280,22 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
                    "ablation-tokens32k": config.data.pack_tokens == 16384 != base.data.pack_tokens
                    and tokens_a_step == 2 * base.training.batch_size * base.data.pack_tokens}[name]
         assert changed, name
+
+
+def test_every_default_data_ablation_is_a_valid_prepare_call(tmp_path: pathlib.Path) -> None:
+    """The ablate stage's default data variants prepare the same answers again with their own flags: each one
+    must reach prepare, after the stage's own flags, as arguments prepare's parser accepts."""
+    import argparse
+
+    from dflash_train.commands import prepare
+
+    calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="") if "cli prepare" in c]
+    outs = {args[args.index("--out") + 1].rsplit("/", 1)[-1]: args for args in calls}
+    assert {"prepared-trim_loops", "prepared-maxlen1024", "prepared-noself"} <= set(outs)
+    parser = argparse.ArgumentParser()
+    prepare.add_arguments(parser)
+    for out, args in outs.items():
+        parsed = parser.parse_args(args[args.index("prepare") + 1 :])
+        changed = {"prepared-trim_loops": parsed.trim_loops, "prepared-maxlen1024": parsed.max_length == 1024,
+                   "prepared-noself": parsed.exclude_source == ["self-prompts"]}.get(out, True)
+        assert changed, out
