@@ -170,20 +170,21 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
 
 def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
     """ABLATION_DATA: the regenerated answers prepared again with other flags; a run of the baseline recipe on
-    each, after the recipe ablations; the trim-loops and 1,024-token variants are there by default, and a
+    each, after the recipe ablations; the trim-loops, 1,024-token and no-self-prompts variants are there by default, and a
     variant's flags come after the stage's own (its --max-length wins over MAX_LENGTH)."""
     run = tmp_path / "run"
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1")]
     prepares = [args for args in calls if "prepare" in args]
-    assert len(prepares) == 2 and "--trim-loops" in prepares[0]
+    assert len(prepares) == 3 and "--trim-loops" in prepares[0]
     assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-trim_loops")
     assert prepares[0][prepares[0].index("--data") + 1] == str(run / "regen")
     lengths = [prepares[1][i + 1] for i, arg in enumerate(prepares[1]) if arg == "--max-length"]
     assert lengths[-1] == "1024" and len(lengths) == 2  # argparse keeps the last
     trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
     assert [args[[a.startswith("training.output_dir=") for a in args].index(True)].rsplit("/", 1)[-1]
-            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops", "ablation-maxlen1024"]
-    last = trains[-2]
+            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops", "ablation-maxlen1024",
+                                    "ablation-noself"]
+    last = trains[2]
     data = [a for a in last if a.startswith("data.prepared=")]
     assert data[-1] == f"data.prepared={run}/prepared-trim_loops"  # the later override wins
     (run / "prepared-trim_loops").mkdir()
