@@ -54,9 +54,10 @@
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
-#                   measured against today's recipe: 32 anchors per chat instead of 64, twice the tokens a step
-#                   (two rows of 16,384); measured before and not adopted: 8 drafter layers, 128 and 256 anchors,
-#                   one row of 16,384, the fixed slot decay, twice the learning rates; empty: the baseline only), each
+#                   measured against today's recipe: 32 anchors per chat instead of 64, half the tokens a step
+#                   (one row of 8,192: twice the steps); measured before and not adopted: 8 drafter layers, 128 and
+#                   256 anchors, twice the tokens a step (4 rows of 8,192), one row of 16,384, the fixed slot
+#                   decay, twice the learning rates; empty: the baseline only), each
 #                   ABLATION_MINUTES (default 3, compilation not
 #                   counted) beside a baseline; compared in a table and $OUT/ablations.png by held-out τ̂ and by
 #                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
@@ -103,7 +104,7 @@ REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
-ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens32k:data.pack_tokens=16384 training.batch_size=2}
+ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens8k:training.batch_size=1}
 ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:--exclude-source self-prompts}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
