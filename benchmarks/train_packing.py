@@ -254,25 +254,28 @@ def error_lines(stderr: str, limit: int = 3) -> list[str]:
 
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
-          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10}")
+          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10} {'vs pad':>7}")
 
 
 def print_row(result: dict[str, Any]) -> None:
-    ratio = result.get("chat_passes_vs_padded")
+    ratio, queued_ratio = result.get("chat_passes_vs_padded"), result.get("queued_chat_passes_vs_padded")
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "-"
     print(f"{result['variant']:<22} {result['chats_per_step']:>7.1f} {result['step_s_median']:>8.3f} "
           f"{result['chat_passes_per_min']:>10,.0f} {f'{ratio:.2f}x' if ratio else '-':>7} "
           f"{result['valid_block_tokens_per_s']:>12,.0f} {mfu:>6} {result['first_step_s']:>8.1f} "
           f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f} "
-          f"{result.get('queued_chat_passes_per_min', float('nan')):>10,.0f}", flush=True)
+          f"{result.get('queued_chat_passes_per_min', float('nan')):>10,.0f} "
+          f"{f'{queued_ratio:.2f}x' if queued_ratio else '-':>7}", flush=True)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:
-    """Each variant's chat-passes per minute over the padded variant's of the same run (when it ran)."""
+    """Each variant's chat-passes per minute over the padded variant's of the same run (when it ran), with
+    steps waited for one by one and with steps queued back to back as `fit` runs them."""
     padded = next((r for r in results if r["variant"] == "padded"), None)
     for result in results:
-        result["chat_passes_vs_padded"] = (result["chat_passes_per_min"] / padded["chat_passes_per_min"]
-                                           if padded else None)
+        for key in ("chat_passes_per_min", "queued_chat_passes_per_min"):
+            ratio = result[key] / padded[key] if padded and result.get(key) and padded.get(key) else None
+            result[key.replace("_per_min", "_vs_padded")] = ratio
 
 
 def main(argv: list[str] | None = None) -> None:

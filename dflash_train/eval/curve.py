@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,21 @@ def log_minutes(minutes: list[float]) -> bool:
     """Whether the minutes axis is logarithmic (base 2): when the budgets span a doubling or more. τ grows
     about linearly in the log of training time, so equal gains per doubling then read as a straight line."""
     return bool(minutes) and minutes[0] > 0 and minutes[-1] >= 2 * minutes[0]
+
+
+def tau_per_doubling(points: list[dict[str, Any]]) -> dict[str, float]:
+    """Per dataset with two budgets or more: the least-squares slope of τ against log2(training minutes), i.e.
+    the τ each doubling of training time adds, on average over the measured budgets."""
+    slopes = {}
+    for dataset in sorted({p["dataset"] for p in points}):
+        xy = [(math.log2(p["train_minutes"]), p["tau"]) for p in points
+              if p["dataset"] == dataset and p["train_minutes"] > 0]
+        mean_x = sum(x for x, _ in xy) / max(len(xy), 1)
+        spread = sum((x - mean_x) ** 2 for x, _ in xy)
+        if len(xy) >= 2 and spread > 0:
+            mean_y = sum(y for _, y in xy) / len(xy)
+            slopes[dataset] = sum((x - mean_x) * (y - mean_y) for x, y in xy) / spread
+    return slopes
 
 
 def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
@@ -130,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     (run_dir / "curve.json").write_text(json.dumps(points, indent=2) + "\n")
     plot_curve(points, run_dir / "curve.png")
     print(table(points), end="")
+    slopes = tau_per_doubling(points)
+    if slopes:
+        print("τ per doubling of training minutes (least squares over the budgets): "
+              + ", ".join(f"{dataset} {slope:+.2f}" for dataset, slope in slopes.items()))
     print(f"written: {run_dir / 'curve.json'}, {run_dir / 'curve.png'}")
     return 0
 

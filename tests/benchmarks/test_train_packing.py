@@ -86,6 +86,9 @@ def test_padded_stays_one_chat_per_row_under_the_packed_recipe(tmp_path: Path, m
     # the ratio of a variant measured before the padded one is filled in once the padded one has run
     assert rows["packed"]["chat_passes_vs_padded"] == pytest.approx(
         rows["packed"]["chat_passes_per_min"] / rows["padded"]["chat_passes_per_min"])
+    assert rows["packed"]["queued_chat_passes_vs_padded"] == pytest.approx(  # as `fit` runs the steps
+        rows["packed"]["queued_chat_passes_per_min"] / rows["padded"]["queued_chat_passes_per_min"])
+    assert rows["padded"]["queued_chat_passes_vs_padded"] == pytest.approx(1.0)
 
 
 def test_the_synthetic_target_tokenizer_covers_the_whole_vocabulary(tmp_path: Path) -> None:

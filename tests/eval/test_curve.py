@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.eval.curve import curve_points, log_minutes, main
+from dflash_train.eval.curve import curve_points, log_minutes, main, tau_per_doubling
 from tests.helpers.eval_reports import result, write_report
 
 
@@ -49,6 +49,7 @@ def test_main_writes_the_table_json_and_plot(run_dir: Path, capsys: pytest.Captu
     assert [p["run"] for p in json.loads((run_dir / "curve.json").read_text())] == [
         "curve-5min", "curve-10min", "curve-10min", "main"]
     assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "τ per doubling of training minutes (least squares over the budgets): mt-bench +0.75" in out
 
 
 def test_nothing_to_plot_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -105,3 +106,12 @@ def test_no_folder_is_a_usage_error_and_a_missing_one_a_one_line_error(tmp_path:
 def test_the_minutes_axis_is_logarithmic_once_budgets_span_a_doubling() -> None:
     assert log_minutes([5.0, 10.0, 20.0]) and log_minutes([9.0, 20.0])
     assert not log_minutes([9.0, 12.0]) and not log_minutes([0.0, 9.0]) and not log_minutes([])
+
+
+def test_tau_per_doubling_is_the_least_squares_slope_against_log2_minutes(run_dir: Path) -> None:
+    # MT-Bench at 5, 10 and 20 minutes: τ 1.5, 2.0, 3.0. Against log2 minutes the points sit at -1, 0, +1 around
+    # their mean, so the slope is (-1 * -2/3 + 0 + 1 * 5/6) / 2 = 0.75; HumanEval has one budget: no slope.
+    assert tau_per_doubling(curve_points(run_dir)) == pytest.approx({"mt-bench": 0.75})
+    one_budget = [{"dataset": "math", "train_minutes": 9.0, "tau": 4.0}, {"dataset": "math", "train_minutes": 9.0,
+                                                                           "tau": 4.2}]
+    assert tau_per_doubling(one_budget) == {}
