@@ -2,6 +2,7 @@
 
     python -m dflash_train.eval.curve outputs/speedrun     # prints a table, writes curve.json and curve.png
     python -m dflash_train.eval.curve runs/a runs/b        # points of several run directories, written to the first
+    python -m dflash_train.eval.curve runs/a --goal humaneval=4.5   # and where each set's trend reaches its goal
 
 Each training run under `<run>/train/<name>` that has an eval report `<run>/eval/<name>[-b16|-b8].json` at
 batch 1 (a `-fp32` check excepted) is one point per dataset: its training minutes (from the last
@@ -46,10 +47,10 @@ def log_minutes(minutes: list[float]) -> bool:
     return bool(minutes) and minutes[0] > 0 and minutes[-1] >= 2 * minutes[0]
 
 
-def tau_per_doubling(points: list[dict[str, Any]]) -> dict[str, float]:
-    """Per dataset with two budgets or more: the least-squares slope of τ against log2(training minutes), i.e.
-    the τ each doubling of training time adds, on average over the measured budgets."""
-    slopes = {}
+def trend(points: list[dict[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Per dataset with two budgets or more: the least-squares line τ = intercept + slope · log2(training
+    minutes), as (slope, intercept). The slope is the τ each doubling of training time adds on average."""
+    lines = {}
     for dataset in sorted({p["dataset"] for p in points}):
         xy = [(math.log2(p["train_minutes"]), p["tau"]) for p in points
               if p["dataset"] == dataset and p["train_minutes"] > 0]
@@ -57,34 +58,99 @@ def tau_per_doubling(points: list[dict[str, Any]]) -> dict[str, float]:
         spread = sum((x - mean_x) ** 2 for x, _ in xy)
         if len(xy) >= 2 and spread > 0:
             mean_y = sum(y for _, y in xy) / len(xy)
-            slopes[dataset] = sum((x - mean_x) * (y - mean_y) for x, y in xy) / spread
-    return slopes
+            slope = sum((x - mean_x) * (y - mean_y) for x, y in xy) / spread
+            lines[dataset] = (slope, mean_y - slope * mean_x)
+    return lines
 
 
-def plot_curve(points: list[dict[str, Any]], path: Path) -> Path:
+def tau_per_doubling(points: list[dict[str, Any]]) -> dict[str, float]:
+    """The trend's slope per dataset: the τ each doubling of training minutes adds."""
+    return {dataset: slope for dataset, (slope, _) in trend(points).items()}
+
+
+def minutes_to_goal(points: list[dict[str, Any]], goals: dict[str, float]) -> dict[str, float | None]:
+    """Per dataset with a goal: the training minutes at which its trend line reaches the goal τ (None when the
+    trend does not rise or the dataset has fewer than two budgets)."""
+    lines = trend(points)
+    reach: dict[str, float | None] = {}
+    for dataset, goal in goals.items():
+        slope, intercept = lines.get(dataset, (0.0, 0.0))
+        reach[dataset] = 2 ** ((goal - intercept) / slope) if slope > 0 else None
+    return reach
+
+
+MAX_EXTENSION = 8  # the trend is drawn up to this many times the longest budget at most
+
+
+def plot_curve(points: list[dict[str, Any]], path: Path, goals: dict[str, float] | None = None) -> Path:
+    """τ and speedup against minutes; with goals, each set's goal τ as a dashed line and its trend (the
+    least-squares line against log2 minutes) dotted, extended to where it reaches the goal."""
+    goals = goals or {}
     fig = Figure(figsize=(11, 3.8))
     tau_axis, speed_axis = fig.subplots(1, 2)
+    minutes = sorted({p["train_minutes"] for p in points})
+    lines, reach = trend(points), minutes_to_goal(points, goals)
+    ticks = list(minutes)
     for dataset in sorted({p["dataset"] for p in points}):
         mine = [p for p in points if p["dataset"] == dataset]
-        minutes = [p["train_minutes"] for p in mine]
-        tau_axis.plot(minutes, [p["tau"] for p in mine], marker="o", label=dataset)
-        speeds = [(m, p["speedup"]) for m, p in zip(minutes, mine, strict=True) if p["speedup"] is not None]
+        mine_minutes = [p["train_minutes"] for p in mine]
+        (drawn,) = tau_axis.plot(mine_minutes, [p["tau"] for p in mine], marker="o", label=dataset)
+        speeds = [(m, p["speedup"]) for m, p in zip(mine_minutes, mine, strict=True) if p["speedup"] is not None]
         if speeds:
             speed_axis.plot(*zip(*speeds, strict=True), marker="o", label=dataset)
+        if dataset in goals:
+            tau_axis.axhline(goals[dataset], color=drawn.get_color(), linewidth=0.8, linestyle="--", alpha=0.7)
+            if dataset in lines and minutes[0] > 0:
+                slope, intercept = lines[dataset]
+                end = min(max(reach[dataset] or 0.0, minutes[-1]), MAX_EXTENSION * minutes[-1])
+                span = [minutes[0], end]
+                tau_axis.plot(span, [intercept + slope * math.log2(m) for m in span], color=drawn.get_color(),
+                              linewidth=0.8, linestyle=":")
+                if end > minutes[-1]:
+                    ticks.append(round(end))
     speed_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    minutes = sorted({p["train_minutes"] for p in points})
     for axis, label in ((tau_axis, "acceptance length τ (batch 1)"), (speed_axis, "decode speedup over the target")):
         if log_minutes(minutes):
             axis.set_xscale("log", base=2)
-            axis.set_xticks(minutes, [f"{m:g}" for m in minutes])
+            axis.set_xticks(sorted(set(ticks)) if axis is tau_axis else minutes,
+                            [f"{m:g}" for m in (sorted(set(ticks)) if axis is tau_axis else minutes)])
             axis.minorticks_off()
         axis.set_xlabel("training minutes")
         axis.set_ylabel(label)
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
+    if goals:
+        tau_axis.set_title("dashed: goal; dotted: trend against log2 minutes", fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def goal_lines(points: list[dict[str, Any]], goals: dict[str, float]) -> list[str]:
+    """One line per goal: the first measured budget that reached it, or where the trend would."""
+    lines = []
+    for dataset, minutes in minutes_to_goal(points, goals).items():
+        reached = [p["train_minutes"] for p in points if p["dataset"] == dataset and p["tau"] >= goals[dataset]]
+        if reached:
+            lines.append(f"{dataset}: τ {goals[dataset]:.2f} reached at {min(reached):g} training minutes (measured)")
+        elif minutes is None:
+            lines.append(f"{dataset}: τ {goals[dataset]:.2f} not reached, and no rising trend over two budgets or more")
+        else:
+            lines.append(f"{dataset}: τ {goals[dataset]:.2f} at about {minutes:.0f} training minutes if τ keeps "
+                         "rising as it has")
+    return lines
+
+
+def parse_goal(text: str) -> tuple[str, float]:
+    """`DATASET=TAU`, e.g. `humaneval=4.5`."""
+    dataset, sep, value = text.partition("=")
+    try:
+        tau = float(value)
+    except ValueError:
+        tau = float("nan")
+    if not sep or not dataset or not tau > 1:
+        raise argparse.ArgumentTypeError(f"'{text}' is not DATASET=TAU with TAU > 1, e.g. humaneval=4.5")
+    return dataset, tau
 
 
 def table(points: list[dict[str, Any]]) -> str:
@@ -123,7 +189,12 @@ def main(argv: list[str] | None = None) -> int:
                                      description="τ and speedup against training minutes from recipe run "
                                                  "folders' eval reports (writes curve.json and curve.png to the first).")
     parser.add_argument("run_dirs", type=Path, nargs="+", metavar="RUN_DIR", help="a recipe's OUT folder")
-    run_dirs: list[Path] = parser.parse_args(argv).run_dirs
+    parser.add_argument("--goal", type=parse_goal, action="append", default=[], metavar="DATASET=TAU",
+                        help="a τ goal of one eval set (repeatable), e.g. humaneval=4.5: drawn with the set's trend, "
+                             "and the minutes at which the trend reaches it are printed")
+    parsed = parser.parse_args(argv)
+    run_dirs: list[Path] = parsed.run_dirs
+    goals = dict(parsed.goal)
     args = [str(run_dir) for run_dir in run_dirs]
     missing = [str(run_dir) for run_dir in run_dirs if not run_dir.is_dir()]
     if missing:
@@ -144,12 +215,18 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 1
     (run_dir / "curve.json").write_text(json.dumps(points, indent=2) + "\n")
-    plot_curve(points, run_dir / "curve.png")
+    plot_curve(points, run_dir / "curve.png", goals)
     print(table(points), end="")
     slopes = tau_per_doubling(points)
     if slopes:
         print("τ per doubling of training minutes (least squares over the budgets): "
               + ", ".join(f"{dataset} {slope:+.2f}" for dataset, slope in slopes.items()))
+    unknown = sorted(set(goals) - {p["dataset"] for p in points})
+    if unknown:
+        print(f"curve: no points of {', '.join(unknown)} (sets evaluated: "
+              f"{', '.join(sorted({p['dataset'] for p in points}))}); its goal is left out", file=sys.stderr)
+    for line in goal_lines(points, {k: v for k, v in goals.items() if k not in unknown}):
+        print(line)
     print(f"written: {run_dir / 'curve.json'}, {run_dir / 'curve.png'}")
     return 0
 

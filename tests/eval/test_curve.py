@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.eval.curve import curve_points, log_minutes, main, tau_per_doubling
+from dflash_train.eval.curve import (
+    curve_points,
+    goal_lines,
+    log_minutes,
+    main,
+    minutes_to_goal,
+    tau_per_doubling,
+)
 from tests.helpers.eval_reports import result, write_report
 
 
@@ -115,3 +122,29 @@ def test_tau_per_doubling_is_the_least_squares_slope_against_log2_minutes(run_di
     one_budget = [{"dataset": "math", "train_minutes": 9.0, "tau": 4.0}, {"dataset": "math", "train_minutes": 9.0,
                                                                            "tau": 4.2}]
     assert tau_per_doubling(one_budget) == {}
+
+
+def test_minutes_to_goal_follow_the_trend_line(run_dir: Path) -> None:
+    # MT-Bench's line: τ 2.9167 at 20 minutes (its fit), +0.75 a doubling; τ 3.75 is 0.8333 / 0.75 = 1.111
+    # doublings later: 20 · 2^1.111 = 43.2 minutes. HumanEval has one budget: no trend.
+    reach = minutes_to_goal(curve_points(run_dir), {"mt-bench": 3.75, "humaneval": 3.0})
+    assert reach["mt-bench"] == pytest.approx(20 * 2 ** (0.8333333 / 0.75), rel=1e-5)
+    assert reach["humaneval"] is None
+    lines = goal_lines(curve_points(run_dir), {"mt-bench": 3.75, "humaneval": 3.0})
+    assert lines == ["mt-bench: τ 3.75 at about 43 training minutes if τ keeps rising as it has",
+                     "humaneval: τ 3.00 not reached, and no rising trend over two budgets or more"]
+    assert goal_lines(curve_points(run_dir), {"mt-bench": 2.0}) == [
+        "mt-bench: τ 2.00 reached at 10 training minutes (measured)"]
+
+
+def test_goals_on_the_command_line(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(run_dir), "--goal", "mt-bench=3.75", "--goal", "gsm8k=3"]) == 0
+    captured = capsys.readouterr()
+    assert "mt-bench: τ 3.75 at about 43 training minutes" in captured.out
+    assert captured.err.count("\n") == 1 and "no points of gsm8k" in captured.err
+    assert (run_dir / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for bad in ("mt-bench", "mt-bench=fast", "mt-bench=0.5"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([str(run_dir), "--goal", bad])
+        assert exit_info.value.code == 2
+        assert "is not DATASET=TAU with TAU > 1" in capsys.readouterr().err
