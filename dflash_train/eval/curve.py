@@ -109,11 +109,12 @@ def plot_curve(points: list[dict[str, Any]], path: Path, goals: dict[str, float]
                 if end > minutes[-1]:
                     ticks.append(round(end))
     speed_axis.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
-    for axis, label in ((tau_axis, "acceptance length τ (batch 1)"), (speed_axis, "decode speedup over the target")):
+    axes = ((tau_axis, "acceptance length τ (batch 1)", sorted(set(ticks))),
+            (speed_axis, "decode speedup over the target", minutes))
+    for axis, label, axis_ticks in axes:
         if log_minutes(minutes):
             axis.set_xscale("log", base=2)
-            axis.set_xticks(sorted(set(ticks)) if axis is tau_axis else minutes,
-                            [f"{m:g}" for m in (sorted(set(ticks)) if axis is tau_axis else minutes)])
+            axis.set_xticks(axis_ticks, [f"{m:g}" for m in axis_ticks])
             axis.minorticks_off()
         axis.set_xlabel("training minutes")
         axis.set_ylabel(label)
