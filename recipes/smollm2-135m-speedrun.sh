@@ -20,16 +20,16 @@
 #                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math asking for worked solutions
 #                   (`:steps`: bare-result math gave answers too short to train on, 42 %, in a style the math
 #                   eval never sees), 6k generated word problems asking for worked solutions (math τ 3.71 ->
-#                   4.71 in the 8db07a8 run, with 3.5x the self-prompts); with SELF_PROMPTS, ~154k)
+#                   4.71 in the 8db07a8 run, with 3.5x the self-prompts); with SELF_PROMPTS, ~159k)
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
 #   SELF_PROMPTS    chat prompts the target writes itself (`dflash-train self-prompt`: sampled user turns,
 #                   distinct, decontaminated), packed into the mix beside MIX in the prompts stage, which then
-#                   needs the GPU and the target (default 70000, ~2.2 minutes on an H200, taken off
+#                   needs the GPU and the target (default 75000, ~2.3 minutes on an H200, taken off
 #                   REGEN_MINUTES; 0: none). In place of 20k openai-evals prompts, 20k of them raised MT-Bench
 #                   τ 2.96 -> 3.15 at equal minutes (b628823); 70k took the kept chats from 93k to 148k
-#                   (8db07a8). SELF_PROMPT_EXTRA: more self-prompt flags
+#                   (8db07a8); 75k for >= 150k kept chats. SELF_PROMPT_EXTRA: more self-prompt flags
 #   SELF_MATH_PROMPTS   math word problems the target writes itself (`self-prompt --opening`, SELF_MATH_OPENING),
 #                   each followed by a request for a worked solution in \boxed{}, packed beside the other
 #                   self-prompts as source self-prompts:math: the target's answers in the style it uses on the
@@ -43,8 +43,9 @@
 #                   the cap or its end
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
-#                   SELF_PROMPTS took; training uses the finished shards (default 8.5: the 8db07a8 run answered
-#                   all ~153k prompts in 8.2 minutes, self-prompts included)
+#                   SELF_PROMPTS took; training uses the finished shards (default 9: the 8db07a8 run answered
+#                   all ~153k prompts in 8.2 minutes, self-prompts included; with 8.5, the 7b99c43 run answered
+#                   143k of ~159k, 35 of 39 units, at 122k tokens/s while decoding against 8db07a8's 136k)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 9: the 8db07a8 run's other
 #                   stages took 14.1 minutes, eval 5.0 of them, and loading plus the first step half a minute,
 #                   so 9 fits in 25 with about a minute to spare for copying the target and installing)
@@ -89,7 +90,7 @@ PROMPTS=${PROMPTS:-$OUT/prompts.jsonl}
 MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000 word-problems:steps=6000}
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
-SELF_PROMPTS=${SELF_PROMPTS:-70000}
+SELF_PROMPTS=${SELF_PROMPTS:-75000}
 TRIM_LOOPS=${TRIM_LOOPS:-0}
 STOP_LOOPS=${STOP_LOOPS:-1}
 SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
@@ -97,7 +98,7 @@ SELF_MATH_PROMPTS=${SELF_MATH_PROMPTS:-0}
 SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to solve:}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
-REGEN_MINUTES=${REGEN_MINUTES:-8.5}
+REGEN_MINUTES=${REGEN_MINUTES:-9}
 TRAIN_MINUTES=${TRAIN_MINUTES:-9}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}

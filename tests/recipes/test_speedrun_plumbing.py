@@ -140,7 +140,7 @@ def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_pat
     (tmp_path / "run" / "prompts.jsonl").unlink(missing_ok=True)
     (tmp_path / "run" / "self_prompts.jsonl").unlink()
     default = [c.split() for c in run_stage("prompts", tmp_path, MIX="sharegpt=10") if "self-prompt" in c]
-    assert [args[args.index("--num-prompts") + 1] for args in default] == ["70000"]  # the default mix has them
+    assert [args[args.index("--num-prompts") + 1] for args in default] == ["75000"]  # the default mix has them
     done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prompts"], cwd=REPO,
                           env={**os.environ, "OUT": str(tmp_path / "bad"), "SELF_PROMPTS": "many"},
                           capture_output=True, text=True, timeout=60)
