@@ -50,6 +50,9 @@
 #                   stages took 14.1 minutes, eval 5.0 of them, and loading plus the first step half a minute,
 #                   so 9 fits in 25 with about a minute to spare for copying the target and installing)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
+#   GOALS           what the summary checks the run against (`python -m dflash_train.eval.summary --goal`): τ per
+#                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
+#                   mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25"; empty: none)
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
@@ -103,6 +106,7 @@ TRAIN_MINUTES=${TRAIN_MINUTES:-9}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
+GOALS=${GOALS-humaneval=4.5 mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens8k:training.batch_size=1}
@@ -344,7 +348,9 @@ summary() {
   # The curve and ablate stages' runs are extra: they are not part of the speedrun's total.
   awk -F '\t' '{ printf "  %-10s %6.1f\n", $1, $2 / 60 } $1 != "curve" && $1 != "ablate" { total += $2 }
     END { printf "  %-10s %6.1f\n", "total", total / 60 }' "$OUT/times.tsv"
-  python3 -m dflash_train.eval.summary "$OUT"
+  local goal goals=()
+  for goal in $GOALS; do goals+=(--goal "$goal"); done
+  python3 -m dflash_train.eval.summary "$OUT" "${goals[@]}"
 }
 
 case "$STAGE" in

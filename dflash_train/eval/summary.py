@@ -7,7 +7,8 @@ trainer_state.json`; a report named `<name>-b8` belongs to the training run `<na
 `regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
 (summary.json stays a list of eval rows, as its readers expect); the prepared chats (`<run>/prepared/dflash_data.json`)
 a "data:" line (chats kept: the distinct conversations training saw, and why the others were dropped); each
-training run a "training:" line (steps, median step, the cold first step).
+training run a "training:" line (steps, median step, the cold first step). `--goal KEY=VALUE` checks the run
+against its goals (goals.py): a "goals:" line and `summary_goals.json`.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash_train.eval.console import lossless_mark
+from dflash_train.eval.goals import check_goals, goals_line, parse_goals, write_goals
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
@@ -179,7 +181,17 @@ def main(argv: list[str] | None = None) -> int:
                                      description="One table for a recipe run directory: its eval reports with "
                                                  "the training runs behind them (writes summary.json and .md).")
     parser.add_argument("run_dir", type=Path, help="the recipe's OUT folder (with eval/ and train/ in it)")
-    run_dir = parser.parse_args(argv).run_dir
+    parser.add_argument("--goal", action="append", default=[], metavar="KEY=VALUE",
+                        help="a goal to check (repeatable): DATASET=TAU, speedup=X, chats=N or minutes=M "
+                             "(dflash_train/eval/goals.py); prints a goals: line and writes summary_goals.json")
+    parser.add_argument("--goal-run", default="main", help="the training run the goals judge (default: main)")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir
+    try:
+        goals = parse_goals(args.goal)
+    except ValueError as error:
+        print(f"summary: {error}", file=sys.stderr)
+        return 2
     if not run_dir.is_dir():
         print(f"summary: {run_dir} is not a folder: give a recipe's OUT folder", file=sys.stderr)
         return 2
@@ -199,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table, end="")
     for line in breakdown_lines(rows):
         print(line)
+    if goals:
+        checks = check_goals(goals, rows, run_dir, args.goal_run)
+        print(goals_line(checks))
+        write_goals(checks, run_dir / "summary_goals.json")
     return 0
 
 

@@ -299,3 +299,14 @@ def test_every_default_data_ablation_is_a_valid_prepare_call(tmp_path: pathlib.P
         changed = {"prepared-trim_loops": parsed.trim_loops, "prepared-maxlen1024": parsed.max_length == 1024,
                    "prepared-noself": parsed.exclude_source == ["self-prompts"]}.get(out, True)
         assert changed, out
+
+
+def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "times.tsv").write_text("train\t540\n")
+    summary = [c.split() for c in run_stage("summary", tmp_path) if "dflash_train.eval.summary" in c]
+    assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run"), "--goal", "humaneval=4.5",
+                        "--goal", "mt-bench=4.0", "--goal", "math-synthetic=5.5", "--goal", "speedup=2.0",
+                        "--goal", "chats=150000", "--goal", "minutes=25"]]
+    summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "dflash_train.eval.summary" in c]
+    assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run")]]
