@@ -65,15 +65,20 @@ def _fmt(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
+def _interval(bounds: list[float] | tuple[float, float] | None) -> str:
+    return "—" if bounds is None else f"{bounds[0]:.2f}–{bounds[1]:.2f}"
+
+
 def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"DFlash eval: {report['target']} + {report['draft']} (block {report['settings']['block_size']})")
     table.add_column("dataset", no_wrap=True)
-    for column in ("reqs", "τ", "τ/cycle", "τ̂ teacher-forced", "lossless", "tok/s draft", "tok/s target", "speedup"):
+    for column in ("reqs", "τ", "τ 95% CI", "τ/cycle", "τ̂ teacher-forced", "lossless", "tok/s draft", "tok/s target",
+                   "speedup"):
         table.add_column(column, justify="right", no_wrap=True)
     for name, row in report["datasets"].items():
         mark = lossless_mark(row)
         table.add_row(name, str(row["requests"]), _fmt(row["acceptance_length"], ".2f"),
-                      _fmt(row["acceptance_length_cycle_weighted"], ".2f"),
+                      _interval(row.get("acceptance_length_ci95")), _fmt(row["acceptance_length_cycle_weighted"], ".2f"),
                       _fmt(row.get("teacher_forced_acceptance_length"), ".2f"), mark,
                       _fmt(row["tokens_per_s_with_draft"], ",.1f"), _fmt(row["tokens_per_s_target_only"], ",.1f"),
                       _fmt(row["speedup"], ".2f") + "×")

@@ -56,6 +56,10 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
         "definitions": {
             "acceptance_length": "mean over requests of the mean a+1 per cycle (a accepted drafts + 1 bonus); "
                                  "each turn is a request",
+            "acceptance_length_ci95": "95 % percentile-bootstrap interval of acceptance_length, requests resampled "
+                                      "(2,000 resamples, seeded)",
+            "acceptance_length_per_request": "[conversation, turn, acceptance_length of that request alone] of every "
+                                             "request (null without a cycle), for paired comparisons of two drafters",
             "acceptance_length_cycle_weighted": "mean a+1 over all cycles",
             "acceptance_length_by_turn": "acceptance_length of the requests of turn 1, 2, ... (a multi-turn set)",
             "acceptance_length_by_category": "acceptance_length of the requests of each category the set's rows "

@@ -277,6 +277,7 @@ class Evaluator:
             **acceptance_metrics([out.acceptance_lengths for _, _, out in done], self.settings.block_size),
             "acceptance_length_by_turn": _tau_by_turn(done),
             "acceptance_length_by_category": _tau_by_category(done, prompt_set),
+            "acceptance_length_per_request": _tau_per_request(done),
             "lossless": (not mismatches) if checked else None,
             "lossless_requests": len(done) - len(mismatches) if checked else None,
             "mismatches": mismatches[:MAX_LISTED_MISMATCHES],
@@ -298,6 +299,12 @@ def _tau_by_turn(done: list[tuple[Request, RequestOutput | None, RequestOutput]]
     turns = max(request.turn for request, _, _ in done) + 1
     return [running_tau([out.acceptance_lengths for request, _, out in done if request.turn == turn])
             for turn in range(turns)]
+
+
+def _tau_per_request(done: list[tuple[Request, RequestOutput | None, RequestOutput]]) -> list[list[Any]]:
+    """[conversation, turn, τ] of every request (τ None without a cycle): what a paired comparison of two
+    drafters on the same prompts resamples (uncertainty.py)."""
+    return [[request.conversation, request.turn, running_tau([out.acceptance_lengths])] for request, _, out in done]
 
 
 def _tau_by_category(done: list[tuple[Request, RequestOutput | None, RequestOutput]],

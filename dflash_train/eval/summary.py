@@ -24,7 +24,7 @@ from dflash_train.eval.goals import check_goals, goals_line, parse_goals, write_
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
-COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ̂ teacher-forced", "lossless", "speedup",
+COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ 95% CI", "τ̂ teacher-forced", "lossless", "speedup",
            "cycle in steps", "steps", "sequences", "train min")
 
 
@@ -48,6 +48,7 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "batch": report["settings"].get("batch_size", 1), "dtype": report["settings"].get("dtype", "—"),
                 "dataset": dataset,
                 "requests": result["requests"], "tau": result["acceptance_length"],
+                "tau_ci95": result.get("acceptance_length_ci95"),
                 "tau_teacher_forced": result.get("teacher_forced_acceptance_length"), "lossless": lossless_mark(result),
                 "speedup": result.get("speedup"), "cycle_in_steps": cycle_in_steps(result), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
@@ -146,6 +147,10 @@ def training_line(name: str, f: dict[str, Any]) -> str:
             "(compilation included)")
 
 
+def interval(bounds: list[float] | None) -> str:
+    return "—" if bounds is None else f"{bounds[0]:.2f}–{bounds[1]:.2f}"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any, spec: str = "") -> str:
         return "—" if value is None else format(value, spec)
@@ -154,7 +159,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
-            cell(r["tau"], ".2f"), cell(r["tau_teacher_forced"], ".2f"),
+            cell(r["tau"], ".2f"), interval(r.get("tau_ci95")), cell(r["tau_teacher_forced"], ".2f"),
             r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""), cell(r["cycle_in_steps"], ".2f"),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")

@@ -10,7 +10,9 @@ setting changed in each, each with the same wall-time budget; this table judges 
 any decoding eval (the speedrun's `ablate` stage prints it). τ̂ per source shows which kind of data a change
 helps: a mix's easy sources can hide a loss on the chat or code a user serves. With ``--evals DIR``, each run's
 eval report ``DIR/<run>-b16.json`` (`dflash-train eval --out`) adds the decoded τ of every set it measured:
-held-out τ̂ is teacher-forced on the training mix; decoded τ is what a user gets on the eval prompts.
+held-out τ̂ is teacher-forced on the training mix; decoded τ is what a user gets on the eval prompts. Reports
+that list each request's τ add, for every run but the baseline (`--base`, default the run named `*base`),
+Δτ against the baseline on the same requests with its 95 % bootstrap interval (`*`: the interval excludes 0).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 # A bare Figure, not pyplot: no backend to choose and no global figure state.
 from matplotlib.figure import Figure
 
+from dflash_train.eval.uncertainty import format_difference, paired_difference
 from dflash_train.training.tracking import read_metrics
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"  # an earlier plot may be replaced; any other file is the user's
@@ -58,19 +61,45 @@ def decoded_tau(report: Path) -> dict[str, float]:
         return {}
 
 
+def per_request_tau(report: Path) -> dict[str, dict[tuple[int, int], float]]:
+    """Eval set -> {(conversation, turn): that request's τ} from a report that lists them; empty otherwise."""
+    try:
+        datasets = json.loads(report.read_text()).get("datasets", {})
+        return {name: {(int(c), int(t)): float(tau) for c, t, tau in values.get("acceptance_length_per_request") or []
+                       if tau is not None} for name, values in datasets.items()}
+    except (OSError, ValueError, AttributeError, KeyError, TypeError):
+        return {}
+
+
+def add_paired_differences(rows: list[dict[str, Any]], evals: Path, base: str | None) -> None:
+    """Each row but the baseline gets `paired`: eval set -> Δτ against the baseline on their shared requests."""
+    names = [row["run"] for row in rows]
+    base = base or next((name for name in names if name.endswith("base")), names[0])
+    if base not in names:
+        return
+    baseline = per_request_tau(evals / f"{base}-b16.json")
+    for row in rows:
+        if row["run"] != base:
+            requests = per_request_tau(evals / f"{row['run']}-b16.json")
+            row["paired"] = {name: paired_difference(requests.get(name, {}), baseline.get(name, {}))
+                             for name in row.get("decoded", {})}
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     sources = sorted({name for row in rows for name in row["by_source"]})
     eval_sets = sorted({name for row in rows for name in row.get("decoded", {})})
+    paired_sets = sorted({name for row in rows for name, d in row.get("paired", {}).items() if d is not None})
     header = ["run", "step", "train min", "val loss", "val τ̂", *(f"τ̂ {name}" for name in sources),
-              *(f"τ {name}" for name in eval_sets)]
+              *(f"τ {name}" for name in eval_sets), *(f"Δτ {name} (95% CI)" for name in paired_sets)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         per_source = [f"{row['by_source'][name]:.2f}" if name in row["by_source"] else "—" for name in sources]
         decoded = row.get("decoded", {})
         per_set = [f"{decoded[name]:.2f}" if name in decoded else "—" for name in eval_sets]
+        paired = [format_difference(row.get("paired", {}).get(name)) for name in paired_sets]
         minutes = "—" if row["train_minutes"] is None else str(row["train_minutes"])
         lines.append("| " + " | ".join([row["run"], str(row["step"]), minutes, f"{row['loss']:.3f}",
-                                        f"{row['tau_hat']:.2f}", *per_source, *per_set]) + " |")
+                                        f"{row['tau_hat']:.2f}", *per_source, *per_set, *paired]) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -132,12 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", type=Path, default=None, help="also draw training loss and held-out τ̂ against minutes here")
     parser.add_argument("--evals", type=Path, default=None, metavar="DIR",
                         help="eval reports DIR/<run>-b16.json: adds each run's decoded τ per eval set")
+    parser.add_argument("--base", default=None, metavar="RUN",
+                        help="with --evals: the run the others' Δτ is paired against (default: the run named *base)")
     args = parser.parse_args(argv)
     found = {run: run_row(run) for run in args.runs}
     rows = [row for row in found.values() if row is not None]
     if args.evals is not None:
         for row in rows:
             row["decoded"] = decoded_tau(args.evals / f"{row['run']}-b16.json")
+        if rows:
+            add_paired_differences(rows, args.evals, args.base)
     if not rows:
         print(f"compare: none of {len(args.runs)} run folders has a validation in its metrics.jsonl; train them "
               "with training.eval_every below their length", file=sys.stderr)

@@ -22,11 +22,14 @@ def test_acceptance_metrics_by_hand() -> None:
     assert metrics["per_slot_conditional_acceptance"] == pytest.approx([2 / 3, 1 / 2, 1.0])
     assert metrics["requests_with_cycles"] == 2 and metrics["cycles"] == 3
     assert running_tau([[4, 1], [2]]) == pytest.approx(2.25)
+    # Two request means, 2.5 and 2: every resample's mean is 2, 2.25 or 2.5, so the interval spans them.
+    assert metrics["acceptance_length_ci95"] == pytest.approx((2.0, 2.5))
 
 
 def test_acceptance_metrics_without_cycles_and_out_of_range() -> None:
     metrics = acceptance_metrics([[], []], block_size=2)
     assert metrics["acceptance_length"] is None and metrics["histogram"] == [0, 0]
+    assert metrics["acceptance_length_ci95"] is None
     with pytest.raises(AssertionError):
         acceptance_metrics([[3]], block_size=2)
 

@@ -39,6 +39,7 @@ def test_divergent_outputs_are_counted_and_located() -> None:
     assert second["first_divergence"] == 6 and second["dflash_tokens"] == 6  # cut short, not a wrong token
     assert row["decode_seconds_lossless_check"] == 3.0
     assert row["acceptance_length"] == pytest.approx((1.75 + 1 + 3) / 3)
+    assert row["acceptance_length_per_request"] == [[0, 0, 1.75], [1, 0, 1.0], [2, 0, 3.0]]
     assert row["speedup"] == pytest.approx((22 / 1.0) / (24 / 2.0))  # against the one-token pass, not the check
     assert row["skipped"] == "1 prompts longer than the context"
 

@@ -15,7 +15,8 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     state = tmp_path / "train" / "main" / "checkpoints" / "step-00000300"
     state.mkdir(parents=True)
     (state / "trainer_state.json").write_text(json.dumps({"step": 300, "sequences_seen": 4800, "train_seconds": 600}))
-    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    write_report(tmp_path / "eval" / "main-b16.json", 16,
+                 {"humaneval": {**result(5.5, True), "acceptance_length_ci95": [5.14, 5.86]}})
     write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(3.2, False, ties=True)})
     write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)}, batch=8)
     # Reports with phase times and older ones without them, side by side.
@@ -28,7 +29,8 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     assert rows[("main", 16, "float32")]["steps"] == 300  # the float32 report belongs to the run `main`
     assert main([str(tmp_path)]) == 0
     table = capsys.readouterr().out
-    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 6.00 | yes | 2.00× | — | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 5.14–5.86 | 6.00 | yes | 2.00× | — | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | float32 | humaneval | 4 | 5.40 | — | 5.90 |" in table  # a report without the interval
     assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
     assert table.splitlines()[0] == "training: main: 300 steps in 10.0 min, median step —, first step — (compilation included)"
     assert table.endswith((tmp_path / "summary.md").read_text())  # the table after the training line

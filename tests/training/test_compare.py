@@ -98,3 +98,35 @@ def test_eval_reports_add_the_decoded_tau_of_each_set(tmp_path: Path, capsys: py
     assert lines[2:] == ["| ablation-base | 100 | — | 2.900 | 2.00 | 1.60 | 3.25 | 2.50 |",
                          "| ablation-soft | 100 | — | 2.800 | 2.20 | 1.80 | — | 2.75 |",
                          "| ablation-dpace | 100 | — | 2.800 | 2.10 | — | — | — |"]
+
+
+def write_eval(path: Path, per_request: dict[str, list[list]]) -> None:
+    """An eval report with each set's requests' τ (acceptance_length is their mean, as the eval writes it)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    datasets = {name: {"acceptance_length": sum(r[2] for r in rows) / len(rows), "acceptance_length_per_request": rows}
+                for name, rows in per_request.items()}
+    path.write_text(json.dumps({"datasets": datasets}))
+
+
+def test_decoded_tau_is_paired_against_the_base(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [write_run(tmp_path / name, [validation(100, 2.0, 3.0)]) for name in ("ablation-a32", "ablation-base")]
+    evals = tmp_path / "eval"
+    write_eval(evals / "ablation-base-b16.json", {"mt": [[0, 0, 3.0], [0, 1, 4.0], [1, 0, 5.0]]})
+    # +0.5 on every request both measured; the base never measured (2, 0), so it is not paired.
+    write_eval(evals / "ablation-a32-b16.json", {"mt": [[0, 0, 3.5], [0, 1, 4.5], [1, 0, 5.5], [2, 0, 1.0]]})
+    assert main([*map(str, runs), "--evals", str(evals)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | step | train min | val loss | val τ̂ | τ mt | Δτ mt (95% CI) |"
+    assert lines[2:] == ["| ablation-a32 | 100 | — | 3.000 | 2.00 | 3.62 | +0.50 (+0.50…+0.50)* |",
+                         "| ablation-base | 100 | — | 3.000 | 2.00 | 4.00 | — |"]
+    assert main([*map(str, runs), "--evals", str(evals), "--base", "ablation-a32"]) == 0
+    assert capsys.readouterr().out.splitlines()[3] == "| ablation-base | 100 | — | 3.000 | 2.00 | 4.00 | -0.50 (-0.50…-0.50)* |"
+
+
+def test_reports_without_requests_add_no_difference_column(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    runs = [write_run(tmp_path / name, [validation(100, 2.0, 3.0)]) for name in ("ablation-base", "ablation-x")]
+    for name, tau in (("ablation-base", 3.0), ("ablation-x", 3.2)):  # reports from before per-request τ
+        (tmp_path / "eval").mkdir(exist_ok=True)
+        (tmp_path / "eval" / f"{name}-b16.json").write_text(json.dumps({"datasets": {"mt": {"acceptance_length": tau}}}))
+    assert main([*map(str, runs), "--evals", str(tmp_path / "eval")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "| run | step | train min | val loss | val τ̂ | τ mt |"
