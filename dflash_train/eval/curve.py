@@ -36,8 +36,8 @@ def curve_points(run_dir: Path) -> list[dict[str, Any]]:
             continue
         key = (row["run"], row["dataset"])
         if key not in best or row["block"] > best[key]["block"]:
-            best[key] = {name: row[name] for name in ("run", "dataset", "train_minutes", "tau", "tau_teacher_forced",
-                                                      "speedup", "steps", "sequences", "block")}
+            best[key] = {name: row[name] for name in ("run", "dataset", "train_minutes", "tau", "tau_ci95",
+                                                      "tau_teacher_forced", "speedup", "steps", "sequences", "block")}
     return sorted(best.values(), key=lambda p: (p["train_minutes"], p["run"], p["dataset"]))
 
 
@@ -95,6 +95,11 @@ def plot_curve(points: list[dict[str, Any]], path: Path, goals: dict[str, float]
         mine = [p for p in points if p["dataset"] == dataset]
         mine_minutes = [p["train_minutes"] for p in mine]
         (drawn,) = tau_axis.plot(mine_minutes, [p["tau"] for p in mine], marker="o", label=dataset)
+        intervals = [(m, p["tau"], p["tau_ci95"]) for m, p in zip(mine_minutes, mine, strict=True) if p["tau_ci95"]]
+        if intervals:  # each point's 95 % interval over its requests (reports that have one)
+            m, tau, ci = zip(*intervals, strict=True)
+            below, above = [t - c[0] for t, c in zip(tau, ci, strict=True)], [c[1] - t for t, c in zip(tau, ci, strict=True)]
+            tau_axis.errorbar(m, tau, yerr=[below, above], fmt="none", ecolor=drawn.get_color(), capsize=3, alpha=0.6)
         speeds = [(m, p["speedup"]) for m, p in zip(mine_minutes, mine, strict=True) if p["speedup"] is not None]
         if speeds:
             speed_axis.plot(*zip(*speeds, strict=True), marker="o", label=dataset)

@@ -34,7 +34,8 @@ def run_dir(tmp_path: Path) -> Path:
                                                                   "humaneval": result(2.5, True, speedup=1.4)})
     write_report(tmp_path / "eval" / "curve-5min-b16.json", 16, {"mt-bench": result(1.5, True, speedup=0.9)},
                  dtype="float32")  # a CPU run's default precision
-    write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": result(3.0, True, speedup=1.8)})
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": {**result(3.0, True, speedup=1.8),
+                                                                    "acceptance_length_ci95": [2.7, 3.2]}})
     # Not points: a block-8 repeat of main, a float32 check, a batch-8 eval, a report of no training run.
     write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(2.6, True)})
     write_report(tmp_path / "eval" / "main-fp32.json", 16, {"mt-bench": result(3.1, True)}, dtype="float32")
@@ -47,6 +48,8 @@ def test_points_are_batch_one_reports_at_the_largest_block_sorted_by_minutes(run
     points = [(p["train_minutes"], p["run"], p["dataset"], p["tau"], p["speedup"]) for p in curve_points(run_dir)]
     assert points == [(5.0, "curve-5min", "mt-bench", 1.5, 0.9), (10.0, "curve-10min", "humaneval", 2.5, 1.4),
                       (10.0, "curve-10min", "mt-bench", 2.0, 1.2), (20.0, "main", "mt-bench", 3.0, 1.8)]
+    # main's interval is drawn as its error bar; the older reports have none
+    assert [p["tau_ci95"] for p in curve_points(run_dir)] == [None, None, None, [2.7, 3.2]]
 
 
 def test_main_writes_the_table_json_and_plot(run_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
