@@ -46,9 +46,14 @@
 #                   SELF_PROMPTS took; training uses the finished shards (default 9: the 8db07a8 run answered
 #                   all ~153k prompts in 8.2 minutes, self-prompts included; with 8.5, the 7b99c43 run answered
 #                   143k of ~159k, 35 of 39 units, at 122k tokens/s while decoding against 8db07a8's 136k)
-#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it (default 9: the 8db07a8 run's other
-#                   stages took 14.1 minutes, eval 5.0 of them, and loading plus the first step half a minute,
-#                   so 9 fits in 25 with about a minute to spare for copying the target and installing)
+#   TOTAL_MINUTES   the whole run's budget of timed stages (default 24: the speedrun's 25 minutes less about one for
+#                   copying the target and installing, which no stage times): training gets what the data stages
+#                   (times.tsv) and EVAL_RESERVE_MINUTES leave, fixed once in $OUT/train_minutes, so a machine that
+#                   regenerates faster trains longer and a slow one still ends in time
+#   EVAL_RESERVE_MINUTES   kept back for the eval stage and training's own loading and first step (default 5: the
+#                   7b99c43 run's eval took 4.1 minutes and its training 0.9 more than its budget, over two calls)
+#   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it, in place of TOTAL_MINUTES's share
+#                   (default: that share; the 7b99c43 and 8db07a8 runs trained 9)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   GOALS           what the summary checks the run against (`python -m dflash_train.eval.summary --goal`): τ per
 #                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
@@ -102,7 +107,9 @@ SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to so
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
 REGEN_MINUTES=${REGEN_MINUTES:-9}
-TRAIN_MINUTES=${TRAIN_MINUTES:-9}
+TRAIN_MINUTES=${TRAIN_MINUTES:-}
+TOTAL_MINUTES=${TOTAL_MINUTES:-24}
+EVAL_RESERVE_MINUTES=${EVAL_RESERVE_MINUTES:-5}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
@@ -132,6 +139,11 @@ LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$SELF_MATH_PROMPTS" =~ ^[0-9]+$ ]] || {
   echo "SELF_MATH_PROMPTS must be a count of prompts (0 for none), not '$SELF_MATH_PROMPTS'" >&2; exit 2; }
+for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES; do
+  [[ "${!minutes}" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$minutes must be a number of minutes, not '${!minutes}'" >&2; exit 2; }
+done
+[[ -z "$TRAIN_MINUTES" || "$TRAIN_MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]] || {
+  echo "TRAIN_MINUTES must be a number of minutes (empty: TOTAL_MINUTES's share), not '$TRAIN_MINUTES'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
 (( GPUS == 1 )) || [[ -f "$LAUNCH_CONFIG" ]] || {
   echo "LAUNCH_CONFIG $LAUNCH_CONFIG does not exist: give one of recipes/accelerate/*.yaml" >&2; exit 2; }
@@ -260,7 +272,27 @@ train_run() {  # name, minutes: one training run with its schedule fitted to tha
 }
 
 train() {
-  train_run main "$TRAIN_MINUTES"
+  local minutes; minutes=$(main_train_minutes) || return 2
+  train_run main "$minutes"
+}
+
+main_train_minutes() {  # TRAIN_MINUTES, or the share of TOTAL_MINUTES the data stages and the eval leave (kept once)
+  local kept="$OUT/train_minutes" spent minutes
+  [[ -n "$TRAIN_MINUTES" ]] && { echo "$TRAIN_MINUTES"; return 0; }
+  [[ -f "$kept" ]] && { cat "$kept"; return 0; }  # a resumed run keeps its schedule's budget
+  spent=$(awk -F '\t' '$1 == "prompts" || $1 == "regenerate" || $1 == "prepare" { s += $2 } END { print s + 0 }' \
+    "$OUT/times.tsv" 2>/dev/null || echo 0)
+  minutes=$(awk -v total="$TOTAL_MINUTES" -v spent="$spent" -v reserve="$EVAL_RESERVE_MINUTES" \
+    'BEGIN { printf "%.2f", total - spent / 60 - reserve }')
+  if awk -v m="$minutes" 'BEGIN { exit !(m < 1) }'; then
+    echo "TOTAL_MINUTES=$TOTAL_MINUTES leaves $minutes training minutes after $(( spent / 60 )) minutes of data and" \
+      "EVAL_RESERVE_MINUTES=$EVAL_RESERVE_MINUTES: raise TOTAL_MINUTES, lower REGEN_MINUTES or set TRAIN_MINUTES" >&2
+    return 2
+  fi
+  echo "training budget: $minutes minutes (TOTAL_MINUTES $TOTAL_MINUTES, less $(awk -v s="$spent" \
+    'BEGIN { printf "%.1f", s / 60 }') of data stages and $EVAL_RESERVE_MINUTES kept for the eval)" >&2
+  echo "$minutes" > "$kept"
+  echo "$minutes"
 }
 
 final_draft() {  # name: the run's final checkpoint's drafter, or nothing while it is unfinished

@@ -310,3 +310,34 @@ def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
                         "--goal", "chats=150000", "--goal", "minutes=25"]]
     summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "dflash_train.eval.summary" in c]
     assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run")]]
+
+
+def budgets(calls: list[str]) -> list[str]:
+    return [a for c in calls if "dflash_train.cli train" in c for a in c.split() if a.startswith("training.time_budget")]
+
+
+def test_training_gets_what_the_total_leaves_once(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "run").mkdir()
+    times = tmp_path / "run" / "times.tsv"
+    times.write_text("prompts\t174\nregenerate\t354\nprepare\t48\ncurve\t900\n")  # 9.6 data minutes; curve is extra
+    # 24 - 9.6 - 5 = 9.40 minutes; kept, so a resumed call trains to the same schedule after more stages ran
+    assert budgets(run_stage("train", tmp_path, TOTAL_MINUTES="24", EVAL_RESERVE_MINUTES="5")) == [
+        "training.time_budget_minutes=9.40"]
+    times.write_text(times.read_text() + "train\t500\n")
+    assert budgets(run_stage("train", tmp_path)) == ["training.time_budget_minutes=9.40"]
+    assert budgets(run_stage("train", tmp_path, TRAIN_MINUTES="3")) == ["training.time_budget_minutes=3"]
+
+
+def test_a_total_too_small_for_training_is_a_one_line_error(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "times.tsv").write_text("prompts\t300\nregenerate\t600\n")
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "TOTAL_MINUTES": "19"}
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "train"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and not (tmp_path / "run" / "train_minutes").exists()
+    assert done.stderr.strip().splitlines()[-1] == (
+        "TOTAL_MINUTES=19 leaves -1.00 training minutes after 15 minutes of data and EVAL_RESERVE_MINUTES=5: "
+        "raise TOTAL_MINUTES, lower REGEN_MINUTES or set TRAIN_MINUTES")
+    bad = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "train"], cwd=REPO,
+                         env={**env, "TOTAL_MINUTES": "soon"}, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and bad.stderr.strip() == "TOTAL_MINUTES must be a number of minutes, not 'soon'"
