@@ -20,13 +20,16 @@ ranges, one per step): the step's wall time, the GPU's kernel time and the idle 
 (a step whose gaps are large waits on the host: launches, syncs, data), launches, kernel time by category
 (matmul, attention, cross-entropy, norm, optimizer, copy/cast, other fused, other), the heaviest
 kernels by name, and the host's milliseconds in each phase the trainer marks (target features, drafter
-and loss, backward, optimizer, and the metrics copy, which waits for the GPU to finish the step). On a
-CPU, top-level operators stand in for kernels (`--tiny` is that smoke test: a tiny Llama and short chats).
+and loss, backward, optimizer, and the metrics copy, which waits for the GPU to finish the step); then, over
+3 more steps without the profiler, each phase's milliseconds on the device's own timeline (CUDA events at the
+trainer's marks: the phase's kernels and the device's waits for the host inside it), which says which phase
+a cheaper step has to come from. On a CPU, top-level operators stand in for kernels (`--tiny` is that smoke test: a tiny Llama and short chats).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -35,6 +38,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -163,7 +167,7 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
                      "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
     queued = queued_steps(trainer, pool, upcoming, load, steps)
     pool.shutdown()
-    profile = step_profile(trainer) if args.profile else None
+    profile = {**step_profile(trainer), "device_ms": phase_device_ms(trainer)} if args.profile else None
     first, steady = rows[0], rows[1:]
     step_s = statistics.median(r["seconds"] for r in steady)
     total_s = sum(r["seconds"] for r in steady)
@@ -218,6 +222,55 @@ def step_profile(trainer: Any, steps: int = 3, top: int = 60) -> dict[str, Any]:
             "host_ms": {name: us / steps / 1e3 for name, us in profiled.ranges_us.items() if name.startswith("train/")}}
 
 
+class WallEvent:
+    """A CUDA event's `record` / `elapsed_time` on a CPU, where work is synchronous: the host's clock is the device's."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def record(self) -> None:
+        self.seconds = time.perf_counter()
+
+    def elapsed_time(self, end: WallEvent) -> float:
+        return (end.seconds - self.seconds) * 1e3
+
+
+def phase_device_ms(trainer: Any, steps: int = 3) -> dict[str, float]:
+    """Per phase the trainer marks (`train/...`), the milliseconds per step of the device's timeline between the
+    phase's start and end: its kernels and the gaps in which the device waited for the host, unprofiled. Events
+    are recorded on the stream at each mark (the trainer's `record_function`, wrapped for these steps), so the
+    backward's kernels, launched from autograd's own thread, still fall inside their phase."""
+    import dflash_train.training.trainer as trainer_module
+
+    cuda = trainer.accelerator.device.type == "cuda"
+    new_event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else WallEvent
+    spans: list[tuple[str, Any, Any]] = []
+    marked_phase = trainer_module.record_function
+
+    @contextlib.contextmanager
+    def timed_phase(name: str) -> Iterator[None]:
+        start, end = new_event(), new_event()
+        start.record()
+        with marked_phase(name):
+            yield
+        end.record()
+        spans.append((name, start, end))
+
+    loaded = [trainer._load_step(trainer.step + i) for i in range(steps)]
+    trainer_module.record_function = timed_phase
+    try:
+        for batch in loaded:
+            trainer.train_step(batch)
+    finally:
+        trainer_module.record_function = marked_phase
+    if cuda:
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for name, start, end in spans:
+        totals[name] = totals.get(name, 0.0) + start.elapsed_time(end)
+    return {name: ms / steps for name, ms in totals.items()}
+
+
 def print_profile(result: dict[str, Any]) -> None:
     profile = result["profile"]
     print(f"  {result['variant']}: step {profile['wall_ms']:.1f} ms, kernels {profile['kernel_ms']:.1f} ms, gaps "
@@ -226,6 +279,8 @@ def print_profile(result: dict[str, Any]) -> None:
         print(f"    {category:<14} {entry['ms']:>9.2f} ms {entry['launches']:>7.0f} launches", flush=True)
     phases = ", ".join(f"{name.removeprefix('train/')} {ms:.1f}" for name, ms in profile.get("host_ms", {}).items())
     print(f"    host ms by phase: {phases}", flush=True)
+    device = ", ".join(f"{name.removeprefix('train/')} {ms:.1f}" for name, ms in profile.get("device_ms", {}).items())
+    print(f"    device ms by phase (kernels and waits, unprofiled): {device}", flush=True)
 
 
 def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any] | None:

@@ -39,6 +39,12 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     assert set(phases) == {"train/target_features", "train/drafter_and_loss", "train/backward", "train/optimizer",
                            "train/metrics_copy"}
     assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_ms"] * 1.5
+    # the same phases on the device's timeline (here the host's clock), in unprofiled steps: together they fit in
+    # about a step (the median's noise allowed for)
+    device = profile["device_ms"]
+    assert set(device) == set(phases) and all(ms > 0 for ms in device.values())
+    assert sum(device.values()) <= packed["step_s_median"] * 1e3 * 2
+    assert "device ms by phase" in out
 
 
 def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
