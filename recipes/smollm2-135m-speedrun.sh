@@ -139,6 +139,10 @@ LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$SELF_MATH_PROMPTS" =~ ^[0-9]+$ ]] || {
   echo "SELF_MATH_PROMPTS must be a count of prompts (0 for none), not '$SELF_MATH_PROMPTS'" >&2; exit 2; }
+for goal in $GOALS; do  # checked now, not when the summary reads them at the end of the run
+  [[ "$goal" =~ ^[A-Za-z0-9_.-]+=[0-9]+([.][0-9]+)?$ ]] || {
+    echo "GOALS entry '$goal' is not KEY=NUMBER (e.g. mt-bench=4.0 speedup=2 chats=150000 minutes=25)" >&2; exit 2; }
+done
 for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES; do
   [[ "${!minutes}" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$minutes must be a number of minutes, not '${!minutes}'" >&2; exit 2; }
 done

@@ -341,3 +341,11 @@ def test_a_total_too_small_for_training_is_a_one_line_error(tmp_path: pathlib.Pa
     bad = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "train"], cwd=REPO,
                          env={**env, "TOTAL_MINUTES": "soon"}, capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and bad.stderr.strip() == "TOTAL_MINUTES must be a number of minutes, not 'soon'"
+
+
+def test_a_malformed_goal_stops_the_run_before_it_starts(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "GOALS": "mt-bench=4 speedup"}
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prompts"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip() == (
+        "GOALS entry 'speedup' is not KEY=NUMBER (e.g. mt-bench=4.0 speedup=2 chats=150000 minutes=25)")
