@@ -64,12 +64,14 @@
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
 #                   measured against today's recipe: 32 anchors per chat instead of 64, half the tokens a step
-#                   (one row of 8,192: twice the steps); measured before and not adopted: 8 drafter layers, 128 and
-#                   256 anchors, twice the tokens a step (4 rows of 8,192), one row of 16,384, the fixed slot
-#                   decay, twice the learning rates; empty: the baseline only), each
-#                   ABLATION_MINUTES (default 3, compilation not
-#                   counted) beside a baseline; compared in a table and $OUT/ablations.png by held-out τ̂ and by
-#                   the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (default 20; 0: none)
+#                   (one row of 8,192: twice the steps), 3 drafter layers instead of 5, reading 3 target layers as
+#                   the default spread does (a cheaper step and a cheaper draft in every decode cycle; 8 were level
+#                   with 5 at equal minutes); measured before and not
+#                   adopted: 8 drafter layers, 128 and 256 anchors, twice the tokens a step (4 rows of 8,192), one
+#                   row of 16,384, the fixed slot decay, twice the learning rates; empty: the baseline only), each
+#                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
+#                   and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
+#                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
 #                   beside the others (default "trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:
@@ -116,7 +118,7 @@ EVAL_EXTRA=${EVAL_EXTRA:-}
 GOALS=${GOALS-humaneval=4.5 mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
-ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens8k:training.batch_size=1}
+ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens8k:training.batch_size=1;layers3:model.num_draft_layers=3}
 ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:--exclude-source self-prompts}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}

@@ -264,7 +264,7 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
 
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATION_DATA="") if "dflash_train.cli train" in c]
     names = [next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1] for args in calls]
-    assert names == ["ablation-base", "ablation-anchors32", "ablation-tokens8k"]
+    assert names == ["ablation-base", "ablation-anchors32", "ablation-tokens8k", "ablation-layers3"]
     recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
     base = load_config(recipe)
     for name, args in zip(names, calls, strict=True):
@@ -278,7 +278,8 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
         tokens_a_step = config.training.batch_size * config.data.pack_tokens
         changed = {"ablation-base": knobs(config) == knobs(base),
                    "ablation-anchors32": config.training.num_anchors == 32 != base.training.num_anchors,
-                   "ablation-tokens8k": 2 * tokens_a_step == base.training.batch_size * base.data.pack_tokens}[name]
+                   "ablation-tokens8k": 2 * tokens_a_step == base.training.batch_size * base.data.pack_tokens,
+                   "ablation-layers3": config.model.num_draft_layers == 3 != base.model.num_draft_layers}[name]
         assert changed, name
 
 
