@@ -25,7 +25,10 @@ def mean_interval(values: Sequence[float], level: float = LEVEL, resamples: int 
     if data.size < 2:
         return None
     rng = np.random.default_rng(seed)
-    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    # Resampled in chunks of about a million draws: a large eval set's [resamples, n] indices stay small.
+    chunk = max(1, min(resamples, (1 << 20) // data.size))
+    means = np.concatenate([data[rng.integers(0, data.size, size=(min(chunk, resamples - done), data.size))].mean(1)
+                            for done in range(0, resamples, chunk)])
     tail = (1 - level) / 2
     low, high = np.quantile(means, [tail, 1 - tail])
     return float(low), float(high)
