@@ -14,6 +14,7 @@ from rich.table import Table
 
 from dflash_train.eval.metrics import running_tau
 from dflash_train.eval.phases import timing_line
+from dflash_train.eval.uncertainty import format_interval
 from dflash_train.runtime.state import RequestOutput
 
 PLAIN_LINES_PER_PASS = 10  # a line every 10 % of a pass's requests ...
@@ -65,10 +66,6 @@ def _fmt(value: Any, spec: str) -> str:
     return "—" if value is None else format(value, spec)
 
 
-def _interval(bounds: list[float] | tuple[float, float] | None) -> str:
-    return "—" if bounds is None else f"{bounds[0]:.2f}–{bounds[1]:.2f}"
-
-
 def summary_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"DFlash eval: {report['target']} + {report['draft']} (block {report['settings']['block_size']})")
     table.add_column("dataset", no_wrap=True)
@@ -78,7 +75,7 @@ def summary_table(report: dict[str, Any]) -> Table:
     for name, row in report["datasets"].items():
         mark = lossless_mark(row)
         table.add_row(name, str(row["requests"]), _fmt(row["acceptance_length"], ".2f"),
-                      _interval(row.get("acceptance_length_ci95")), _fmt(row["acceptance_length_cycle_weighted"], ".2f"),
+                      format_interval(row.get("acceptance_length_ci95")), _fmt(row["acceptance_length_cycle_weighted"], ".2f"),
                       _fmt(row.get("teacher_forced_acceptance_length"), ".2f"), mark,
                       _fmt(row["tokens_per_s_with_draft"], ",.1f"), _fmt(row["tokens_per_s_target_only"], ",.1f"),
                       _fmt(row["speedup"], ".2f") + "×")

@@ -17,7 +17,6 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-RESERVED = ("speedup", "chats", "minutes")
 EXTRA_STAGES = ("curve", "ablate")  # timed in times.tsv, but not part of a run's own minutes
 
 

@@ -21,6 +21,7 @@ from typing import Any
 
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.goals import check_goals, goals_line, parse_goals, write_goals
+from dflash_train.eval.uncertainty import format_interval
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
@@ -147,10 +148,6 @@ def training_line(name: str, f: dict[str, Any]) -> str:
             "(compilation included)")
 
 
-def interval(bounds: list[float] | None) -> str:
-    return "—" if bounds is None else f"{bounds[0]:.2f}–{bounds[1]:.2f}"
-
-
 def markdown(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any, spec: str = "") -> str:
         return "—" if value is None else format(value, spec)
@@ -159,7 +156,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         lines.append("| " + " | ".join([
             r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
-            cell(r["tau"], ".2f"), interval(r.get("tau_ci95")), cell(r["tau_teacher_forced"], ".2f"),
+            cell(r["tau"], ".2f"), format_interval(r.get("tau_ci95")), cell(r["tau_teacher_forced"], ".2f"),
             r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""), cell(r["cycle_in_steps"], ".2f"),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")

@@ -46,6 +46,11 @@ def paired_difference(candidate: Mapping[Hashable, float], baseline: Mapping[Has
             "ci95": mean_interval(differences, level)}
 
 
+def format_interval(bounds: Sequence[float] | None) -> str:
+    """`3.95–4.31`, or `—` without an interval (a report from before intervals, or one request)."""
+    return "—" if bounds is None else f"{bounds[0]:.2f}–{bounds[1]:.2f}"
+
+
 def format_difference(difference: dict[str, Any] | None) -> str:
     """`+0.14 (+0.03…+0.25)`, with `*` when the interval excludes 0; `—` without a difference."""
     if difference is None:

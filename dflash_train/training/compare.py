@@ -169,6 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.evals is not None:
         for row in rows:
             row["decoded"] = decoded_tau(args.evals / f"{row['run']}-b16.json")
+        if args.base is not None and args.base not in {row["run"] for row in rows}:
+            print(f"compare: --base {args.base} is not one of the runs with a validation; give one of "
+                  f"{', '.join(row['run'] for row in rows) or 'them'}", file=sys.stderr)
+            return 2
         if rows:
             add_paired_differences(rows, args.evals, args.base)
     if not rows:

@@ -130,3 +130,10 @@ def test_reports_without_requests_add_no_difference_column(tmp_path: Path, capsy
         (tmp_path / "eval" / f"{name}-b16.json").write_text(json.dumps({"datasets": {"mt": {"acceptance_length": tau}}}))
     assert main([*map(str, runs), "--evals", str(tmp_path / "eval")]) == 0
     assert capsys.readouterr().out.splitlines()[0] == "| run | step | train min | val loss | val τ̂ | τ mt |"
+
+
+def test_an_unknown_base_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = write_run(tmp_path / "ablation-base", [validation(100, 2.0, 3.0)])
+    assert main([str(run), "--evals", str(tmp_path / "eval"), "--base", "ablation-typo"]) == 2
+    assert capsys.readouterr().err.strip() == ("compare: --base ablation-typo is not one of the runs with a "
+                                               "validation; give one of ablation-base")
