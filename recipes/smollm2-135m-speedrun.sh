@@ -63,21 +63,21 @@
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
-#                   measured against today's recipe: 32 anchors per chat instead of 64, half the tokens a step
-#                   (one row of 8,192: twice the steps), 3 drafter layers instead of 5, reading 3 target layers as
-#                   the default spread does (a cheaper step and a cheaper draft in every decode cycle; 8 were level
-#                   with 5 at equal minutes); measured before and not
-#                   adopted: 8 drafter layers, 128 and 256 anchors, twice the tokens a step (4 rows of 8,192), one
-#                   row of 16,384, the fixed slot decay, twice the learning rates; empty: the baseline only), each
+#                   measured against today's recipe: 16 anchors per chat instead of 32, the trend's next step, and
+#                   twice both learning rates, last measured at 250 steps of the 2026-12-01 recipe where runs now
+#                   take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
+#                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
+#                   slot decay; empty: the baseline only), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
 #                   and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
 #                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
-#                   beside the others (default "trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:
-#                   --exclude-source self-prompts": loops cut to two copies, chats capped at 1,024 tokens instead
-#                   of MAX_LENGTH, and the mix without the target's own prompts, so the code, math and ShareGPT
-#                   chats get all the steps; empty: none). Their
+#                   beside the others (default "maxlen512:--max-length 512;noself:--exclude-source self-prompts;
+#                   trim_loops:--trim-loops": chats capped at 512 tokens instead of MAX_LENGTH (a cap of 1,024
+#                   touches 0.2 % of the speedrun's chats, too few to measure), the mix without the target's own
+#                   prompts, so the code, math and ShareGPT chats get all the steps, and loops cut to two
+#                   copies; empty: none). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
@@ -118,8 +118,8 @@ EVAL_EXTRA=${EVAL_EXTRA:-}
 GOALS=${GOALS-humaneval=4.5 mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
-ABLATIONS=${ABLATIONS-anchors32:training.num_anchors=32;tokens8k:training.batch_size=1;layers3:model.num_draft_layers=3}
-ABLATION_DATA=${ABLATION_DATA-trim_loops:--trim-loops;maxlen1024:--max-length 1024;noself:--exclude-source self-prompts}
+ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
+ABLATION_DATA=${ABLATION_DATA-maxlen512:--max-length 512;noself:--exclude-source self-prompts;trim_loops:--trim-loops}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}

@@ -170,21 +170,21 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
 
 def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
     """ABLATION_DATA: the regenerated answers prepared again with other flags; a run of the baseline recipe on
-    each, after the recipe ablations; the trim-loops, 1,024-token and no-self-prompts variants are there by default, and a
+    each, after the recipe ablations; the 512-token, no-self-prompts and trim-loops variants are there by default, and a
     variant's flags come after the stage's own (its --max-length wins over MAX_LENGTH)."""
     run = tmp_path / "run"
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1")]
     prepares = [args for args in calls if "prepare" in args]
-    assert len(prepares) == 3 and "--trim-loops" in prepares[0]
-    assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-trim_loops")
-    assert prepares[0][prepares[0].index("--data") + 1] == str(run / "regen")
-    lengths = [prepares[1][i + 1] for i, arg in enumerate(prepares[1]) if arg == "--max-length"]
-    assert lengths[-1] == "1024" and len(lengths) == 2  # argparse keeps the last
+    assert len(prepares) == 3 and "--trim-loops" in prepares[2]
+    assert prepares[2][prepares[2].index("--out") + 1] == str(run / "prepared-trim_loops")
+    assert prepares[2][prepares[2].index("--data") + 1] == str(run / "regen")
+    lengths = [prepares[0][i + 1] for i, arg in enumerate(prepares[0]) if arg == "--max-length"]
+    assert lengths[-1] == "512" and len(lengths) == 2  # argparse keeps the last
     trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
     assert [args[[a.startswith("training.output_dir=") for a in args].index(True)].rsplit("/", 1)[-1]
-            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-trim_loops", "ablation-maxlen1024",
-                                    "ablation-noself"]
-    last = trains[2]
+            for args in trains] == ["ablation-base", "ablation-lr2x", "ablation-maxlen512", "ablation-noself",
+                                    "ablation-trim_loops"]
+    last = trains[4]
     data = [a for a in last if a.startswith("data.prepared=")]
     assert data[-1] == f"data.prepared={run}/prepared-trim_loops"  # the later override wins
     (run / "prepared-trim_loops").mkdir()
@@ -264,7 +264,7 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
 
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATION_DATA="") if "dflash_train.cli train" in c]
     names = [next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1] for args in calls]
-    assert names == ["ablation-base", "ablation-anchors32", "ablation-tokens8k", "ablation-layers3"]
+    assert names == ["ablation-base", "ablation-anchors16", "ablation-lr2x"]
     recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
     base = load_config(recipe)
     for name, args in zip(names, calls, strict=True):
@@ -273,13 +273,12 @@ def test_every_default_ablation_is_a_valid_change_of_the_recipe(tmp_path: pathli
             ("model.target=", "data.prepared=", "training.output_dir="))]
         config = load_config(recipe, overrides)
         def knobs(c: object) -> tuple[object, ...]:
-            return (c.training.batch_size, c.data.pack_tokens, c.model.num_draft_layers, c.training.num_anchors)
+            return (c.training.learning_rate, c.training.muon_learning_rate, c.training.num_anchors)
 
-        tokens_a_step = config.training.batch_size * config.data.pack_tokens
         changed = {"ablation-base": knobs(config) == knobs(base),
-                   "ablation-anchors32": config.training.num_anchors == 32 != base.training.num_anchors,
-                   "ablation-tokens8k": 2 * tokens_a_step == base.training.batch_size * base.data.pack_tokens,
-                   "ablation-layers3": config.model.num_draft_layers == 3 != base.model.num_draft_layers}[name]
+                   "ablation-anchors16": config.training.num_anchors == 16 == base.training.num_anchors // 2,
+                   "ablation-lr2x": (config.training.learning_rate, config.training.muon_learning_rate) == (
+                       2 * base.training.learning_rate, 2 * base.training.muon_learning_rate)}[name]
         assert changed, name
 
 
@@ -292,12 +291,12 @@ def test_every_default_data_ablation_is_a_valid_prepare_call(tmp_path: pathlib.P
 
     calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="") if "cli prepare" in c]
     outs = {args[args.index("--out") + 1].rsplit("/", 1)[-1]: args for args in calls}
-    assert {"prepared-trim_loops", "prepared-maxlen1024", "prepared-noself"} <= set(outs)
+    assert {"prepared-trim_loops", "prepared-maxlen512", "prepared-noself"} <= set(outs)
     parser = argparse.ArgumentParser()
     prepare.add_arguments(parser)
     for out, args in outs.items():
         parsed = parser.parse_args(args[args.index("prepare") + 1 :])
-        changed = {"prepared-trim_loops": parsed.trim_loops, "prepared-maxlen1024": parsed.max_length == 1024,
+        changed = {"prepared-trim_loops": parsed.trim_loops, "prepared-maxlen512": parsed.max_length == 512,
                    "prepared-noself": parsed.exclude_source == ["self-prompts"]}.get(out, True)
         assert changed, out
 
