@@ -43,9 +43,10 @@
 #                   the cap or its end
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
-#                   SELF_PROMPTS took; training uses the finished shards (default 9: the 8db07a8 run answered
+#                   SELF_PROMPTS took; training uses the finished shards (default 9.5: the 8db07a8 run answered
 #                   all ~153k prompts in 8.2 minutes, self-prompts included; with 8.5, the 7b99c43 run answered
-#                   143k of ~159k, 35 of 39 units, at 122k tokens/s while decoding against 8db07a8's 136k)
+#                   143k of ~159k, 35 of 39 units, at 122k tokens/s while decoding against 8db07a8's 136k, a pace
+#                   that needs ~8.9 minutes for all 39; a budget not spent goes to training through TOTAL_MINUTES)
 #   TOTAL_MINUTES   the whole run's budget of timed stages (default 24: the speedrun's 25 minutes less about one for
 #                   copying the target and installing, which no stage times): training gets what the data stages
 #                   (times.tsv) and EVAL_RESERVE_MINUTES leave, fixed once in $OUT/train_minutes, so a machine that
@@ -108,7 +109,7 @@ SELF_MATH_PROMPTS=${SELF_MATH_PROMPTS:-0}
 SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to solve:}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
-REGEN_MINUTES=${REGEN_MINUTES:-9}
+REGEN_MINUTES=${REGEN_MINUTES:-9.5}
 TRAIN_MINUTES=${TRAIN_MINUTES:-}
 TOTAL_MINUTES=${TOTAL_MINUTES:-24}
 EVAL_RESERVE_MINUTES=${EVAL_RESERVE_MINUTES:-5}
