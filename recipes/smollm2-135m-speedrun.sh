@@ -70,7 +70,7 @@
 #                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
 #                   slot decay; empty: the baseline only), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
-#                   and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
+#                   ($OUT/ablations.md) and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
 #                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
@@ -351,7 +351,9 @@ ablate() {
     TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-${entry%%:*}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
     ablation_eval "ablation-${entry%%:*}"
   done
-  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval"
+  # The table is kept as $OUT/ablations.md too: a time-limited call's log may keep only its last lines.
+  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \
+    | tee "$OUT/ablations.md"
 }
 
 ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main run shows), unless switched off

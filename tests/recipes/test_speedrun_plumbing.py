@@ -349,3 +349,12 @@ def test_a_malformed_goal_stops_the_run_before_it_starts(tmp_path: pathlib.Path)
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and done.stderr.strip() == (
         "GOALS entry 'speedup' is not KEY=NUMBER (e.g. mt-bench=4.0 speedup=2 chats=150000 minutes=25)")
+
+
+def test_the_ablation_table_is_kept_beside_its_plot(tmp_path: pathlib.Path) -> None:
+    """The compare table the ablate stage prints is written to $OUT/ablations.md as well (the stand-in python3
+    prints each call's arguments to stdout here, so the file holds the compare call's)."""
+    shim = SHIM.replace("exit 0", 'echo "$*"\nexit 0')
+    calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="")
+    compare = next(c for c in calls if "dflash_train.training.compare" in c)
+    assert (tmp_path / "run" / "ablations.md").read_text().strip() == compare
