@@ -324,8 +324,9 @@ curve() {
     train_run "curve-${minutes}min" "$minutes"
     draft=$(final_draft "curve-${minutes}min")
     [[ -n "$draft" ]] || { echo "curve-${minutes}min has not finished: run the curve stage again" >&2; return 1; }
-    # The main run shows losslessness; a curve point needs only τ and the speedup.
-    eval_b16 "curve-${minutes}min" "$draft" "$CURVE_PROMPTS" --no-lossless-check
+    # The main run shows losslessness; a curve point needs only τ and the speedup. The target alone decodes
+    # the same prompts for every point: once, then read from the cache (the main eval decodes its own).
+    eval_b16 "curve-${minutes}min" "$draft" "$CURVE_PROMPTS" --no-lossless-check --target-cache "$OUT/eval/target-cache"
   done
   run python3 -m dflash_train.eval.curve "$OUT"
 }
@@ -360,7 +361,7 @@ ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main 
   (( ABLATION_EVAL_PROMPTS > 0 )) || return 0
   local draft; draft=$(final_draft "$1")
   [[ -n "$draft" ]] || { echo "$1 has not finished: run the ablate stage again" >&2; return 1; }
-  eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check
+  eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check --target-cache "$OUT/eval/target-cache"
 }
 
 evaluate() {

@@ -94,6 +94,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-lossless-check", action="store_true",
                         help="skip the lossless check's pass (the target alone through the drafter run's verify "
                              "pass, about one more target-only pass over the prompts); lossless reads n/a")
+    parser.add_argument("--target-cache", type=Path, default=None, metavar="DIR",
+                        help="keep the target-alone pass (answers and speed) in DIR and reuse one decoded before with "
+                             "the same target, device, settings and prompts: evaluating many drafters decodes the target "
+                             "alone once (the lossless check still runs; the report marks reused sets)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--random-draft-layers", type=positive_int, default=5, help="layers of a --draft random drafter")
     parser.add_argument("--out", default="eval_report.json", help="report JSON; the PNG goes next to it")
@@ -193,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
     settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on",
-                            lossless_check=not args.no_lossless_check)
+                            lossless_check=not args.no_lossless_check, target_cache=args.target_cache)
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress, phases)

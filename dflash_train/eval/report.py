@@ -36,6 +36,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "dtype": str(target.dtype).removeprefix("torch."),
             "seed": args.seed,
             "lossless_check": evaluator.checks_lossless,
+            "target_cache": str(settings.target_cache) if settings.target_cache is not None else None,
         },
         "environment": {
             "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",
@@ -77,6 +78,9 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
                         "tokens, one token committed per cycle, same batch size, kernels and compiled graph); "
                         "exact in any dtype, so a divergence is a bug; null when sampling or with "
                         "--no-lossless-check",
+            "target_only_reused": "the set's target-alone pass (speed baseline, the answers later turns and the "
+                                  "teacher-forced accuracy use) was read from --target-cache, decoded by an earlier "
+                                  "eval with the same target, device, settings and prompts",
             "mismatches": "the first diverging requests: where the drafted output first leaves the lossless "
                           "check's output (target_tokens) and both lengths",
             "decode_seconds_lossless_check": "decoding time of the lossless check's target-only pass (not part of "

@@ -14,12 +14,15 @@ target's own answer to turn k):
    reference: a one-token step runs other kernels, which in bf16 may round a near-tie the other way. (3)
    costs about one more target-only pass and is not timed into any speed figure.
 Decode tokens/s exclude prefill; every engine is warmed up (and its CUDA graph captured) before timing.
+With `target_cache`, pass (1) of prompts decoded before with the same target and settings is read from disk
+(`dflash_train.eval.target_cache`): evaluating many drafters then decodes the target alone once.
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -30,6 +33,7 @@ from dflash_train.eval.console import PassProgress
 from dflash_train.eval.metrics import acceptance_metrics, running_tau
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.prompts import PromptSet
+from dflash_train.eval.target_cache import TargetPassCache, target_identity
 from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, RunStats
@@ -51,6 +55,7 @@ class EvalSettings:
     runtime: EngineConfig
     thinking: bool = False
     lossless_check: bool = True  # greedy: the verify-shaped target-only pass that `lossless` compares against
+    target_cache: Path | None = None  # where target-alone passes are kept and reused (None: always decoded)
 
     @property
     def block_size(self) -> int:
@@ -107,6 +112,7 @@ class Evaluator:
         self.stop_ids = list(settings.runtime.stop_token_ids)
         self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
         self.engines: Engines | None = None
+        self.target_cache: TargetPassCache | None = None  # made with the engines: its key names their settings
         self.runner_check: dict[str, float] | None = None
         self.thinking_switch = supports_thinking(target.tokenizer) if target.tokenizer is not None else False
         if settings.thinking and not self.thinking_switch:
@@ -179,6 +185,8 @@ class Evaluator:
                                      runner=baseline.runner, refuse_drafts=True)
             self._warm_up(check, first, "lossless_check")
         self.engines = Engines(baseline, dflash, check)
+        if self.settings.target_cache is not None:
+            self.target_cache = TargetPassCache(self.settings.target_cache, target_identity(self.target, baseline.config))
         return self.engines
 
     def _warm_up(self, engine: DecodeEngine, first: Request, name: str) -> None:
@@ -220,7 +228,7 @@ class Evaluator:
         requests_done: list[tuple[Request, RequestOutput | None, RequestOutput]] = []
         answers: list[tuple[list[int], list[int]]] = []  # (prompt, the target's own answer) per request
         totals = {"target": PassTotals(), "dflash": PassTotals(), "lossless_check": PassTotals()}
-        too_long, turn = 0, 0
+        too_long, turn, reused = 0, 0, 0
         while alive:
             with self.phases.phase(f"prompts/{name}"):  # chat templates and tokenisation
                 requests, skipped = self._requests(prompt_set, histories, alive, turn)
@@ -230,9 +238,9 @@ class Evaluator:
             need = max(len(r.ids) for r in requests) + self.settings.max_new_tokens + self.settings.block_size
             engines = self._get_engines(requests[0], need)
             label = f"{prompt_set.name}{f' turn {turn + 1}' if turn else ''}"
-            alone, stats = self._pass(engines.target_only, requests, f"{label} target only",
-                                      f"decode/{name}/target_only")
+            alone, stats, was_stored = self._target_only_pass(engines.target_only, requests, label, name)
             totals["target"].add(stats)
+            reused += was_stored
             drafted, stats = self._pass(engines.dflash, requests, f"{label} dflash", f"decode/{name}/dflash")
             totals["dflash"].add(stats)
             checked: list[RequestOutput | None] = [None] * len(requests)
@@ -247,7 +255,22 @@ class Evaluator:
                 requests_done.append((request, reference, out))
             alive, turn = [r.conversation for r in requests], turn + 1
         summary = self._summarise(prompt_set, requests_done, totals, too_long)
+        # Every turn's target-alone pass read from the cache: the speedup compares two processes.
+        summary["target_only_reused"] = bool(turn) and reused == turn
         return {**summary, **self._teacher_forced(answers, name)}
+
+    def _target_only_pass(self, engine: DecodeEngine, requests: list[Request], label: str,
+                          name: str) -> tuple[list[RequestOutput], RunStats, bool]:
+        """Pass (1), read from the target cache when it holds these prompts; decoded (and stored) otherwise.
+        The third value says whether it was read."""
+        prompts = [r.ids for r in requests]
+        stored = self.target_cache.load(prompts) if self.target_cache is not None else None
+        if stored is not None:
+            return *stored, True
+        outputs, stats = self._pass(engine, requests, f"{label} target only", f"decode/{name}/target_only")
+        if self.target_cache is not None:
+            self.target_cache.store(prompts, outputs, stats)
+        return outputs, stats, False
 
     def _teacher_forced(self, answers: list[tuple[list[int], list[int]]], name: str) -> dict[str, Any]:
         """Over every answer at once after the decode passes (it reads none of their state), timed as one phase."""

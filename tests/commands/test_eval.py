@@ -18,7 +18,7 @@ DATASET_FIELDS = {
     "new_tokens_target_only", "decode_seconds_with_draft", "decode_seconds_target_only", "tokens_per_s_with_draft",
     "tokens_per_s_target_only", "speedup", "skipped", "teacher_forced_slot_accuracy",
     "teacher_forced_acceptance_length", "decode_seconds_lossless_check", "acceptance_length_by_turn",
-    "acceptance_length_by_category",
+    "acceptance_length_by_category", "target_only_reused",
 }
 
 
@@ -218,3 +218,40 @@ def test_matmul_reaches_the_engine_and_the_report(target_dir: Path, tmp_path: Pa
     assert json.loads(out.read_text())["environment"]["matmul"] == "torch"
     assert run_eval(target_dir, out, "--dataset", "math-synthetic", "--kernels", "torch", "--matmul", "fused") == 2
     assert "--matmul fused runs on the Triton kernels" in capsys.readouterr().err
+
+
+def test_target_cache_decodes_the_target_alone_once(target_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """--target-cache: a second eval of the same prompts reads the target-alone pass (answers and timing) the first
+    one decoded, and still runs its own drafter pass and lossless check; other settings decode it again."""
+    from dflash_train.eval import run as run_module
+
+    labels: list[str] = []
+    original = run_module.Evaluator._pass
+
+    def recording(self, engine, requests, label, phase):  # noqa: ANN001, ANN202
+        labels.append(label)
+        return original(self, engine, requests, label, phase)
+
+    monkeypatch.setattr(run_module.Evaluator, "_pass", recording)
+    cache = tmp_path / "cache"
+    reports = []
+    for name, tokens in (("first", "12"), ("second", "12"), ("longer", "13")):
+        labels.clear()
+        out = tmp_path / f"{name}.json"
+        assert run_eval(target_dir, out, "--dataset", "mt-bench", "--num-prompts", "2", "--max-new-tokens", tokens,
+                        "--target-cache", str(cache), "--no-plot") == 0
+        reports.append((json.loads(out.read_text()), list(labels)))
+    (first, first_passes), (second, second_passes), (longer, longer_passes) = reports
+    assert any("target only" in label for label in first_passes)
+    assert not any("target only" in label for label in second_passes)  # read, not decoded
+    assert any("dflash" in label for label in second_passes) and any("lossless" in label for label in second_passes)
+    assert any("target only" in label for label in longer_passes)  # another --max-new-tokens: another key
+    assert second["settings"]["target_cache"] == str(cache)
+    one, two = first["datasets"]["mt-bench"], second["datasets"]["mt-bench"]
+    assert not one["target_only_reused"] and two["target_only_reused"]
+    assert not longer["datasets"]["mt-bench"]["target_only_reused"]
+    for field in ("new_tokens_target_only", "decode_seconds_target_only", "requests", "acceptance_length",
+                  "teacher_forced_acceptance_length"):
+        assert one[field] == two[field], field  # same drafter (seeded random), same answers and turns
+    assert two["lossless"] is True

@@ -55,6 +55,7 @@ def test_curve_points_are_evaluated_on_their_own_prompts_without_the_lossless_pa
     assert len(evals) == 2
     for args in evals:
         assert args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
+        assert args[args.index("--target-cache") + 1] == str(tmp_path / "run" / "eval" / "target-cache")
     assert calls[-1].startswith("-m dflash_train.eval.curve")
 
 
@@ -64,6 +65,8 @@ def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib
     batch1 = [args for args in bf16 if "--batch-size" not in args]
     assert len(batch1) == 1
     assert batch1[0][batch1[0].index("--num-prompts") + 1] == "40" and "--no-lossless-check" not in batch1[0]
+    # The speedrun's own figures are measured in its own process, never read from another eval's cache.
+    assert not [c for c in calls if "--target-cache" in c]
 
 
 def test_the_bf16_batch8_eval_runs_once_with_its_own_prompts_unless_switched_off(tmp_path: pathlib.Path) -> None:
@@ -157,6 +160,7 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     outs = [args[args.index("--out") + 1].rsplit("/", 1)[-1] for kind, args in steps if kind == "eval"]
     assert outs == ["ablation-base-b16.json", "ablation-soft-b16.json", "ablation-lr2x-b16.json"]
     assert all(args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
+               and args[args.index("--target-cache") + 1] == str(tmp_path / "run" / "eval" / "target-cache")
                for kind, args in steps if kind == "eval")
     assert "a=1" in steps[4][1] and "b=2" in steps[4][1]  # an entry's overrides, split into words
     compare = steps[-1][1]
