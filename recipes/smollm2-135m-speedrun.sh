@@ -361,7 +361,9 @@ ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main 
   (( ABLATION_EVAL_PROMPTS > 0 )) || return 0
   local draft; draft=$(final_draft "$1")
   [[ -n "$draft" ]] || { echo "$1 has not finished: run the ablate stage again" >&2; return 1; }
-  eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check --target-cache "$OUT/eval/target-cache"
+  # Runs are compared by decoded τ and by held-out τ̂ from training: the eval's own τ̂ is not needed.
+  eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check --no-teacher-forced \
+    --target-cache "$OUT/eval/target-cache"
 }
 
 evaluate() {

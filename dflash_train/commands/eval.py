@@ -94,6 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-lossless-check", action="store_true",
                         help="skip the lossless check's pass (the target alone through the drafter run's verify "
                              "pass, about one more target-only pass over the prompts); lossless reads n/a")
+    parser.add_argument("--no-teacher-forced", action="store_true",
+                        help="skip the teacher-forced τ̂ (the drafter's accuracy on the target's own answers, a "
+                             "forward over every answer after decoding); its fields read null")
     parser.add_argument("--target-cache", type=Path, default=None, metavar="DIR",
                         help="keep the target-alone pass (answers and speed) in DIR and reuse one decoded before with "
                              "the same target, device, settings and prompts: evaluating many drafters decodes the target "
@@ -197,7 +200,8 @@ def run(args: argparse.Namespace) -> int:
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
     settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on",
-                            lossless_check=not args.no_lossless_check, target_cache=args.target_cache)
+                            lossless_check=not args.no_lossless_check, target_cache=args.target_cache,
+                            teacher_forced=not args.no_teacher_forced)
     torch.manual_seed(args.seed)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress, phases)

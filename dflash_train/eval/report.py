@@ -37,6 +37,7 @@ def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evalu
             "seed": args.seed,
             "lossless_check": evaluator.checks_lossless,
             "target_cache": str(settings.target_cache) if settings.target_cache is not None else None,
+            "teacher_forced": settings.teacher_forced,
         },
         "environment": {
             "device": torch.cuda.get_device_name(target.device) if target.device.type == "cuda" else "cpu",

@@ -56,6 +56,7 @@ class EvalSettings:
     thinking: bool = False
     lossless_check: bool = True  # greedy: the verify-shaped target-only pass that `lossless` compares against
     target_cache: Path | None = None  # where target-alone passes are kept and reused (None: always decoded)
+    teacher_forced: bool = True  # the drafter's top-1 accuracy on the target's own answers (τ̂), after decoding
 
     @property
     def block_size(self) -> int:
@@ -274,6 +275,8 @@ class Evaluator:
 
     def _teacher_forced(self, answers: list[tuple[list[int], list[int]]], name: str) -> dict[str, Any]:
         """Over every answer at once after the decode passes (it reads none of their state), timed as one phase."""
+        if not self.settings.teacher_forced:
+            return {"teacher_forced_slot_accuracy": None, "teacher_forced_acceptance_length": None}
         with self.phases.phase(f"teacher_forced/{name}"):
             teacher_forced = TeacherForcedAccuracy(self.target, self.draft, self.settings.block_size)
             for prompt, answer in answers:

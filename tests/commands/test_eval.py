@@ -255,3 +255,16 @@ def test_target_cache_decodes_the_target_alone_once(target_dir: Path, tmp_path: 
                   "teacher_forced_acceptance_length"):
         assert one[field] == two[field], field  # same drafter (seeded random), same answers and turns
     assert two["lossless"] is True
+
+
+def test_no_teacher_forced_leaves_its_fields_empty(target_dir: Path, tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "report.json"
+    assert run_eval(target_dir, out, "--dataset", "humaneval", "--num-prompts", "2", "--no-teacher-forced",
+                    "--no-plot") == 0
+    report = json.loads(out.read_text())
+    row = report["datasets"]["humaneval"]
+    assert row["teacher_forced_acceptance_length"] is None and row["teacher_forced_slot_accuracy"] is None
+    assert row["acceptance_length"] >= 1.0 and report["settings"]["teacher_forced"] is False
+    assert "teacher_forced" not in " ".join(report["phase_seconds"])  # the pass did not run
+    assert "humaneval" in capsys.readouterr().out

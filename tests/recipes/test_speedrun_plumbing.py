@@ -161,7 +161,7 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     assert outs == ["ablation-base-b16.json", "ablation-soft-b16.json", "ablation-lr2x-b16.json"]
     assert all(args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
                and args[args.index("--target-cache") + 1] == str(tmp_path / "run" / "eval" / "target-cache")
-               for kind, args in steps if kind == "eval")
+               and "--no-teacher-forced" in args for kind, args in steps if kind == "eval")
     assert "a=1" in steps[4][1] and "b=2" in steps[4][1]  # an entry's overrides, split into words
     compare = steps[-1][1]
     assert compare[compare.index("--evals") + 1] == str(tmp_path / "run" / "eval")
