@@ -118,6 +118,8 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--compile-scope chooses what torch.compile builds: drop --no-compile or --compile-scope")
     if args.matmul != "torch" and args.kernels == "torch":
         raise ValueError(f"--matmul {args.matmul} runs on the Triton kernels: drop --kernels torch or --matmul")
+    if args.target_cache is not None and args.target_cache.exists() and not args.target_cache.is_dir():
+        raise ValueError(f"--target-cache {args.target_cache} is a file: give a folder (made if missing)")
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -134,6 +134,7 @@ def test_batch_is_capped_at_the_largest_prompt_set(target_dir: Path, tmp_path: P
     (["--dataset", "humaneval", "--max-new-tokens", "0"], "--max-new-tokens: must be at least 1, not 0"),
     (["--dataset", "humaneval", "--num-prompts", "1", "--max-new-tokens", "500"], "no prompt of humaneval fits"),
     (["--dataset", "humaneval", "--max-autotune", "--no-compile"], "drop --no-compile or --max-autotune"),
+    (["--dataset", "humaneval", "--target-cache", __file__], "is a file: give a folder"),
 ])
 def test_user_errors_are_one_line(target_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
                                   extra: list[str], message: str) -> None:
