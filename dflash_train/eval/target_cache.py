@@ -72,8 +72,14 @@ class TargetPassCache:
             logger.warning("target cache: %s is unusable (%s); decoding the target alone again", path, error)
             return None
 
-    def store(self, prompts: Sequence[Sequence[int]], outputs: Sequence[RequestOutput], stats: RunStats) -> Path:
+    def store(self, prompts: Sequence[Sequence[int]], outputs: Sequence[RequestOutput],
+              stats: RunStats) -> Path | None:
+        """Write the pass (whole or not at all); a write that fails (a full disk) only warns: the eval goes on."""
         path = self.path(prompts)
-        write_json_atomically(path, {"identity": self.identity, "stats": asdict(stats),
-                                     "outputs": [asdict(output) for output in outputs]})
+        try:
+            write_json_atomically(path, {"identity": self.identity, "stats": asdict(stats),
+                                         "outputs": [asdict(output) for output in outputs]})
+        except OSError as error:
+            logger.warning("target cache: could not write %s (%s); this eval goes on without it", path, error)
+            return None
         return path

@@ -59,3 +59,17 @@ def test_identity_names_the_weights_and_the_settings() -> None:
     assert first["target"] != target_identity(other, EngineConfig(max_new_tokens=8))["target"]
     assert first["engine"] != target_identity(target, EngineConfig(max_new_tokens=9))["engine"]
     assert first["device"] == "cpu" and first["dtype"] == str(next(target.model.parameters()).dtype)
+
+
+def test_a_failed_write_warns_and_leaves_nothing(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    import dflash_train.eval.target_cache as target_cache
+
+    def full_disk(path: Path, payload: dict) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(target_cache, "write_json_atomically", full_disk)
+    cache = TargetPassCache(tmp_path, IDENTITY)
+    with caplog.at_level(logging.WARNING):
+        assert cache.store(PROMPTS, OUTPUTS, STATS) is None
+    assert "No space left" in caplog.text and cache.load(PROMPTS) is None
