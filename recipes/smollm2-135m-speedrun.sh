@@ -61,6 +61,10 @@
 #                   mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25"; empty: none)
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
+#   CHECK_EVERY     steps between a training run's held-out validations and checkpoints (default 1000; the
+#                   ablate stage's runs: ABLATION_CHECK_EVERY, default 400). Each takes ~1.4 s, so at 400 the
+#                   ~11k steps of a 9-minute run would spend ~7 % of its minutes on them; a run stopped by
+#                   STOP_AFTER saves anyway
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
@@ -123,6 +127,8 @@ ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_r
 ABLATION_DATA=${ABLATION_DATA-maxlen512:--max-length 512;noself:--exclude-source self-prompts;trim_loops:--trim-loops}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
+CHECK_EVERY=${CHECK_EVERY:-1000}
+ABLATION_CHECK_EVERY=${ABLATION_CHECK_EVERY:-400}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}
 CURVE_PROMPTS=${CURVE_PROMPTS:-$EVAL_PROMPTS}
 EVAL_NEW_TOKENS=${EVAL_NEW_TOKENS:-256}
@@ -275,7 +281,8 @@ train_run() {  # name, minutes: one training run with its schedule fitted to tha
   # shellcheck disable=SC2086  # TRAIN_EXTRA is a list of overrides
   run "${launch[@]}" --config recipes/smollm2-135m-dflash-b16-packed.yaml "model.target=$TARGET" \
     "data.prepared=$OUT/prepared" "training.output_dir=$OUT/train/$1" "training.time_budget_minutes=$2" \
-    "training.save_every=400" "training.eval_every=400" "tracking.report_to=none" "${stop[@]}" $TRAIN_EXTRA
+    "training.save_every=$CHECK_EVERY" "training.eval_every=$CHECK_EVERY" "tracking.report_to=none" "${stop[@]}" \
+    $TRAIN_EXTRA
 }
 
 train() {
@@ -337,6 +344,7 @@ ablate() {
   # by the τ each decodes on ABLATION_EVAL_PROMPTS prompts per eval set (0: held-out τ̂ only).
   # Compilation is not counted in their minutes: a run that changes a shape compiles anew, the others reuse.
   local entry entries equal="$TRAIN_EXTRA training.time_budget_excludes_warmup=true"
+  local CHECK_EVERY=$ABLATION_CHECK_EVERY  # a short run still draws its held-out τ̂ curve
   mkdir -p "$OUT/eval"
   TRAIN_EXTRA="$equal" train_run ablation-base "$ABLATION_MINUTES"
   ablation_eval ablation-base

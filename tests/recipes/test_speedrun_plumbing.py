@@ -362,3 +362,17 @@ def test_the_ablation_table_is_kept_beside_its_plot(tmp_path: pathlib.Path) -> N
     calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="")
     compare = next(c for c in calls if "dflash_train.training.compare" in c)
     assert (tmp_path / "run" / "ablations.md").read_text().strip() == compare
+
+
+def test_main_runs_validate_less_often_than_ablations(tmp_path: pathlib.Path) -> None:
+    """Validation and checkpoints every CHECK_EVERY steps (1000) in the main run, every ABLATION_CHECK_EVERY (400)
+    in the ablate stage's short runs, whose held-out τ̂ curves need the points."""
+    def every(calls: list[str]) -> set[tuple[str, ...]]:
+        return {tuple(a for a in c.split() if a.startswith(("training.eval_every=", "training.save_every=")))
+                for c in calls if "dflash_train.cli train" in c}
+
+    assert every(run_stage("train", tmp_path)) == {("training.save_every=1000", "training.eval_every=1000")}
+    assert every(run_stage("ablate", tmp_path, ABLATION_DATA="")) == {
+        ("training.save_every=400", "training.eval_every=400")}
+    assert every(run_stage("train", tmp_path, CHECK_EVERY="250")) == {
+        ("training.save_every=250", "training.eval_every=250")}
