@@ -11,7 +11,8 @@
 #
 # Each stage is an ordinary dflash-train command (printed before it runs), resumes where it stopped and is
 # skipped once finished, so the run can be split across time-limited calls of a GPU machine (one stage a
-# call). Nothing here is specific to SmolLM2 beyond the defaults: TARGET, MIX and the budgets scale it.
+# call; a stage such a call kills keeps its minutes in times.tsv, and regeneration resumes with what REGEN_MINUTES
+# has left). Nothing here is specific to SmolLM2 beyond the defaults: TARGET, MIX and the budgets scale it.
 # Settings (environment):
 #   TARGET          alias, local directory or .gguf (default: smollm2-135m-instruct)
 #   OUT             where everything goes (default: outputs/speedrun)
@@ -169,9 +170,24 @@ run() {  # print, then run, a command
 }
 
 timed() {  # stage name, then the function: its seconds are appended to $OUT/times.tsv
-  local name=$1 started=$SECONDS; shift
+  local name=$1 started=$SECONDS beat; shift
+  fold_cut_stage
+  # A stage a time-limited call kills still counts: its seconds so far are kept in $OUT/times.open and
+  # folded into times.tsv by the next stage (so the training budget and the total stay true).
+  ( while sleep 5 && kill -0 $$ 2>/dev/null; do printf '%s\t%s\n' "$name" "$(( SECONDS - started ))" > "$OUT/times.open"; done ) </dev/null >/dev/null 2>&1 &
+  beat=$!  # (its sleep holds no pipe of the caller's: a killed beat's last sleep would keep them open)
+  trap "kill $beat 2>/dev/null" EXIT  # $beat expanded now: the trap may run after this function returned
   "$@"
+  kill "$beat" 2>/dev/null; wait "$beat" 2>/dev/null || true
+  trap - EXIT
+  rm -f "$OUT/times.open"
   printf '%s\t%s\n' "$name" "$(( SECONDS - started ))" >> "$OUT/times.tsv"
+}
+
+fold_cut_stage() {  # the seconds of a stage a killed call left in $OUT/times.open, into times.tsv
+  [[ -f "$OUT/times.open" ]] || return 0
+  cat "$OUT/times.open" >> "$OUT/times.tsv"
+  rm -f "$OUT/times.open"
 }
 
 prompts() {
@@ -238,14 +254,24 @@ regen() {
   [[ -z "$CHATS" ]] || on_every_gpu "${DFLASH[@]}" regenerate --target "$TARGET" --data "$OUT/chats.jsonl" \
     --turns "$CHAT_TURNS" --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 \
     --batch-size 4096 --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen-chat"
-  # The target's minutes of data are one budget: what writing SELF_PROMPTS took comes off regeneration's.
-  local spent=0 budget file
+  # The target's minutes of data are one budget: what writing SELF_PROMPTS took comes off regeneration's, and
+  # so do the seconds of earlier attempts a time-limited call cut short (their times.tsv rows).
+  local spent=0 cut budget file
   for file in "$OUT"/self_prompts*.seconds; do
     [[ -f "$file" ]] && spent=$(( spent + $(< "$file") ))
   done
-  budget=$(awk -v minutes="$REGEN_MINUTES" -v spent="$spent" 'BEGIN { b = minutes * 60 - spent; printf "%d", b < 60 ? 60 : b }')
+  cut=$(awk -F '\t' '$1 == "regenerate" { s += $2 } END { print s + 0 }' "$OUT/times.tsv" 2>/dev/null || echo 0)
+  if (( cut > 0 )) && awk -v m="$REGEN_MINUTES" -v s=$(( spent + cut )) 'BEGIN { exit !(s >= m * 60) }'; then
+    echo "regeneration's REGEN_MINUTES=$REGEN_MINUTES were spent by earlier calls: training on its finished shards" >&2
+    touch "$OUT/regen.budget-spent"
+    return 0
+  fi
+  budget=$(awk -v minutes="$REGEN_MINUTES" -v spent="$spent" -v cut="$cut" \
+    'BEGIN { b = minutes * 60 - spent; b = b < 60 ? 60 : b; printf "%d", (cut > 0 ? b - cut : b) }')
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
-  on_every_gpu timeout "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+  # --foreground keeps regeneration in this script's process group, so a call limit that kills the script's
+  # group ends it too (a timeout of its own group would leave it decoding on)
+  on_every_gpu timeout --foreground "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
     --decode-rows "$DECODE_ROWS" "${sampled[@]}" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
     local code=$?
@@ -396,6 +422,7 @@ evaluate() {
 }
 
 summary() {
+  fold_cut_stage
   echo "minutes per stage ($OUT/times.tsv):"
   # The curve and ablate stages' runs are extra: they are not part of the speedrun's total.
   awk -F '\t' '{ printf "  %-10s %6.1f\n", $1, $2 / 60 } $1 != "curve" && $1 != "ablate" { total += $2 }

@@ -19,6 +19,15 @@ exit 0
 """
 
 
+TIMEOUT_SHIM = """#!/usr/bin/env bash
+[[ "$1" == --foreground ]] && shift
+printf "timeout %s\\n" "$1" >> "$CALLS"
+shift
+exec "$@"
+"""
+SLOW_REGEN_SHIM = SHIM.replace("exit 0", '[[ "$*" == *" regenerate "* ]] && sleep 60\nexit 0')
+
+
 def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: str) -> list[str]:
     bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
     bin_dir.mkdir(exist_ok=True)
@@ -217,7 +226,7 @@ def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathl
     """REGEN_MINUTES is the target's data budget: seconds spent writing self-prompts shorten regeneration."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "timeout").write_text('#!/usr/bin/env bash\nprintf "timeout %s\\n" "$1" >> "$CALLS"\nshift\nexec "$@"\n')
+    (bin_dir / "timeout").write_text(TIMEOUT_SHIM)
     (bin_dir / "timeout").chmod(0o755)
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
         "timeout 300s"]
@@ -230,6 +239,40 @@ def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathl
     (tmp_path / "run" / "self_prompts.seconds").write_text("500\n")  # never below a minute
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="2.5") if c.startswith("timeout")] == [
         "timeout 60s"]
+
+
+def test_a_stage_a_call_limit_kills_still_counts_and_regeneration_resumes_with_what_is_left(
+        tmp_path: pathlib.Path) -> None:
+    """A time-limited machine kills the regeneration mid-way: its seconds so far are kept and folded into
+    times.tsv by the next call, whose regeneration gets only what REGEN_MINUTES has left."""
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(SLOW_REGEN_SHIM)
+    (bin_dir / "python3").chmod(0o755)
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "CALLS": str(calls), "DRAFT": str(tmp_path / "draft"),
+           "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REGEN_MINUTES": "5"}
+    cut = subprocess.run(["timeout", "8", "bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "regenerate"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert cut.returncode == 124
+    name, seconds = (tmp_path / "run" / "times.open").read_text().split()
+    assert name == "regenerate" and 5 <= int(seconds) <= 8
+    (bin_dir / "timeout").write_text(TIMEOUT_SHIM)
+    (bin_dir / "timeout").chmod(0o755)
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
+        f"timeout {300 - int(seconds)}s"]
+    assert not (tmp_path / "run" / "times.open").exists()
+    rows = [line.split("\t")[0] for line in (tmp_path / "run" / "times.tsv").read_text().splitlines()]
+    assert rows == ["regenerate", "regenerate"]  # the cut attempt, then the finished one
+
+
+def test_regeneration_spent_by_cut_calls_goes_straight_to_prepare(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "self_prompts.seconds").write_text("100\n")
+    (tmp_path / "run" / "times.tsv").write_text("prompts\t110\nregenerate\t150\n")
+    (tmp_path / "run" / "times.open").write_text("regenerate\t50\n")  # 100 + 150 + 50 = the 5 minutes
+    calls = run_stage("regenerate", tmp_path, REGEN_MINUTES="5")
+    assert not [c for c in calls if "regenerate" in c]
+    assert (tmp_path / "run" / "regen.budget-spent").exists()
 
 
 def test_trim_loops_reaches_prepare(tmp_path: pathlib.Path) -> None:
