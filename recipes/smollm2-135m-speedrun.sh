@@ -348,10 +348,18 @@ eval_b16() {  # name, drafter, prompts per set, more flags: τ, speedup (and the
     "${@:4}" --out "$OUT/eval/$1-b16.json"
 }
 
+prepared_first() {  # the curve and ablate stages train on $OUT/prepared: made here if the answers are there but
+  # a stopped call never prepared them, its seconds in this stage's (with no answers either, training's own error
+  # says what to run)
+  [[ -f "$OUT/prepared/dflash_data.json" || ! -d "$OUT/regen" ]] && return 0
+  prepare
+}
+
 curve() {
   # τ against training minutes: one run per budget in CURVE_MINUTES, each with its own schedule (a cut-short
   # longer run would not have annealed), each evaluated like main; the main run is a point too.
   local minutes draft
+  prepared_first
   mkdir -p "$OUT/eval"
   for minutes in $CURVE_MINUTES; do
     train_run "curve-${minutes}min" "$minutes"
@@ -371,6 +379,7 @@ ablate() {
   # Compilation is not counted in their minutes: a run that changes a shape compiles anew, the others reuse.
   local entry entries equal="$TRAIN_EXTRA training.time_budget_excludes_warmup=true"
   local CHECK_EVERY=$ABLATION_CHECK_EVERY  # a short run still draws its held-out τ̂ curve
+  prepared_first
   mkdir -p "$OUT/eval"
   TRAIN_EXTRA="$equal" train_run ablation-base "$ABLATION_MINUTES"
   ablation_eval ablation-base

@@ -181,6 +181,20 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     assert len(only_base) == 1 and "training.output_dir=" + str(tmp_path / "run" / "train" / "ablation-base") in only_base[0]
 
 
+def test_curve_and_ablate_prepare_answers_a_stopped_call_left_unprepared(tmp_path: pathlib.Path) -> None:
+    def first_steps(stage: str, **settings: str) -> list[str]:
+        calls = run_stage(stage, tmp_path, ABLATIONS="", ABLATION_DATA="", CURVE_MINUTES="5", **settings)
+        return [c.split()[2] for c in calls if c.startswith("-m dflash_train.cli ")][:2]
+
+    assert first_steps("ablate") == ["train", "eval"]  # no answers: nothing to prepare (training says what to run)
+    (tmp_path / "run" / "regen").mkdir(parents=True)
+    assert first_steps("ablate") == ["prepare", "train"]
+    assert first_steps("curve") == ["prepare", "train"]
+    (tmp_path / "run" / "prepared").mkdir()
+    (tmp_path / "run" / "prepared" / "dflash_data.json").write_text("{}")
+    assert first_steps("curve") == ["train", "eval"]
+
+
 def test_data_variants_are_prepared_once_from_the_same_answers_and_trained_on(tmp_path: pathlib.Path) -> None:
     """ABLATION_DATA: the regenerated answers prepared again with other flags; a run of the baseline recipe on
     each, after the recipe ablations; the 512-token, no-self-prompts and trim-loops variants are there by default, and a
