@@ -433,9 +433,13 @@ evaluate() {
 summary() {
   fold_cut_stage
   echo "minutes per stage ($OUT/times.tsv):"
-  # The curve and ablate stages' runs are extra: they are not part of the speedrun's total.
-  awk -F '\t' '{ printf "  %-10s %6.1f\n", $1, $2 / 60 } $1 != "curve" && $1 != "ablate" { total += $2 }
-    END { printf "  %-10s %6.1f\n", "total", total / 60 }' "$OUT/times.tsv"
+  # The curve and ablate stages' runs are extra: they are not part of the speedrun's total. A stage run in parts
+  # (resumed, or cut by a call's limit and run again) is one line with its parts' sum.
+  awk -F '\t' '!($1 in seconds) { order[++stages] = $1 } { seconds[$1] += $2; parts[$1]++ }
+    $1 != "curve" && $1 != "ablate" { total += $2 }
+    END { for (i = 1; i <= stages; i++) { name = order[i]
+            printf "  %-10s %6.1f%s\n", name, seconds[name] / 60, (parts[name] > 1 ? "  (" parts[name] " parts)" : "") }
+          printf "  %-10s %6.1f\n", "total", total / 60 }' "$OUT/times.tsv"
   local goal goals=()
   for goal in $GOALS; do goals+=(--goal "$goal"); done
   python3 -m dflash_train.eval.summary "$OUT" "${goals[@]}"

@@ -373,6 +373,22 @@ def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
     assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run")]]
 
 
+def test_the_summary_sums_a_stage_run_in_parts(tmp_path: pathlib.Path) -> None:
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "times.tsv").write_text(
+        "prompts\t120\nprepare\t40\nablate\t600\nprepare\t50\ntrain\t480\ntrain\t120\n")
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "GOALS": "", "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+    (tmp_path / "python3").write_text("#!/usr/bin/env bash\nexit 0\n")
+    (tmp_path / "python3").chmod(0o755)
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "summary"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert [line.split() for line in done.stdout.splitlines()[1:]] == [
+        ["prompts", "2.0"], ["prepare", "1.5", "(2", "parts)"], ["ablate", "10.0"], ["train", "10.0", "(2", "parts)"],
+        ["total", "13.5"]]  # the ablate stage's runs are extra
+    assert not list(REPO.glob("*parts)*"))  # awk's `>` inside printf would have written a file of that name
+
+
 def budgets(calls: list[str]) -> list[str]:
     return [a for c in calls if "dflash_train.cli train" in c for a in c.split() if a.startswith("training.time_budget")]
 
