@@ -247,7 +247,7 @@ regen() {
   local sampled=() loops=()
   (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
   [[ "$STOP_LOOPS" == 1 ]] && loops=(--stop-loops)
-  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" ]] && return 0
+  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]] && return 0
   # Whole conversations first, every round to the end (a conversation is only written with its last turn):
   # the target answers each user turn after its own earlier answers, as in MT-Bench's second turn.
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
@@ -268,9 +268,9 @@ regen() {
   fi
   budget=$(awk -v minutes="$REGEN_MINUTES" -v spent="$spent" -v cut="$cut" \
     'BEGIN { b = minutes * 60 - spent; b = b < 60 ? 60 : b; printf "%d", (cut > 0 ? b - cut : b) }')
-  # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   # --foreground keeps regeneration in this script's process group, so a call limit that kills the script's
   # group ends it too (a timeout of its own group would leave it decoding on)
+  # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   on_every_gpu timeout --foreground "${budget}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
     --decode-rows "$DECODE_ROWS" "${sampled[@]}" "${loops[@]}" $REGEN_EXTRA --out "$OUT/regen" || {
@@ -279,6 +279,8 @@ regen() {
     echo "regeneration stopped after REGEN_MINUTES=$REGEN_MINUTES: training on its finished shards" >&2
     touch "$OUT/regen.budget-spent"
   }
+  # Every prompt answered: a later call neither regenerates again nor takes this stage's row for a cut attempt.
+  [[ -f "$OUT/regen.budget-spent" ]] || touch "$OUT/regen.done"
 }
 
 prepare() {

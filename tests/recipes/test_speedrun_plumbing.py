@@ -42,6 +42,12 @@ def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: 
     return calls.read_text().splitlines()
 
 
+def forget_regeneration(tmp_path: pathlib.Path) -> None:
+    """Lets the regenerate stage run again in the same folder (a finished or spent one is skipped)."""
+    for marker in ("regen.done", "regen.budget-spent"):
+        (tmp_path / "run" / marker).unlink(missing_ok=True)
+
+
 def test_a_finished_run_is_not_launched_again(tmp_path: pathlib.Path) -> None:
     assert [c for c in run_stage("train", tmp_path) if "dflash_train.cli train" in c]
     assert not [c for c in run_stage("train", tmp_path, FINISHED="1") if "dflash_train.cli train" in c]
@@ -245,12 +251,15 @@ def test_self_prompting_minutes_come_off_the_regeneration_budget(tmp_path: pathl
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
         "timeout 300s"]
     (tmp_path / "run" / "self_prompts.seconds").write_text("75\n")
+    forget_regeneration(tmp_path)
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
         "timeout 225s"]
     (tmp_path / "run" / "self_prompts-math.seconds").write_text("45\n")  # every self-prompt set is paid for
+    forget_regeneration(tmp_path)
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="5") if c.startswith("timeout")] == [
         "timeout 180s"]
     (tmp_path / "run" / "self_prompts.seconds").write_text("500\n")  # never below a minute
+    forget_regeneration(tmp_path)
     assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="2.5") if c.startswith("timeout")] == [
         "timeout 60s"]
 
@@ -277,6 +286,15 @@ def test_a_stage_a_call_limit_kills_still_counts_and_regeneration_resumes_with_w
     assert not (tmp_path / "run" / "times.open").exists()
     rows = [line.split("\t")[0] for line in (tmp_path / "run" / "times.tsv").read_text().splitlines()]
     assert rows == ["regenerate", "regenerate"]  # the cut attempt, then the finished one
+
+
+def test_a_finished_regeneration_is_not_run_again_nor_taken_for_a_cut_one(tmp_path: pathlib.Path) -> None:
+    assert [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="1") if "cli regenerate" in c]
+    assert (tmp_path / "run" / "regen.done").exists()
+    assert (tmp_path / "run" / "times.tsv").read_text().startswith("regenerate\t")  # its row, over the budget
+    (tmp_path / "run" / "times.tsv").write_text("regenerate\t600\n")
+    assert not [c for c in run_stage("regenerate", tmp_path, REGEN_MINUTES="1") if "cli regenerate" in c]
+    assert not (tmp_path / "run" / "regen.budget-spent").exists()  # prepare will not take it for unfinished
 
 
 def test_regeneration_spent_by_cut_calls_goes_straight_to_prepare(tmp_path: pathlib.Path) -> None:
@@ -306,10 +324,10 @@ def test_stop_loops_reaches_every_regeneration(tmp_path: pathlib.Path) -> None:
     regen = [c.split() for c in run_stage("regenerate", tmp_path, STOP_LOOPS="1", CHATS=f"{chats}=1")
              if "cli regenerate" in c]
     assert len(regen) == 2 and all("--stop-loops" in args for args in regen)  # whole chats, then prompts
-    (tmp_path / "run" / "regen.budget-spent").unlink(missing_ok=True)
+    forget_regeneration(tmp_path)
     regen = [c.split() for c in run_stage("regenerate", tmp_path) if "cli regenerate" in c]
     assert regen and all("--stop-loops" in args for args in regen)  # on by default
-    (tmp_path / "run" / "regen.budget-spent").unlink(missing_ok=True)
+    forget_regeneration(tmp_path)
     regen = [c.split() for c in run_stage("regenerate", tmp_path, STOP_LOOPS="0") if "cli regenerate" in c]
     assert regen and not any("--stop-loops" in args for args in regen)
     done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "regenerate"], cwd=REPO,
