@@ -56,18 +56,24 @@ def test_forced_on_a_cpu_it_records_what_ran(tmp_path: Path, monkeypatch: pytest
     assert qwen["target_step_skinny_fused_over_floor"] > 0 and "target_step_ms" not in qwen
 
 
-def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(tmp_path: Path,
-                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forced on a CPU (where both settings run SDPA): the cycle's figures under their own key, what ran, and
-    the difference against the layer-scope cycle."""
+@pytest.fixture(scope="module")
+def cycle_ablations(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """One tiny run of both cycle ablations beside the layer-scope cycle, forced on a CPU (where the drafter's
+    attention is SDPA and the state update unfused either way)."""
+    out = tmp_path_factory.mktemp("cycle-ablations") / "decode.json"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(decode, "engine_ablation_applies", lambda runner: True)
+        main([*TINY_QWEN3, "--variants", "layer_scope,sdpa_draft_attention,torch_state_update", "--out", str(out)])
+    return json.loads(out.read_text())["qwen3_8b"]
+
+
+def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(cycle_ablations: dict) -> None:
+    """The cycle's figures under their own key, what ran, and the difference against the layer-scope cycle."""
     assert "sdpa_draft_attention" in VARIANTS
     target = make_tiny_target("qwen3", num_layers=1)
     assert not decode.engine_ablation_applies(StaticTarget(target, 1, 8))
     assert decode.engine_ablation_applies(StaticTarget(target, 1, 8, kernels="triton"))
-    monkeypatch.setattr(decode, "engine_ablation_applies", lambda runner: True)
-    out = tmp_path / "decode.json"
-    main([*TINY_QWEN3, "--variants", "layer_scope,sdpa_draft_attention", "--out", str(out)])
-    qwen = json.loads(out.read_text())["qwen3_8b"]
+    qwen = cycle_ablations
     assert qwen["dflash_cycle_sdpa_draft_attention_ms"] > 0
     assert qwen["dflash_cycle_sdpa_draft_attention_draft_attention"] == "sdpa"
     assert qwen["dflash_cycle_layer_scope_draft_attention"] == "sdpa"  # a CPU runner has no Triton kernels
@@ -76,14 +82,11 @@ def test_the_drafter_attention_ablation_measures_the_cycle_on_sdpa(tmp_path: Pat
         qwen["dflash_cycle_sdpa_draft_attention_ms"] - qwen["dflash_cycle_layer_scope_ms"])
 
 
-def test_the_state_update_ablation_measures_the_cycle_unfused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Forced on a CPU (where the update is never fused): the cycle's figures under their own key, whether the
-    update ran fused, and the difference against the layer-scope cycle."""
+def test_the_state_update_ablation_measures_the_cycle_unfused(cycle_ablations: dict) -> None:
+    """The cycle's figures under their own key, whether the update ran fused, and the difference against the
+    layer-scope cycle."""
     assert "torch_state_update" in VARIANTS
-    monkeypatch.setattr(decode, "engine_ablation_applies", lambda runner: True)
-    out = tmp_path / "decode.json"
-    main([*TINY_QWEN3, "--variants", "layer_scope,torch_state_update", "--out", str(out)])
-    qwen = json.loads(out.read_text())["qwen3_8b"]
+    qwen = cycle_ablations
     assert qwen["dflash_cycle_torch_state_update_ms"] > 0
     assert qwen["dflash_cycle_torch_state_update_fused_state_update"] is False
     assert qwen["dflash_cycle_layer_scope_fused_state_update"] is False  # a CPU runner has no Triton kernels

@@ -43,7 +43,8 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     # about a step (the median's noise allowed for)
     device = profile["device_ms"]
     assert set(device) == set(phases) and all(ms > 0 for ms in device.values())
-    assert sum(device.values()) <= packed["step_s_median"] * 1e3 * 2
+    # (3x: a sum over the 3 steps instead of a mean would be 3x its own, noisy, figure)
+    assert sum(device.values()) <= packed["step_s_median"] * 1e3 * 3
     assert "device ms by phase" in out
 
 
@@ -104,9 +105,10 @@ def test_the_synthetic_target_tokenizer_covers_the_whole_vocabulary(tmp_path: Pa
     assert max(AutoTokenizer.from_pretrained(tmp_path).get_vocab().values()) + 1 >= SMOLLM2_135M["vocab_size"]
 
 
+@pytest.mark.slow  # a SmolLM2-sized model on a CPU: 20-60 s
 def test_train_packing_runs_at_smollm2_shapes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU run's shapes (a SmolLM2-135M-shaped target, its vocabulary, chats drawn from all of it) with
-    short rows and one step, on a CPU (~15 s): what `--tiny` changes is what broke an H200 run once."""
+    short rows and one step, on a CPU: what `--tiny` changes is what broke an H200 run once."""
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
     main(["--chats", "24", "--steps", "1", "--num-anchors", "8", "--variants", "packed",
           "--set", "data.max_length=512", "--set", "data.pack_tokens=1024", "--set", "training.batch_size=1",
