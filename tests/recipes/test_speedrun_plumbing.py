@@ -43,8 +43,9 @@ def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: 
 
 
 def forget_regeneration(tmp_path: pathlib.Path) -> None:
-    """Lets the regenerate stage run again in the same folder (a finished or spent one is skipped)."""
-    for marker in ("regen.done", "regen.budget-spent"):
+    """Lets the regenerate stage run again in the same folder, as in a fresh one: a finished or spent one is
+    skipped, and without their markers earlier rows of times.tsv would count as cut attempts."""
+    for marker in ("regen.done", "regen.budget-spent", "times.tsv"):
         (tmp_path / "run" / marker).unlink(missing_ok=True)
 
 
