@@ -27,9 +27,11 @@ same run (CUDA events, median):
   drafter's block attention on SDPA over its whole cache (`sdpa_draft_attention`, the drafter's own forward)
   instead of the split-key kernel (`dflash_train/runtime/draft_layer.py`); the cycle with the rows' state
   update as ~30 small PyTorch ops (`torch_state_update`) instead of one kernel
-  (`dflash_train.kernels.decode_state`); and, opt-in
-  (`skinny_matmul`), the step and the cycle with their products of few rows (the layers' four and the
-  logits) on the skinny-matmul kernel instead of cuBLAS (`dflash_train.kernels.skinny_matmul`), and
+  (`dflash_train.kernels.decode_state`); the step and the cycle with every product on cuBLAS
+  (`cublas_matmul`) where the default runs the shapes of the skinny kernel's swept table on it
+  (`dflash_train.kernels.skinny_matmul.tuned_shapes`: Qwen3-8B's on an H100/H200); and, opt-in
+  (`skinny_matmul`), the step and the cycle with all their products of few rows (the layers' four and the
+  logits) on the skinny-matmul kernel (`dflash_train.kernels.skinny_matmul`), and
   (`skinny_fused`) the same with each layer's norms, SwiGLU and residual adds folded into its products
   (`dflash_train.kernels.skinny_fused`) and the attention prologue into the q/k/v product's epilogue
   (`dflash_train.kernels.qkv_rope_cache`): six launches a layer, the drafter's layers too;
@@ -44,7 +46,7 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  skinny_matmul, skinny_fused, sdpa_draft_attention, torch_state_update, hf
+  cublas_matmul, skinny_matmul, skinny_fused, sdpa_draft_attention, torch_state_update, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -481,10 +483,11 @@ LOOP_VARIANTS = {"default": ("", True, True, "step"), "layer_scope": ("_layer_sc
 ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cycle")),
              "torch_prologue": ({"fuse_prologue": False}, ("target_step",)),
              "unfused": ({"fuse_projections": False}, ("target_step",)),
-             "undeferred_residual": ({"defer_residual": False}, ("target_step",))}
+             "undeferred_residual": ({"defer_residual": False}, ("target_step",)),
+             "cublas_matmul": ({"skinny_matmul": "off"}, ("target_step", "dflash_cycle"))}
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
-OPT_INS = {"skinny_matmul": ({"skinny_matmul": True}, ("target_step", "dflash_cycle")),
-           "skinny_fused": ({"skinny_matmul": True, "skinny_fusion": True}, ("target_step", "dflash_cycle"))}
+OPT_INS = {"skinny_matmul": ({"skinny_matmul": "all"}, ("target_step", "dflash_cycle")),
+           "skinny_fused": ({"skinny_matmul": "all", "skinny_fusion": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
 ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
                     "torch_state_update": {"fuse_state_update": False}}
@@ -607,7 +610,8 @@ def ablation_applies(label: str, runner: StaticTarget) -> bool:
     """An ablation of a kernel the default runner does not use (on a CPU: neither) would repeat the default,
     and so would an opt-in Triton kernel where the runner has none."""
     return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton",
-            "skinny_matmul": runner.kernels == "triton", "skinny_fused": runner.kernels == "triton"}.get(label, True)
+            "skinny_matmul": runner.kernels == "triton", "skinny_fused": runner.kernels == "triton",
+            "cublas_matmul": runner.matmul == "tuned"}.get(label, True)
 
 
 def ablation(bench: Qwen3Bench, label: str) -> None:

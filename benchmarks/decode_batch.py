@@ -60,7 +60,7 @@ from benchmarks.decode import random_draft, time_ms
 from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.config import COMPILE_SCOPES, MATMULS
+from dflash_train.runtime.config import COMPILE_SCOPES, MATMULS, SKINNY_FOR_MATMUL
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, resolve_kernels
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
@@ -203,7 +203,7 @@ class Settings:
     block_size: int = 16
     draft_layers: int = 5
     compile_scope: str = "layer"  # EngineConfig.compile_scope
-    matmul: str = "torch"  # EngineConfig.matmul: the products of steps of at most 64 rows
+    matmul: str = "auto"  # EngineConfig.matmul: the products of steps of at most 64 rows
 
 
 def cycles_per_point(settings: Settings) -> int:
@@ -264,7 +264,7 @@ def measure_batch(target: TargetModel, draft: DFlashDraftModel, batch: int, sett
     """Both variants at one batch, sharing the target's runner (and its KV cache)."""
     kernels = resolve_kernels("auto", settings.device)
     runner = StaticTarget(target, batch, cache_length(settings), kernels=kernels,
-                          skinny_matmul=settings.matmul != "torch", skinny_fusion=settings.matmul == "fused")
+                          skinny_matmul=SKINNY_FOR_MATMUL[settings.matmul], skinny_fusion=settings.matmul == "fused")
     points = [measure(target, None, runner, batch, settings), measure(target, draft, runner, batch, settings)]
     del runner
     release(settings.device)
@@ -450,9 +450,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="layer (the runtime's default): one decoder layer compiled and reused by every layer, "
                              "so that a point's compile time does not grow with the depth; step: the whole cycle's "
                              "forwards as one graph each (compare the compile s column of both)")
-    parser.add_argument("--matmul", choices=MATMULS, default="torch",
-                        help="the products of decode and verify steps of at most 64 rows (EngineConfig.matmul): torch "
-                             "(cuBLAS, the default), skinny or fused (norms, SwiGLU and residual adds folded in); "
+    parser.add_argument("--matmul", choices=MATMULS, default="auto",
+                        help="the products of decode and verify steps of at most 64 rows (EngineConfig.matmul): auto "
+                             "(the default: the skinny kernel for the tuned shapes), torch (cuBLAS), skinny or fused (norms, SwiGLU and residual adds folded in); "
                              "larger steps keep torch's (give another --out to keep the default's figures)")
     parser.add_argument("--budget-s", type=float, default=480.0,
                         help="start no point that would end after this many seconds (estimated from the longest "

@@ -77,9 +77,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-attention", default="kernel", choices=DRAFT_ATTENTIONS,
                         help="the drafter's block attention in the loop: kernel (split-key kernel over its context "
                              "cache, with --kernels triton) or sdpa (its own forward under a dense mask)")
-    parser.add_argument("--matmul", default="torch", choices=MATMULS,
-                        help="with --kernels triton, the products of decode and verify steps of at most 64 rows: torch "
-                             "(cuBLAS), skinny (a kernel that streams the weight) or fused (skinny with each layer's "
+    parser.add_argument("--matmul", default="auto", choices=MATMULS,
+                        help="with --kernels triton, the products of decode and verify steps of at most 64 rows: auto "
+                             "(the skinny kernel for the weight shapes its tilings were swept for on this GPU's "
+                             "architecture, cuBLAS for the others), torch (cuBLAS), skinny (a kernel that streams the weight) or fused (skinny with each layer's "
                              "norms, SwiGLU, residual adds and attention prologue folded in: 6 launches a layer; target and "
                              "drafter)")
     parser.add_argument("--no-cuda-graphs", action="store_true")
@@ -116,7 +117,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
     if args.compile_scope is not None and args.no_compile:
         raise ValueError("--compile-scope chooses what torch.compile builds: drop --no-compile or --compile-scope")
-    if args.matmul != "torch" and args.kernels == "torch":
+    if args.matmul not in ("auto", "torch") and args.kernels == "torch":
         raise ValueError(f"--matmul {args.matmul} runs on the Triton kernels: drop --kernels torch or --matmul")
     if args.target_cache is not None and args.target_cache.exists() and not args.target_cache.is_dir():
         raise ValueError(f"--target-cache {args.target_cache} is a file: give a folder (made if missing)")

@@ -5,6 +5,9 @@ operations, and kept as fp32 for the next one. bf16 is rounded on the bits (to n
 than by a cast, because the Triton interpreter truncates its bf16 casts: the CPU tests compare kernels with
 PyTorch's rounding, bit for bit.
 
+`kept`: a rounded value hidden from the GPU compiler's contraction of a product and a later sum into one
+fused multiply-add, which rounds once where the modules round twice.
+
 `dot`: a product accumulated with fp32 sums, in full fp32 precision for fp32 inputs and under the interpreter.
 
 `head_norm_weights`, `head_norm`, `rotate_half`: the attention prologue's q/k RMSNorm over a head and its
@@ -25,6 +28,17 @@ def rounded(x, BF16: tl.constexpr, FP16: tl.constexpr):
         x = ((bits >> 16) << 16).to(tl.float32, bitcast=True)
     elif FP16:
         x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+def kept(x, OPAQUE: tl.constexpr):
+    """fp32 x as it is, but opaque to the compiler (OPAQUE: compiled kernels; the interpreter, which never
+    fuses, has no inline assembly). Why: given round(a * b) + c with a 16-bit rounding in between, the GPU
+    compiler narrows both operations to that dtype and then fuses them into one FMA, skipping the product's
+    rounding; on an H200 a SwiGLU product followed by a residual add came out one unit off in 22 % of its
+    bf16 outputs. A value that comes out of an assembly `mov` cannot be traced back to the product."""
+    if OPAQUE:
+        x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return x
 
 
@@ -57,16 +71,17 @@ def head_norm(x1, x2, w1, w2, inv_rms, BF16: tl.constexpr, FP16: tl.constexpr):
             rounded(w2 * rounded(x2 * inv_rms, BF16, FP16), BF16, FP16))
 
 
-def rotate_half(x1, x2, c1, c2, s1, s2, BF16: tl.constexpr, FP16: tl.constexpr):
+def rotate_half(x1, x2, c1, c2, s1, s2, BF16: tl.constexpr, FP16: tl.constexpr, OPAQUE: tl.constexpr):
     """x * cos + rotate_half(x) * sin on the halves, rounded as the eager code rounds: each product, then
-    their sum."""
-    y1 = rounded(rounded(x1 * c1, BF16, FP16) - rounded(x2 * s1, BF16, FP16), BF16, FP16)
-    y2 = rounded(rounded(x2 * c2, BF16, FP16) + rounded(x1 * s2, BF16, FP16), BF16, FP16)
-    return y1, y2
+    their sum (the products `kept`, so that a product and the sum are not fused into one rounding)."""
+    c1x1, s1x2 = kept(rounded(x1 * c1, BF16, FP16), OPAQUE), kept(rounded(x2 * s1, BF16, FP16), OPAQUE)
+    c2x2, s2x1 = kept(rounded(x2 * c2, BF16, FP16), OPAQUE), kept(rounded(x1 * s2, BF16, FP16), OPAQUE)
+    return rounded(c1x1 - s1x2, BF16, FP16), rounded(c2x2 + s2x1, BF16, FP16)
 
 
 if HAS_TRITON:  # device functions, resolved when a kernel calling them compiles (so jitted at import)
     rounded = triton.jit(rounded)
+    kept = triton.jit(kept)
     dot = triton.jit(dot)
     head_norm_weights = triton.jit(head_norm_weights)
     head_norm = triton.jit(head_norm)

@@ -51,7 +51,7 @@ def _qkv_rope_cache_kernel(
     EPS: tl.constexpr, EPS_Q: tl.constexpr, EPS_K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_BIAS: tl.constexpr, HAS_QK_NORM: tl.constexpr, BF16: tl.constexpr, FP16: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     head = tl.program_id(1)  # query heads 0..HEADS-1, then key heads (each with its value head)
@@ -113,7 +113,7 @@ def _qkv_rope_cache_kernel(
     c2 = tl.load(cos_ptr + rope + HALF, mask=rope_mask, other=0.0).to(tl.float32)
     s1 = tl.load(sin_ptr + rope, mask=rope_mask, other=0.0).to(tl.float32)
     s2 = tl.load(sin_ptr + rope + HALF, mask=rope_mask, other=0.0).to(tl.float32)
-    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16)
+    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16, OPAQUE)
     q_dst = q_ptr + (tokens.to(tl.int64)[None, :] * HEADS + head) * dim + d[:, None]
     q_mask = (d_ok & is_q)[:, None] & token_ok[None, :]
     tl.store(q_dst, y1.to(q_ptr.dtype.element_ty), mask=q_mask)  # exact: y is already rounded
@@ -147,7 +147,7 @@ def _qkv_rope_cache_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch
         EPS=norm_eps, EPS_Q=eps_q, EPS_K=eps_k, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         BLOCK_HALF=max(16, next_power_of_2(dim // 2)), BLOCK_M=BLOCK_M, BLOCK_K=min(BLOCK_K, max(16, next_power_of_2(k))),
         HAS_BIAS=has_bias, HAS_QK_NORM=has_qk_norm, BF16=x.dtype == torch.bfloat16, FP16=x.dtype == torch.float16,
-        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, num_warps=4,
+        IEEE=x.dtype == torch.float32, UPCAST=interpreting() and x.dtype != torch.float32, OPAQUE=not interpreting(), num_warps=4,
         # Four weight tiles of D/2 x BLOCK_K a stage: 16 KB each at D = 128 in bf16, so two stages there.
         num_stages=3 if dim <= 64 else 2,
     )

@@ -95,6 +95,7 @@ def _rope_cache_kernel(
     T, sc_row, sc_head, sc_slot,
     EPS_Q: tl.constexpr, EPS_K: tl.constexpr, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, HAS_NORM: tl.constexpr, BF16: tl.constexpr, FP16: tl.constexpr,
+    OPAQUE: tl.constexpr,
 ):
     token = tl.program_id(0)  # i * T + t
     head = tl.program_id(1)  # query heads 0..HEADS-1, then key heads
@@ -119,7 +120,7 @@ def _rope_cache_kernel(
     c2 = tl.load(cs + HALF + d, mask=dmask, other=0.0).to(tl.float32)
     s1 = tl.load(sn + d, mask=dmask, other=0.0).to(tl.float32)
     s2 = tl.load(sn + HALF + d, mask=dmask, other=0.0).to(tl.float32)
-    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16)
+    y1, y2 = rotate_half(x1, x2, c1, c2, s1, s2, BF16, FP16, OPAQUE)
     q_dst = q_ptr + (token.to(tl.int64) * HEADS + head) * dim
     is_k = dmask & ~is_q
     tl.store(q_dst + d, y1.to(q_ptr.dtype.element_ty), mask=dmask & is_q)  # exact: y is already rounded
@@ -151,7 +152,7 @@ def _rope_cache_op(qkv: torch.Tensor, q_norm_weight: torch.Tensor, k_norm_weight
         qkv, q_norm_weight, k_norm_weight, cos, sin, positions, rows, q, cache_k, cache_v,
         t, cache_k.stride(0), cache_k.stride(1), cache_k.stride(2),
         EPS_Q=eps_q, EPS_K=eps_k, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2, BLOCK_HALF=next_power_of_2(dim // 2),
-        HAS_NORM=has_norm, BF16=qkv.dtype == torch.bfloat16, FP16=qkv.dtype == torch.float16,
+        HAS_NORM=has_norm, BF16=qkv.dtype == torch.bfloat16, FP16=qkv.dtype == torch.float16, OPAQUE=not interpreting(),
         num_warps=1 if dim <= 128 else 2,
     )
     return q

@@ -19,8 +19,11 @@ tiling per (N, K) comes from a small table (`CONFIGS`, filled from `python -m be
 --sweep` on the GPU) or else `default_config`, whose BLOCK_N leaves even N = 4096 a program or two per
 multiprocessor of an H100/H200. With those default tilings it is slower than cuBLAS on an H200 (Qwen3-8B's
 products 4.35 against 4.11 ms a step, split-K reductions included; SmolLM2's small products 4.4 against 3.9 µs
-a launch), so the runtime uses it only when asked (`StaticTarget(skinny_matmul=True)`);
-`benchmarks.decode --variants skinny_matmul` measures the step and the sweep fills `CONFIGS`.
+a launch); with the swept tilings of `CONFIGS` every Qwen3-8B product is level with cuBLAS or faster (the
+step 4.67 against 4.93 ms, 0.95x). So the runtime runs on it by default the shapes of `CONFIGS`, on the
+architecture they were swept on (`tuned_shapes`), and every product only when asked
+(`StaticTarget(skinny_matmul="all")`); `benchmarks.decode --variants skinny_matmul,cublas_matmul` measures
+both against the default.
 
 Batch invariance: a row's output is bitwise the same whatever M is (1, 16 or 40) and whatever the other
 rows hold. The tiling is chosen from (N, K) only, never from M; rows are processed 16 at a time by
@@ -47,7 +50,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
-from dflash_train.kernels.device import dot, rounded
+from dflash_train.kernels.device import dot, kept, rounded
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
@@ -63,10 +66,19 @@ class Config(NamedTuple):
     split_k: int = 1  # K slices run as programs of their own, their fp32 sums added by a second kernel
 
 
-# (N, K) -> Config, to be measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints
-# the rows): Qwen3-8B's fused qkv, o_proj, gate_up, down and lm_head. Only (N, K) picks the row (module
-# docstring). Empty until then: every shape gets `default_config`.
-CONFIGS: dict[tuple[int, int], Config] = {}
+# (N, K) -> Config, measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints the
+# rows). Only (N, K) picks the row (module docstring); a shape not here gets `default_config`. Swept on one
+# H200 (2026-12-04, benchmarks/results/skinny_matmul-qwen3-8b-sweep.json), µs at 1 / 16 rows against cuBLAS's:
+CONFIGS: dict[tuple[int, int], Config] = {
+    (6144, 4096): Config(64, 256, 4, 4),  # Qwen3-8B q/k/v: 16.0 / 16.2 against 16.2 / 16.2
+    (4096, 4096): Config(16, 512, 2, 3),  # o_proj: 11.9 / 12.1 against 13.2 / 13.4
+    (24576, 4096): Config(64, 128, 4, 3),  # gate/up: 51.5 / 52.3 against 52.9 / 53.7
+    (4096, 12288): Config(16, 512, 2, 3),  # down: 27.8 / 28.7 against 29.0 / 29.4
+    (151936, 4096): Config(128, 128, 8, 4),  # lm_head: 281 / 287 against 300 / 305
+}
+# The GPU architecture CONFIGS was swept on (sm_90: H100, H200). There its shapes run on this kernel by
+# default (`tuned_shapes`); elsewhere, and for other shapes, cuBLAS does unless the kernel is asked for.
+TUNED_ON = (9, 0)
 
 
 def default_config(n: int, k: int) -> Config:
@@ -88,6 +100,14 @@ def config_for(n: int, k: int) -> Config:
     return CONFIGS.get((n, k)) or default_config(n, k)
 
 
+def tuned_shapes(device: torch.device) -> frozenset[tuple[int, int]]:
+    """The weight shapes (N, K) whose products of few rows run faster on this kernel than on cuBLAS on
+    `device`, as measured: CONFIGS's on a GPU of the architecture it was swept on, else none."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) != TUNED_ON:
+        return frozenset()
+    return frozenset(CONFIGS)
+
+
 def fits(rows: int) -> bool:
     """Whether a product over `rows` rows of x goes to the kernel (else: torch's matmul, e.g. prefill)."""
     return 0 < rows <= MAX_ROWS
@@ -105,7 +125,7 @@ def _skinny_matmul_kernel(
     x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_rm, stride_ym,
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
@@ -168,13 +188,13 @@ def _skinny_matmul_kernel(
             tl.store(partial + N, acc_up, mask=row_ok[None, :] & col_ok[:, None])
     else:
         _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
-                SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS)
+                SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE)
 
 
 def _skinny_reduce_kernel(
     p_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROUND_BITS: tl.constexpr,
+    ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr,
 ):
     """A split product's slices added in slice order (the same sum for every row, whatever M), then finished
     as the unsplit kernel finishes."""
@@ -192,11 +212,12 @@ def _skinny_reduce_kernel(
         if SWIGLU:
             acc_up += tl.load(partial + s * M * width + N, mask=mask, other=0.0)
     _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
-            SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS)
+            SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE)
 
 
 def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
-            SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BITS: tl.constexpr):
+            SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BITS: tl.constexpr,
+            OPAQUE: tl.constexpr):
     """The product's fp32 sums [BLOCK_N, BLOCK_M] (and the up half's, SWIGLU) to y: bias, the modules'
     roundings, SwiGLU, the residual add."""
     out_ty = y_ptr.dtype.element_ty
@@ -207,10 +228,11 @@ def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, str
     # Every step rounds to the output's dtype (fp32 values of bf16 numbers in between), as the modules do.
     # ROUND_BITS (interpreted bf16): on the bits first, since the interpreter's casts truncate.
     y = rounded(acc, ROUND_BITS, False).to(out_ty).to(tl.float32)
-    if SWIGLU:  # silu of the rounded gate, rounded, times the rounded up, rounded
+    if SWIGLU:  # silu of the rounded gate, rounded, times the rounded up, rounded (and `kept` so, before a
+        # residual add the compiler would otherwise fuse with this product: one rounding instead of two)
         silu = rounded(y / (1.0 + tl.exp(-y)), ROUND_BITS, False).to(out_ty).to(tl.float32)
         up = rounded(acc_up, ROUND_BITS, False).to(out_ty).to(tl.float32)
-        y = rounded(silu * up, ROUND_BITS, False).to(out_ty).to(tl.float32)
+        y = kept(rounded(silu * up, ROUND_BITS, False).to(out_ty).to(tl.float32), OPAQUE)
     out_mask = row_ok[None, :] & col_ok[:, None]
     if RESIDUAL:
         residual = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=out_mask, other=0.0)
@@ -248,14 +270,14 @@ def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bia
         residual.stride(0), y.stride(0), EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=x.dtype == torch.float32,
         UPCAST=interpreting() and x.dtype != torch.float32,
-        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, num_warps=config.num_warps,
+        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(), num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
     if split > 1:
         reduce[tiles](
             partials, bias, residual, y, m, n, residual.stride(0), y.stride(0), SWIGLU=flags["SWIGLU"],
             RESIDUAL=flags["RESIDUAL"], HAS_BIAS=flags["HAS_BIAS"], BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-            SPLIT_K=split, ROUND_BITS=interpreting() and x.dtype == torch.bfloat16,
+            SPLIT_K=split, ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(),
         )
     return y
 

@@ -16,7 +16,9 @@ KERNELS = ("auto", "triton", "torch")
 # compile whatever the depth), with what lies before and after the layers compiled as two small graphs.
 COMPILE_SCOPES = ("step", "layer")
 DRAFT_ATTENTIONS = ("kernel", "sdpa")  # EngineConfig.draft_attention
-MATMULS = ("torch", "skinny", "fused")  # EngineConfig.matmul
+MATMULS = ("auto", "torch", "skinny", "fused")  # EngineConfig.matmul
+# EngineConfig.matmul -> StaticTarget(skinny_matmul=...)
+SKINNY_FOR_MATMUL = {"auto": "tuned", "torch": "off", "skinny": "all", "fused": "all"}
 # The command-line help of --compile-scope (eval, regenerate): one wording of the trade-off.
 COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: layer (default) compiles one decoder layer whose code "
                       "every layer reuses, in seconds whatever the depth (5-17 s per engine for Qwen3-8B on an H200, "
@@ -50,11 +52,13 @@ class EngineConfig:
     # With kernels "triton": the rows' state update after each cycle as one kernel (kernels/decode_state.py)
     # instead of ~30 small PyTorch ops (the benchmark's ablation turns it off).
     fuse_state_update: bool = True
-    # With kernels "triton", the products of decode and verify steps (at most 64 rows): "torch" (cuBLAS),
-    # "skinny" (kernels/skinny_matmul.py), or "fused": the skinny kernel with each layer's RMSNorms, SwiGLU and
-    # residual adds folded in (kernels/skinny_fused.py) and the attention prologue in the q/k/v product
-    # (kernels/qkv_rope_cache.py), target and drafter. Opt-in until measured on a GPU.
-    matmul: Literal["torch", "skinny", "fused"] = "torch"
+    # With kernels "triton", the products of decode and verify steps (at most 64 rows): "auto", the skinny
+    # kernel (kernels/skinny_matmul.py) for the weight shapes its tiling table was swept for on this GPU's
+    # architecture and cuBLAS for the others (on an H200 at Qwen3-8B's shapes: a step 0.95x cuBLAS's);
+    # "torch" (cuBLAS), "skinny" (the kernel for every product), or "fused": the skinny kernel with each
+    # layer's RMSNorms, SwiGLU and residual adds folded in (kernels/skinny_fused.py) and the attention prologue
+    # in the q/k/v product (kernels/qkv_rope_cache.py), target and drafter (slower on an H200: opt-in).
+    matmul: Literal["auto", "torch", "skinny", "fused"] = "auto"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.

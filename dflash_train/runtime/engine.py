@@ -53,7 +53,7 @@ import torch
 
 from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference, greedy_verify_triton
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.config import EngineConfig, resolve_kernels
+from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
 from dflash_train.runtime.loops import LoopDetector
 from dflash_train.runtime.sampling import (
     probabilities,
@@ -130,7 +130,7 @@ class DecodeEngine:
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
             runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels,
-                                  skinny_matmul=config.matmul != "torch", skinny_fusion=config.matmul == "fused")
+                                  skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused")
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
                                      config.draft_attention, fused_products=runner.matmul == "fused",

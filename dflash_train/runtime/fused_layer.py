@@ -16,10 +16,12 @@ the attention (q/k norms, RoPE, the K/V cache write) is one kernel, `dflash_trai
 instead of several; the PyTorch path below stays the reference, and takes over for a layer the kernel
 does not cover (a q/k norm other than an RMSNorm over the head, RoPE over part of the head).
 
-With `skinny_matmul` on the cache (opt-in: `StaticTarget(skinny_matmul=True)` with the Triton kernels), the
-layer's four products (q/k/v, o_proj, gate/up, down) run on `dflash_train.kernels.skinny_matmul` when the
-step has at most `MAX_ROWS` rows (decode and verify), a kernel that streams the weight near the memory
-bandwidth and rounds a row the same whatever the other rows; prefill keeps torch's matmul.
+With the Triton kernels, the layer's four products (q/k/v, o_proj, gate/up, down) run on
+`dflash_train.kernels.skinny_matmul` when the step has at most `MAX_ROWS` rows (decode and verify) and the
+cache's `skinny_shapes` admits the weight: by default the shapes whose tiling was swept on this GPU's
+architecture (where the kernel streams the weight faster than cuBLAS), every shape with
+`StaticTarget(skinny_matmul="all")`. The kernel rounds a row the same whatever the other rows; prefill keeps
+torch's matmul.
 
 With `skinny_fusion` on the cache as well (opt-in: `StaticTarget(skinny_matmul=True, skinny_fusion=True)`),
 those steps run the whole layer as four products of `dflash_train.kernels.skinny_fused`, the RMSNorms folded
@@ -58,7 +60,8 @@ class LayerCache(Protocol):
     """The cache a fused layer writes its K/V to (`static_target._WriteCache`)."""
 
     fused_prologue: bool  # q/k norms + RoPE + cache write by the fused kernel
-    skinny_matmul: bool  # products of few rows by the skinny-matmul kernel
+    skinny_shapes: frozenset[tuple[int, int]] | None  # weights [N, K] whose products of few rows run on the
+    # skinny-matmul kernel (None: every weight)
     skinny_fusion: bool  # those products with the norms, SwiGLU and residual adds folded in
     rows: torch.Tensor  # [n] cache row of each input row
     positions: torch.Tensor  # [n, T] position (= cache slot) of each token
@@ -145,15 +148,15 @@ class FusedLayer:
 
     def _mlp(self, hidden: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         x = self.layer.post_attention_layernorm(hidden)
-        gate_up = linear(x, self.weights["gate_up"], self.weights["gate_up_bias"], cache.skinny_matmul)
+        gate_up = linear(x, self.weights["gate_up"], self.weights["gate_up_bias"], cache.skinny_shapes)
         gate, up = gate_up.chunk(2, dim=-1)
-        return project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_matmul)
+        return project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_shapes)
 
     def _attention(self, x: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        qkv = linear(x, self.weights["qkv"], self.weights["qkv_bias"], cache.skinny_matmul)
+        qkv = linear(x, self.weights["qkv"], self.weights["qkv_bias"], cache.skinny_shapes)
         out = self._attend(qkv, position_embeddings, attention_mask, cache)
-        return project(self.attn.o_proj, out, cache.skinny_matmul)
+        return project(self.attn.o_proj, out, cache.skinny_shapes)
 
     def _attend(self, qkv: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
@@ -173,7 +176,7 @@ class FusedLayer:
     def _fuses(self, hidden: torch.Tensor, cache: LayerCache) -> bool:
         """Whether this step runs the layer as four fused products (shapes and dtypes only: static under
         torch.compile): asked for, a layer the kernel reproduces, few rows, norm weights in hidden's dtype."""
-        if not (cache.skinny_fusion and self.fusion_supported and _on_skinny_kernel(hidden, True)):
+        if not (cache.skinny_fusion and self.fusion_supported and skinny_fits(rows_of(hidden))):
             return False
         norms = (self.layer.input_layernorm, self.layer.post_attention_layernorm)
         return all(norm.weight.dtype == hidden.dtype for norm in norms)
@@ -238,19 +241,29 @@ class FusedLayer:
         return q, keys, values
 
 
-def _on_skinny_kernel(x: torch.Tensor, skinny: bool) -> bool:
-    """Whether a product of x runs on the skinny-matmul kernel: asked for, and few enough rows (a static shape)."""
-    return skinny and skinny_fits(x.numel() // x.shape[-1])
+Shapes = frozenset[tuple[int, int]] | None  # weights [N, K] on the skinny kernel; None: every weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, skinny: bool) -> torch.Tensor:
-    """F.linear, on the skinny-matmul kernel when `_on_skinny_kernel`."""
-    return skinny_matmul_triton(x, weight, bias) if _on_skinny_kernel(x, skinny) else F.linear(x, weight, bias)
+def rows_of(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
 
 
-def project(module: nn.Linear, x: torch.Tensor, skinny: bool) -> torch.Tensor:
+def on_skinny_kernel(x: torch.Tensor, weight: torch.Tensor, shapes: Shapes) -> bool:
+    """Whether x @ weight^T runs on the skinny-matmul kernel: few enough rows and a weight `shapes` admits
+    (shapes only: static under torch.compile)."""
+    return skinny_fits(rows_of(x)) and (shapes is None or tuple(weight.shape) in shapes)
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shapes: Shapes) -> torch.Tensor:
+    """F.linear, on the skinny-matmul kernel when `on_skinny_kernel`."""
+    return skinny_matmul_triton(x, weight, bias) if on_skinny_kernel(x, weight, shapes) else F.linear(x, weight, bias)
+
+
+def project(module: nn.Linear, x: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     """`module(x)` (the module itself unless the kernel runs, so that the default path is unchanged)."""
-    return skinny_matmul_triton(x, module.weight, module.bias) if _on_skinny_kernel(x, skinny) else module(x)
+    if isinstance(module, nn.Linear) and on_skinny_kernel(x, module.weight, shapes):
+        return skinny_matmul_triton(x, module.weight, module.bias)
+    return module(x)
 
 
 def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_dim: int) -> bool:

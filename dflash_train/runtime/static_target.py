@@ -17,9 +17,11 @@ itself, with our attention function); the KV cache and the attention are ours:
 - Attention prologue: with `kernels="triton"` and fused projections, the q/k norms (Qwen3), RoPE and the
   K/V cache write of a layer are one kernel (`dflash_train.kernels.rope_cache`, fed the rotary
   embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
-- Matmuls (opt-in, `skinny_matmul=True` with `kernels="triton"`): a step of at most `MAX_ROWS` rows (decode,
-  verify, the drafter's logits) runs the fused layers' four products and the output projection on
-  `dflash_train.kernels.skinny_matmul` instead of cuBLAS; prefill keeps torch's matmul. With `skinny_fusion`
+- Matmuls (with `kernels="triton"`): a step of at most `MAX_ROWS` rows (decode, verify, the drafter's logits)
+  runs the fused layers' products and the output projection on `dflash_train.kernels.skinny_matmul` instead of
+  cuBLAS where the kernel's tiling table was swept on this GPU's architecture (`skinny_matmul="tuned"`, the
+  default: on an H200, Qwen3-8B's five products, each level with or faster than cuBLAS), or for every product
+  (`"all"`), or for none (`"off"`); prefill keeps torch's matmul. With `skinny_matmul="all"` and `skinny_fusion`
   too, those steps run each layer as four products of `dflash_train.kernels.skinny_fused` (RMSNorms, SwiGLU and
   residual adds folded in; the attention prologue in the q/k/v product's epilogue for small weights,
   `dflash_train.kernels.qkv_rope_cache`) and the final norm inside the output projection's.
@@ -44,11 +46,14 @@ from transformers import AttentionInterface
 
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
+from dflash_train.kernels.skinny_matmul import tuned_shapes
 from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
 from dflash_train.target import TargetModel, validate_target_layer_ids
 from dflash_train.target.attention import attention_implementation
+
+SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTENTION_NAME = "dflash_static"
@@ -108,7 +113,7 @@ class _WriteCache:
         self.row_index, self.positions, self.kv_len = row_index, positions, kv_len
         self.rows = runner.all_rows if row_index is None else row_index  # [n]
         self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
-        self.skinny_matmul = runner.matmul in ("skinny", "fused")
+        self.skinny_shapes = runner.skinny_shapes
         self.skinny_fusion = runner.matmul == "fused"
 
     def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,14 +149,15 @@ class TargetOutput:
 
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
-                 fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool = False,
+                 fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
                  skinny_fusion: bool = False, defer_residual: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
-        `skinny_matmul`: with "triton", the products of steps with few rows on the skinny-matmul kernel
-        (the fused layers' and the output projection; opt-in until measured as the default);
-        `skinny_fusion`: with `skinny_matmul`, those steps with the layers' norms, SwiGLU and residual adds folded
+        `skinny_matmul`: with "triton", which products of steps with few rows run on the skinny-matmul kernel
+        (the fused layers' and the output projection): "tuned" (those whose shape the kernel's table has
+        tilings for, swept on this GPU's architecture), "all" (True) or "off" (False);
+        `skinny_fusion`: with `skinny_matmul="all"`, those steps with the layers' norms, SwiGLU and residual adds folded
         into the products (`FusedLayer._fused_call`; residuals are then not deferred);
         `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
@@ -170,7 +176,11 @@ class StaticTarget:
         kv_heads = attn.k_proj.out_features // attn.head_dim
         self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
         self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
-        self.skinny_matmul, self.skinny_fusion = skinny_matmul, skinny_fusion  # likewise
+        self.skinny_matmul = {True: "all", False: "off"}.get(skinny_matmul, skinny_matmul)  # type: ignore[call-overload]
+        if self.skinny_matmul not in SKINNY_MATMULS:
+            raise ValueError(f"skinny_matmul must be one of {', '.join(SKINNY_MATMULS)}, not {skinny_matmul!r}")
+        self.skinny_fusion = skinny_fusion  # read at each forward, as `kernels`
+        self.tuned_shapes = tuned_shapes(target.device)
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
@@ -185,7 +195,7 @@ class StaticTarget:
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
         # Folded into the products' epilogues, the residual adds have nothing left to join.
-        self.defer_residual = defer_residual and self.fused is not None and not (skinny_matmul and skinny_fusion)
+        self.defer_residual = defer_residual and self.fused is not None and not (self.skinny_matmul == "all" and skinny_fusion)
 
     @property
     def attention(self) -> str:
@@ -200,10 +210,18 @@ class StaticTarget:
     @property
     def matmul(self) -> str:
         """The products of decode and verify steps: "fused" (the skinny kernel with norms and epilogues folded
-        in), "skinny" (the skinny-matmul kernel) or "torch"."""
-        if self.kernels != "triton" or not self.skinny_matmul:
+        in), "skinny" (all on the skinny-matmul kernel), "tuned" (those of the tuned shapes on it, the others on
+        cuBLAS) or "torch"."""
+        if self.kernels != "triton" or self.skinny_matmul == "off":
             return "torch"
+        if self.skinny_matmul == "tuned":
+            return "tuned" if self.tuned_shapes else "torch"
         return "fused" if self.skinny_fusion and self.fused is not None else "skinny"
+
+    @property
+    def skinny_shapes(self) -> frozenset[tuple[int, int]] | None:
+        """The weights [N, K] whose products of few rows run on the skinny-matmul kernel (None: every one)."""
+        return {"torch": frozenset(), "tuned": self.tuned_shapes}.get(self.matmul)
 
     def cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
@@ -348,7 +366,7 @@ class StaticTarget:
         """The target's output projection of h [..., H] (the drafter's hidden states too): on the skinny
         kernel for few rows where the runner asks for it (as `fused_layer.project`)."""
         head = self.target.lm_head
-        return project(head, h, self.matmul in ("skinny", "fused") and isinstance(head, nn.Linear))
+        return project(head, h, self.skinny_shapes)
 
     @torch.no_grad()
     def compare_with_hf(self, ids: Sequence[int]) -> dict[str, float]:

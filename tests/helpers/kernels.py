@@ -12,6 +12,7 @@ starts when collection ends and runs beside the other tests, on the core they le
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import xml.etree.ElementTree as ElementTree
@@ -123,7 +124,9 @@ def under_interpreter(test_file: str) -> Callable[[InterpretedRun], None]:
 def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],
                      float_type: str) -> None:
     """Compile a kernel body to sm_90 machine code here (no GPU needed), with every scalar argument
-    typed as a launcher would type it: torch.compile hands Python floats over as fp64."""
+    typed as a launcher would type it: torch.compile hands Python floats over as fp64. The PTX must hold no
+    fused multiply-add on 16-bit floats: the modules round a product before adding to it, and such an FMA
+    (the compiler's contraction of the two) rounds once (`dflash_train.kernels.device.kept`)."""
     import inspect
 
     import triton
@@ -134,7 +137,9 @@ def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types
                                          (float_type if name == "scale" else "i32")) for name in names}
     constexprs = {(names.index(name),): value for name, value in constants.items()}
     source = triton.compiler.ASTSource(triton.jit(kernel), signature=signature, constexprs=constexprs)
-    triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    fused = sorted(set(re.findall(r"\bfma\.rn[.a-z]*\.(?:bf16|f16)(?:x2)?\b", ptx)))
+    assert not fused, f"{kernel.__name__} fuses a rounded product and a sum: {fused}"  # type: ignore[attr-defined]
 
 
 def pointers_written(kernel: object, kwargs: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> list[str]:

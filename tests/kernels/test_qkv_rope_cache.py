@@ -80,8 +80,8 @@ def test_kernel_matches_the_two_steps_it_fuses(dtype: torch.dtype, n: int, t: in
 
 def constants(element: str, norms: bool) -> dict[str, object]:
     return dict(EPS=1e-5, EPS_Q=1e-6, EPS_K=1e-6, HEADS=32, KV_HEADS=8, HALF=64, BLOCK_HALF=64, BLOCK_M=BLOCK_M,
-                BLOCK_K=128, HAS_BIAS=True, HAS_QK_NORM=norms, BF16=element == "bf16", FP16=False,
-                IEEE=element == "fp32", UPCAST=False)
+                BLOCK_K=128, HAS_BIAS=True, HAS_QK_NORM=norms, BF16=element == "bf16", FP16=element == "fp16",
+                IEEE=element == "fp32", UPCAST=False, OPAQUE=True)
 
 
 POINTERS = ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "q_ptr",
@@ -89,7 +89,7 @@ POINTERS = ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "q_norm_ptr", "k_norm_ptr", "cos
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
-@pytest.mark.parametrize(("element", "norms"), [("bf16", True), ("bf16", False), ("fp32", True)])
+@pytest.mark.parametrize(("element", "norms"), [("bf16", True), ("bf16", False), ("fp16", True), ("fp32", True)])
 def test_kernel_compiles_for_the_gpu(element: str, norms: bool) -> None:
     pointers = {name: f"*{element}" for name in POINTERS} | {"pos_ptr": "*i64", "row_ptr": "*i64"}
     helpers.compile_for_h100(_qkv_rope_cache_kernel, constants(element, norms), pointers, "fp32")

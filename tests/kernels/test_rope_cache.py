@@ -165,7 +165,7 @@ def test_layers_and_ropes_the_kernel_does_not_cover_keep_the_pytorch_path() -> N
 def kernel_arguments(element: str, norms: bool) -> tuple[dict[str, object], dict[str, str]]:
     """(constexprs, pointer types) of the kernel at Qwen3-8B heads."""
     constants = dict(EPS_Q=1e-6, EPS_K=1e-6, HEADS=32, KV_HEADS=8, HALF=64, BLOCK_HALF=64, HAS_NORM=norms,
-                     BF16=element == "bf16", FP16=element == "fp16")
+                     BF16=element == "bf16", FP16=element == "fp16", OPAQUE=True)
     pointers = {name: f"*{element}" for name in ("qkv_ptr", "q_norm_ptr", "k_norm_ptr", "cos_ptr", "sin_ptr", "q_ptr",
                                                  "cache_k_ptr", "cache_v_ptr")}
     return constants, {**pointers, "pos_ptr": "*i64", "row_ptr": "*i64"}

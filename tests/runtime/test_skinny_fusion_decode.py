@@ -128,7 +128,7 @@ def test_which_layers_the_kernel_reproduces() -> None:
 def test_the_engine_config_chooses_the_products() -> None:
     target = make_tiny_target("qwen3", num_layers=1)
     assert DecodeEngine(target, None, EngineConfig(max_length=16, kernels="torch")).runner.matmul == "torch"
-    with pytest.raises(ValueError, match="matmul must be one of torch, skinny, fused"):
+    with pytest.raises(ValueError, match="matmul must be one of auto, torch, skinny, fused"):
         EngineConfig(matmul="cublas")
     runner = DecodeEngine(target, None, EngineConfig(max_length=16, kernels="torch", matmul="fused")).runner
     assert runner.skinny_matmul and runner.skinny_fusion and runner.matmul == "torch"  # no Triton kernels here

@@ -1,7 +1,7 @@
 """The decode loop with the skinny-matmul kernel (`StaticTarget(skinny_matmul=True)`) gives the target's own
 greedy tokens, target alone (one row a step) and with a drafter (a verify block of 4 rows); the kernel runs
-for every product of a decode or verify step and for none of a long prefill (tiny Qwen3, fp32; kernels
-interpreted on CPU)."""
+for every product of a decode or verify step and for none of a long prefill; by default ("tuned") only for the
+weight shapes of its swept table, on their architecture (tiny Qwen3, fp32; kernels interpreted on CPU)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_train.kernels.skinny_matmul import MAX_ROWS
-from dflash_train.runtime import fused_layer
+from dflash_train.kernels.skinny_matmul import CONFIGS, MAX_ROWS, tuned_shapes
+from dflash_train.runtime import fused_layer, static_target
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.decoding import make_draft, own_greedy, prompts
@@ -26,14 +26,18 @@ NEW = 8
 FUSE_PROLOGUE = DEVICE == "cuda"
 
 
-def count_kernel_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[int]:
-    """Rows of each call of the kernel by the layers and the output projection."""
+def count_kernel_calls(monkeypatch: pytest.MonkeyPatch, shapes: Counter[tuple[int, int]] | None = None,
+                       ) -> Counter[int]:
+    """Rows of each call of the kernel by the layers and the output projection (and into `shapes`, the
+    weight's shape of each call)."""
     calls: Counter[int] = Counter()
     kernel = fused_layer.skinny_matmul_triton  # the output projection goes through fused_layer.project too
 
-    def counted(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(x: torch.Tensor, weight: torch.Tensor, *args: Any) -> torch.Tensor:
         calls[x.numel() // x.shape[-1]] += 1
-        return kernel(x, *args)
+        if shapes is not None:
+            shapes[tuple(weight.shape)] += 1
+        return kernel(x, weight, *args)
 
     monkeypatch.setattr(fused_layer, "skinny_matmul_triton", counted)
     return calls
@@ -71,12 +75,50 @@ def test_a_long_prefill_keeps_torchs_matmul(monkeypatch: pytest.MonkeyPatch) -> 
     assert calls == Counter({1: 1})  # the logits of the last position only
 
 
-def test_the_kernel_follows_the_runners_kernels() -> None:
+@kernels_here
+def test_tuned_shapes_alone_run_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default ("tuned"): the products whose weight shape the table was swept for on this GPU's
+    architecture run on the kernel, every other product on torch's matmul, and the tokens stay the target's
+    own. The tuned shapes are this tiny model's o_proj and logits here (on a CPU none are tuned)."""
+    torch.set_num_threads(1)
+    target = make_tiny_target("qwen3", num_layers=2, seed=1)
+    expected = [own_greedy(target, prompt, NEW) for prompt in prompts(1)]
+    target.model.to(DEVICE)
+    o_proj = tuple(target.decoder_layers[0].self_attn.o_proj.weight.shape)
+    head = tuple(target.lm_head.weight.shape)
+    monkeypatch.setattr(static_target, "tuned_shapes", lambda device: frozenset({o_proj, head}))
+    shapes: Counter[tuple[int, int]] = Counter()
+    calls = count_kernel_calls(monkeypatch, shapes) if DEVICE == "cpu" else None
+    runner = StaticTarget(target, 1, 64, kernels="triton", fuse_prologue=FUSE_PROLOGUE)
+    assert runner.matmul == "tuned" and runner.skinny_shapes == {o_proj, head}
+    config = EngineConfig(block_size=1, max_new_tokens=NEW, max_length=64, kernels="triton")
+    outputs, _ = DecodeEngine(target, None, config, runner=runner).generate(prompts(1))
+    assert [output.tokens for output in outputs] == expected
+    if calls is not None:  # every decode step: one o_proj a layer and the logits, nothing else
+        assert set(shapes) == {o_proj, head} and shapes[o_proj] == 2 * shapes[head] and shapes[head] >= NEW - 1
+
+
+def test_the_kernel_follows_the_runners_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     target = make_tiny_target("qwen3", num_layers=1)
-    assert StaticTarget(target, 1, 8).matmul == "torch"  # opt-in
-    assert StaticTarget(target, 1, 8, kernels="triton").matmul == "torch"
+    assert StaticTarget(target, 1, 8).matmul == "torch"  # kernels="torch"
+    assert StaticTarget(target, 1, 8, kernels="triton").matmul == "torch"  # no shape tuned on a CPU
     assert StaticTarget(target, 1, 8, skinny_matmul=True).matmul == "torch"  # kernels="torch"
     runner = StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True)
-    assert runner.matmul == "skinny"
+    assert runner.matmul == "skinny" and runner.skinny_shapes is None
     runner.kernels = "torch"  # as the engine's fallback after a compiler failure
-    assert runner.matmul == "torch"
+    assert runner.matmul == "torch" and runner.skinny_shapes == frozenset()
+    assert StaticTarget(target, 1, 8, kernels="triton", skinny_matmul="off").skinny_shapes == frozenset()
+    monkeypatch.setattr(static_target, "tuned_shapes", lambda device: frozenset({(8, 8)}))
+    tuned = StaticTarget(target, 1, 8, kernels="triton")
+    assert tuned.matmul == "tuned" and tuned.skinny_shapes == {(8, 8)}
+    assert StaticTarget(target, 1, 8, kernels="triton", skinny_matmul="off").matmul == "torch"
+    with pytest.raises(ValueError, match="skinny_matmul must be one of off, tuned, all"):
+        StaticTarget(target, 1, 8, skinny_matmul="some")
+
+
+def test_tuned_shapes_are_the_tables_on_its_architecture_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert tuned_shapes(torch.device("cpu")) == frozenset()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert tuned_shapes(torch.device("cuda")) == frozenset(CONFIGS) and (4096, 12288) in CONFIGS
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert tuned_shapes(torch.device("cuda")) == frozenset()
