@@ -4,7 +4,7 @@ block), bf16, on one GPU:
 
     python -m benchmarks.skinny_matmul                   # the kernel's table against cuBLAS, and the checks
     python -m benchmarks.skinny_matmul --sweep           # + every candidate tiling per shape (a few minutes)
-    python -m benchmarks.skinny_matmul --sweep --shape smollm2 --out benchmarks/results/skinny_matmul-smollm2.json
+    python -m benchmarks.skinny_matmul --sweep --shape smollm2 --budget-s 60 --out benchmarks/results/skinny_matmul-smollm2.json
 
 A product is timed as a CUDA graph of calls over several copies of its weight, together larger than the
 L2, so that each call reads its weight from HBM as in a decode step, with no launch gap between calls; the
@@ -21,6 +21,7 @@ import itertools
 import json
 import os
 import pathlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -89,7 +90,45 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-def measure(name: str, n: int, k: int, sweep: bool, replays: int) -> dict[str, Any]:
+Ranked = list[tuple[float, list[float], sm.Config]]  # (µs summed over ROWS, µs per ROWS, tiling), best first
+
+
+def sweep_tilings(name: str, configs: list[sm.Config], timed: Callable[[sm.Config], list[float]],
+                  budget_s: float | None, clock: Callable[[], float] = time.perf_counter) -> tuple[Ranked, str]:
+    """Every tiling of `configs` timed (`timed`: µs at each of ROWS), then K split into SPLITS slices on the
+    three best (more programs in flight for a narrow output, a second kernel to add them); stopped once
+    `budget_s` seconds have gone (each new tiling compiles: a small K has many candidates, each a few µs
+    to time but a second or more to compile), with a note of how far it got (else "")."""
+    start, ranked, note = clock(), [], ""
+
+    def over_budget(tried: int, total: int, stage: str) -> bool:
+        nonlocal note
+        if budget_s is None or clock() - start <= budget_s:
+            return False
+        note = f"stopped by --budget-s {budget_s:g} after {tried} of {total} {stage}"
+        print(f"skinny_matmul: {name}: {note}", flush=True)
+        return True
+
+    for tried, config in enumerate(configs):
+        if over_budget(tried, len(configs), "whole-K tilings"):
+            break
+        try:
+            times = timed(config)
+        except Exception as error:  # out of resources for this tiling: skip it
+            print(f"skinny_matmul: {name} {tuple(config)}: {type(error).__name__}", flush=True)
+            continue
+        ranked.append((sum(times), times, config))
+    ranked.sort(key=lambda item: item[0])
+    splits = [config._replace(split_k=split) for _, _, config in ranked[:3] for split in SPLITS]
+    for tried, config in enumerate(splits):
+        if note or over_budget(tried, len(splits), "split-K tilings"):
+            break
+        times = timed(config)
+        ranked.append((sum(times), times, config))
+    return sorted(ranked, key=lambda item: item[0]), note
+
+
+def measure(name: str, n: int, k: int, sweep: bool, replays: int, budget_s: float | None = None) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     nbytes = n * k * 2
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
@@ -103,23 +142,12 @@ def measure(name: str, n: int, k: int, sweep: bool, replays: int) -> dict[str, A
             out[f"{key}_m{m}_tb_s"] = nbytes / out[f"{key}_m{m}_us"] / 1e6
     out["table_config"] = list(sm.config_for(n, k))
     if sweep:
-        ranked = []
-        for config in candidates(k):
-            try:
-                times = [graph_us(kernel_fn(config), xs[m], weights, replays) for m in ROWS]
-            except Exception as error:  # out of resources for this tiling: skip it
-                print(f"skinny_matmul: {name} {tuple(config)}: {type(error).__name__}", flush=True)
-                continue
-            ranked.append((sum(times), times, config))
-        ranked.sort(key=lambda item: item[0])
-        # K split into slices (more programs in flight for a narrow output, a second kernel to add them),
-        # on the best whole-K tilings
-        for config in [config for _, _, config in ranked[:3]]:
-            for split in SPLITS:
-                split_config = config._replace(split_k=split)
-                times = [graph_us(kernel_fn(split_config), xs[m], weights, replays) for m in ROWS]
-                ranked.append((sum(times), times, split_config))
-        ranked.sort(key=lambda item: item[0])
+        def timed(config: sm.Config, copies: list[torch.Tensor] = weights) -> list[float]:
+            return [graph_us(kernel_fn(config), xs[m], copies, replays) for m in ROWS]
+
+        ranked, note = sweep_tilings(name, candidates(k), timed, budget_s)
+        if note:
+            out["sweep_cut"] = note
         out["sweep"] = [{"config": list(config), **{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)}}
                         for _, times, config in ranked]
         out["best_config"] = list(ranked[0][2])
@@ -161,6 +189,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--products", default=None,
                         help=f"comma-separated, of {', '.join(QWEN3_8B_PRODUCTS)} (default: all)")
     parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="with --sweep: stop trying tilings of a product after this many seconds and rank "
+                             "those timed (SmolLM2's products have ~140 candidates, each compiled)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/skinny_matmul.json)")
     args = parser.parse_args(argv)
     products = SHAPES[args.shape]
@@ -175,7 +206,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results["shape"] = args.shape
     for name in (args.products or ",".join(products)).split(","):
         n, k = products[name]
-        entry = results["products"][name] = measure(name, n, k, args.sweep, args.replays)
+        entry = results["products"][name] = measure(name, n, k, args.sweep, args.replays, args.budget_s)
         if args.sweep:  # the checks with the best tiling in force
             sm.CONFIGS[(n, k)] = sm.Config(*entry["best_config"])
         entry["checks"] = checks(n, k)

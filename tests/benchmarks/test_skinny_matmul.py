@@ -12,9 +12,10 @@ from benchmarks.skinny_matmul import (
     SMOLLM2_PRODUCTS,
     candidates,
     main,
+    sweep_tilings,
     table,
 )
-from dflash_train.kernels.skinny_matmul import BLOCK_M
+from dflash_train.kernels.skinny_matmul import BLOCK_M, Config
 
 
 def test_candidates_fit_in_shared_memory() -> None:
@@ -26,6 +27,32 @@ def test_candidates_fit_in_shared_memory() -> None:
     short = candidates(576)  # SmolLM2's K: steps of 64 and shallower pipelines too
     assert {c.block_k for c in short} == {64, 128, 256, 512} and {c.num_stages for c in short} == {2, 3, 4}
     assert all(c.num_stages * (c.block_n + BLOCK_M) * c.block_k * 2 <= SHARED_BYTES for c in short)
+
+
+def test_the_sweep_ranks_what_it_timed_and_stops_at_its_budget() -> None:
+    """Each timing takes 1 s of a fake clock. Unlimited: every whole-K tiling, then K split 2/4/8 ways on
+    the three best, ranked by summed µs, an out-of-resources tiling skipped. With a budget of 2.5 s: the
+    tilings timed by then, ranked, no split, and a note that says how far it got."""
+    now = [0.0]
+    cost = {16: [5.0, 6.0], 32: [3.0, 4.0], 64: [4.0, 4.0], 128: [9.0, 9.0]}
+
+    def timed(config: Config) -> list[float]:
+        now[0] += 1.0
+        if config.block_n == 128 and config.split_k == 1:
+            raise RuntimeError("out of resources")
+        return [t / config.split_k ** 0.5 for t in cost[config.block_n]]  # splitting helps here
+
+    configs = [Config(n, 256) for n in (16, 32, 64, 128)]
+    ranked, note = sweep_tilings("o_proj", configs, timed, None, clock=lambda: now[0])
+    assert note == "" and len(ranked) == 3 + 9
+    assert [config for _, _, config in ranked][:1] == [Config(32, 256, split_k=8)]
+    whole = [config for _, _, config in ranked if config.split_k == 1]
+    assert whole == [Config(32, 256), Config(64, 256), Config(16, 256)]  # 7, 8 and 11 µs
+    assert all(total == sum(times) for total, times, _ in ranked)
+    now[0] = 0.0
+    ranked, note = sweep_tilings("o_proj", configs, timed, 2.5, clock=lambda: now[0])
+    assert [config for _, _, config in ranked] == [Config(32, 256), Config(64, 256), Config(16, 256)]
+    assert note == "stopped by --budget-s 2.5 after 3 of 4 whole-K tilings"
 
 
 def test_unknown_products_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
