@@ -86,6 +86,10 @@
 #                   copies; empty: none). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
+#   EVAL_DRAFT      a drafter folder (a checkpoint's draft/ or an export) the eval stage evaluates, exports and
+#                   checks in place of the main run's: one trained on another machine and copied here, when the
+#                   machine that trained it is gone (copy its trainer_state.json and metrics.jsonl under
+#                   $OUT/train/main as well, and the summary reports its training too)
 #   EVAL_PROMPTS    prompts per eval set (default 40; MT-Bench counts two turns each); FP32_PROMPTS for the exact
 #                   float32 check at batch 8 (default 16); BATCH8_PROMPTS for the bf16 eval at batch 8 (τ, speedup
 #                   and the exact check with 8 requests decoded together; default 16, 0: none)
@@ -121,6 +125,7 @@ EVAL_RESERVE_MINUTES=${EVAL_RESERVE_MINUTES:-5}
 TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
+EVAL_DRAFT=${EVAL_DRAFT:-}
 GOALS=${GOALS-humaneval=4.5 mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
@@ -412,8 +417,15 @@ ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main 
 }
 
 evaluate() {
-  local draft; draft=$(final_draft main)
-  [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
+  local draft=${EVAL_DRAFT:-}
+  if [[ -n "$draft" ]]; then
+    [[ -f "$draft/config.json" ]] || {
+      echo "EVAL_DRAFT=$draft holds no config.json: give a drafter's folder (a checkpoint's draft/ or an export)" >&2
+      return 2; }
+  else
+    draft=$(final_draft main)
+    [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
+  fi
   mkdir -p "$OUT/eval"
   eval_b16 main "$draft" "$EVAL_PROMPTS"
   # The bf16 evals check losslessness exactly; at batch 8 the rows share each verify pass (speedup at batch 8

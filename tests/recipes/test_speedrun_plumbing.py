@@ -85,6 +85,25 @@ def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib
     assert not [c for c in calls if "--target-cache" in c]
 
 
+def test_eval_draft_is_evaluated_exported_and_checked_in_place_of_the_main_run(tmp_path: pathlib.Path) -> None:
+    brought = tmp_path / "brought" / "draft"  # a drafter trained on another machine; no run here has trained
+    brought.mkdir(parents=True)
+    (brought / "config.json").write_text("{}")
+    calls = run_stage("eval", tmp_path, EVAL_DRAFT=str(brought))
+    evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
+    assert len(evals) == 3 and all(args[args.index("--draft") + 1] == str(brought) for args in evals)
+    (export,) = [c.split() for c in calls if "dflash_train.cli export" in c]
+    assert export[export.index("export") + 1] == str(brought)
+
+
+def test_an_eval_draft_without_a_config_is_a_one_line_error(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "EVAL_DRAFT": str(tmp_path / "nothing")}
+    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "eval"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1].startswith(f"EVAL_DRAFT={tmp_path / 'nothing'} holds no config.json")
+
+
 def test_the_bf16_batch8_eval_runs_once_with_its_own_prompts_unless_switched_off(tmp_path: pathlib.Path) -> None:
     calls = run_stage("eval", tmp_path, BATCH8_PROMPTS="12", FINISHED="1")
     (batch8,) = [c.split() for c in calls if "--batch-size 8" in c and "float32" not in c]
