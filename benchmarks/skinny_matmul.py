@@ -5,6 +5,7 @@ block), bf16, on one GPU:
     python -m benchmarks.skinny_matmul                   # the kernel's table against cuBLAS, and the checks
     python -m benchmarks.skinny_matmul --sweep           # + every candidate tiling per shape (a few minutes)
     python -m benchmarks.skinny_matmul --sweep --shape smollm2 --budget-s 60 --out benchmarks/results/skinny_matmul-smollm2.json
+    python -m benchmarks.skinny_matmul --options         # + what each folded-in operation of the fused path costs
 
 A product is timed as a CUDA graph of calls over several copies of its weight, together larger than the
 L2, so that each call reads its weight from HBM as in a decode step, with no launch gap between calls; the
@@ -12,6 +13,11 @@ median of the graph's replays per call, and the weight's bytes over that time (`
 tilings by their time at 1 row plus at 16 (one tiling serves both: batch invariance) and prints a table to
 paste into `CONFIGS`. Checks, with the tilings in force: the error against an fp32 product; row 0 bitwise
 the same alone, among 16 rows and among 40 (eager and under torch.compile); whether cuBLAS's is.
+
+`--options` times, per product, the operations the fused decode path (`skinny_fused`) folds into it, each
+against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
+SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down. The extra µs of an
+option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
 """
 
 from __future__ import annotations
@@ -90,6 +96,71 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+# The operations the fused path folds into each product (`skinny_fused`; "+": together)
+FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
+    "qkv": ("NORM",), "o_proj": ("RESIDUAL",), "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU"),
+    "down": ("RESIDUAL",), "lm_head": ("NORM",)}
+OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
+
+
+def option_flags(option: str) -> dict[str, bool]:
+    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU", ...)."""
+    parts = set(option.split("+")) - {"plain"}
+    unknown = parts - set(OPTION_FLAGS)
+    if unknown:
+        raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
+    return {**{flag: flag in parts for flag in OPTION_FLAGS}, "HAS_BIAS": False}
+
+
+def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor]
+             ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The kernel with `option`'s flags at the tiling the runtime would use (SWIGLU: the output's N / 2)."""
+    flags = option_flags(option)
+
+    def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        n = w.shape[0] // 2 if flags["SWIGLU"] else w.shape[0]
+        residual = residuals[x.shape[0]] if flags["RESIDUAL"] else x
+        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags)
+
+    return run
+
+
+def option_costs(name: str, timed: Callable[[str], list[float]]) -> dict[str, dict[str, float]]:
+    """The plain product and each of the product's FUSED_OPTIONS, timed (`timed`: µs at each of ROWS), with
+    each option's extra µs over the plain product."""
+    plain = timed("plain")
+    out = {"plain": {f"m{m}_us": t for m, t in zip(ROWS, plain, strict=True)}}
+    for option in FUSED_OPTIONS[name]:
+        times = timed(option)
+        out[option] = {**{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)},
+                       **{f"m{m}_extra_us": t - p for m, t, p in zip(ROWS, times, plain, strict=True)}}
+    return out
+
+
+def weight_copies(n: int, k: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Copies of one [n, k] weight together 4x the L2, so that each call reads its copy from HBM."""
+    return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
+            for _ in range(max(2, -(-4 * L2_BYTES // (n * k * 2))))]
+
+
+def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    weights = weight_copies(n, k, gen)
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
+    gamma = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
+    residuals = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
+
+    def timed(option: str, copies: list[torch.Tensor] = weights) -> list[float]:
+        return [graph_us(fused_fn(option, gamma, residuals), xs[m], copies, replays) for m in ROWS]
+
+    costs: dict[str, Any] = option_costs(name, timed)
+    for option in costs:  # the tiling each ran with: a SwiGLU product's is the table's for N / 2
+        width = n // 2 if option_flags(option)["SWIGLU"] else n
+        costs[option]["config"] = list(sm.config_for(width, k))
+    del weights
+    return costs
+
+
 Ranked = list[tuple[float, list[float], sm.Config]]  # (µs summed over ROWS, µs per ROWS, tiling), best first
 
 
@@ -131,8 +202,7 @@ def sweep_tilings(name: str, configs: list[sm.Config], timed: Callable[[sm.Confi
 def measure(name: str, n: int, k: int, sweep: bool, replays: int, budget_s: float | None = None) -> dict[str, Any]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     nbytes = n * k * 2
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=gen) * k ** -0.5
-               for _ in range(max(2, -(-4 * L2_BYTES // nbytes)))]
+    weights = weight_copies(n, k, gen)
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
     out: dict[str, Any] = {"n": n, "k": k, "copies": len(weights)}
     for m in ROWS:
@@ -192,6 +262,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--budget-s", type=float, default=None,
                         help="with --sweep: stop trying tilings of a product after this many seconds and rank "
                              "those timed (SmolLM2's products have ~140 candidates, each compiled)")
+    parser.add_argument("--options", action="store_true",
+                        help="also time the fused path's prologue and epilogues on each product (under a minute)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/skinny_matmul.json)")
     args = parser.parse_args(argv)
     products = SHAPES[args.shape]
@@ -210,11 +282,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.sweep:  # the checks with the best tiling in force
             sm.CONFIGS[(n, k)] = sm.Config(*entry["best_config"])
         entry["checks"] = checks(n, k)
+        if args.options:
+            entry["options"] = measure_options(name, n, k, args.replays)
         print(f"skinny_matmul: {name} " + json.dumps({key: value for key, value in entry.items() if key != "sweep"}),
               flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(results, indent=2) + "\n")
     print(table(results))
+    if args.options:
+        print(options_table(results))
     return results
 
 
@@ -232,6 +308,18 @@ def table(results: dict[str, Any]) -> str:
     checks_line = {name: e["checks"] for name, e in results["products"].items()}
     configs = {(e["n"], e["k"]): tuple(e["best_config"]) for e in results["products"].values() if "best_config" in e}
     return "\n".join([*rows, f"checks: {json.dumps(checks_line)}", f"CONFIGS: {configs}"])
+
+
+
+def options_table(results: dict[str, Any]) -> str:
+    """Per product and option: µs at each of ROWS and the extra over the plain product, with the tiling."""
+    rows = [f"{'product':<8} {'option':<12} {'µs 1 row':>9} {'+µs':>6} {'µs 16 rows':>10} {'+µs':>6}  tiling"]
+    for name, e in results["products"].items():
+        for option, c in e.get("options", {}).items():
+            extra = [f"{c[f'm{m}_extra_us']:>+6.1f}" if f"m{m}_extra_us" in c else f"{'':>6}" for m in ROWS]
+            rows.append(f"{name:<8} {option:<12} {c['m1_us']:>9.1f} {extra[0]} {c['m16_us']:>10.1f} {extra[1]}  "
+                        f"{tuple(c.get('config', ()))}")
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

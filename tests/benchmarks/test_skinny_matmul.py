@@ -1,5 +1,6 @@
 """`benchmarks/skinny_matmul.py` (GPU only): its candidate tilings fit in shared memory and are ones a dot
-takes, its summary table reads a results file, and on a CPU it stops with one line."""
+takes, its summary tables read a results file, each fused option it times is the product it names (run
+interpreted on a CPU), and on a CPU the benchmark stops with one line."""
 
 from __future__ import annotations
 
@@ -7,15 +8,24 @@ import pytest
 import torch
 
 from benchmarks.skinny_matmul import (
+    FUSED_OPTIONS,
     QWEN3_8B_PRODUCTS,
     SHARED_BYTES,
     SMOLLM2_PRODUCTS,
     candidates,
+    fused_fn,
     main,
+    option_costs,
+    option_flags,
+    options_table,
     sweep_tilings,
     table,
 )
+from dflash_train.kernels.skinny_fused import skinny_fused_reference
 from dflash_train.kernels.skinny_matmul import BLOCK_M, Config
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+
+test_under_interpreter = under_interpreter(f"{__file__}::test_each_option_is_the_fused_product_it_names")
 
 
 def test_candidates_fit_in_shared_memory() -> None:
@@ -70,6 +80,50 @@ def test_table() -> None:
     text = table({"products": {"o_proj": entry}})
     assert "o_proj" in text and "(16, 256, 2, 4)" in text and "CONFIGS: {(4096, 4096): (16, 256, 2, 4)}" in text
     assert QWEN3_8B_PRODUCTS["o_proj"] == (4096, 4096)
+
+
+def test_option_costs_are_timed_against_the_plain_product() -> None:
+    timings = {"plain": [10.0, 11.0], "SWIGLU": [10.5, 11.0], "NORM": [16.0, 18.0], "NORM+SWIGLU": [17.0, 19.5]}
+    asked: list[str] = []
+
+    def timed(option: str) -> list[float]:
+        asked.append(option)
+        return timings[option]
+
+    costs = option_costs("gate_up", timed)
+    assert asked == ["plain", *FUSED_OPTIONS["gate_up"]]
+    assert costs["NORM"] == {"m1_us": 16.0, "m16_us": 18.0, "m1_extra_us": 6.0, "m16_extra_us": 7.0}
+    assert costs["SWIGLU"]["m16_extra_us"] == 0.0 and "m1_extra_us" not in costs["plain"]
+    for option in costs:
+        costs[option]["config"] = [32, 128, 4, 3]
+    text = options_table({"products": {"gate_up": {"options": costs}}})
+    assert text.splitlines()[3].split()[:6] == ["gate_up", "NORM", "16.0", "+6.0", "18.0", "+7.0"]
+
+
+def test_option_names_map_to_the_kernel_flags() -> None:
+    assert option_flags("NORM+SWIGLU") == {"NORM": True, "SWIGLU": True, "RESIDUAL": False, "HAS_BIAS": False}
+    assert not any(option_flags("plain").values())
+    with pytest.raises(ValueError, match="unknown option BIAS"):
+        option_flags("NORM+BIAS")
+    assert all(option_flags(option) for options in FUSED_OPTIONS.values() for option in options)
+
+
+@kernels_here
+@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL"])
+def test_each_option_is_the_fused_product_it_names(option: str) -> None:
+    """What the benchmark times is the kernel with that option's work, against the fused reference (fp32)."""
+    gen = torch.Generator().manual_seed(0)
+    m, n, k = 5, 32, 48
+    x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen) / k ** 0.5
+    gamma = torch.rand(k, generator=gen) + 0.5
+    flags = option_flags(option)
+    residual = torch.randn(m, n, generator=gen)
+    x, w, gamma, residual = (t.to(DEVICE) for t in (x, w, gamma, residual))
+    got = fused_fn(option, gamma, {m: residual})(x, w)
+    expected = skinny_fused_reference(x, w, None, gamma if flags["NORM"] else None, 1e-6, flags["SWIGLU"],
+                                      residual if flags["RESIDUAL"] else None)
+    assert got.shape == (m, n // 2 if flags["SWIGLU"] else n)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU's answer")
