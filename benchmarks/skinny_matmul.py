@@ -16,7 +16,8 @@ the same alone, among 16 rows and among 40 (eager and under torch.compile); whet
 
 `--options` times, per product, the operations the fused decode path (`skinny_fused`) folds into it, each
 against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
-SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down. The extra µs of an
+SwiGLU epilogue (SWIGLU) on gate/up (at the table's tiling for its output's width, and at the plain
+product's with half the outputs a program) and the residual add (RESIDUAL) on o_proj and down. The extra µs of an
 option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
 """
 
@@ -112,15 +113,16 @@ def option_flags(option: str) -> dict[str, bool]:
     return {**{flag: flag in parts for flag in OPTION_FLAGS}, "HAS_BIAS": False}
 
 
-def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor]
+def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor], config: sm.Config | None = None,
              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel with `option`'s flags at the tiling the runtime would use (SWIGLU: the output's N / 2)."""
+    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use (the table's for
+    the output's width: N / 2 with SWIGLU)."""
     flags = option_flags(option)
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n = w.shape[0] // 2 if flags["SWIGLU"] else w.shape[0]
         residual = residuals[x.shape[0]] if flags["RESIDUAL"] else x
-        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags)
+        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config)
 
     return run
 
@@ -154,11 +156,25 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
         return [graph_us(fused_fn(option, gamma, residuals), xs[m], copies, replays) for m in ROWS]
 
     costs: dict[str, Any] = option_costs(name, timed)
-    for option in costs:  # the tiling each ran with: a SwiGLU product's is the table's for N / 2
-        width = n // 2 if option_flags(option)["SWIGLU"] else n
-        costs[option]["config"] = list(sm.config_for(width, k))
-    del weights
+    for option in list(costs):  # the tiling each ran with: a SwiGLU product's is the table's for N / 2
+        if not option_flags(option)["SWIGLU"]:
+            costs[option]["config"] = list(sm.config_for(n, k))
+            continue
+        costs[option]["config"] = list(sm.config_for(n // 2, k))
+        # and at the plain product's tiling with half the outputs a program (the same weight rows a step)
+        halved = swiglu_tiling(sm.config_for(n, k))
+        times = [graph_us(fused_fn(option, gamma, residuals, halved), xs[m], weights, replays) for m in ROWS]
+        costs[f"{option} (plain tiling)"] = {
+            **{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)},
+            **{f"m{m}_extra_us": t - costs["plain"][f"m{m}_us"] for m, t in zip(ROWS, times, strict=True)},
+            "config": list(halved)}
     return costs
+
+
+def swiglu_tiling(plain: sm.Config) -> sm.Config:
+    """The plain product's tiling for its SwiGLU form: half the outputs a program, since each output reads a
+    gate row and an up row, so a program streams as many weight rows a step as the plain product's."""
+    return plain._replace(block_n=max(16, plain.block_n // 2))
 
 
 Ranked = list[tuple[float, list[float], sm.Config]]  # (µs summed over ROWS, µs per ROWS, tiling), best first

@@ -19,6 +19,7 @@ from benchmarks.skinny_matmul import (
     option_flags,
     options_table,
     sweep_tilings,
+    swiglu_tiling,
     table,
 )
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
@@ -98,6 +99,11 @@ def test_option_costs_are_timed_against_the_plain_product() -> None:
         costs[option]["config"] = [32, 128, 4, 3]
     text = options_table({"products": {"gate_up": {"options": costs}}})
     assert text.splitlines()[3].split()[:6] == ["gate_up", "NORM", "16.0", "+6.0", "18.0", "+7.0"]
+
+
+def test_a_swiglu_product_at_the_plain_tiling_streams_as_many_rows_a_program() -> None:
+    assert swiglu_tiling(Config(64, 128, 4, 3)) == Config(32, 128, 4, 3)
+    assert swiglu_tiling(Config(16, 512, 2, 3)) == Config(16, 512, 2, 3)  # the smallest tile a dot takes
 
 
 def test_option_names_map_to_the_kernel_flags() -> None:
