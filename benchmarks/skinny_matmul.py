@@ -6,6 +6,7 @@ block), bf16, on one GPU:
     python -m benchmarks.skinny_matmul --sweep           # + every candidate tiling per shape (a few minutes)
     python -m benchmarks.skinny_matmul --sweep --shape smollm2 --budget-s 60 --out benchmarks/results/skinny_matmul-smollm2.json
     python -m benchmarks.skinny_matmul --options         # + what each folded-in operation of the fused path costs
+    python -m benchmarks.skinny_matmul --pdl             # + each product launched as a programmatic dependent launch
 
 A product is timed as a CUDA graph of calls over several copies of its weight, together larger than the
 L2, so that each call reads its weight from HBM as in a decode step, with no launch gap between calls; the
@@ -19,6 +20,10 @@ against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v,
 SwiGLU epilogue (SWIGLU) on gate/up (at the table's tiling for its output's width, and at the plain
 product's with half the outputs a program) and the residual add (RESIDUAL) on o_proj and down. The extra µs of an
 option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
+
+`--pdl` times each product's chain again with every call a programmatic dependent launch (sm_90+): a call
+starts while the one before it ends and asks L2 for its first weight tiles until x is ready, which may
+hide the few µs each small product loses to starting up (experimental; the runtime does not launch so).
 """
 
 from __future__ import annotations
@@ -85,10 +90,10 @@ def graph_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.
     return median(times) * 1e3 / len(weights)
 
 
-def kernel_fn(config: sm.Config | None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+def kernel_fn(config: sm.Config | None, pdl: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=False)
-        return sm.launch(x, w, w, w, x, 0.0, w.shape[0], flags, config)
+        return sm.launch(x, w, w, w, x, 0.0, w.shape[0], flags, config, pdl)
 
     return run
 
@@ -169,6 +174,40 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
             **{f"m{m}_extra_us": t - costs["plain"][f"m{m}_us"] for m, t in zip(ROWS, times, strict=True)},
             "config": list(halved)}
     return costs
+
+
+def measure_pdl(n: int, k: int, replays: int) -> dict[str, Any]:
+    """The product's chain at the table's tiling, plain and as programmatic dependent launches, same run;
+    whether both give the same bits."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    weights = weight_copies(n, k, gen)
+    xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
+    out: dict[str, Any] = {}
+    try:
+        for m in ROWS:
+            out[f"m{m}_us"] = graph_us(kernel_fn(None), xs[m], weights, replays)
+            out[f"m{m}_pdl_us"] = graph_us(kernel_fn(None, pdl=True), xs[m], weights, replays)
+        out["same_bits"] = bool(torch.equal(kernel_fn(None, pdl=True)(xs[16], weights[0]),
+                                            kernel_fn(None)(xs[16], weights[0])))
+    except Exception as error:  # a Triton or driver without programmatic dependent launch: say so, go on
+        out["error"] = f"{type(error).__name__}: {str(error)[:200]}"
+    return out
+
+
+def pdl_table(results: dict[str, Any]) -> str:
+    """Per product: µs a call plain and as dependent launches, at each of ROWS, and their ratio."""
+    rows = [f"{'product':<8} {'rows':>4} {'plain µs':>9} {'PDL µs':>7} {'PDL/plain':>9}  same bits"]
+    for name, e in results["products"].items():
+        pdl = e.get("pdl")
+        if pdl is None:
+            continue
+        if "error" in pdl:
+            rows.append(f"{name:<8} {pdl['error']}")
+            continue
+        for m in ROWS:
+            rows.append(f"{name:<8} {m:>4} {pdl[f'm{m}_us']:>9.1f} {pdl[f'm{m}_pdl_us']:>7.1f} "
+                        f"{pdl[f'm{m}_pdl_us'] / pdl[f'm{m}_us']:>9.3f}  {pdl['same_bits']}")
+    return "\n".join(rows)
 
 
 def swiglu_tiling(plain: sm.Config) -> sm.Config:
@@ -280,6 +319,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                              "those timed (SmolLM2's products have ~140 candidates, each compiled)")
     parser.add_argument("--options", action="store_true",
                         help="also time the fused path's prologue and epilogues on each product (under a minute)")
+    parser.add_argument("--pdl", action="store_true",
+                        help="also time each product launched as programmatic dependent launches (sm_90+)")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/skinny_matmul.json)")
     args = parser.parse_args(argv)
     products = SHAPES[args.shape]
@@ -300,6 +341,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         entry["checks"] = checks(n, k)
         if args.options:
             entry["options"] = measure_options(name, n, k, args.replays)
+        if args.pdl:
+            entry["pdl"] = measure_pdl(n, k, args.replays)
         print(f"skinny_matmul: {name} " + json.dumps({key: value for key, value in entry.items() if key != "sweep"}),
               flush=True)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -307,6 +350,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(table(results))
     if args.options:
         print(options_table(results))
+    if args.pdl:
+        print(pdl_table(results))
     return results
 
 

@@ -10,6 +10,12 @@ fused multiply-add, which rounds once where the modules round twice.
 
 `dot`: a product accumulated with fp32 sums, in full fp32 precision for fp32 inputs and under the interpreter.
 
+`grid_wait`, `grid_release`, `prefetch_l2`: programmatic dependent launch (Hopper and later) for a kernel
+launched with `launch_pdl=True`: such a kernel may start before the one before it has finished, so it must
+wait (`grid_wait`) before it reads anything an earlier kernel wrote; until then it can ask L2 for what no
+kernel writes (`prefetch_l2`: a weight); `grid_release` lets the next such kernel start while this one ends.
+Compiled kernels only: the interpreter runs kernels one after another and has no inline assembly.
+
 `head_norm_weights`, `head_norm`, `rotate_half`: the attention prologue's q/k RMSNorm over a head and its
 rotate-half RoPE, on a head's two halves (element d of the first pairs with element d of the second), in
 the model's rounding steps; for vectors of one token or [D/2, tokens] tiles alike (the caller shapes the
@@ -56,6 +62,28 @@ def dot(w, xt, acc, IEEE: tl.constexpr, UPCAST: tl.constexpr):
     return acc
 
 
+def grid_wait(ENABLED: tl.constexpr):
+    """Wait until the kernels this one depends on have finished and their writes are visible (ENABLED)."""
+    if ENABLED:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def grid_release(ENABLED: tl.constexpr):
+    """Let the next kernel launched with programmatic dependent launch start now (ENABLED)."""
+    if ENABLED:
+        tl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
+def prefetch_l2(ptrs, mask, fallback, ENABLED: tl.constexpr):
+    """Ask L2 for the lines at `ptrs` where `mask` (elsewhere `fallback`, an address known valid), without
+    waiting for them (ENABLED)."""
+    if ENABLED:
+        addresses = tl.where(mask, ptrs, fallback).to(tl.uint64)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [addresses], dtype=tl.int32,
+                                  is_pure=False, pack=1)
+
+
 def head_norm_weights(q_norm_ptr, k_norm_ptr, d, d_ok, is_q, HALF: tl.constexpr):
     """The two halves of q_norm's weight where `is_q`, else k_norm's, as fp32 [BLOCK_HALF] vectors. Both are
     read and one is kept: a select, not a branch, so that a kernel's stores stay masked by its kind."""
@@ -83,6 +111,9 @@ if HAS_TRITON:  # device functions, resolved when a kernel calling them compiles
     rounded = triton.jit(rounded)
     kept = triton.jit(kept)
     dot = triton.jit(dot)
+    grid_wait = triton.jit(grid_wait)
+    grid_release = triton.jit(grid_release)
+    prefetch_l2 = triton.jit(prefetch_l2)
     head_norm_weights = triton.jit(head_norm_weights)
     head_norm = triton.jit(head_norm)
     rotate_half = triton.jit(rotate_half)

@@ -40,7 +40,9 @@ rounding to x's dtype at the end; fp32 inputs multiplied in full fp32 (`input_pr
 
 The kernel has three compile-time options, off for the plain product, which `skinny_fused` uses to fold the
 operations around a decoder layer's products into them: an RMSNorm of x before the product (NORM), SwiGLU
-over a [gate; up] weight (SWIGLU) and a residual add (RESIDUAL) after it.
+over a [gate; up] weight (SWIGLU) and a residual add (RESIDUAL) after it. A fourth, GDC (`launch(pdl=True)`),
+launches it as a programmatic dependent launch: it starts while the kernel before it ends, asks L2 for its
+first weight tiles, then waits for x; measured by `benchmarks.skinny_matmul --pdl`, not used by the runtime.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -50,7 +52,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
-from dflash_train.kernels.device import dot, kept, rounded
+from dflash_train.kernels.device import dot, grid_release, grid_wait, kept, prefetch_l2, rounded
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
@@ -125,7 +127,8 @@ def _skinny_matmul_kernel(
     x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_rm, stride_ym,
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr, GDC: tl.constexpr,
+    PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
@@ -141,6 +144,15 @@ def _skinny_matmul_kernel(
     row_ok = rows < M
     col_ok = cols < N
     x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
+    if GDC:  # launched before the kernel that writes x has ended: the first weight tiles (which no kernel
+        # writes) are asked of L2 meanwhile, a line per PREFETCH_STEP elements; then x is waited for
+        lines = k_first + tl.arange(0, PREFETCH_K // PREFETCH_STEP) * PREFETCH_STEP
+        line_ok = col_ok[:, None] & (lines < k_end)[None, :]
+        rows_w = cols.to(tl.int64)[:, None] * stride_wn + lines[None, :]
+        prefetch_l2(w_ptr + rows_w, line_ok, w_ptr, True)
+        if SWIGLU:
+            prefetch_l2(w_ptr + N * stride_wn + rows_w, line_ok, w_ptr, True)
+        grid_wait(True)
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -180,6 +192,7 @@ def _skinny_matmul_kernel(
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
+    grid_release(GDC)  # the weight is streamed: the next product may start its own prefetch
     if SPLIT_K > 1:  # this slice's sums; the reduce kernel adds the slices in order and finishes
         width = 2 * N if SWIGLU else N
         partial = p_ptr + tl.program_id(2) * M * width + rows[None, :] * width + cols[:, None]
@@ -246,10 +259,13 @@ if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
 
 def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
            residual: torch.Tensor, eps: float, n: int, flags: dict[str, bool], config: Config | None = None,
-           ) -> torch.Tensor:
+           pdl: bool = False) -> torch.Tensor:
     """The kernel over x [M, K] and weight [N or 2N (SWIGLU), K] with K contiguous, residual [M, N], for the
     options in `flags` (NORM, SWIGLU, RESIDUAL, HAS_BIAS); unused tensors stand in for absent ones (never
-    read); `config`: the table's for (N, K) unless given (benchmarks). -> y [M, N] in x's dtype."""
+    read); `config`: the table's for (N, K) unless given (benchmarks). -> y [M, N] in x's dtype.
+    `pdl`: launched with programmatic dependent launch (sm_90 and later; experimental, for
+    `benchmarks.skinny_matmul --pdl`): it may start while the kernel before it ends, prefetching its first
+    weight tiles until x is ready. The result is the same; a split product's reduction launches as usual."""
     m, k = x.shape
     config = config or config_for(n, k)
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
@@ -270,8 +286,10 @@ def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bia
         residual.stride(0), y.stride(0), EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
         BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=x.dtype == torch.float32,
         UPCAST=interpreting() and x.dtype != torch.float32,
-        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(), num_warps=config.num_warps,
-        num_stages=config.num_stages,
+        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(),
+        GDC=pdl and not interpreting(), PREFETCH_K=4 * config.block_k, PREFETCH_STEP=128 // x.element_size(),
+        num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"launch_pdl": True} if pdl and not interpreting() else {}),
     )
     if split > 1:
         reduce[tiles](

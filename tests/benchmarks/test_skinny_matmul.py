@@ -18,6 +18,7 @@ from benchmarks.skinny_matmul import (
     option_costs,
     option_flags,
     options_table,
+    pdl_table,
     sweep_tilings,
     swiglu_tiling,
     table,
@@ -104,6 +105,15 @@ def test_option_costs_are_timed_against_the_plain_product() -> None:
 def test_a_swiglu_product_at_the_plain_tiling_streams_as_many_rows_a_program() -> None:
     assert swiglu_tiling(Config(64, 128, 4, 3)) == Config(32, 128, 4, 3)
     assert swiglu_tiling(Config(16, 512, 2, 3)) == Config(16, 512, 2, 3)  # the smallest tile a dot takes
+
+
+def test_the_pdl_table_gives_the_ratio_or_the_error() -> None:
+    timed = {"m1_us": 12.0, "m16_us": 12.5, "m1_pdl_us": 9.0, "m16_pdl_us": 10.0, "same_bits": True}
+    text = pdl_table({"products": {"o_proj": {"pdl": timed}, "down": {"pdl": {"error": "TypeError: launch_pdl"}},
+                                   "qkv": {}}})
+    lines = text.splitlines()
+    assert lines[1].split() == ["o_proj", "1", "12.0", "9.0", "0.750", "True"]
+    assert lines[2].split()[-2] == "0.800" and lines[3] == "down     TypeError: launch_pdl" and len(lines) == 4
 
 
 def test_option_names_map_to_the_kernel_flags() -> None:

@@ -122,11 +122,11 @@ def under_interpreter(test_file: str) -> Callable[[InterpretedRun], None]:
 
 
 def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types: dict[str, str],
-                     float_type: str) -> None:
+                     float_type: str) -> str:
     """Compile a kernel body to sm_90 machine code here (no GPU needed), with every scalar argument
     typed as a launcher would type it: torch.compile hands Python floats over as fp64. The PTX must hold no
     fused multiply-add on 16-bit floats: the modules round a product before adding to it, and such an FMA
-    (the compiler's contraction of the two) rounds once (`dflash_train.kernels.device.kept`)."""
+    (the compiler's contraction of the two) rounds once (`dflash_train.kernels.device.kept`). -> the PTX."""
     import inspect
 
     import triton
@@ -140,6 +140,7 @@ def compile_for_h100(kernel: object, constants: dict[str, object], pointer_types
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
     fused = sorted(set(re.findall(r"\bfma\.rn[.a-z]*\.(?:bf16|f16)(?:x2)?\b", ptx)))
     assert not fused, f"{kernel.__name__} fuses a rounded product and a sum: {fused}"  # type: ignore[attr-defined]
+    return ptx
 
 
 def pointers_written(kernel: object, kwargs: dict[str, object], monkeypatch: pytest.MonkeyPatch) -> list[str]:

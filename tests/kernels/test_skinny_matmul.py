@@ -149,7 +149,8 @@ def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, ob
     """The plain product's constants (no norm, SwiGLU or residual: `test_skinny_fused` compiles those)."""
     return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SPLIT_K=config.split_k,
-                IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True)
+                IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
+                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -169,6 +170,24 @@ def test_kernel_compiles_for_the_gpu(element: str, config: Config, even_k: bool)
                                                      BLOCK_N=config.block_n, SPLIT_K=config.split_k, ROUND_BITS=False,
                                                      OPAQUE=True),
                          {**pointers, "p_ptr": "*fp32"}, "fp32")
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
+@pytest.mark.parametrize("swiglu", [False, True])
+def test_a_dependent_launch_prefetches_its_weight_then_waits_for_x(swiglu: bool) -> None:
+    """With GDC (programmatic dependent launch) the kernel asks L2 for its first weight tiles (the up rows too
+    with SwiGLU), waits for the kernel before it to end, and after its product lets the next one start; without,
+    none of it is in the code."""
+    pointers = {name: "*bf16" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
+    constants = {**kernel_constants("bf16", Config(16, 256), True), "SWIGLU": swiglu}
+    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "GDC": True}, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
+    first_prefetch, last_prefetch = ptx.find("prefetch.global.L2"), ptx.rfind("prefetch.global.L2")
+    assert -1 < first_prefetch <= last_prefetch < wait < release
+    if swiglu:  # gate rows and up rows: two prefetch sites
+        assert ptx.count("prefetch.global.L2") >= 2
+    plain = compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    assert "griddepcontrol" not in plain and "prefetch.global" not in plain
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting() or torch.cuda.is_available(), reason="CPU check of the compiler")
