@@ -102,16 +102,19 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+# A SwiGLU option timed again at the plain product's tiling with half the outputs a program (`swiglu_tiling`)
+PLAIN_TILING = " (plain tiling)"
 # The operations the fused path folds into each product (`skinny_fused`; "+": together)
 FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("NORM",), "o_proj": ("RESIDUAL",), "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU"),
+    "qkv": ("NORM",), "o_proj": ("RESIDUAL",),
+    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", "SWIGLU" + PLAIN_TILING, "NORM+SWIGLU" + PLAIN_TILING),
     "down": ("RESIDUAL",), "lm_head": ("NORM",)}
 OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
 
 
 def option_flags(option: str) -> dict[str, bool]:
-    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU", ...)."""
-    parts = set(option.split("+")) - {"plain"}
+    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU (plain tiling)", ...)."""
+    parts = set(option.removesuffix(PLAIN_TILING).split("+")) - {"plain"}
     unknown = parts - set(OPTION_FLAGS)
     if unknown:
         raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
@@ -157,22 +160,18 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
     gamma = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     residuals = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
 
+    def tiling(option: str) -> sm.Config:  # a SwiGLU product's is the table's for N / 2 unless PLAIN_TILING
+        if option.endswith(PLAIN_TILING):
+            return swiglu_tiling(sm.config_for(n, k))
+        return sm.config_for(n // 2 if option_flags(option)["SWIGLU"] else n, k)
+
     def timed(option: str, copies: list[torch.Tensor] = weights) -> list[float]:
-        return [graph_us(fused_fn(option, gamma, residuals), xs[m], copies, replays) for m in ROWS]
+        run = fused_fn(option, gamma, residuals, tiling(option))
+        return [graph_us(run, xs[m], copies, replays) for m in ROWS]
 
     costs: dict[str, Any] = option_costs(name, timed)
-    for option in list(costs):  # the tiling each ran with: a SwiGLU product's is the table's for N / 2
-        if not option_flags(option)["SWIGLU"]:
-            costs[option]["config"] = list(sm.config_for(n, k))
-            continue
-        costs[option]["config"] = list(sm.config_for(n // 2, k))
-        # and at the plain product's tiling with half the outputs a program (the same weight rows a step)
-        halved = swiglu_tiling(sm.config_for(n, k))
-        times = [graph_us(fused_fn(option, gamma, residuals, halved), xs[m], weights, replays) for m in ROWS]
-        costs[f"{option} (plain tiling)"] = {
-            **{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)},
-            **{f"m{m}_extra_us": t - costs["plain"][f"m{m}_us"] for m, t in zip(ROWS, times, strict=True)},
-            "config": list(halved)}
+    for option, entry in costs.items():
+        entry["config"] = list(tiling(option))
     return costs
 
 
@@ -374,11 +373,11 @@ def table(results: dict[str, Any]) -> str:
 
 def options_table(results: dict[str, Any]) -> str:
     """Per product and option: µs at each of ROWS and the extra over the plain product, with the tiling."""
-    rows = [f"{'product':<8} {'option':<12} {'µs 1 row':>9} {'+µs':>6} {'µs 16 rows':>10} {'+µs':>6}  tiling"]
+    rows = [f"{'product':<8} {'option':<26} {'µs 1 row':>9} {'+µs':>6} {'µs 16 rows':>10} {'+µs':>6}  tiling"]
     for name, e in results["products"].items():
         for option, c in e.get("options", {}).items():
             extra = [f"{c[f'm{m}_extra_us']:>+6.1f}" if f"m{m}_extra_us" in c else f"{'':>6}" for m in ROWS]
-            rows.append(f"{name:<8} {option:<12} {c['m1_us']:>9.1f} {extra[0]} {c['m16_us']:>10.1f} {extra[1]}  "
+            rows.append(f"{name:<8} {option:<26} {c['m1_us']:>9.1f} {extra[0]} {c['m16_us']:>10.1f} {extra[1]}  "
                         f"{tuple(c.get('config', ()))}")
     return "\n".join(rows)
 
