@@ -16,10 +16,11 @@ paste into `CONFIGS`. Checks, with the tilings in force: the error against an fp
 the same alone, among 16 rows and among 40 (eager and under torch.compile); whether cuBLAS's is.
 
 `--options` times, per product, the operations the fused decode path (`skinny_fused`) folds into it, each
-against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
-SwiGLU epilogue (SWIGLU) on gate/up (at the table's tiling for its output's width, and at the plain
-product's with half the outputs a program) and the residual add (RESIDUAL) on o_proj and down. The extra µs of an
-option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
+against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head (with
+the weight's first tiles asked of L2 during the norm pass, as the kernel does by default, and without), the
+SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down, each at the tiling
+the runtime gives it. The extra µs of an option, against the separate kernel it replaces (about 2 µs a
+launch), says whether folding it in pays.
 
 `--pdl` times each product's chain again with every call a programmatic dependent launch (sm_90+): a call
 starts while the one before it ends and asks L2 for its first weight tiles until x is ready, which may
@@ -102,19 +103,19 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-# A SwiGLU option timed again at the plain product's tiling with half the outputs a program (`swiglu_tiling`)
-PLAIN_TILING = " (plain tiling)"
+# A NORM option timed again without the L2 request for the first weight tiles (`launch(prefetch=False)`)
+NO_PREFETCH = " (no prefetch)"
 # The operations the fused path folds into each product (`skinny_fused`; "+": together)
 FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("NORM",), "o_proj": ("RESIDUAL",),
-    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", "SWIGLU" + PLAIN_TILING, "NORM+SWIGLU" + PLAIN_TILING),
-    "down": ("RESIDUAL",), "lm_head": ("NORM",)}
+    "qkv": ("NORM", "NORM" + NO_PREFETCH), "o_proj": ("RESIDUAL",),
+    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", "NORM" + NO_PREFETCH, "NORM+SWIGLU" + NO_PREFETCH),
+    "down": ("RESIDUAL",), "lm_head": ("NORM", "NORM" + NO_PREFETCH)}
 OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
 
 
 def option_flags(option: str) -> dict[str, bool]:
-    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU (plain tiling)", ...)."""
-    parts = set(option.removesuffix(PLAIN_TILING).split("+")) - {"plain"}
+    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU (no prefetch)", ...)."""
+    parts = set(option.removesuffix(NO_PREFETCH).split("+")) - {"plain"}
     unknown = parts - set(OPTION_FLAGS)
     if unknown:
         raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
@@ -123,14 +124,15 @@ def option_flags(option: str) -> dict[str, bool]:
 
 def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor], config: sm.Config | None = None,
              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use (the table's for
-    the output's width: N / 2 with SWIGLU)."""
+    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use; the first
+    weight tiles asked of L2 as the kernel decides, or never for a NO_PREFETCH option."""
     flags = option_flags(option)
+    prefetch = False if option.endswith(NO_PREFETCH) else None
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n = w.shape[0] // 2 if flags["SWIGLU"] else w.shape[0]
         residual = residuals[x.shape[0]] if flags["RESIDUAL"] else x
-        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config)
+        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config, prefetch=prefetch)
 
     return run
 
@@ -160,10 +162,9 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
     gamma = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     residuals = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
 
-    def tiling(option: str) -> sm.Config:  # a SwiGLU product's is the table's for N / 2 unless PLAIN_TILING
-        if option.endswith(PLAIN_TILING):
-            return swiglu_tiling(sm.config_for(n, k))
-        return sm.config_for(n // 2 if option_flags(option)["SWIGLU"] else n, k)
+    def tiling(option: str) -> sm.Config:  # the runtime's: a SwiGLU product's is for its output N / 2 wide
+        swiglu = option_flags(option)["SWIGLU"]
+        return sm.config_for(n // 2 if swiglu else n, k, swiglu)
 
     def timed(option: str, copies: list[torch.Tensor] = weights) -> list[float]:
         run = fused_fn(option, gamma, residuals, tiling(option))
@@ -207,12 +208,6 @@ def pdl_table(results: dict[str, Any]) -> str:
             rows.append(f"{name:<8} {m:>4} {pdl[f'm{m}_us']:>9.1f} {pdl[f'm{m}_pdl_us']:>7.1f} "
                         f"{pdl[f'm{m}_pdl_us'] / pdl[f'm{m}_us']:>9.3f}  {pdl['same_bits']}")
     return "\n".join(rows)
-
-
-def swiglu_tiling(plain: sm.Config) -> sm.Config:
-    """The plain product's tiling for its SwiGLU form: half the outputs a program, since each output reads a
-    gate row and an up row, so a program streams as many weight rows a step as the plain product's."""
-    return plain._replace(block_n=max(16, plain.block_n // 2))
 
 
 Ranked = list[tuple[float, list[float], sm.Config]]  # (µs summed over ROWS, µs per ROWS, tiling), best first

@@ -20,7 +20,6 @@ from benchmarks.skinny_matmul import (
     options_table,
     pdl_table,
     sweep_tilings,
-    swiglu_tiling,
     table,
 )
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
@@ -86,7 +85,7 @@ def test_table() -> None:
 
 def test_option_costs_are_timed_against_the_plain_product() -> None:
     timings = {"plain": [10.0, 11.0], "SWIGLU": [10.5, 11.0], "NORM": [16.0, 18.0], "NORM+SWIGLU": [17.0, 19.5],
-               "SWIGLU (plain tiling)": [10.2, 11.0], "NORM+SWIGLU (plain tiling)": [16.5, 19.0]}
+               "NORM (no prefetch)": [17.0, 19.0], "NORM+SWIGLU (no prefetch)": [18.5, 20.0]}
     asked: list[str] = []
 
     def timed(option: str) -> list[float]:
@@ -103,11 +102,6 @@ def test_option_costs_are_timed_against_the_plain_product() -> None:
     assert text.splitlines()[3].split()[:6] == ["gate_up", "NORM", "16.0", "+6.0", "18.0", "+7.0"]
 
 
-def test_a_swiglu_product_at_the_plain_tiling_streams_as_many_rows_a_program() -> None:
-    assert swiglu_tiling(Config(64, 128, 4, 3)) == Config(32, 128, 4, 3)
-    assert swiglu_tiling(Config(16, 512, 2, 3)) == Config(16, 512, 2, 3)  # the smallest tile a dot takes
-
-
 def test_the_pdl_table_gives_the_ratio_or_the_error() -> None:
     timed = {"m1_us": 12.0, "m16_us": 12.5, "m1_pdl_us": 9.0, "m16_pdl_us": 10.0, "same_bits": True}
     text = pdl_table({"products": {"o_proj": {"pdl": timed}, "down": {"pdl": {"error": "TypeError: launch_pdl"}},
@@ -119,7 +113,7 @@ def test_the_pdl_table_gives_the_ratio_or_the_error() -> None:
 
 def test_option_names_map_to_the_kernel_flags() -> None:
     assert option_flags("NORM+SWIGLU") == {"NORM": True, "SWIGLU": True, "RESIDUAL": False, "HAS_BIAS": False}
-    assert option_flags("NORM+SWIGLU (plain tiling)") == option_flags("NORM+SWIGLU")
+    assert option_flags("NORM+SWIGLU (no prefetch)") == option_flags("NORM+SWIGLU")
     assert not any(option_flags("plain").values())
     with pytest.raises(ValueError, match="unknown option BIAS"):
         option_flags("NORM+BIAS")
@@ -127,7 +121,7 @@ def test_option_names_map_to_the_kernel_flags() -> None:
 
 
 @kernels_here
-@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL"])
+@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL", "NORM (no prefetch)"])
 def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     """What the benchmark times is the kernel with that option's work, against the fused reference (fp32)."""
     gen = torch.Generator().manual_seed(0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.kernels import skinny_matmul
 from dflash_train.kernels._triton import HAS_TRITON, interpreting
 from dflash_train.kernels.skinny_matmul import (
     BLOCK_M,
@@ -25,6 +26,7 @@ from dflash_train.kernels.skinny_matmul import (
     launch,
     skinny_matmul_reference,
     skinny_matmul_triton,
+    swiglu_tiling,
 )
 from tests.helpers.kernels import (
     DEVICE,
@@ -150,7 +152,7 @@ def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, ob
     return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SPLIT_K=config.split_k,
                 IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
-                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64)
+                PREFETCH=False, PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -180,7 +182,8 @@ def test_a_dependent_launch_prefetches_its_weight_then_waits_for_x(swiglu: bool)
     none of it is in the code."""
     pointers = {name: "*bf16" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
     constants = {**kernel_constants("bf16", Config(16, 256), True), "SWIGLU": swiglu}
-    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "GDC": True}, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "GDC": True, "PREFETCH": True},
+                           {**pointers, "p_ptr": "*fp32"}, "fp32")
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_prefetch, last_prefetch = ptx.find("prefetch.global.L2"), ptx.rfind("prefetch.global.L2")
     assert -1 < first_prefetch <= last_prefetch < wait < release
@@ -207,3 +210,28 @@ def test_torch_compile_sees_only_the_output_written(fused: bool, even_k: bool, m
                   p_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256, K_SPLIT=256,
                   stride_xm=256, stride_wn=256, stride_rm=64, stride_ym=64, **constants)
     assert pointers_written(_skinny_matmul_kernel, kwargs, monkeypatch) == ["y_ptr"]
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
+def test_a_norm_product_asks_for_its_weight_before_the_norm_pass() -> None:
+    """With NORM and PREFETCH the first weight tiles are asked of L2 before the pass that sums the rows'
+    squares reads x (its first global load), and nothing waits on another kernel (no GDC)."""
+    pointers = {name: "*bf16" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
+    constants = {**kernel_constants("bf16", Config(32, 128), True), "NORM": True, "SWIGLU": True, "EPS": 1e-6}
+    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "PREFETCH": True}, {**pointers, "p_ptr": "*fp32"},
+                           "fp32")
+    assert -1 < ptx.find("prefetch.global.L2") < ptx.find("ld.global") and "griddepcontrol" not in ptx
+    without = compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    assert "prefetch.global" not in without
+
+
+def test_a_swiglu_product_is_tiled_from_its_plain_product(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A [gate; up] product with a row in the table takes that row's tiling with half the outputs a program
+    (as many weight rows a step as the plain product); without one, the default for its output's width."""
+    monkeypatch.setattr(skinny_matmul, "interpreting", lambda: False)
+    (n2, k), plain = next(iter((shape, c) for shape, c in CONFIGS.items() if c.block_n >= 32))
+    assert config_for(n2 // 2, k, swiglu=True) == plain._replace(block_n=plain.block_n // 2)
+    assert config_for(n2 // 2, k) == CONFIGS.get((n2 // 2, k), default_config(n2 // 2, k))
+    assert config_for(1000, 64, swiglu=True) == default_config(1000, 64)
+    assert swiglu_tiling(Config(64, 128, 4, 3)) == Config(32, 128, 4, 3)
+    assert swiglu_tiling(Config(16, 512, 2, 3)) == Config(16, 512, 2, 3)  # the smallest tile a dot takes
