@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
+import logging
 import os
 import pathlib
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -22,20 +24,45 @@ RESULTS_DIR = pathlib.Path(__file__).parent / "results"
 H200_BF16_PEAK = dict(PEAK_BF16)["H200"].flops
 
 
+ANALYSIS_LOGGER = "torch._dynamo"  # where torch.compile reports its reading of Triton kernels
+
+
 def device_peak_flops() -> float | None:
     """The current CUDA device's peak bf16 FLOP/s, as the trainer's MFU uses it; None where it is not known."""
     return peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
 
 
 def git_commit() -> str:
-    """The commit under test; DFLASH_TRAIN_COMMIT covers copies of the tree without .git."""
+    """The commit under test, "+modified" where tracked files differ from it (a copy of the tree whose .git
+    is older than its files); DFLASH_TRAIN_COMMIT covers copies without .git."""
     if os.environ.get("DFLASH_TRAIN_COMMIT"):
         return os.environ["DFLASH_TRAIN_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
-        return out.stdout.strip()
+        clean = subprocess.run(["git", "diff", "--quiet", "HEAD", "--"], capture_output=True).returncode == 0
+        return out.stdout.strip() + ("" if clean else "+modified")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+@contextlib.contextmanager
+def kernel_analysis_fallbacks() -> Iterator[list[str]]:
+    """The Triton kernels whose analysis torch.compile gave up on while the block ran: it then takes every
+    tensor the kernel is given as written and copies each one (a weight too) at every call, which a decode
+    step shows as time in copy kernels, with no error. The list fills as the warnings come."""
+    found: list[str] = []
+
+    class Catch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "assuming every input is mutated" in record.getMessage():
+                found.append(record.getMessage())
+
+    logger, handler = logging.getLogger(ANALYSIS_LOGGER), Catch()
+    logger.addHandler(handler)
+    try:
+        yield found
+    finally:
+        logger.removeHandler(handler)
 
 
 def stamp() -> dict[str, Any]:

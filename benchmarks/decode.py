@@ -87,7 +87,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import median, results_directory, stamp, time_calls
+from benchmarks.common import kernel_analysis_fallbacks, median, results_directory, stamp, time_calls
 from benchmarks.shapes import SHAPES, TINY_QWEN3, random_target
 from dflash_train.kernels import skinny_matmul
 from dflash_train.models import DFlashConfig, DFlashDraftModel
@@ -532,9 +532,14 @@ class Qwen3Bench:
     def measure(self, key: str, engine: DecodeEngine) -> None:
         """`{key}_ms`, `{key}_setup_s` (compilation and capture) and the profile's figures (`record_trace`)."""
         setup: dict[str, float] = {}
-        self.result[f"{key}_ms"] = engine_step_ms(engine, self.prompt, self.args.warmup, self.args.iters, setup)
+        with kernel_analysis_fallbacks() as fallbacks:  # compilation happens in the first steps
+            self.result[f"{key}_ms"] = engine_step_ms(engine, self.prompt, self.args.warmup, self.args.iters, setup)
         self.result[f"{key}_setup_s"] = setup["seconds"]
+        self.result[f"{key}_kernel_analysis_fallbacks"] = len(fallbacks)
         show(self.result, f"{key}_ms", f"{key}_setup_s")
+        if fallbacks:
+            print(f"decode: {key}: torch.compile could not analyse {len(fallbacks)} Triton kernel(s) and copies "
+                  "their tensors at every call (see its warnings above)")
         record_trace(self.result, key, engine.step, self.device, self.target.config.num_hidden_layers)
 
 

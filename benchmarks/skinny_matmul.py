@@ -16,8 +16,7 @@ paste into `CONFIGS`. Checks, with the tilings in force: the error against an fp
 the same alone, among 16 rows and among 40 (eager and under torch.compile); whether cuBLAS's is.
 
 `--options` times, per product, the operations the fused decode path (`skinny_fused`) folds into it, each
-against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head (with
-the weight's first tiles asked of L2 during the norm pass, as the kernel does by default, and without), the
+against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
 SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down, each at the tiling
 the runtime gives it. The extra µs of an option, against the separate kernel it replaces (about 2 µs a
 launch), says whether folding it in pays.
@@ -103,19 +102,16 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
-# A NORM option timed again without the L2 request for the first weight tiles (`launch(prefetch=False)`)
-NO_PREFETCH = " (no prefetch)"
 # The operations the fused path folds into each product (`skinny_fused`; "+": together)
 FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("NORM", "NORM" + NO_PREFETCH), "o_proj": ("RESIDUAL",),
-    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", "NORM" + NO_PREFETCH, "NORM+SWIGLU" + NO_PREFETCH),
-    "down": ("RESIDUAL",), "lm_head": ("NORM", "NORM" + NO_PREFETCH)}
+    "qkv": ("NORM",), "o_proj": ("RESIDUAL",), "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU"),
+    "down": ("RESIDUAL",), "lm_head": ("NORM",)}
 OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
 
 
 def option_flags(option: str) -> dict[str, bool]:
-    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU (no prefetch)", ...)."""
-    parts = set(option.removesuffix(NO_PREFETCH).split("+")) - {"plain"}
+    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU", ...)."""
+    parts = set(option.split("+")) - {"plain"}
     unknown = parts - set(OPTION_FLAGS)
     if unknown:
         raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
@@ -124,15 +120,13 @@ def option_flags(option: str) -> dict[str, bool]:
 
 def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor], config: sm.Config | None = None,
              ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use; the first
-    weight tiles asked of L2 as the kernel decides, or never for a NO_PREFETCH option."""
+    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use."""
     flags = option_flags(option)
-    prefetch = False if option.endswith(NO_PREFETCH) else None
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n = w.shape[0] // 2 if flags["SWIGLU"] else w.shape[0]
         residual = residuals[x.shape[0]] if flags["RESIDUAL"] else x
-        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config, prefetch=prefetch)
+        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config)
 
     return run
 

@@ -43,8 +43,11 @@ operations around a decoder layer's products into them: an RMSNorm of x before t
 over a [gate; up] weight (SWIGLU) and a residual add (RESIDUAL) after it. A fourth, GDC (`launch(pdl=True)`),
 launches it as a programmatic dependent launch: it starts while the kernel before it ends, asks L2 for its
 first weight tiles, then waits for x; measured by `benchmarks.skinny_matmul --pdl`, not used by the runtime
-(on an H200, 2026-12-04, 52584ee: 0.99-1.09x the plain launch's time, no gain). The same L2 request
-(PREFETCH) starts a NORM product's weight stream while its programs sum their rows' squares.
+(on an H200, 2026-12-04, 52584ee: 0.99-1.09x the plain launch's time, no gain). Its inline assembly has side
+effects, which torch.compile's analysis of a kernel cannot follow: it would take every tensor the kernel is
+given as written and copy the weight at each call, so no launch the runtime makes may turn it on
+(`kernel_constants`; the same L2 request before a NORM product's norm pass measured slower as well: Qwen3-8B's
+q/k/v 21.5 against 20.0 µs).
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -141,7 +144,7 @@ def _skinny_matmul_kernel(
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr, GDC: tl.constexpr,
-    PREFETCH: tl.constexpr, PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
@@ -157,16 +160,15 @@ def _skinny_matmul_kernel(
     row_ok = rows < M
     col_ok = cols < N
     x_ptrs = x_ptr + rows[None, :] * stride_xm + ks[:, None]  # x^T tile [BLOCK_K, BLOCK_M]
-    if PREFETCH:  # the first weight tiles (which no kernel writes) asked of L2, a line per PREFETCH_STEP
-        # elements, before the program waits: for x's producer to end (GDC) or for its norm pass (NORM), so
-        # that the weight stream starts during the wait instead of after it
+    if GDC:  # launched before the kernel that writes x has ended: the first weight tiles (which no kernel
+        # writes) are asked of L2 meanwhile, a line per PREFETCH_STEP elements; then x is waited for
         lines = k_first + tl.arange(0, PREFETCH_K // PREFETCH_STEP) * PREFETCH_STEP
         line_ok = col_ok[:, None] & (lines < k_end)[None, :]
         rows_w = cols.to(tl.int64)[:, None] * stride_wn + lines[None, :]
         prefetch_l2(w_ptr + rows_w, line_ok, w_ptr, True)
         if SWIGLU:
             prefetch_l2(w_ptr + N * stride_wn + rows_w, line_ok, w_ptr, True)
-    grid_wait(GDC)  # launched before the kernel that writes x has ended: x is waited for here
+        grid_wait(True)
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -271,20 +273,28 @@ if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
     _finish = triton.jit(_finish)
 
 
+def kernel_constants(dtype: torch.dtype, k: int, eps: float, flags: dict[str, bool], config: Config,
+                     pdl: bool = False) -> dict[str, object]:
+    """The kernel's compile-time arguments for a launch (what `launch` passes; tests compile them)."""
+    split = max(1, config.split_k)
+    return dict(EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+                EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=dtype == torch.float32,
+                UPCAST=interpreting() and dtype != torch.float32, ROUND_BITS=interpreting() and dtype == torch.bfloat16,
+                OPAQUE=not interpreting(), GDC=pdl and not interpreting(), PREFETCH_K=4 * config.block_k,
+                PREFETCH_STEP=128 // dtype.itemsize)
+
+
 def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
            residual: torch.Tensor, eps: float, n: int, flags: dict[str, bool], config: Config | None = None,
-           pdl: bool = False, prefetch: bool | None = None) -> torch.Tensor:
+           pdl: bool = False) -> torch.Tensor:
     """The kernel over x [M, K] and weight [N or 2N (SWIGLU), K] with K contiguous, residual [M, N], for the
     options in `flags` (NORM, SWIGLU, RESIDUAL, HAS_BIAS); unused tensors stand in for absent ones (never
     read); `config`: the table's for (N, K) unless given (benchmarks). -> y [M, N] in x's dtype.
     `pdl`: launched with programmatic dependent launch (sm_90 and later; experimental, for
     `benchmarks.skinny_matmul --pdl`): it may start while the kernel before it ends, prefetching its first
-    weight tiles until x is ready. The result is the same; a split product's reduction launches as usual.
-    `prefetch`: ask L2 for the first weight tiles at the program's start (default: with NORM or `pdl`, whose
-    programs wait before their product; `benchmarks.skinny_matmul --options` times NORM without it)."""
+    weight tiles until x is ready. The result is the same; a split product's reduction launches as usual."""
     m, k = x.shape
     config = config or config_for(n, k, flags["SWIGLU"])
-    prefetch = (flags["NORM"] or pdl) if prefetch is None else prefetch
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     split = max(1, config.split_k)
     # Slices of whole K steps, so that EVEN_K holds in every slice when it holds for K.
@@ -300,12 +310,7 @@ def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bia
     tiles = (-(-m // BLOCK_M), -(-n // config.block_n))
     kernel[(*tiles, split)](
         x, norm_weight, weight, bias, residual, y, partials, m, n, k, k_split, x.stride(0), weight.stride(0),
-        residual.stride(0), y.stride(0), EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=x.dtype == torch.float32,
-        UPCAST=interpreting() and x.dtype != torch.float32,
-        ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(),
-        GDC=pdl and not interpreting(), PREFETCH=prefetch and not interpreting(), PREFETCH_K=4 * config.block_k,
-        PREFETCH_STEP=128 // x.element_size(),
+        residual.stride(0), y.stride(0), **kernel_constants(x.dtype, k, eps, flags, config, pdl),
         num_warps=config.num_warps, num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl and not interpreting() else {}),
     )

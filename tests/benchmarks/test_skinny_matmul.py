@@ -84,8 +84,7 @@ def test_table() -> None:
 
 
 def test_option_costs_are_timed_against_the_plain_product() -> None:
-    timings = {"plain": [10.0, 11.0], "SWIGLU": [10.5, 11.0], "NORM": [16.0, 18.0], "NORM+SWIGLU": [17.0, 19.5],
-               "NORM (no prefetch)": [17.0, 19.0], "NORM+SWIGLU (no prefetch)": [18.5, 20.0]}
+    timings = {"plain": [10.0, 11.0], "SWIGLU": [10.5, 11.0], "NORM": [16.0, 18.0], "NORM+SWIGLU": [17.0, 19.5]}
     asked: list[str] = []
 
     def timed(option: str) -> list[float]:
@@ -113,7 +112,6 @@ def test_the_pdl_table_gives_the_ratio_or_the_error() -> None:
 
 def test_option_names_map_to_the_kernel_flags() -> None:
     assert option_flags("NORM+SWIGLU") == {"NORM": True, "SWIGLU": True, "RESIDUAL": False, "HAS_BIAS": False}
-    assert option_flags("NORM+SWIGLU (no prefetch)") == option_flags("NORM+SWIGLU")
     assert not any(option_flags("plain").values())
     with pytest.raises(ValueError, match="unknown option BIAS"):
         option_flags("NORM+BIAS")
@@ -121,7 +119,7 @@ def test_option_names_map_to_the_kernel_flags() -> None:
 
 
 @kernels_here
-@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL", "NORM (no prefetch)"])
+@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL"])
 def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     """What the benchmark times is the kernel with that option's work, against the fused reference (fp32)."""
     gen = torch.Generator().manual_seed(0)
