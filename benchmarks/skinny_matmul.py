@@ -18,8 +18,9 @@ the same alone, among 16 rows and among 40 (eager and under torch.compile); whet
 `--options` times, per product, the operations the fused decode path (`skinny_fused`) folds into it, each
 against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
 SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down, each at the tiling
-the runtime gives it. The extra µs of an option, against the separate kernel it replaces (about 2 µs a
-launch), says whether folding it in pays.
+the runtime gives it; the NORM options again with other tilings of the norm pass ("NORM@512x8": tiles 512
+wide, 8 in flight; `Config.norm_k`, `norm_stages`), since that pass is what the norm costs. The extra µs of
+an option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
 
 `--pdl` times each product's chain again with every call a programmatic dependent launch (sm_90+): a call
 starts while the one before it ends and asks L2 for its first weight tiles until x is ready, which may
@@ -102,16 +103,19 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x, w)
 
 
+# Tilings of NORM's pass over x tried beside the product's own ("@WIDTHxSTAGES": Config.norm_k, norm_stages)
+NORM_PASSES = ("@512x8", "@1024x4", "@256x16")
 # The operations the fused path folds into each product (`skinny_fused`; "+": together)
 FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("NORM",), "o_proj": ("RESIDUAL",), "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU"),
-    "down": ("RESIDUAL",), "lm_head": ("NORM",)}
+    "qkv": ("NORM", *(f"NORM{p}" for p in NORM_PASSES)), "o_proj": ("RESIDUAL",),
+    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", *(f"NORM+SWIGLU{p}" for p in NORM_PASSES)),
+    "down": ("RESIDUAL",), "lm_head": ("NORM", *(f"NORM{p}" for p in NORM_PASSES))}
 OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
 
 
 def option_flags(option: str) -> dict[str, bool]:
-    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU", ...)."""
-    parts = set(option.split("+")) - {"plain"}
+    """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU@512x8", ...)."""
+    parts = set(option.partition("@")[0].split("+")) - {"plain"}
     unknown = parts - set(OPTION_FLAGS)
     if unknown:
         raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
@@ -131,13 +135,27 @@ def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor
     return run
 
 
-def option_costs(name: str, timed: Callable[[str], list[float]]) -> dict[str, dict[str, float]]:
+def with_norm_pass(config: sm.Config, option: str) -> sm.Config:
+    """`config` with the norm pass's tiling an option names after "@" ("NORM@512x8": 512 wide, 8 in flight)."""
+    _, at, spec = option.partition("@")
+    if not at:
+        return config
+    width, _, stages = spec.partition("x")
+    return config._replace(norm_k=int(width), norm_stages=int(stages))
+
+
+def option_costs(name: str, timed: Callable[[str], list[float]]) -> dict[str, dict[str, Any]]:
     """The plain product and each of the product's FUSED_OPTIONS, timed (`timed`: µs at each of ROWS), with
-    each option's extra µs over the plain product."""
+    each option's extra µs over the plain product; an option that fails (a tiling the GPU cannot compile)
+    keeps its error and the others go on."""
     plain = timed("plain")
-    out = {"plain": {f"m{m}_us": t for m, t in zip(ROWS, plain, strict=True)}}
+    out: dict[str, dict[str, Any]] = {"plain": {f"m{m}_us": t for m, t in zip(ROWS, plain, strict=True)}}
     for option in FUSED_OPTIONS[name]:
-        times = timed(option)
+        try:
+            times = timed(option)
+        except Exception as error:  # e.g. out of shared memory: a finding, not the end of the run
+            out[option] = {"error": f"{type(error).__name__}: {str(error)[:200]}"}
+            continue
         out[option] = {**{f"m{m}_us": t for m, t in zip(ROWS, times, strict=True)},
                        **{f"m{m}_extra_us": t - p for m, t, p in zip(ROWS, times, plain, strict=True)}}
     return out
@@ -156,9 +174,9 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
     gamma = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     residuals = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
 
-    def tiling(option: str) -> sm.Config:  # the runtime's: a SwiGLU product's is for its output N / 2 wide
-        swiglu = option_flags(option)["SWIGLU"]
-        return sm.config_for(n // 2 if swiglu else n, k, swiglu)
+    def tiling(option: str) -> sm.Config:  # the runtime's (a SwiGLU product's for its output N / 2 wide)
+        swiglu = option_flags(option)["SWIGLU"]  # with the norm pass's of an "@WIDTHxSTAGES" option
+        return with_norm_pass(sm.config_for(n // 2 if swiglu else n, k, swiglu), option)
 
     def timed(option: str, copies: list[torch.Tensor] = weights) -> list[float]:
         run = fused_fn(option, gamma, residuals, tiling(option))
@@ -365,6 +383,9 @@ def options_table(results: dict[str, Any]) -> str:
     rows = [f"{'product':<8} {'option':<26} {'µs 1 row':>9} {'+µs':>6} {'µs 16 rows':>10} {'+µs':>6}  tiling"]
     for name, e in results["products"].items():
         for option, c in e.get("options", {}).items():
+            if "error" in c:
+                rows.append(f"{name:<8} {option:<26} {c['error']}")
+                continue
             extra = [f"{c[f'm{m}_extra_us']:>+6.1f}" if f"m{m}_extra_us" in c else f"{'':>6}" for m in ROWS]
             rows.append(f"{name:<8} {option:<26} {c['m1_us']:>9.1f} {extra[0]} {c['m16_us']:>10.1f} {extra[1]}  "
                         f"{tuple(c.get('config', ()))}")

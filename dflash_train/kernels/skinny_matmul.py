@@ -71,6 +71,11 @@ class Config(NamedTuple):
     num_warps: int = 4
     num_stages: int = 4
     split_k: int = 1  # K slices run as programs of their own, their fp32 sums added by a second kernel
+    # NORM's pass over x before the product (the rows' squares): its tile width along K (0: block_k) and the
+    # tiles in flight. Its time is about one memory round trip per (K / norm_k / norm_stages), paid by every
+    # program before its weight stream starts (`benchmarks.skinny_matmul --options` times the choices).
+    norm_k: int = 0
+    norm_stages: int = 4
 
 
 # (N, K) -> Config, measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints the
@@ -144,7 +149,7 @@ def _skinny_matmul_kernel(
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr, GDC: tl.constexpr,
-    PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr,
+    PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr, NORM_K: tl.constexpr, NORM_STAGES: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
@@ -172,10 +177,12 @@ def _skinny_matmul_kernel(
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
     if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
-        # Pipelined, 4 tiles in flight: the pass's loads are otherwise issued one tile at a time, each waiting
-        # out the memory latency before the weight stream starts (16 tiles at K = 4,096).
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=4):
-            xt = tl.load(x_ptrs + k0, mask=((k0 + ks) < K)[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
+        # Pipelined, NORM_STAGES tiles of NORM_K in flight: the pass's loads are otherwise issued one tile at a
+        # time, each waiting out the memory latency before the weight stream starts (16 tiles at K = 4,096).
+        nks = tl.arange(0, NORM_K)
+        n_ptrs = x_ptr + rows[None, :] * stride_xm + nks[:, None]
+        for k0 in tl.range(0, K, NORM_K, num_stages=NORM_STAGES):
+            xt = tl.load(n_ptrs + k0, mask=((k0 + nks) < K)[:, None] & row_ok[None, :], other=0.0).to(tl.float32)
             squares += tl.sum(xt * xt, axis=0)
         inv_rms = tl.rsqrt(squares / K + EPS)
     x_ptrs += k_first
@@ -281,7 +288,8 @@ def kernel_constants(dtype: torch.dtype, k: int, eps: float, flags: dict[str, bo
                 EVEN_K=k % config.block_k == 0, SPLIT_K=split, IEEE=dtype == torch.float32,
                 UPCAST=interpreting() and dtype != torch.float32, ROUND_BITS=interpreting() and dtype == torch.bfloat16,
                 OPAQUE=not interpreting(), GDC=pdl and not interpreting(), PREFETCH_K=4 * config.block_k,
-                PREFETCH_STEP=128 // dtype.itemsize)
+                PREFETCH_STEP=128 // dtype.itemsize, NORM_K=config.norm_k or config.block_k,
+                NORM_STAGES=config.norm_stages)
 
 
 def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,

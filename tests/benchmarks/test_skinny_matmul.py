@@ -21,6 +21,7 @@ from benchmarks.skinny_matmul import (
     pdl_table,
     sweep_tilings,
     table,
+    with_norm_pass,
 )
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
 from dflash_train.kernels.skinny_matmul import BLOCK_M, Config
@@ -89,16 +90,28 @@ def test_option_costs_are_timed_against_the_plain_product() -> None:
 
     def timed(option: str) -> list[float]:
         asked.append(option)
-        return timings[option]
+        if option == "NORM+SWIGLU@1024x4":
+            raise RuntimeError("out of resource: shared memory, Required: 262144")
+        return timings.get(option, [12.0, 13.0])
 
     costs = option_costs("gate_up", timed)
     assert asked == ["plain", *FUSED_OPTIONS["gate_up"]]
     assert costs["NORM"] == {"m1_us": 16.0, "m16_us": 18.0, "m1_extra_us": 6.0, "m16_extra_us": 7.0}
     assert costs["SWIGLU"]["m16_extra_us"] == 0.0 and "m1_extra_us" not in costs["plain"]
+    assert costs["NORM+SWIGLU@1024x4"] == {"error": "RuntimeError: out of resource: shared memory, Required: 262144"}
+    assert costs["NORM+SWIGLU@512x8"]["m1_extra_us"] == 2.0
     for option in costs:
         costs[option]["config"] = [32, 128, 4, 3]
-    text = options_table({"products": {"gate_up": {"options": costs}}})
-    assert text.splitlines()[3].split()[:6] == ["gate_up", "NORM", "16.0", "+6.0", "18.0", "+7.0"]
+    lines = options_table({"products": {"gate_up": {"options": costs}}}).splitlines()
+    assert lines[3].split()[:6] == ["gate_up", "NORM", "16.0", "+6.0", "18.0", "+7.0"]
+    assert [line.split()[1:3] for line in lines if "1024x4" in line] == [["NORM+SWIGLU@1024x4", "RuntimeError:"]]
+
+
+def test_an_option_names_the_norm_pass_tiling() -> None:
+    plain = Config(64, 128, 4, 3)
+    assert with_norm_pass(plain, "NORM+SWIGLU@512x8") == Config(64, 128, 4, 3, norm_k=512, norm_stages=8)
+    assert with_norm_pass(plain, "NORM") == plain
+    assert option_flags("NORM+SWIGLU@512x8") == option_flags("NORM+SWIGLU")
 
 
 def test_the_pdl_table_gives_the_ratio_or_the_error() -> None:
@@ -119,7 +132,7 @@ def test_option_names_map_to_the_kernel_flags() -> None:
 
 
 @kernels_here
-@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL"])
+@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL", "NORM+SWIGLU@32x2"])
 def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     """What the benchmark times is the kernel with that option's work, against the fused reference (fp32)."""
     gen = torch.Generator().manual_seed(0)
@@ -129,7 +142,8 @@ def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     flags = option_flags(option)
     residual = torch.randn(m, n, generator=gen)
     x, w, gamma, residual = (t.to(DEVICE) for t in (x, w, gamma, residual))
-    got = fused_fn(option, gamma, {m: residual})(x, w)
+    config = with_norm_pass(Config(16, 16), option) if "@" in option else None  # a K of 48: three norm tiles
+    got = fused_fn(option, gamma, {m: residual}, config)(x, w)
     expected = skinny_fused_reference(x, w, None, gamma if flags["NORM"] else None, 1e-6, flags["SWIGLU"],
                                       residual if flags["RESIDUAL"] else None)
     assert got.shape == (m, n // 2 if flags["SWIGLU"] else n)

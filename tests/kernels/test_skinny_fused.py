@@ -118,6 +118,26 @@ def test_split_k_with_norm_swiglu_and_residual(dtype: torch.dtype) -> None:
     assert torch.equal(got[7], alone)
 
 
+@kernels_here
+@pytest.mark.parametrize(("norm_k", "norm_stages"), [(128, 2), (16, 8)])
+def test_the_norm_pass_tiling_changes_no_result(norm_k: int, norm_stages: int) -> None:
+    """The pass that sums the rows' squares in tiles of its own width (wider or narrower than the product's
+    steps, K not a multiple of either): the modules' result, and a row the same alone and among others."""
+    gen = torch.Generator().manual_seed(12)
+    rows, n, k = 16, 40, 200
+    x = (randn(rows, k, dtype=torch.float32, gen=gen) * 2).to(DEVICE)
+    w = (randn(2 * n, k, dtype=torch.float32, gen=gen) / k ** 0.5).to(DEVICE)
+    gamma = (1 + randn(k, dtype=torch.float32, gen=gen) / 4).to(DEVICE)
+    flags = dict(NORM=True, SWIGLU=True, RESIDUAL=False, HAS_BIAS=False)
+    config = Config(16, 64, norm_k=norm_k, norm_stages=norm_stages)
+    got = launch(x, gamma, w, w, x, 1e-5, n, flags, config).cpu()
+    norm = RMSNorm(k, eps=1e-5)
+    norm.weight.data = gamma.cpu()
+    torch.testing.assert_close(got, modules(x.cpu(), w.cpu(), None, norm, True, None), atol=2e-5, rtol=2e-5)
+    alone = launch(x[3:4].contiguous(), gamma, w, w, x[3:4].contiguous(), 1e-5, n, flags, config)[0].cpu()
+    assert torch.equal(got[3], alone)
+
+
 def test_arguments_checked() -> None:
     x, w = torch.zeros(2, 8), torch.zeros(6, 8)
     with pytest.raises(AssertionError, match="even number of rows"):
@@ -147,7 +167,7 @@ def test_kernel_compiles_for_the_gpu(element: str, flags: dict[str, bool]) -> No
     """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
     constants = dict(**flags, EPS=1e-6, BLOCK_M=BLOCK_M, BLOCK_N=32, BLOCK_K=128, EVEN_K=False, SPLIT_K=1,
                      IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
-                     PREFETCH_K=512, PREFETCH_STEP=64)
+                     PREFETCH_K=512, PREFETCH_STEP=64, NORM_K=512, NORM_STAGES=4)
     pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
     compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
 

@@ -152,7 +152,7 @@ def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, ob
     return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SPLIT_K=config.split_k,
                 IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
-                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64)
+                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64, NORM_K=config.block_k, NORM_STAGES=4)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
