@@ -34,7 +34,9 @@ same run (CUDA events, median):
   logits) on the skinny-matmul kernel (`dflash_train.kernels.skinny_matmul`), and
   (`skinny_fused`) the same with each layer's norms, SwiGLU and residual adds folded into its products
   (`dflash_train.kernels.skinny_fused`) and the attention prologue into the q/k/v product's epilogue
-  (`dflash_train.kernels.qkv_rope_cache`): six launches a layer, the drafter's layers too;
+  (`dflash_train.kernels.qkv_rope_cache`): six launches a layer, the drafter's layers too; and
+  (`prefetch_o_proj`) the default with the attention kernel asking L2 for each layer's o_proj weight while
+  it reads the cache (`StaticTarget(prefetch_weights=True)`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
   graph reused by every layer, plus small graphs before and after the layers; the engine's default since
   2026-12-02), beside the whole-step graph (the variant named `default`, the engine's default before): step
@@ -46,7 +48,7 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  cublas_matmul, skinny_matmul, skinny_fused, sdpa_draft_attention, torch_state_update, hf
+  cublas_matmul, skinny_matmul, skinny_fused, prefetch_o_proj, sdpa_draft_attention, torch_state_update, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -487,7 +489,8 @@ ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cy
              "cublas_matmul": ({"skinny_matmul": "off"}, ("target_step", "dflash_cycle"))}
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
 OPT_INS = {"skinny_matmul": ({"skinny_matmul": "all"}, ("target_step", "dflash_cycle")),
-           "skinny_fused": ({"skinny_matmul": "all", "skinny_fusion": True}, ("target_step", "dflash_cycle"))}
+           "skinny_fused": ({"skinny_matmul": "all", "skinny_fusion": True}, ("target_step", "dflash_cycle")),
+           "prefetch_o_proj": ({"prefetch_weights": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
 ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
                     "torch_state_update": {"fuse_state_update": False}}
@@ -616,6 +619,7 @@ def ablation_applies(label: str, runner: StaticTarget) -> bool:
     and so would an opt-in Triton kernel where the runner has none."""
     return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton",
             "skinny_matmul": runner.kernels == "triton", "skinny_fused": runner.kernels == "triton",
+            "prefetch_o_proj": runner.attention == "triton" and runner.fused is not None,
             "cublas_matmul": runner.matmul == "tuned"}.get(label, True)
 
 

@@ -10,6 +10,9 @@ fused multiply-add, which rounds once where the modules round twice.
 
 `dot`: a product accumulated with fp32 sums, in full fp32 precision for fp32 inputs and under the interpreter.
 
+`prefetch_l2_bulk`: large contiguous spans asked of L2 in one request each, for a weight the next kernel
+reads (the attention kernel asks for the o_proj weight after it, `static_attention`).
+
 `grid_wait`, `grid_release`, `prefetch_l2`: programmatic dependent launch (Hopper and later) for a kernel
 launched with `launch_pdl=True`: such a kernel may start before the one before it has finished, so it must
 wait (`grid_wait`) before it reads anything an earlier kernel wrote; until then it can ask L2 for what no
@@ -84,6 +87,18 @@ def prefetch_l2(ptrs, mask, fallback, ENABLED: tl.constexpr):
                                   is_pure=False, pack=1)
 
 
+def prefetch_l2_bulk(ptrs, sizes):
+    """Ask L2 for `sizes` bytes at each of `ptrs` (16-byte aligned; sizes multiples of 16, 0: nothing), one
+    bulk request per element (sm_90), without waiting. -> zeros of their shape, which the caller must fold
+    into its work: the assembly is declared pure, because torch.compile's reading of a kernel skips pure
+    inline assembly but gives up on any other (taking every tensor the kernel is given as written, and
+    copying each at every call), and a result that is used keeps the compiler from dropping the requests or
+    moving them after the work they should overlap."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs.to(tl.uint64), sizes], dtype=tl.int32, is_pure=True, pack=1)
+
+
 def head_norm_weights(q_norm_ptr, k_norm_ptr, d, d_ok, is_q, HALF: tl.constexpr):
     """The two halves of q_norm's weight where `is_q`, else k_norm's, as fp32 [BLOCK_HALF] vectors. Both are
     read and one is kept: a select, not a branch, so that a kernel's stores stay masked by its kind."""
@@ -114,6 +129,7 @@ if HAS_TRITON:  # device functions, resolved when a kernel calling them compiles
     grid_wait = triton.jit(grid_wait)
     grid_release = triton.jit(grid_release)
     prefetch_l2 = triton.jit(prefetch_l2)
+    prefetch_l2_bulk = triton.jit(prefetch_l2_bulk)
     head_norm_weights = triton.jit(head_norm_weights)
     head_norm = triton.jit(head_norm)
     rotate_half = triton.jit(rotate_half)

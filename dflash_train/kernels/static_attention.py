@@ -16,6 +16,12 @@ output does not depend on the other queries of its block: the same bits as a blo
 Scores come from the tensor cores' bf16 dot with fp32 sums; softmax runs in fp32 (exp of scores minus the
 running max); probabilities are rounded to the cache's dtype for the P·V product, as flash attention does;
 the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
+
+The next weight (opt-in, `prefetch`): at a decode step the attention reads a few MB of cache while the
+memory bus is otherwise idle, and the product after it (o_proj: 33.5 MB in Qwen3-8B, streamed at 2.8 TB/s
+where the large products reach 4 TB/s) waits on its own ramp-up. Given a weight, the split kernel's programs
+first ask L2 for it in bulk (`prefetch_l2_bulk`), each a share, so that the product finds it there. The
+result does not change; `benchmarks.decode --variants prefetch_o_proj` times what it is worth.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -25,6 +31,7 @@ import torch
 from torch.library import triton_op, wrap_triton
 
 from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels.device import prefetch_l2_bulk
 
 BLOCK_N = 64  # keys per tile; a split is a whole number of tiles
 MAX_QUERY_ROWS = 128  # query heads per KV head x new tokens handled by one program (larger: use SDPA)
@@ -59,11 +66,12 @@ def static_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr,
     sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
-    kv_heads, keys, split_len, num_splits, scale,
+    kv_heads, keys, split_len, num_splits, scale, pf_numel, pf_chunk,
     T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr,
 ):
     # IEEE: fp32 inputs, fp32 products. UPCAST: bf16/fp16 inputs multiplied as fp32 (the interpreter's dot
     # cannot multiply bf16); else the tensor cores' bf16/fp16 dot with fp32 sums, as flash attention.
@@ -88,6 +96,12 @@ def _split_kernel(
     # which the lossless check relies on (`dflash_train.runtime.engine`). Tiles it cannot see add exact zeros.
     first = tl.min(tl.where(r_ok, lo, keys), axis=0)
     start = tl.maximum(split * split_len, first // BLOCK_N * BLOCK_N)
+    if PREFETCH:  # the next weight's share of this program (pf_chunk elements a part), asked of L2 first;
+        # the zeros it returns join the loop's start so that the requests go out before the loop
+        part = (pid * num_splits + split).to(tl.int64) * PF_PARTS + tl.arange(0, PF_PARTS)
+        begin = part * pf_chunk
+        count = tl.minimum(tl.maximum(pf_numel - begin, 0), pf_chunk)
+        start += tl.sum(prefetch_l2_bulk(pf_ptr + begin, (count * PF_ELEMENT_BYTES).to(tl.int32)), axis=0)
     end = tl.minimum(tl.minimum((split + 1) * split_len, keys), tl.max(hi, axis=0) + 1)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     m_safe = tl.zeros([BLOCK_M], tl.float32)
@@ -172,7 +186,15 @@ def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float) -> torch.Tensor:
+def prefetch_chunk(numel: int, element_bytes: int, parts: int) -> int:
+    """Elements of the weight each bulk request asks for: every part a share, a multiple of 16 bytes (the
+    requests' granularity and alignment, the weight being 16-byte aligned)."""
+    per_16_bytes = max(1, 16 // element_bytes)
+    return _ceil_div(_ceil_div(numel, parts), per_16_bytes) * per_16_bytes
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
+            prefetch: torch.Tensor | None = None) -> torch.Tensor:
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -185,12 +207,17 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     split_kernel, combine_kernel = jit(_split_kernel), jit(_combine_kernel)
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
         split_kernel, combine_kernel = wrap_triton(split_kernel), wrap_triton(combine_kernel)
+    asked = prefetch is not None and not interpreting()  # the interpreter has no inline assembly
+    weight = prefetch if asked else q  # never read without PREFETCH
+    warps = 4 if block_m <= 32 else 8
+    parts = 32 * warps  # bulk requests a program: one a thread
+    chunk = prefetch_chunk(weight.numel(), weight.element_size(), n * kv_heads * num_splits * parts)
     split_kernel[(n * kv_heads, num_splits)](
-        q, k, v, bounds, part_o, part_lse, *q.stride(), *k.stride(), *v.stride(),
-        kv_heads, keys, split_len, num_splits, scale,
+        q, k, v, bounds, part_o, part_lse, weight, *q.stride(), *k.stride(), *v.stride(),
+        kv_heads, keys, split_len, num_splits, scale, weight.numel(), chunk,
         T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32,
-        num_warps=4 if block_m <= 32 else 8,
+        IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, PREFETCH=asked,
+        PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), num_warps=warps,
     )
     combine_kernel[(n * kv_heads, groups * t)](
         part_o, part_lse, out, kv_heads, num_splits,
@@ -201,13 +228,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
 
 @triton_op("dflash_train::static_attention", mutates_args=())
 def _static_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                         scale: float) -> torch.Tensor:
-    return _launch(q, k, v, bounds, scale)
+                         scale: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch(q, k, v, bounds, scale, prefetch)
 
 
 def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                            scale: float) -> torch.Tensor:
-    """Same contract as `static_attention_reference`; a custom op, so torch.compile keeps it in its graph."""
+                            scale: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """Same contract as `static_attention_reference`; a custom op, so torch.compile keeps it in its graph.
+    `prefetch`: a contiguous weight the next kernel reads, asked of L2 meanwhile (module docstring)."""
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
     assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
-    return _static_attention_op(q, k, v, bounds.contiguous(), float(scale))
+    assert prefetch is None or prefetch.is_contiguous(), "the weight to prefetch must be contiguous"
+    return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch)

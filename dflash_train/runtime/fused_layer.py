@@ -63,6 +63,7 @@ class LayerCache(Protocol):
     skinny_shapes: frozenset[tuple[int, int]] | None  # weights [N, K] whose products of few rows run on the
     # skinny-matmul kernel (None: every weight)
     skinny_fusion: bool  # those products with the norms, SwiGLU and residual adds folded in
+    prefetch_weights: bool  # the attention kernel asks L2 for o_proj's weight while it reads the cache
     rows: torch.Tensor  # [n] cache row of each input row
     positions: torch.Tensor  # [n, T] position (= cache slot) of each token
 
@@ -165,12 +166,15 @@ class FusedLayer:
             q, keys, values = self._prologue_kernel(qkv, position_embeddings, cache)
         else:
             q, keys, values = self._prologue_torch(qkv, position_embeddings, cache)
-        return self._attention_output(q, keys, values, attention_mask)
+        return self._attention_output(q, keys, values, attention_mask, cache)
 
     def _attention_output(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                          attention_mask: torch.Tensor) -> torch.Tensor:
-        """q [n, heads, T, D] over the visible keys and values -> [n, T, heads * D]."""
-        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling)
+                          attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
+        """q [n, heads, T, D] over the visible keys and values -> [n, T, heads * D]; the o_proj weight that
+        follows asked of L2 meanwhile where the cache says so (a contiguous weight: not a fused view)."""
+        weight = self.attn.o_proj.weight
+        prefetch = {"prefetch": weight} if getattr(cache, "prefetch_weights", False) and weight.is_contiguous() else {}
+        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling, **prefetch)
         return out.reshape(q.shape[0], q.shape[2], -1)
 
     def _fuses(self, hidden: torch.Tensor, cache: LayerCache) -> bool:
@@ -194,7 +198,7 @@ class FusedLayer:
             q = qkv_rope_cache_triton(hidden, qkv_weight, self.weights["qkv_bias"], before_attention.weight,
                                       norm_eps(before_attention), self.heads, q_weight, k_weight, eps, cos, sin,
                                       cache.positions, cache.rows, keys, values, k_eps=k_eps)
-            out = self._attention_output(q.transpose(1, 2), *cache.visible(self.layer_idx), attention_mask)
+            out = self._attention_output(q.transpose(1, 2), *cache.visible(self.layer_idx), attention_mask, cache)
         else:
             qkv = skinny_fused_triton(hidden, qkv_weight, self.weights["qkv_bias"],
                                       norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))

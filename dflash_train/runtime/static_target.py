@@ -81,11 +81,12 @@ def static_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None).
 
-    An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query)."""
+    An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query); there a
+    `prefetch` weight (the fused layers' o_proj, `StaticTarget(prefetch_weights=True)`) is asked of L2 meanwhile."""
     b, heads, t, d = query.shape
     if attention_mask.dtype != torch.bool:
         scale = scaling if scaling is not None else d ** -0.5
-        return static_attention_triton(query, key, value, attention_mask, scale), None
+        return static_attention_triton(query, key, value, attention_mask, scale, kwargs.get("prefetch")), None
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
@@ -115,6 +116,7 @@ class _WriteCache:
         self.fused_prologue = runner.kernels == "triton" and runner.fuse_prologue
         self.skinny_shapes = runner.skinny_shapes
         self.skinny_fusion = runner.matmul == "fused"
+        self.prefetch_weights = runner.prefetch_weights and runner.kernels == "triton"
 
     def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole cache, keys and values [b, kv, max_len, D]."""
@@ -150,7 +152,7 @@ class TargetOutput:
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
-                 skinny_fusion: bool = False, defer_residual: bool = True) -> None:
+                 skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
@@ -161,7 +163,10 @@ class StaticTarget:
         into the products (`FusedLayer._fused_call`; residuals are then not deferred);
         `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
-        are compiled one at a time."""
+        are compiled one at a time;
+        `prefetch_weights`: with "triton" and fused projections, the attention kernel of decode and verify steps
+        asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; opt-in
+        until measured: `benchmarks.decode --variants prefetch_o_proj`)."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
@@ -180,6 +185,7 @@ class StaticTarget:
         if self.skinny_matmul not in SKINNY_MATMULS:
             raise ValueError(f"skinny_matmul must be one of {', '.join(SKINNY_MATMULS)}, not {skinny_matmul!r}")
         self.skinny_fusion = skinny_fusion  # read at each forward, as `kernels`
+        self.prefetch_weights = prefetch_weights
         self.tuned_shapes = tuned_shapes(target.device)
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype

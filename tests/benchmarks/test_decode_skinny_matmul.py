@@ -18,7 +18,7 @@ from tests.helpers.tiny_models import make_tiny_target
 TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
 
 
-@pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused"])
+@pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused", "prefetch_o_proj"])
 def test_the_variant_runs_only_with_the_triton_kernels(variant: str) -> None:
     assert variant in VARIANTS
     target = make_tiny_target("qwen3", num_layers=1)

@@ -128,5 +128,87 @@ def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int,
     shapes = dict(T=tokens, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d)
     pointers = {"q_ptr": f"*{element}", "k_ptr": f"*{element}", "v_ptr": f"*{element}", "bounds_ptr": "*i32",
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
-    compile_for_h100(_split_kernel, {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False}, pointers, float_type)
+    constants = {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False, "PREFETCH": False,
+                 "PF_PARTS": 128, "PF_ELEMENT_BYTES": 2}
+    compile_for_h100(_split_kernel, constants, {**pointers, "pf_ptr": "*bf16"}, float_type)
     compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)
+
+
+def split_kernel_arguments(prefetch: bool) -> dict[str, object]:
+    """A Qwen3-8B-shaped decode launch of the split kernel (1 query, 32 heads on 8 KV heads, 1,024 slots)."""
+    from dflash_train.kernels.static_attention import BLOCK_N
+
+    bf16 = dict(dtype=torch.bfloat16)
+    cache = dict(sk_n=8 * 1024 * 128, sk_h=1024 * 128, sk_s=128, sk_d=1)
+    return dict(q_ptr=torch.empty(1, 32, 1, 128, **bf16), k_ptr=torch.empty(1, 8, 1024, 128, **bf16),
+                v_ptr=torch.empty(1, 8, 1024, 128, **bf16), bounds_ptr=torch.empty(1, 2, 1, dtype=torch.int32),
+                part_o_ptr=torch.empty(16 * 16 * 128), part_lse_ptr=torch.empty(16 * 16),
+                pf_ptr=torch.empty(4096, 4096, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
+                **{name.replace("sk", "sv"): value for name, value in cache.items()}, kv_heads=8, keys=1024,
+                split_len=64, num_splits=16, scale=0.088, pf_numel=4096 * 4096, pf_chunk=1024, T=1, GROUPS=4, D=128,
+                BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_D=128, IEEE=False, UPCAST=False, PREFETCH=prefetch, PF_PARTS=128,
+                PF_ELEMENT_BYTES=2)
+
+
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
+def test_the_next_weight_is_asked_of_l2_before_the_cache_is_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With PREFETCH the split kernel's bulk L2 requests come before its first product over the cache, and
+    torch.compile's analysis of it still finds only the partial results written (a weight taken as written
+    would be copied at every call); without, no request is in the code."""
+    from dflash_train.kernels.static_attention import _split_kernel
+    from tests.helpers.kernels import pointers_written
+
+    arguments = split_kernel_arguments(prefetch=True)
+    constants = {name: arguments[name] for name in ("T", "GROUPS", "D", "BLOCK_M", "BLOCK_N", "BLOCK_D", "IEEE",
+                                                     "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES")}
+    pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bounds_ptr": "*i32", "part_o_ptr": "*fp32",
+                "part_lse_ptr": "*fp32", "pf_ptr": "*bf16"}
+    ptx = compile_for_h100(_split_kernel, constants, pointers, "fp32")
+    assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("mma")
+    assert "cp.async.bulk.prefetch" not in compile_for_h100(_split_kernel, {**constants, "PREFETCH": False},
+                                                            pointers, "fp32")
+    for prefetch in (True, False):
+        written = pointers_written(_split_kernel, split_kernel_arguments(prefetch), monkeypatch)
+        assert written == ["part_lse_ptr", "part_o_ptr"]
+
+
+def test_the_prefetch_parts_cover_the_weight_in_16_byte_units() -> None:
+    from dflash_train.kernels.static_attention import prefetch_chunk
+
+    for numel, element_bytes, parts in [(4096 * 4096, 2, 128 * 128), (1000, 2, 7), (10, 4, 64), (576 * 576, 2, 9 * 128)]:
+        chunk = prefetch_chunk(numel, element_bytes, parts)
+        assert (chunk * element_bytes) % 16 == 0 and chunk * parts >= numel  # aligned, and all of it asked for
+        assert chunk < -(-numel // parts) + 16 // element_bytes  # no part asks for more than one unit extra
+
+
+@kernels_here
+def test_a_weight_to_prefetch_changes_no_result() -> None:
+    """The argument is taken and checked wherever the kernel runs (asked of L2 only on a GPU, where the
+    GPU tests compare the bits): same output with and without, and a strided weight refused."""
+    from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(shape, generator=gen).to(DEVICE) for shape in [(2, 4, 1, 32), (2, 2, 96, 32), (2, 2, 96, 32)])
+    bounds = bounds_from_positions(torch.tensor([[40], [95]]), None).to(DEVICE)
+    weight = torch.randn(64, 48, generator=gen).to(DEVICE)
+    plain = static_attention_triton(q, k, v, bounds, 0.2)
+    assert torch.equal(static_attention_triton(q, k, v, bounds, 0.2, prefetch=weight), plain)
+    with pytest.raises(AssertionError, match="contiguous"):
+        static_attention_triton(q, k, v, bounds, 0.2, prefetch=weight.T)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the L2 requests are made on a GPU only")
+def test_asking_l2_for_a_weight_changes_no_bit_on_the_gpu() -> None:
+    """On a GPU the bulk L2 requests are made (a Qwen3-8B o_proj's 33.5 MB): the same bits as without, at a
+    decode step and a verify block."""
+    from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
+
+    gen = torch.Generator(device="cuda").manual_seed(6)
+    weight = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k, v = (torch.randn(2, 8, 1024, 128, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(2))
+    for tokens in (1, 16):
+        q = torch.randn(2, 32, tokens, 128, device="cuda", dtype=torch.bfloat16, generator=gen)
+        positions = torch.tensor([700, 1000 - tokens], device="cuda")[:, None] + torch.arange(tokens, device="cuda")
+        bounds = bounds_from_positions(positions, None)
+        plain = static_attention_triton(q, k, v, bounds, 128 ** -0.5)
+        assert torch.equal(static_attention_triton(q, k, v, bounds, 128 ** -0.5, prefetch=weight), plain)

@@ -96,3 +96,35 @@ def test_deferred_residuals_change_no_output_and_reach_the_last_layer() -> None:
     for deferred, plain in zip(outputs[True], outputs[False], strict=True):
         torch.testing.assert_close(deferred.logits, plain.logits, atol=1e-6, rtol=0)
     assert not StaticTarget(target, 1, 8, fuse_projections=False).defer_residual  # Hugging Face's own layers
+
+
+@pytest.mark.parametrize("prefetch_weights", [False, True])
+def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weights: bool,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With `prefetch_weights`, each fused layer's decode attention gets that layer's o_proj weight to ask of L2
+    (the kernel here replaced by the brute-force reference, which records what it was given); the logits stay
+    the model's own."""
+    from dflash_train.kernels.static_attention import static_attention_reference
+    from dflash_train.runtime import static_target
+
+    given: list[torch.Tensor | None] = []
+
+    def recording(q, k, v, bounds, scale, prefetch=None):  # noqa: ANN001, ANN202 (the kernel's signature)
+        given.append(prefetch)
+        return static_attention_reference(q, k, v, bounds, scale)
+
+    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    target = make_tiny_target("qwen3", num_layers=3, seed=2)
+    ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = target.model(ids).logits[0, -1]
+    runner = StaticTarget(target, batch_size=1, max_length=16, kernels="triton", fuse_prologue=False,
+                          skinny_matmul="off", prefetch_weights=prefetch_weights)
+    runner.forward(ids[:, :7], torch.arange(7)[None], kv_len=7)  # a prompt this short fits the kernel too
+    out = runner.forward(ids[:, 7:], torch.tensor([[7]]), kv_len=8)
+    torch.testing.assert_close(out.logits[0, -1], reference, atol=1e-5, rtol=1e-4)
+    o_proj = [layer.self_attn.o_proj.weight for layer in target.decoder_layers] * 2  # prefill, then decode
+    if prefetch_weights:
+        assert len(given) == 6 and all(g is w for g, w in zip(given, o_proj, strict=True))
+    else:
+        assert given == [None] * 6
