@@ -51,7 +51,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dflash_train.kernels.greedy_verify import commit_tokens, greedy_verify_reference, greedy_verify_triton
+from dflash_train.kernels.greedy_verify import (
+    block_argmax_triton,
+    commit_tokens,
+    greedy_verify_reference,
+    greedy_verify_triton,
+)
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
 from dflash_train.runtime.loops import LoopDetector
@@ -161,9 +166,10 @@ class DecodeEngine:
     # ------------------------------------------------------------------ one cycle (no host sync inside)
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
+        """Drafts from the drafter's logits [b, B-1, V]: sampled, or greedy (torch.argmax's ties either way)."""
         if self.config.temperature > 0:
             return sample(probabilities(logits, self.config.temperature))
-        return logits.argmax(dim=-1)
+        return block_argmax_triton(logits) if self.kernels == "triton" else logits.argmax(dim=-1)
 
     def _cycle(self) -> None:
         s = self.state
