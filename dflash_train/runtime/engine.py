@@ -145,6 +145,7 @@ class DecodeEngine:
                                  list(config.stop_token_ids), self.device, loops,
                                  fused=self.kernels == "triton" and config.fuse_state_update)
         self.offsets = torch.arange(self.block_size, device=self.device)[None]
+        self.first_slot = self.offsets == 0  # [1, B]
         mask_id = draft.config.mask_token_id if uses_draft else 0
         self.mask_block = torch.full((config.batch_size, self.block_size), mask_id, device=self.device)
         self._graph: torch.cuda.CUDAGraph | None = None
@@ -174,8 +175,8 @@ class DecodeEngine:
     def _cycle(self) -> None:
         s = self.state
         positions = s.start[:, None] + self.offsets  # [b, B]
-        s.block.copy_(self.mask_block)
-        s.block[:, 0] = s.last_token
+        # [last token, mask, ..., mask] in one kernel (a copy then a write would be two, the copy a memcpy node)
+        torch.where(self.first_slot, s.last_token[:, None], self.mask_block, out=s.block)
         draft_logits = None
         if self.drafter is not None:
             drafts, draft_logits = self._propose(positions)
