@@ -57,12 +57,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--exclude-source", action="append", default=[], metavar="NAME",
                         help="leave out records labelled with this source (repeatable), e.g. one source of a "
                              "regenerated mix, without regenerating the others")
+    parser.add_argument("--cap-source", action="append", default=[], type=source_cap, metavar="NAME=N",
+                        help="keep at most the first N records labelled with this source (repeatable), e.g. a "
+                             "regenerated mix's word problems cut back to an earlier share without regenerating")
     parser.add_argument("--workers", type=positive_int, default=default_workers(), metavar="N",
                         help="processes tokenising the rows (default: one per core, at most 16; 1 = this process "
                              f"alone; inputs under {PARALLEL_MIN_ROWS:,} rows always are); the output is the same")
     parser.add_argument("--show", type=positive_int, metavar="N",
                         help="print N rows with their supervised text marked ⟦ ⟧ and write nothing (check a new "
                              "target's chat template before training)")
+
+
+def source_cap(text: str) -> tuple[str, int]:
+    """"NAME=N" -> (NAME, N): a source label (which may hold ":" and "=") and a count of at least 1."""
+    name, equals, count = text.rpartition("=")
+    if not equals or not name or not count.isdigit() or int(count) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a source and a count, e.g. word-problems:steps=6000")
+    return name, int(count)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -75,7 +86,8 @@ def run(args: argparse.Namespace) -> int:
     config = PrepareConfig(corpus_specs(args), args.max_length, args.block_size, thinking_value(args),
                            args.train_turns, args.target, decontaminate=not args.no_decontaminate,
                            workers=args.workers, trim_loops=args.trim_loops,
-                           exclude_sources=tuple(args.exclude_source), dedupe=not args.keep_duplicates)
+                           exclude_sources=tuple(args.exclude_source), source_caps=tuple(args.cap_source),
+                           dedupe=not args.keep_duplicates)
     if args.show is not None:
         show(tokenizer, config, args.show).print()
         return 0

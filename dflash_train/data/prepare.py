@@ -39,7 +39,7 @@ from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
 from dflash_train.data.decontaminate import EvalIndex, project_eval_index
 from dflash_train.data.loops import UNFINISHED, trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
-from dflash_train.data.quality import EXCLUDED_SOURCE, DataReport
+from dflash_train.data.quality import EXCLUDED_SOURCE, OVER_SOURCE_CAP, DataReport
 from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
 from dflash_train.data.shards import REGEN_MANIFEST
 from dflash_train.outputs import PREPARED, claim, publish
@@ -63,6 +63,9 @@ class PrepareConfig:
     parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
     trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loops.py)
     exclude_sources: tuple[str, ...] = ()  # records labelled with one of these sources are left out
+    # (source, n): at most the first n records of the source go on to tokenising (a mix's share made smaller
+    # without regenerating; tokenising's own drops can leave fewer rows)
+    source_caps: tuple[tuple[str, int], ...] = ()
     dedupe: bool = True  # drop a conversation identical to an earlier one (sampled answers can repeat)
 
     @property
@@ -155,6 +158,7 @@ def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where,
     """The records to tokenise, in input order; excluded sources and repeated conversations are counted as
     drops here, in this process, so the first copy of a conversation is the one kept whatever the workers."""
     seen: set[bytes] | None = set() if config.dedupe else None
+    room = dict(config.source_caps)  # records each capped source may still pass on
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
@@ -164,6 +168,11 @@ def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where,
                 key = conversation_key(messages, record.get("finish_reason") in UNFINISHED)
                 reason = DUPLICATE_CONVERSATION if key in seen else None
                 seen.add(key)
+            if reason is None and label[0] in room:  # a repeat never uses up a capped source's room
+                if room[label[0]] == 0:
+                    reason = OVER_SOURCE_CAP
+                else:
+                    room[label[0]] -= 1
             if reason is not None:  # never tokenised
                 report.count_source(label[0], reason)
                 report.drop(reason, corpus.location(index))
@@ -403,5 +412,6 @@ def _settings(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig) -> dict
         "sources": [spec.source for spec in config.sources],
         **({"trim_loops": True} if config.trim_loops else {}),  # absent when off: earlier datasets still match
         **({"exclude_sources": sorted(config.exclude_sources)} if config.exclude_sources else {}),
+        **({"source_caps": dict(sorted(config.source_caps))} if config.source_caps else {}),
         **({"keep_duplicates": True} if not config.dedupe else {}),
     }

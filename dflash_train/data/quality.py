@@ -8,7 +8,8 @@ from typing import Any
 
 SHOWN_LOCATIONS = 3  # per drop reason, in the summary
 EXCLUDED_SOURCE = "excluded_source"  # the drop reason of records whose source prepare --exclude-source names
-CHOSEN_DROPS = (EXCLUDED_SOURCE,)  # drops a flag asked for: counted, never warned about
+OVER_SOURCE_CAP = "over_source_cap"  # records of a source past the count prepare --cap-source allows it
+CHOSEN_DROPS = (EXCLUDED_SOURCE, OVER_SOURCE_CAP)  # drops a flag asked for: counted, never warned about
 WARN_DROPPED_SHARE = 0.05  # a reason that drops more of the rows read gets a warning line in the summary
 
 # What to do about a reason that drops many rows (the summary's warning line says it).

@@ -69,3 +69,31 @@ def test_the_flag_reaches_prepare(tmp_path: Path, capsys) -> None:  # noqa: ANN0
                  "--exclude-source", "math", "--exclude-source", "other", "--out", str(tmp_path / "out")]) == 0
     assert list(load_prepared(tmp_path / "out")["source"]) == ["sharegpt"]
     assert "excluded_source" in capsys.readouterr().out
+
+
+def test_a_capped_source_keeps_its_first_records_and_counts_the_rest(tmp_path: Path) -> None:
+    """--cap-source math=2: the first two math records in input order go on (a repeat of one of them does not
+    use up the room), the others are counted as over the cap without a warning; other sources are untouched."""
+    rows = [chat(0, LONG, "math"), chat(1, LONG, "sharegpt"), chat(0, LONG, "math"), chat(2, LONG, "math"),
+            chat(3, LONG, "math"), chat(4, LONG, "sharegpt"), chat(5, LONG, "math")]
+    source = tmp_path / "chats.jsonl"
+    source.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny", source_caps=(("math", 2),))
+    report = prepare(make_tiny_tokenizer(), config, tmp_path / "prepared")
+    assert report.as_dict()["by_source"] == {"math": {"kept": 2, "duplicate_conversation": 1, "over_source_cap": 2},
+                                             "sharegpt": {"kept": 2}}
+    assert not [line for line in report.lines() if line.startswith("WARNING") and "over_source_cap" in line]
+    written = load_prepared(tmp_path / "prepared")
+    assert sorted(zip(written["source"], written["source_index"], strict=True)) == [
+        ("math", 0), ("math", 2), ("sharegpt", 1), ("sharegpt", 4)]
+    assert json.loads((tmp_path / "prepared" / "dflash_data.json").read_text())["source_caps"] == {"math": 2}
+
+
+def test_a_cap_is_a_source_and_a_count(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    from dflash_train.commands.prepare import source_cap
+
+    assert source_cap("word-problems:steps=6000") == ("word-problems:steps", 6000)
+    for wrong in ("math", "math=0", "=5", "math=two"):
+        assert main(["prepare", "--target", "x", "--data", "y", "--cap-source", wrong, "--out", str(tmp_path / "o")]) == 2
+        error = capsys.readouterr().err.strip().splitlines()
+        assert len(error) == 1 and "--cap-source" in error[0] and "give a source and a count" in error[0]
