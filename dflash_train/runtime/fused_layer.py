@@ -173,7 +173,7 @@ class FusedLayer:
         """q [n, heads, T, D] over the visible keys and values -> [n, T, heads * D]; the o_proj weight that
         follows asked of L2 meanwhile where the cache says so (a contiguous weight: not a fused view)."""
         weight = self.attn.o_proj.weight
-        prefetch = {"prefetch": weight} if getattr(cache, "prefetch_weights", False) and weight.is_contiguous() else {}
+        prefetch = {"prefetch": weight} if cache.prefetch_weights and weight.is_contiguous() else {}
         out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling, **prefetch)
         return out.reshape(q.shape[0], q.shape[2], -1)
 
