@@ -83,7 +83,8 @@
 #                   trim_loops:--trim-loops": chats capped at 512 tokens instead of MAX_LENGTH (a cap of 1,024
 #                   touches 0.2 % of the speedrun's chats, too few to measure), the mix without the target's own
 #                   prompts, so the code, math and ShareGPT chats get all the steps, and loops cut to two
-#                   copies; empty: none). Their
+#                   copies; empty: none; maxlen512 and noself both lost at e7af288: MT-Bench τ -0.07 and
+#                   -0.32, docs/results.md). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_DRAFT      a drafter folder (a checkpoint's draft/ or an export) the eval stage evaluates, exports and
