@@ -48,7 +48,8 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  cublas_matmul, skinny_matmul, skinny_fused, prefetch_o_proj, sdpa_draft_attention, torch_state_update, hf
+  cublas_matmul, skinny_matmul, skinny_fused, prefetch_o_proj, sdpa_draft_attention, torch_state_update,
+  torch_draft_argmax, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -65,6 +66,10 @@ same run (CUDA events, median):
   launches), and kernel time and launches by category (`*_kernel_categories`: matmul, attention,
   norm/rope/prologue, reduction/split-K, copy, other fused: inductor kernels that their names do not place,
   other). Under the profiler a call may run slower than timed; on a CPU, top-level operators stand in.
+  `*_ms` times one call at a time, each waited for, so it includes the host's launch latency; `*_queued_ms`
+  times 8 calls queued back to back, per call, as the decode loop runs its cycles (a row's finished flag is
+  read `EngineConfig.lookahead` cycles late), the latency hidden (`queued_cycle_over_target_step`: the
+  cycle's cost in steps as the loop pays it).
 Section smollm2: SmolLM2-135M-Instruct (bf16) with a drafter (`--draft`; default: random, so τ ~ 1 and
 the numbers show loop overhead only), batch 1, greedy, `--prompts` MT-Bench/HumanEval prompts: tokens/s of
 our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-only loop and of HF
@@ -145,6 +150,21 @@ def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: 
     if setup is not None:
         setup["seconds"] = time.perf_counter() - start
     return time_ms(engine.step, engine.device, warmup, iters)
+
+
+# Cycles queued back to back in the queued timing: the decode loop keeps the GPU fed the same way, reading a
+# row's finished flag `EngineConfig.lookahead` cycles late, so a replay's launch latency hides behind the work.
+QUEUED = 8
+
+
+def queued_step_ms(engine: DecodeEngine, warmup: int, iters: int, depth: int = QUEUED) -> float:
+    """Milliseconds a cycle with `depth` cycles queued between two events: the GPU's time per cycle as the decode
+    loop sees it. `engine_step_ms` waits for each cycle, so it includes the host's launch latency too."""
+    def burst() -> None:
+        for _ in range(depth):
+            engine.step()
+
+    return time_ms(burst, engine.device, max(1, warmup // depth), max(3, iters // depth)) / depth
 
 
 def kernel_profile(step: Callable[[], Any], device: torch.device, iters: int = 10) -> str:
@@ -493,7 +513,8 @@ OPT_INS = {"skinny_matmul": ({"skinny_matmul": "all"}, ("target_step", "dflash_c
            "prefetch_o_proj": ({"prefetch_weights": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
 ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
-                    "torch_state_update": {"fuse_state_update": False}}
+                    "torch_state_update": {"fuse_state_update": False},
+                    "torch_draft_argmax": {"fuse_draft_argmax": False}}
 VARIANTS = (*LOOP_VARIANTS, *ABLATIONS, *OPT_INS, *ENGINE_ABLATIONS, "hf")  # hf: the Hugging Face step, for reference
 
 
@@ -538,8 +559,9 @@ class Qwen3Bench:
         with kernel_analysis_fallbacks() as fallbacks:  # compilation happens in the first steps
             self.result[f"{key}_ms"] = engine_step_ms(engine, self.prompt, self.args.warmup, self.args.iters, setup)
         self.result[f"{key}_setup_s"] = setup["seconds"]
+        self.result[f"{key}_queued_ms"] = queued_step_ms(engine, self.args.warmup, self.args.iters)
         self.result[f"{key}_kernel_analysis_fallbacks"] = len(fallbacks)
-        show(self.result, f"{key}_ms", f"{key}_setup_s")
+        show(self.result, f"{key}_ms", f"{key}_queued_ms", f"{key}_setup_s")
         if fallbacks:
             print(f"decode: {key}: torch.compile could not analyse {len(fallbacks)} Triton kernel(s) and copies "
                   "their tensors at every call (see its warnings above)")
@@ -547,8 +569,8 @@ class Qwen3Bench:
 
 
 def new_tokens(args: argparse.Namespace) -> int:
-    """Tokens an engine decodes: the timed and untimed steps, and a margin."""
-    return args.warmup + args.iters + 4
+    """Tokens an engine decodes: the timed and untimed steps, synchronised and queued, and a margin."""
+    return 2 * (args.warmup + args.iters) + 3 * QUEUED + 4
 
 
 # --shape -> the random-weight section's entry in the results JSON ("qwen3_8b" kept from before --shape)
@@ -601,8 +623,8 @@ def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
     bench.measure(key, engine)
     if variant in ("default", "layer_scope"):
         result[f"{key}_compile_error"] = engine.compile_error
-    if engine.drafter is not None:  # what the drafter's block attention ran on: kernel or sdpa
-        result[f"{key}_draft_attention"] = engine.drafter.attention
+    if engine.drafter is not None:  # what the drafter's block attention and its drafts' argmax ran on
+        result[f"{key}_draft_attention"], result[f"{key}_draft_argmax"] = engine.drafter.attention, engine.draft_argmax
     result[f"{key}_fused_state_update"] = engine.state.fused
     if variant == "default":
         result[f"{key}_cuda_graph"], result[f"{key}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
@@ -652,6 +674,7 @@ def engine_ablation(bench: Qwen3Bench, label: str) -> None:
     bench.measure(f"dflash_cycle_{label}", engine)
     bench.result[f"dflash_cycle_{label}_compile_error"] = engine.compile_error
     bench.result[f"dflash_cycle_{label}_draft_attention"] = engine.drafter.attention
+    bench.result[f"dflash_cycle_{label}_draft_argmax"] = engine.draft_argmax
     bench.result[f"dflash_cycle_{label}_fused_state_update"] = engine.state.fused
     del engine
     gc.collect()
@@ -661,7 +684,11 @@ def engine_ablation(bench: Qwen3Bench, label: str) -> None:
 def derived(result: dict[str, Any]) -> dict[str, float]:
     """Ratios between the variants measured so far (one that needs a skipped variant is left out)."""
     ratios = {"target_step_over_floor": ("target_step_ms", "floor_ms"),
-              "cycle_over_target_step": ("dflash_cycle_ms", "target_step_ms")}
+              "cycle_over_target_step": ("dflash_cycle_ms", "target_step_ms"),
+              # as the decode loop runs them, cycles queued (`queued_step_ms`): the host's launch latency hidden
+              "queued_cycle_over_target_step": ("dflash_cycle_queued_ms", "target_step_queued_ms"),
+              "queued_layer_scope_cycle_over_target_step": ("dflash_cycle_layer_scope_queued_ms",
+                                                            "target_step_layer_scope_queued_ms")}
     for name in ("target_step", "dflash_cycle"):  # what compiling one layer at a time costs per step
         ratios[f"{name}_layer_scope_over_step_scope"] = (f"{name}_layer_scope_ms", f"{name}_ms")
         # the skinny-matmul kernel against the same scope's default (layer_scope), and the whole-step default
@@ -688,6 +715,10 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     # what the rows' state update as one kernel saves per cycle, against ~30 small PyTorch ops
     differences["cycle_ms_saved_by_fused_state_update"] = ("dflash_cycle_torch_state_update_ms",
                                                            "dflash_cycle_layer_scope_ms")
+    # what the drafts' argmax as two Triton kernels saves per cycle against torch.argmax (waited for and queued)
+    for timing in ("", "_queued"):
+        differences[f"cycle{timing}_ms_saved_by_draft_argmax_kernel"] = (
+            f"dflash_cycle_torch_draft_argmax{timing}_ms", f"dflash_cycle_layer_scope{timing}_ms")
     return out | {key: result[a] - result[b] for key, (a, b) in differences.items() if a in result and b in result}
 
 

@@ -86,7 +86,9 @@ CONFIGS: dict[tuple[int, int], Config] = {
     (4096, 4096): Config(16, 512, 2, 3),  # o_proj: 11.9 / 12.1 against 13.2 / 13.4
     (24576, 4096): Config(64, 128, 4, 3),  # gate/up: 51.5 / 52.3 against 52.9 / 53.7
     (4096, 12288): Config(16, 512, 2, 3),  # down: 27.8 / 28.7 against 29.0 / 29.4
-    (151936, 4096): Config(128, 128, 8, 4),  # lm_head: 281 / 287 against 300 / 305
+    # lm_head: 281 / 287 against 300 / 305. Its norm pass (the fused path's NORM) in tiles of 1,024, 4 in flight:
+    # +28.4 µs over the plain product against +53.2 at tiles of 128 (2026-12-04, skinny-options-e7af288.json).
+    (151936, 4096): Config(128, 128, 8, 4, norm_k=1024, norm_stages=4),
 }
 # The GPU architecture CONFIGS was swept on (sm_90: H100, H200). There its shapes run on this kernel by
 # default (`tuned_shapes`); elsewhere, and for other shapes, cuBLAS does unless the kernel is asked for.

@@ -52,6 +52,9 @@ class EngineConfig:
     # With kernels "triton": the rows' state update after each cycle as one kernel (kernels/decode_state.py)
     # instead of ~30 small PyTorch ops (the benchmark's ablation turns it off).
     fuse_state_update: bool = True
+    # With kernels "triton" at temperature 0: the drafts' argmax by `block_argmax_triton` (the vocabulary in
+    # chunks, then one kernel for every slot's chunks) instead of torch.argmax (the benchmark's ablation).
+    fuse_draft_argmax: bool = True
     # With kernels "triton", the products of decode and verify steps (at most 64 rows): "auto", the skinny
     # kernel (kernels/skinny_matmul.py) for the weight shapes its tiling table was swept for on this GPU's
     # architecture and cuBLAS for the others (on an H200 at Qwen3-8B's shapes: a step 0.95x cuBLAS's);

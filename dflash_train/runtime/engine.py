@@ -166,11 +166,16 @@ class DecodeEngine:
 
     # ------------------------------------------------------------------ one cycle (no host sync inside)
 
+    @property
+    def draft_argmax(self) -> str:
+        """What picks greedy drafts: "kernel" (`block_argmax_triton`) or "torch" (torch.argmax)."""
+        return "kernel" if self.kernels == "triton" and self.config.fuse_draft_argmax else "torch"
+
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
         """Drafts from the drafter's logits [b, B-1, V]: sampled, or greedy (torch.argmax's ties either way)."""
         if self.config.temperature > 0:
             return sample(probabilities(logits, self.config.temperature))
-        return block_argmax_triton(logits) if self.kernels == "triton" else logits.argmax(dim=-1)
+        return block_argmax_triton(logits) if self.draft_argmax == "kernel" else logits.argmax(dim=-1)
 
     def _cycle(self) -> None:
         s = self.state

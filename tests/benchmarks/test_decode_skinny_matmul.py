@@ -63,7 +63,8 @@ def cycle_ablations(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("cycle-ablations") / "decode.json"
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(decode, "engine_ablation_applies", lambda runner: True)
-        main([*TINY_QWEN3, "--variants", "layer_scope,sdpa_draft_attention,torch_state_update", "--out", str(out)])
+        main([*TINY_QWEN3, "--variants", "layer_scope,sdpa_draft_attention,torch_state_update,torch_draft_argmax",
+              "--out", str(out)])
     return json.loads(out.read_text())["qwen3_8b"]
 
 
@@ -92,6 +93,28 @@ def test_the_state_update_ablation_measures_the_cycle_unfused(cycle_ablations: d
     assert qwen["dflash_cycle_layer_scope_fused_state_update"] is False  # a CPU runner has no Triton kernels
     assert qwen["cycle_ms_saved_by_fused_state_update"] == pytest.approx(
         qwen["dflash_cycle_torch_state_update_ms"] - qwen["dflash_cycle_layer_scope_ms"])
+
+
+def test_the_draft_argmax_ablation_measures_the_cycle_on_torch_argmax(cycle_ablations: dict) -> None:
+    """The cycle with torch.argmax for its drafts, what picked them, and the difference against the layer-scope
+    cycle, waited for and queued."""
+    assert "torch_draft_argmax" in VARIANTS
+    qwen = cycle_ablations
+    assert qwen["dflash_cycle_torch_draft_argmax_draft_argmax"] == "torch"
+    assert qwen["dflash_cycle_layer_scope_draft_argmax"] == "torch"  # a CPU runner has no Triton kernels
+    for timing in ("", "_queued"):
+        assert qwen[f"cycle{timing}_ms_saved_by_draft_argmax_kernel"] == pytest.approx(
+            qwen[f"dflash_cycle_torch_draft_argmax{timing}_ms"] - qwen[f"dflash_cycle_layer_scope{timing}_ms"])
+
+
+def test_cycles_are_timed_queued_as_the_loop_runs_them(cycle_ablations: dict) -> None:
+    """Every measured call has its queued time beside the waited-for one, and the cycle's queued cost in steps
+    is their ratio."""
+    qwen = cycle_ablations
+    for key in ("target_step_layer_scope", "dflash_cycle_layer_scope", "dflash_cycle_torch_state_update"):
+        assert qwen[f"{key}_queued_ms"] > 0
+    assert qwen["queued_layer_scope_cycle_over_target_step"] == pytest.approx(
+        qwen["dflash_cycle_layer_scope_queued_ms"] / qwen["target_step_layer_scope_queued_ms"])
 
 
 def test_swept_tilings_replace_the_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -113,6 +113,25 @@ def test_one_new_token_and_stop_as_first_token(target: TargetModel) -> None:
     assert output.tokens == [first] and output.acceptance_lengths == []
 
 
+def test_greedy_drafts_take_the_argmax_kernel_unless_turned_off(target: TargetModel,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """With Triton kernels, greedy drafts come from `block_argmax_triton` (tested against torch.argmax with
+    the kernels); with `fuse_draft_argmax=False` or PyTorch kernels, from torch.argmax."""
+    from dflash_train.runtime import engine as engine_module
+
+    calls = []
+    monkeypatch.setattr(engine_module, "block_argmax_triton", lambda logits: calls.append(logits) or logits.argmax(-1))
+    logits = torch.randn(2, 3, 11)
+    for fused, kernels, picked in [(True, "triton", "kernel"), (False, "triton", "torch"), (True, "torch", "torch")]:
+        config = EngineConfig(block_size=4, max_length=64, kernels="torch", fuse_draft_argmax=fused)
+        drafted = DecodeEngine(target, make_draft(target, block_size=4), config)
+        drafted.kernels = kernels  # what resolve_kernels gives on a GPU; the pick reads nothing else
+        calls.clear()
+        assert drafted.draft_argmax == picked
+        assert torch.equal(drafted._pick(logits), logits.argmax(-1))
+        assert len(calls) == (picked == "kernel")
+
+
 def test_target_only_engine_is_plain_greedy(target: TargetModel) -> None:
     outputs, stats = engine(target, None, 16, batch_size=2).generate(prompts(3))
     assert [o.tokens for o in outputs] == [own_greedy(target, p, 24) for p in prompts(3)]
