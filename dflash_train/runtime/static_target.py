@@ -165,8 +165,8 @@ class StaticTarget:
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
         are compiled one at a time;
         `prefetch_weights`: with "triton" and fused projections, the attention kernel of decode and verify steps
-        asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; opt-in
-        until measured: `benchmarks.decode --variants prefetch_o_proj`)."""
+        asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; off by
+        default: on an H200 it saved 61 µs of products a Qwen3-8B step and cost the attention 153, docs/benchmarks.md)."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
