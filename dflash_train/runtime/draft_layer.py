@@ -21,6 +21,9 @@ path runs); attention sums in fp32 with probabilities rounded to the cache's dty
 differ from the reference path's in rounding, never in which keys they see (the target's verify decides
 what is emitted either way).
 
+Products: on the skinny-matmul kernel for the weights the runner puts there (`skinny_shapes`, the
+runner's: with the default "auto" matmul, the shapes tuned on this GPU, so a Qwen3-8B-shaped drafter's
+products run as the target's verify products do), else cuBLAS.
 With `fused_products` (the runner's `skinny_fusion`), a block of few rows runs the layer as the target's
 layers do (`fused_layer.FusedLayer._fused_call`): the input norm, the q/k/v product and the prologue in one
 launch (`dflash_train.kernels.qkv_rope_cache`), then o_proj with the residual add, gate/up with the norm and
@@ -38,7 +41,13 @@ from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.static_attention import fits, static_attention_triton
 from dflash_train.models.layers import DFlashDecoderLayer
-from dflash_train.runtime.fused_layer import fused_projections, fusion_supported, prologue_in_product
+from dflash_train.runtime.fused_layer import (
+    Shapes,
+    fused_projections,
+    fusion_supported,
+    linear,
+    prologue_in_product,
+)
 
 
 def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) -> bool:
@@ -52,8 +61,12 @@ def supported(layer: DFlashDecoderLayer, block_size: int, dtype: torch.dtype) ->
 class DraftLayerKernels:
     """Forward of one drafter layer over its static context cache (module docstring)."""
 
-    def __init__(self, layer: DFlashDecoderLayer, fused_products: bool = False) -> None:
+    def __init__(self, layer: DFlashDecoderLayer, fused_products: bool = False,
+                 skinny_shapes: Shapes = frozenset()) -> None:
+        """`skinny_shapes`: the weights [N, K] whose plain products run on the skinny-matmul kernel (the
+        runner's `skinny_shapes`; None: every one, empty: none)."""
         attn, mlp = layer.self_attn, layer.mlp
+        self.shapes = skinny_shapes
         self.layer, self.attn, self.mlp = layer, attn, mlp
         # The drafter's layer names its projections as the target's do: the same fused views, kept on the layer.
         fused = fused_projections(layer)
@@ -78,9 +91,10 @@ class DraftLayerKernels:
             act = skinny_fused_triton(h, self.gate_up, None, norm_weight=before_mlp.weight, norm_eps=before_mlp.eps,
                                       swiglu=True)
             return skinny_fused_triton(act, self.mlp.down_proj.weight, self.mlp.down_proj.bias, residual=h)
-        h = h + attn.o_proj(out)
-        gate, up = F.linear(before_mlp(h), self.gate_up).chunk(2, dim=-1)
-        return h + self.mlp.down_proj(F.silu(gate) * up)
+        h = h + linear(out, attn.o_proj.weight, attn.o_proj.bias, self.shapes)
+        gate, up = linear(before_mlp(h), self.gate_up, None, self.shapes).chunk(2, dim=-1)
+        down = self.mlp.down_proj
+        return h + linear(F.silu(gate) * up, down.weight, down.bias, self.shapes)
 
     def _queries(self, h: torch.Tensor, fuse: bool, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -96,5 +110,5 @@ class DraftLayerKernels:
             qkv = skinny_fused_triton(h, self.qkv, self.qkv_bias, norm_weight=before_attention.weight,
                                       norm_eps=before_attention.eps)
         else:
-            qkv = F.linear(before_attention(h), self.qkv, self.qkv_bias)
+            qkv = linear(before_attention(h), self.qkv, self.qkv_bias, self.shapes)
         return rope_cache_triton(qkv, self.heads, *prologue, k_eps=attn.k_norm.eps)

@@ -139,6 +139,7 @@ class DecodeEngine:
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
                                      config.draft_attention, fused_products=runner.matmul == "fused",
+                                     skinny_shapes=runner.skinny_shapes,
                                      ) if uses_draft and not self.refuse_drafts else None
         loops = LoopDetector(self.device) if config.stop_loops else None
         self.state = DecodeState(config.batch_size, self.block_size, config.max_new_tokens,

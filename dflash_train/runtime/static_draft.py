@@ -32,14 +32,18 @@ from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
+from dflash_train.runtime.fused_layer import Shapes
 
 
 class StaticDrafter:
     def __init__(self, draft: DFlashDraftModel, batch_size: int, block_size: int, max_length: int,
-                 kernels: str = "torch", attention: str = "kernel", fused_products: bool = False) -> None:
+                 kernels: str = "torch", attention: str = "kernel", fused_products: bool = False,
+                 skinny_shapes: Shapes = frozenset()) -> None:
         """`attention`: "kernel" runs the block's layers on the Triton kernels where `kernels` is "triton" and
         the layers allow it (`draft_layer.supported`); "sdpa" keeps the drafter's own forward.
-        `fused_products`: those layers' products on the fused skinny kernel (`DraftLayerKernels`)."""
+        `fused_products`: those layers' products on the fused skinny kernel (`DraftLayerKernels`);
+        `skinny_shapes`: the weights whose plain products run on the skinny-matmul kernel there (the target
+        runner's, so that both follow the engine's `matmul` setting)."""
         if attention not in DRAFT_ATTENTIONS:
             raise ValueError(f"draft attention must be kernel or sdpa, not {attention!r}")
         self.draft = draft
@@ -56,7 +60,7 @@ class StaticDrafter:
         self.layer_kernels: list[DraftLayerKernels] | None = None
         if kernels == "triton" and attention == "kernel" and all(
                 supported(layer, block_size, self.dtype) for layer in draft.layers):
-            self.layer_kernels = [DraftLayerKernels(layer, fused_products) for layer in draft.layers]
+            self.layer_kernels = [DraftLayerKernels(layer, fused_products, skinny_shapes) for layer in draft.layers]
         self.rows = torch.arange(batch_size, device=device)
 
     @property

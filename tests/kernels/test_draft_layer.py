@@ -20,13 +20,14 @@ from tests.helpers.tiny_models import make_tiny_target
 test_under_interpreter = under_interpreter(__file__)
 
 
-def blocks_through(attention: str, fused_products: bool = False) -> tuple[list[torch.Tensor], StaticDrafter]:
+def blocks_through(attention: str, fused_products: bool = False, skinny_shapes: fused_layer.Shapes = frozenset(),
+                   ) -> tuple[list[torch.Tensor], StaticDrafter]:
     """Context from random features at 12 positions, then three blocks of 4 at per-row starts, with the
     context written after each block as the engine does after a verify (over the block's slots)."""
     target = make_tiny_target("llama", num_layers=5, seed=3)
     draft = make_draft(target, block_size=4, seed=5).to(DEVICE)
     drafter = StaticDrafter(draft, batch_size=2, block_size=4, max_length=32, kernels="triton", attention=attention,
-                            fused_products=fused_products)
+                            fused_products=fused_products, skinny_shapes=skinny_shapes)
     gen = torch.Generator().manual_seed(4)
     features = torch.randn(2, 12, draft.fc.in_features, generator=gen).to(DEVICE)
     drafter.write_context(features, torch.arange(12, device=DEVICE).expand(2, 12))
@@ -61,6 +62,33 @@ def test_kernel_layers_equal_the_drafters_own_forward(fused_products: bool, prol
     # After each verify's write the caches hold the same context: the block's own K/V were overwritten.
     torch.testing.assert_close(kernel_drafter.cache.keys, sdpa_drafter.cache.keys, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kernel_drafter.cache.values, sdpa_drafter.cache.values, atol=1e-5, rtol=1e-5)
+
+
+@kernels_here
+def test_plain_products_on_the_skinny_kernel_equal_the_drafters_own_forward(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every weight on the skinny-matmul kernel (`skinny_shapes=None`, the runner's "skinny" matmul), each
+    kernel layer's four products of a block run on it, and the layers still compute the drafter's forward."""
+    torch.set_num_threads(1)
+    shapes: list[tuple[int, ...]] = []
+    kernel = fused_layer.skinny_matmul_triton
+
+    def counted(x: torch.Tensor, weight: torch.Tensor, *args: object) -> torch.Tensor:
+        shapes.append(tuple(weight.shape))
+        return kernel(x, weight, *args)
+
+    monkeypatch.setattr(fused_layer, "skinny_matmul_triton", counted)
+    kernel_hidden, drafter = blocks_through("kernel", skinny_shapes=None)
+    sdpa_hidden, _ = blocks_through("sdpa")
+    for ours, reference in zip(kernel_hidden, sdpa_hidden, strict=True):
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+    layers = drafter.layer_kernels
+    assert len(shapes) == 3 * 4 * len(layers)  # three blocks, four products a layer
+    first = layers[0]
+    assert set(shapes) == {tuple(w.shape) for w in (first.qkv, first.attn.o_proj.weight, first.gate_up,
+                                                      first.mlp.down_proj.weight)}
+    shapes.clear()
+    blocks_through("kernel")  # the default, no shapes: every product on torch's
+    assert shapes == []
 
 
 def test_the_engine_chooses_the_drafters_attention() -> None:
