@@ -65,6 +65,15 @@ def train_losses(out: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(out / "metrics.jsonl")["train"]}
 
 
+def failure_report(output: str, limit: int = 3000) -> str:
+    """What a failed multi-process launch printed, for the assertion: each worker's own lines first (a worker
+    that crashed first is otherwise buried under the other's barrier error and the launcher's summary), then
+    the end of the output."""
+    ranks = sorted({line.split("]:", 1)[0] + "]" for line in output.splitlines() if line.startswith("[rank")})
+    own = ["\n".join(line for line in output.splitlines() if line.startswith(rank))[-limit:] for rank in ranks]
+    return "\n...\n".join([*own, output[-limit:]])
+
+
 def launch(args: list[str], env_extra: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     # One OpenMP thread, as the test process runs with: a tiny model gains nothing from more, and on a busy
     # 2-core machine their spin-waits make a run several times slower (30 s instead of 8 for 60 steps).

@@ -11,7 +11,7 @@ from dflash_train.training import budget as budget_module
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.helpers.training import overrides, train_losses
+from tests.helpers.training import failure_report, overrides, train_losses
 
 
 def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -146,5 +146,5 @@ def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathl
                                        "training.time_budget_minutes": 1e3, "training.eval_every": 0})]
     proc = launch(args)
     output = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 0, failure_report(output)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")["train"]][-1] == steps

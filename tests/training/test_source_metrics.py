@@ -18,7 +18,7 @@ from dflash_train.training.source_metrics import source_line, source_names
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
 from tests.helpers.paths import REPO
-from tests.helpers.training import launch, overrides, save_tiny_prepared, save_tiny_target
+from tests.helpers.training import failure_report, launch, overrides, save_tiny_prepared, save_tiny_target
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 SPLIT = {"data.validation_fraction": 0.3}  # 12 of 40 chats: whole batches of 2, both sources
@@ -156,7 +156,7 @@ def test_two_processes_sum_the_sources_like_one(assets: dict[str, pathlib.Path],
             *overrides(assets, double, **short, **{"training.batch_size": 1})]
     proc = launch(args)
     output = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 0, failure_report(output)
     one = read_metrics(single / "metrics.jsonl")["validation"][-1]["by_source"]
     two = read_metrics(double / "metrics.jsonl")["validation"][-1]["by_source"]
     assert sorted(one) == sorted(two)

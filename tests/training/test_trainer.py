@@ -20,7 +20,7 @@ from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import run_training
 from tests.helpers.paths import REPO
-from tests.helpers.training import launch, overrides, save_tiny_target, train_losses
+from tests.helpers.training import failure_report, launch, overrides, save_tiny_target, train_losses
 
 
 def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
@@ -61,7 +61,7 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pa
     assert proc.returncode == -signal.SIGKILL, proc.stdout.read().decode()[-2000:]
     resumed = launch(args)
     output = resumed.communicate(timeout=300)[0].decode()
-    assert resumed.returncode == 0, output[-3000:]
+    assert resumed.returncode == 0, failure_report(output)
     assert "resumed from" in output
     got = train_losses(killed)
     assert sorted(got) == list(range(1, steps + 1))
@@ -129,7 +129,7 @@ def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pa
             *overrides(assets, double, **{"training.max_steps": 6, "training.batch_size": 1})]
     proc = launch(args)
     output = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 0, failure_report(output)
     one, two = read_metrics(single / "metrics.jsonl"), read_metrics(double / "metrics.jsonl")
     for split in ("train", "validation"):
         assert [r["step"] for r in one[split]] == [r["step"] for r in two[split]]
@@ -155,7 +155,7 @@ def test_two_processes_validate_a_set_smaller_than_the_world(assets: dict[str, p
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         raise AssertionError("two processes hung in validation") from None
-    assert proc.returncode == 0, output[-3000:]
+    assert proc.returncode == 0, failure_report(output)
     a, b = read_metrics(single / "metrics.jsonl")["validation"], read_metrics(double / "metrics.jsonl")["validation"]
     assert [r["step"] for r in a] == [r["step"] for r in b] == [2]
     assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5) and b[0]["slot_accuracy"] == a[0]["slot_accuracy"]
