@@ -17,6 +17,9 @@ same run (CUDA events, median):
 - our target decode step (one token, static cache, CUDA graph) against the floor: bytes of the weights a
   step reads (all but the input embedding) / 4.3 TB/s (docs/design.md §10). Goal: <= 1.2x.
 - one DFlash cycle (draft 16 + verify 16 + accept + context K/V) against our target decode step. Goal: <= 1.25x.
+  Its own floor (`cycle_floor_ms`): the step's bytes plus the drafter's weights and the target's head read
+  again for the drafts' logits (`draft_bytes_per_cycle`), so `cycle_floor_over_floor` is the least a cycle
+  can cost in steps at equal bandwidth (Qwen3-8B's shape with this drafter: 1.22).
 - the same two with SDPA instead of the split-key attention kernel (`dflash_train.kernels.static_attention`),
   and one layer's attention alone, both ways, for 1 and 16 new tokens; the step with the attention
   prologue (q/k norms, RoPE, cache write) on its PyTorch path instead of the fused kernel
@@ -133,6 +136,14 @@ def weight_bytes_per_step(target: TargetModel) -> int:
     embed = target.embed_tokens.weight
     total = sum(p.numel() * p.element_size() for p in target.model.parameters())
     return total if target.embeddings_tied else total - embed.numel() * embed.element_size()
+
+
+def draft_bytes_per_cycle(target: TargetModel, draft: DFlashDraftModel) -> int:
+    """Bytes a DFlash cycle reads beyond a verify step's: the drafter's own weights (its layers, the context
+    fusion and norms; it borrows the target's embedding and head) and the target's head again, for the drafts'
+    logits. With the step's, the floor of a cycle: what a cycle costs over a step at equal bandwidth."""
+    head = target.model.get_output_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in draft.parameters()) + head.numel() * head.element_size()
 
 
 def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int,
@@ -594,7 +605,9 @@ def section_qwen3(args: argparse.Namespace, device: torch.device, dtype: torch.d
         "shape_name": args.shape, "shape": shape, "context": context, "batch": args.batch,
         "draft_layers": draft.config.num_hidden_layers,
         "variants": list(args.variants), "weight_bytes_per_step": weight_bytes,
-        "floor_ms": weight_bytes / COPY_BANDWIDTH * 1e3, "attention": runner.attention, "prologue": runner.prologue}
+        "floor_ms": weight_bytes / COPY_BANDWIDTH * 1e3, "draft_bytes_per_cycle": draft_bytes_per_cycle(target, draft),
+        "attention": runner.attention, "prologue": runner.prologue}
+    result["cycle_floor_ms"] = (weight_bytes + result["draft_bytes_per_cycle"]) / COPY_BANDWIDTH * 1e3
     bench = Qwen3Bench(args, device, target, draft, runner, prompt, length, output, key)
     for loop in ("target_step", "dflash_cycle"):
         for variant in (v for v in LOOP_VARIANTS if v in args.variants):
@@ -685,6 +698,9 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
     """Ratios between the variants measured so far (one that needs a skipped variant is left out)."""
     ratios = {"target_step_over_floor": ("target_step_ms", "floor_ms"),
               "cycle_over_target_step": ("dflash_cycle_ms", "target_step_ms"),
+              # the cycle's own weight reads: the least it can cost over a step at equal bandwidth
+              "cycle_floor_over_floor": ("cycle_floor_ms", "floor_ms"),
+              "cycle_over_cycle_floor": ("dflash_cycle_ms", "cycle_floor_ms"),
               # as the decode loop runs them, cycles queued (`queued_step_ms`): the host's launch latency hidden
               "queued_cycle_over_target_step": ("dflash_cycle_queued_ms", "target_step_queued_ms"),
               "queued_layer_scope_cycle_over_target_step": ("dflash_cycle_layer_scope_queued_ms",

@@ -46,6 +46,12 @@ def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:
         assert qwen[key] > 0
     assert qwen["weight_bytes_per_step"] == 4 * (8 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64 + 2 * 16)
                                                  + 64 + 512 * 64)  # layers + final norm + lm_head, fp32
+    # the tiny 3-layer drafter's layers (the target's per layer), fc over 3 target layers, two norms; the head again
+    assert qwen["draft_bytes_per_cycle"] == 4 * (3 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64 + 2 * 16)
+                                                 + 64 * 3 * 64 + 2 * 64 + 512 * 64)
+    assert qwen["cycle_floor_over_floor"] == pytest.approx(
+        (qwen["weight_bytes_per_step"] + qwen["draft_bytes_per_cycle"]) / qwen["weight_bytes_per_step"])
+    assert qwen["cycle_over_cycle_floor"] == pytest.approx(qwen["dflash_cycle_ms"] / qwen["cycle_floor_ms"])
     smol = result["smollm2"]
     assert smol["prompts"] == 2 and smol["identical_tokens"] == 2 and smol["identical_acceptance"] == 2
     assert smol["lossless_vs_target_only"] == 2 and smol["ours_tokens_per_s"] > 0
