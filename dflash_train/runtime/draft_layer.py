@@ -74,15 +74,21 @@ class DraftLayerKernels:
         self.heads, self.scale = attn.num_heads, attn.head_dim ** -0.5
         self.fused_products = fused_products and fusion_supported(layer)
 
-    def __call__(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
-                 values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 bounds: torch.Tensor) -> torch.Tensor:
-        """Block rows h [n, B, H] at positions [n, B] of cache rows [n]; keys/values [b, kv, max_len, D] (the
-        block's K/V are written into them); bounds [n, 2, B]: the slots each query sees -> [n, B, H]."""
+    def __call__(self, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                 bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block rows h + pending [n, B, H] at positions [n, B] of cache rows [n]; keys/values
+        [b, kv, max_len, D] (the block's K/V are written into them); bounds [n, 2, B]: the slots each query
+        sees -> (h', pending'), the layer's output being h' + pending'. The MLP's residual add is left to
+        the next layer (`pending`: zeros for the first), whose input norm takes it in the same kernel: one
+        launch fewer a layer when layers are compiled one at a time. The fused products add it in their
+        epilogue instead, so there pending stays zero."""
         n, t, _ = h.shape
         attn, before_attention, before_mlp = self.attn, self.layer.input_layernorm, self.layer.post_attention_layernorm
         fuse = self.fused_products and skinny_fits(n * t) and all(
             norm.weight.dtype == h.dtype for norm in (before_attention, before_mlp))  # static under compile
+        if not fuse:
+            h = h + pending
         q = self._queries(h, fuse, cos, sin, keys, values, positions, rows)  # [n, B, heads, D], K/V written
         out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
         out = out.reshape(n, t, -1)
@@ -90,11 +96,11 @@ class DraftLayerKernels:
             h = skinny_fused_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)
             act = skinny_fused_triton(h, self.gate_up, None, norm_weight=before_mlp.weight, norm_eps=before_mlp.eps,
                                       swiglu=True)
-            return skinny_fused_triton(act, self.mlp.down_proj.weight, self.mlp.down_proj.bias, residual=h)
+            return skinny_fused_triton(act, self.mlp.down_proj.weight, self.mlp.down_proj.bias, residual=h), pending
         h = h + linear(out, attn.o_proj.weight, attn.o_proj.bias, self.shapes)
         gate, up = linear(before_mlp(h), self.gate_up, None, self.shapes).chunk(2, dim=-1)
         down = self.mlp.down_proj
-        return h + linear(F.silu(gate) * up, down.weight, down.bias, self.shapes)
+        return h, linear(F.silu(gate) * up, down.weight, down.bias, self.shapes)
 
     def _queries(self, h: torch.Tensor, fuse: bool, cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor,
                  values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -62,6 +62,8 @@ class StaticDrafter:
                 supported(layer, block_size, self.dtype) for layer in draft.layers):
             self.layer_kernels = [DraftLayerKernels(layer, fused_products, skinny_shapes) for layer in draft.layers]
         self.rows = torch.arange(batch_size, device=device)
+        self._zero_rows = torch.zeros(batch_size, block_size, draft.config.hidden_size, device=device,
+                                      dtype=self.dtype)
 
     @property
     def attention(self) -> str:
@@ -149,11 +151,19 @@ class StaticDrafter:
                 regions: _Regions | None = None) -> torch.Tensor:
         inputs, run_layer, norm = regions or (self._inputs, self._layer, self._norm)
         h, cos, sin, visible = inputs(block_embeds, positions, start)
+        pending = self._zeros(h)  # the residual add a kernel layer leaves to the next (`DraftLayerKernels`)
         for index, layer in enumerate(self.layer_kernels or self.draft.layers):
             # The layer's cache goes in as tensors: the compiled layer never sees its index, so every layer
             # reuses one compiled code (an index would be a guard, and a recompile, per layer).
-            h = run_layer(layer, h, cos, sin, self.cache.keys[index], self.cache.values[index], visible)
-        return norm(h)
+            h, pending = run_layer(layer, h, pending, cos, sin, self.cache.keys[index], self.cache.values[index],
+                                   visible)
+        return norm(h, pending)
+
+    def _zeros(self, h: torch.Tensor) -> torch.Tensor:
+        """Zeros of h's shape: the first layer's pending residual (allocated once for the engine's block, so
+        that a cycle launches no fill; other shapes, as tests give, get fresh ones)."""
+        same = self._zero_rows.shape == h.shape and self._zero_rows.dtype == h.dtype
+        return self._zero_rows if same else torch.zeros_like(h)
 
     def _inputs(self, block_embeds: torch.Tensor, positions: torch.Tensor, start: torch.Tensor) -> tuple[
             torch.Tensor, torch.Tensor, torch.Tensor, Any]:
@@ -172,14 +182,17 @@ class StaticDrafter:
         return h, cos, sin, mask
 
     @staticmethod
-    def _layer(layer: nn.Module | DraftLayerKernels, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               keys: torch.Tensor, values: torch.Tensor, visible: Any) -> torch.Tensor:
+    def _layer(layer: nn.Module | DraftLayerKernels, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: Any,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h', pending'): the layer's output is their sum (the drafter's own layer adds everything: pending
+        stays the zeros it was given)."""
         if isinstance(layer, DraftLayerKernels):
-            return layer(h, cos, sin, keys, values, *visible)
-        return layer(h, cos, sin, (keys, values), visible)
+            return layer(h, pending, cos, sin, keys, values, *visible)
+        return layer(h, cos, sin, (keys, values), visible), pending
 
-    def _norm(self, h: torch.Tensor) -> torch.Tensor:
-        return self.draft.norm(h)
+    def _norm(self, h: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        return self.draft.norm(h + pending)
 
 
 class _Regions(NamedTuple):
