@@ -75,8 +75,10 @@ def _argmax_chunks_kernel(logits_ptr, part_max_ptr, part_idx_ptr, V, n_chunks, B
     tl.store(part_idx_ptr + row * n_chunks + chunk, first.to(tl.int64))
 
 
-def _argmax_finish_kernel(part_max_ptr, part_idx_ptr, out_ptr, n_chunks, BLOCK_C: tl.constexpr):
-    """Per (row, slot): the chunks' maxima reduced to torch.argmax's answer (the first index of the maximum)."""
+def _argmax_finish_kernel(part_max_ptr, part_idx_ptr, out_ptr, n_chunks, width, out_stride_b, out_stride_w,
+                          BLOCK_C: tl.constexpr):
+    """Per (row, slot): the chunks' maxima reduced to torch.argmax's answer (the first index of the maximum),
+    stored at out[row // width, row % width] of a strided [b, width] output."""
     row = tl.program_id(0)
     chunks = tl.arange(0, BLOCK_C)
     valid = chunks < n_chunks
@@ -84,7 +86,8 @@ def _argmax_finish_kernel(part_max_ptr, part_idx_ptr, out_ptr, n_chunks, BLOCK_C
     part_idx = tl.load(part_idx_ptr + row * n_chunks + chunks, mask=valid, other=9223372036854775807)
     best = tl.max(part_max, axis=0)
     # Chunks are in vocabulary order, so the smallest index holding the maximum is the first.
-    tl.store(out_ptr + row, tl.min(tl.where(part_max == best, part_idx, 9223372036854775807), axis=0))
+    token = tl.min(tl.where(part_max == best, part_idx, 9223372036854775807), axis=0)
+    tl.store(out_ptr + (row // width) * out_stride_b + (row % width) * out_stride_w, token)
 
 
 def _accept_commit_kernel(
@@ -142,11 +145,14 @@ def greedy_verify_triton(
     return accept_len, bonus
 
 
-def block_argmax_triton(logits: torch.Tensor, block_v: int | None = None) -> torch.Tensor:
+def block_argmax_triton(logits: torch.Tensor, block_v: int | None = None, out: torch.Tensor | None = None,
+                        ) -> torch.Tensor:
     """The token at every slot, logits [b, B, V] -> [b, B] int64 (torch.argmax's first index among equal
     maxima), in two launches: the verify's vocabulary pass, then one that reduces each slot's chunks. For the
     drafter's greedy drafts (PyTorch's argmax over a [15, 49,152] bf16 block took 13.7 µs on an H200) and a
-    caller that decides acceptance itself (the acceptance replay of benchmarks/decode_batch.py)."""
+    caller that decides acceptance itself (the acceptance replay of benchmarks/decode_batch.py). `out`: an
+    int64 [b, B] tensor, any strides (the decode block's draft slots), written in place of a new one, which
+    saves the copy into it."""
     b, width, vocab = logits.shape
     logits = logits.contiguous()
     block_v = block_v or min(4096, next_power_of_2(vocab))
@@ -154,6 +160,10 @@ def block_argmax_triton(logits: torch.Tensor, block_v: int | None = None) -> tor
     part_max = torch.empty(b * width, n_chunks, device=logits.device, dtype=torch.float32)
     part_idx = torch.empty(b * width, n_chunks, device=logits.device, dtype=torch.int64)
     jit(_argmax_chunks_kernel)[(b * width, n_chunks)](logits, part_max, part_idx, vocab, n_chunks, BLOCK_V=block_v)
-    tokens = torch.empty(b, width, device=logits.device, dtype=torch.int64)
-    jit(_argmax_finish_kernel)[(b * width,)](part_max, part_idx, tokens, n_chunks, BLOCK_C=next_power_of_2(n_chunks))
+    if out is not None and (out.shape != (b, width) or out.dtype != torch.int64 or out.device != logits.device):
+        raise ValueError(f"out must be int64 [{b}, {width}] on {logits.device}, not {out.dtype} "
+                         f"{list(out.shape)} on {out.device}")
+    tokens = torch.empty(b, width, device=logits.device, dtype=torch.int64) if out is None else out
+    jit(_argmax_finish_kernel)[(b * width,)](part_max, part_idx, tokens, n_chunks, width, *tokens.stride(),
+                                             BLOCK_C=next_power_of_2(n_chunks))
     return tokens

@@ -173,10 +173,14 @@ class DecodeEngine:
         return "kernel" if self.kernels == "triton" and self.config.fuse_draft_argmax else "torch"
 
     def _pick(self, logits: torch.Tensor) -> torch.Tensor:
-        """Drafts from the drafter's logits [b, B-1, V]: sampled, or greedy (torch.argmax's ties either way)."""
+        """Drafts from the drafter's logits [b, B-1, V]: sampled, or greedy (torch.argmax's ties either way).
+        The argmax kernel writes them straight into the block's slots 1.. and returns that view, which saves
+        the cycle a copy kernel."""
         if self.config.temperature > 0:
             return sample(probabilities(logits, self.config.temperature))
-        return block_argmax_triton(logits) if self.draft_argmax == "kernel" else logits.argmax(dim=-1)
+        if self.draft_argmax == "kernel":
+            return block_argmax_triton(logits, out=self.state.block[:, 1:])
+        return logits.argmax(dim=-1)
 
     def _cycle(self) -> None:
         s = self.state
@@ -186,7 +190,8 @@ class DecodeEngine:
         draft_logits = None
         if self.drafter is not None:
             drafts, draft_logits = self._propose(positions)
-            s.block[:, 1:] = drafts
+            if drafts.data_ptr() != s.block[:, 1:].data_ptr():  # the argmax kernel writes them in place
+                s.block[:, 1:] = drafts
         out = self.runner.forward(s.block, positions, feature_layer_ids=self.layer_ids, compiled=self._compile,
                                   compile_options=self.config.compile_options, compile_scope=self.config.compile_scope)
         if self.config.temperature > 0:
@@ -211,7 +216,8 @@ class DecodeEngine:
                                   c.temperature)
 
     def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Drafts [b, B-1] for the block in `state.block` at positions [b, B], and their logits [b, B-1, V]."""
+        """Drafts [b, B-1] for the block in `state.block` at positions [b, B] (the block's own slots 1.. where
+        `_pick` writes them there), and their logits [b, B-1, V]."""
         embeds = self.target.embed_tokens(self.state.block)
         hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
                                      compile_options=self.config.compile_options,

@@ -107,3 +107,9 @@ def test_block_argmax_is_torch_argmax(vocab: int, block_v: int | None) -> None:
     logits = make_case(3, 5, vocab, torch.bfloat16, seed=vocab, ties=True)[0]
     tokens = block_argmax_triton(logits.to(DEVICE), block_v=block_v)
     assert torch.equal(tokens.cpu(), logits.float().argmax(-1))
+    # into a strided view, as the decode block's draft slots: the slot before each row's stays untouched
+    block = torch.full((3, 6), -1, dtype=torch.int64, device=DEVICE)
+    assert block_argmax_triton(logits.to(DEVICE), block_v=block_v, out=block[:, 1:]).data_ptr() == block[:, 1:].data_ptr()
+    assert torch.equal(block[:, 1:].cpu(), logits.float().argmax(-1)) and (block[:, 0] == -1).all()
+    with pytest.raises(ValueError, match=r"out must be int64 \[3, 5\]"):
+        block_argmax_triton(logits.to(DEVICE), out=block[:, 2:])

@@ -120,16 +120,23 @@ def test_greedy_drafts_take_the_argmax_kernel_unless_turned_off(target: TargetMo
     from dflash_train.runtime import engine as engine_module
 
     calls = []
-    monkeypatch.setattr(engine_module, "block_argmax_triton", lambda logits: calls.append(logits) or logits.argmax(-1))
-    logits = torch.randn(2, 3, 11)
+    def kernel(logits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        calls.append(logits)
+        return out.copy_(logits.argmax(-1))
+
+    monkeypatch.setattr(engine_module, "block_argmax_triton", kernel)
+    logits = torch.randn(1, 3, 11)
     for fused, kernels, picked in [(True, "triton", "kernel"), (False, "triton", "torch"), (True, "torch", "torch")]:
         config = EngineConfig(block_size=4, max_length=64, kernels="torch", fuse_draft_argmax=fused)
         drafted = DecodeEngine(target, make_draft(target, block_size=4), config)
         drafted.kernels = kernels  # what resolve_kernels gives on a GPU; the pick reads nothing else
         calls.clear()
         assert drafted.draft_argmax == picked
-        assert torch.equal(drafted._pick(logits), logits.argmax(-1))
-        assert len(calls) == (picked == "kernel")
+        drafted.state.block.fill_(-1)
+        assert torch.equal(drafted._pick(logits), logits.argmax(-1)) and len(calls) == (picked == "kernel")
+        # the kernel writes the drafts into the block's draft slots (the cycle then copies nothing)
+        in_place = torch.equal(drafted.state.block[:, 1:], logits.argmax(-1))
+        assert in_place == (picked == "kernel") and (drafted.state.block[:, 0] == -1).all()
 
 
 def test_target_only_engine_is_plain_greedy(target: TargetModel) -> None:
