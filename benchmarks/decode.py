@@ -344,14 +344,32 @@ def as_intervals(calls: Sequence[Sequence[Launch]]) -> list[list[tuple[float, fl
     return [[(launch.start_us, launch.duration_us) for launch in call] for call in calls]
 
 
+def call_timeline(calls: Sequence[Sequence[Launch]]) -> str:
+    """One call's launches in order (a graphed call puts the same sequence on the GPU each time): index, start
+    after the call's first launch and median duration over the calls of that length (µs), name. Where a
+    category's time goes when one kernel serves both the drafter and the target (the split-key attention)."""
+    if not calls or not calls[0]:
+        return ""
+    same = [call for call in calls if [launch.name for launch in call] == [launch.name for launch in calls[0]]]
+    first = calls[0][0].start_us
+    lines = []
+    for index, launch in enumerate(calls[0]):
+        durations = sorted(call[index].duration_us for call in same)
+        lines.append(f"{index:5d} {launch.start_us - first:10.1f} {durations[len(durations) // 2]:9.2f}  {launch.name}")
+    return "\n".join([f"# {len(same)} of {len(calls)} calls alike; index, start us, median us, kernel", *lines])
+
+
 def record_trace(result: dict[str, Any], key: str, step: Callable[[], Any], device: torch.device,
-                 layers: int) -> None:
+                 layers: int, timelines: dict[str, str] | None = None) -> None:
     """From one profile of `step`: `{key}_launches` per step and per layer, where its GPU time goes
     (`{key}_kernel_ms`, `_gap_ms`, `_gap_per_launch_us`, `_busy_ms`, `_overlap_ms`), the host's share of
     its timed `{key}_ms` (`_host_ms`: the time the GPU is not busy with the call), the kernel time by
     category (`{key}_kernel_categories`) and a profiled call's host time, synchronisation included
-    (`{key}_profiled_ms`: beside `{key}_ms`, what profiling added)."""
+    (`{key}_profiled_ms`: beside `{key}_ms`, what profiling added). `timelines`: gets one call's launches in
+    order under `key` (`call_timeline`)."""
     profiled = profiled_calls(step, device)
+    if timelines is not None:
+        timelines[key] = call_timeline(profiled.calls)
     timing = gpu_time(as_intervals(profiled.calls))
     launches = timing.pop("launches")
     result[f"{key}_launches"], result[f"{key}_launches_per_layer"] = launches, launches / layers
@@ -576,7 +594,8 @@ class Qwen3Bench:
         if fallbacks:
             print(f"decode: {key}: torch.compile could not analyse {len(fallbacks)} Triton kernel(s) and copies "
                   "their tensors at every call (see its warnings above)")
-        record_trace(self.result, key, engine.step, self.device, self.target.config.num_hidden_layers)
+        record_trace(self.result, key, engine.step, self.device, self.target.config.num_hidden_layers,
+                     self.output.timelines if self.args.profile else None)
 
 
 def new_tokens(args: argparse.Namespace) -> int:
@@ -642,8 +661,8 @@ def loop_variant(bench: Qwen3Bench, loop: str, variant: str) -> None:
     if variant == "default":
         result[f"{key}_cuda_graph"], result[f"{key}_compiled"] = engine.uses_cuda_graph, engine.uses_compile
         result[f"{key}_attention"], result[f"{key}_prologue"] = engine.runner.attention, engine.runner.prologue
-        if bench.args.profile:
-            bench.output.profiles[loop] = kernel_profile(engine.step, bench.device)
+    if variant in ("default", "layer_scope") and bench.args.profile:
+        bench.output.profiles[key] = kernel_profile(engine.step, bench.device)
     del engine
     gc.collect()
     bench.checkpoint()
@@ -908,8 +927,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"qwen3-8b: the comma-separated variants to measure, of {', '.join(VARIANTS)} "
                              "(default: all; each compiled one takes about a minute on an H200)")
     parser.add_argument("--profile", action="store_true",
-                        help="qwen3-8b: also write the kernel table of the graphed target step and cycle "
-                             "(<out>.profile.txt)")
+                        help="qwen3-8b: also write the kernel tables of the graphed target step and cycle "
+                             "(<out>.profile.txt) and each measured call's launches in order (<out>.timeline.txt)")
     parser.add_argument("--compile-variants", nargs="?", const=",".join(COMPILE_VARIANTS), default="",
                         help="qwen3-8b: also time the target step compiled with other inductor options: all of "
                              f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given (minutes each "
@@ -949,6 +968,7 @@ class Output:
     path: pathlib.Path
     results: dict[str, Any] = field(default_factory=dict)
     profiles: dict[str, str] = field(default_factory=dict)
+    timelines: dict[str, str] = field(default_factory=dict)
     stamp: dict[str, Any] = field(default_factory=stamp)
 
     def save(self) -> None:
@@ -957,6 +977,9 @@ class Output:
         if self.profiles:
             tables = "".join(f"== {name}\n{table}\n" for name, table in self.profiles.items())
             self.path.with_suffix(".profile.txt").write_text(tables)
+        if self.timelines:
+            lines = "".join(f"== {name}\n{timeline}\n" for name, timeline in self.timelines.items())
+            self.path.with_suffix(".timeline.txt").write_text(lines)
 
 
 def use_swept_tilings(sweep: pathlib.Path) -> dict[str, list[int]]:

@@ -15,6 +15,7 @@ from benchmarks.decode import (
     CALL_MARKER,
     Launch,
     call_intervals,
+    call_timeline,
     gpu_time,
     group_by_call,
     kernel_categories,
@@ -52,6 +53,16 @@ def test_means_over_several_calls() -> None:
     assert timing["launches"] == 2 and timing["kernel_ms"] == pytest.approx(0.0125)
     assert timing["busy_ms"] == pytest.approx(0.018) and timing["gap_ms"] == pytest.approx(0.0055)
     assert timing["gap_per_launch_us"] == pytest.approx(2.75)
+
+
+def test_timeline_lists_one_call_in_order_with_median_durations() -> None:
+    # three graphed calls alike (durations 2/4/9 and 5/6/7: medians 4 and 6) and one that differs, left out
+    calls = [[Launch("gemm", 100.0, d1), Launch("attn", 110.0, d2)] for d1, d2 in ((2.0, 6.0), (9.0, 5.0), (4.0, 7.0))]
+    calls.append([Launch("other", 300.0, 100.0)])
+    lines = call_timeline(calls).splitlines()
+    assert lines[0].startswith("# 3 of 4 calls alike")
+    assert [line.split() for line in lines[1:]] == [["0", "0.0", "4.00", "gemm"], ["1", "10.0", "6.00", "attn"]]
+    assert call_timeline([]) == call_timeline([[]]) == ""
 
 
 def test_no_launches_gives_zeros() -> None:
