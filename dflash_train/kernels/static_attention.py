@@ -26,6 +26,7 @@ result does not change; `benchmarks.decode --variants prefetch_o_proj` times wha
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
 import functools
+from typing import NamedTuple
 
 import torch
 from torch.library import triton_op, wrap_triton
@@ -175,11 +176,25 @@ def _processors(device: torch.device) -> int:
     return 4
 
 
-def split_plan(programs: int, keys: int, processors: int) -> tuple[int, int]:
+def split_plan(programs: int, keys: int, processors: int, block_n: int = BLOCK_N) -> tuple[int, int]:
     """(split_len, num_splits): about two programs per processor, each at least one tile of keys."""
-    wanted = max(1, min(_ceil_div(keys, BLOCK_N), _ceil_div(2 * processors, programs)))
-    split_len = _ceil_div(_ceil_div(keys, wanted), BLOCK_N) * BLOCK_N
+    wanted = max(1, min(_ceil_div(keys, block_n), _ceil_div(2 * processors, programs)))
+    split_len = _ceil_div(_ceil_div(keys, wanted), block_n) * block_n
     return split_len, _ceil_div(keys, split_len)
+
+
+class Plan(NamedTuple):
+    """How one launch cuts the work: keys per split (a whole number of tiles), warps per split program, keys
+    per tile. Fixed by the launch shape alone, so every query of a block sums its keys in the same order."""
+
+    split_len: int
+    warps: int
+    block_n: int = BLOCK_N
+
+
+def default_plan(programs: int, keys: int, query_rows: int, processors: int) -> Plan:
+    """`split_plan`'s splits; 4 warps for a query tile of up to 32 rows, else 8."""
+    return Plan(split_plan(programs, keys, processors)[0], 4 if query_rows <= 32 else 8)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -194,13 +209,15 @@ def prefetch_chunk(numel: int, element_bytes: int, parts: int) -> int:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
-            prefetch: torch.Tensor | None = None) -> torch.Tensor:
+            prefetch: torch.Tensor | None = None, plan: Plan | None = None) -> torch.Tensor:
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
     block_m = max(16, next_power_of_2(groups * t))
     block_d = max(16, next_power_of_2(dim))
-    split_len, num_splits = split_plan(n * kv_heads, keys, _processors(q.device))
+    plan = plan or default_plan(n * kv_heads, keys, block_m, _processors(q.device))
+    assert plan.split_len % plan.block_n == 0, "a split is a whole number of key tiles"
+    split_len, num_splits, warps = plan.split_len, _ceil_div(keys, plan.split_len), plan.warps
     part_o = torch.empty(n * kv_heads * num_splits * block_m * block_d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(n * kv_heads * num_splits * block_m, device=q.device, dtype=torch.float32)
     out = torch.empty((n, t, heads, dim), device=q.device, dtype=q.dtype)
@@ -209,13 +226,12 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
         split_kernel, combine_kernel = wrap_triton(split_kernel), wrap_triton(combine_kernel)
     asked = prefetch is not None and not interpreting()  # the interpreter has no inline assembly
     weight = prefetch if asked else q  # never read without PREFETCH
-    warps = 4 if block_m <= 32 else 8
     parts = 32 * warps  # bulk requests a program: one a thread
     chunk = prefetch_chunk(weight.numel(), weight.element_size(), n * kv_heads * num_splits * parts)
     split_kernel[(n * kv_heads, num_splits)](
         q, k, v, bounds, part_o, part_lse, weight, *q.stride(), *k.stride(), *v.stride(),
         kv_heads, keys, split_len, num_splits, scale, weight.numel(), chunk,
-        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, PREFETCH=asked,
         PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), num_warps=warps,
     )
@@ -240,3 +256,11 @@ def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
     assert prefetch is None or prefetch.is_contiguous(), "the weight to prefetch must be contiguous"
     return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch)
+
+
+def static_attention_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
+                             plan: Plan) -> torch.Tensor:
+    """`static_attention_triton` (eager) with the work cut by `plan` instead of `default_plan`: for timing
+    other plans (`benchmarks.static_attention`)."""
+    assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
+    return _launch(q, k, v, bounds.contiguous(), float(scale), plan=plan)

@@ -80,6 +80,29 @@ def test_kernel_matches_reference(dtype: torch.dtype, n: int, heads: int, kv_hea
 
 
 @kernels_here
+@pytest.mark.parametrize("plan", [(32, 4, 32), (64, 2, 32), (128, 8, 64), (256, 4, 128), (512, 4, 64)])
+def test_every_plan_matches_the_reference(plan: tuple[int, int, int]) -> None:
+    """Any cut of the keys (split length, warps, tile width) computes the same attention: a verify block
+    of 16 over 300 slots at Qwen3's 4 query heads per KV head, one split for the longest plan."""
+    from dflash_train.kernels.static_attention import Plan, static_attention_planned
+
+    q, k, v, positions = make_case(2, 8, 2, 16, 300, 32, torch.float32, seed=11)
+    bounds = bounds_from_positions(positions, None)
+    expected = static_attention_reference(q, k, v, bounds, scale=0.2)
+    got = static_attention_planned(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.2, Plan(*plan))
+    torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_cuts_splits_into_whole_tiles() -> None:
+    from dflash_train.kernels.static_attention import Plan, default_plan, static_attention_planned
+
+    assert default_plan(8, 1280, 64, 132) == Plan(64, 8, 64) and default_plan(8, 1280, 16, 132).warps == 4
+    q, k, v, positions = make_case(1, 4, 1, 1, 100, 16, torch.float32, seed=1)
+    with pytest.raises(AssertionError, match="whole number of key tiles"):
+        static_attention_planned(q, k, v, bounds_from_positions(positions, None), 0.2, Plan(96, 4, 64))
+
+
+@kernels_here
 def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
     """Slots after a query's position hold garbage in the static cache (stale or never written): the
     kernel must not let it in, not even as NaN through a masked product."""

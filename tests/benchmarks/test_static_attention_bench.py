@@ -1,0 +1,24 @@
+"""The attention-plan benchmark's candidates (CPU: the timing itself needs a GPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from benchmarks import static_attention as bench
+
+
+def test_plans_are_whole_tiles_and_include_the_default() -> None:
+    candidates = bench.plans(1280)
+    assert all(plan.split_len % plan.block_n == 0 and plan.split_len < 2 * 1280 for plan in candidates)
+    assert len(set(candidates)) == len(candidates)
+    for tokens in (1, 16):  # the baseline row must be among the timed plans
+        block_m = max(16, 4 * tokens)
+        assert bench.sa.default_plan(8, 1280, block_m, 132) in candidates
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
+def test_without_a_gpu_it_says_so() -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main(["--shape", "smollm2"])
+    assert exit_info.value.code == 2
