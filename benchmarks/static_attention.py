@@ -1,5 +1,5 @@
 """The split-key attention kernel (`dflash_train.kernels.static_attention`) under other plans: how a launch
-cuts the keys into splits (tiles a split), warps a split program and keys a tile, at a decode step (1 query
+cuts the keys into splits (tiles a split), warps a split program, keys a tile and query rows a program, at a decode step (1 query
 token) and a verify block (16), at Qwen3-8B's heads (32 query, 8 KV, D 128) and SmolLM2-135M's (9, 3, 64):
 
     python -m benchmarks.static_attention                    # both shapes, every plan (about a minute)
@@ -30,19 +30,21 @@ from dflash_train.kernels import static_attention as sa
 # shape -> (query heads, KV heads, head dim, layers a step)
 SHAPES = {"qwen3-8b": (32, 8, 128, 36), "smollm2": (9, 3, 64, 30)}
 TOKENS = (1, 16)
-TILES_PER_SPLIT = (1, 2, 4, 8, 32)  # 32: one split holds every key of a 1,280-slot cache at 64-key tiles
+TILES_PER_SPLIT = (1, 2, 4, 8)
 WARPS = (2, 4, 8)
 BLOCK_NS = (32, 64, 128)
+QUERY_ROWS = (0, 16, 32)  # 0: a KV head's every query row in one program
 OUT_OF_L2_BYTES = 128 * 2**20  # the caches of one graph together: twice the H200's L2
 
 
-def plans(keys: int) -> list[sa.Plan]:
-    """Every (tiles a split, warps, tile width) candidate whose split fits the cache at least once."""
+def plans(keys: int, rows: int) -> list[sa.Plan]:
+    """Every (tiles a split, warps, tile width, query rows a program) candidate whose split fits the cache at
+    least once, at a launch of `rows` query rows a KV head (padded)."""
     candidates = []
-    for tiles, warps, block_n in itertools.product(TILES_PER_SPLIT, WARPS, BLOCK_NS):
+    for tiles, warps, block_n, query_rows in itertools.product(TILES_PER_SPLIT, WARPS, BLOCK_NS, QUERY_ROWS):
         split_len = tiles * block_n
-        if split_len < 2 * keys:
-            candidates.append(sa.Plan(split_len, warps, block_n))
+        if split_len < 2 * keys and query_rows < rows:
+            candidates.append(sa.Plan(split_len, warps, block_n, query_rows))
     return candidates
 
 
@@ -83,29 +85,31 @@ def measure(shape: str, tokens: int, context: int, length: int, replays: int) ->
     block_m = max(16, sa.next_power_of_2(heads // kv_heads * tokens))
     default = sa.default_plan(kv_heads, length, block_m, torch.cuda.get_device_properties(0).multi_processor_count)
     rows = []
-    for plan in plans(length):
+    for plan in plans(length, block_m):
         def call(k: torch.Tensor, v: torch.Tensor, plan: sa.Plan = plan) -> Any:
             return lambda: sa.static_attention_planned(q, k, v, bounds, scale, plan)
 
         error = float((sa.static_attention_planned(q, *caches[0], bounds, scale, plan).float() - expected).abs().max())
         us = graph_us([call(k, v) for k, v in caches], replays)
-        rows.append({"split_len": plan.split_len, "warps": plan.warps, "block_n": plan.block_n,
-                     "splits": -(-length // plan.split_len), "us": us, "max_error": error})
-    base = next(row for row in rows if sa.Plan(row["split_len"], row["warps"], row["block_n"]) == default)
+        rows.append({**plan._asdict(), "splits": -(-length // plan.split_len), "us": us, "max_error": error})
+    base = next(row for row in rows if sa.Plan(*(row[name] for name in sa.Plan._fields)) == default)
     best = min(rows, key=lambda row: row["us"])
     return {"shape": shape, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
             "context": context, "cache_length": length, "default": base, "best": best,
             "best_over_default": best["us"] / base["us"], "plans": rows}
 
 
+def plan_text(row: dict[str, Any]) -> str:
+    return ", ".join(str(row[name]) for name in sa.Plan._fields)
+
+
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | tokens | default plan (split, warps, tile) | µs | best plan | µs | best / default |",
+    lines = ["| shape | tokens | default plan (split, warps, tile, rows) | µs | best plan | µs | best / default |",
              "|---|---|---|---|---|---|---|"]
     for entry in results:
         base, best = entry["default"], entry["best"]
-        lines.append(f"| {entry['shape']} | {entry['tokens']} | {base['split_len']}, {base['warps']}, "
-                     f"{base['block_n']} | {base['us']:.2f} | {best['split_len']}, {best['warps']}, "
-                     f"{best['block_n']} | {best['us']:.2f} | {entry['best_over_default']:.2f} |")
+        lines.append(f"| {entry['shape']} | {entry['tokens']} | {plan_text(base)} | {base['us']:.2f} | "
+                     f"{plan_text(best)} | {best['us']:.2f} | {entry['best_over_default']:.2f} |")
     return "\n".join(lines)
 
 

@@ -70,8 +70,8 @@ def _split_kernel(
     q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr,
     sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
     kv_heads, keys, split_len, num_splits, scale, pf_numel, pf_chunk,
-    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
+    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
     PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr,
 ):
     # IEEE: fp32 inputs, fp32 products. UPCAST: bf16/fp16 inputs multiplied as fp32 (the interpreter's dot
@@ -80,7 +80,8 @@ def _split_kernel(
     split = tl.program_id(1)
     row = pid // kv_heads
     kv_head = pid % kv_heads
-    r = tl.arange(0, BLOCK_M)  # query row r: head kv_head * GROUPS + r // T, token r % T
+    # query row r of ROWS (this program's BLOCK_M of them): head kv_head * GROUPS + r // T, token r % T
+    r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
     r_ok = r < GROUPS * T
     head = kv_head * GROUPS + r // T
     token = r % T
@@ -140,13 +141,13 @@ def _split_kernel(
     lse = tl.where(seen, m_safe + tl.log(tl.where(seen, total, 1.0)), float("-inf"))
     out = acc / tl.where(seen, total, 1.0)[:, None]
     part = pid * num_splits + split
-    tl.store(part_lse_ptr + part * BLOCK_M + r, lse)
-    tl.store(part_o_ptr + (part * BLOCK_M + r[:, None]) * BLOCK_D + d[None, :], out)
+    tl.store(part_lse_ptr + part * ROWS + r, lse)
+    tl.store(part_o_ptr + (part * ROWS + r[:, None]) * BLOCK_D + d[None, :], out)
 
 
 def _combine_kernel(
     part_o_ptr, part_lse_ptr, out_ptr, kv_heads, num_splits,
-    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -158,10 +159,10 @@ def _combine_kernel(
     sp_ok = sp < num_splits
     d = tl.arange(0, BLOCK_D)
     parts = pid * num_splits + sp
-    lse = tl.load(part_lse_ptr + parts * BLOCK_M + r, mask=sp_ok, other=float("-inf"))
+    lse = tl.load(part_lse_ptr + parts * ROWS + r, mask=sp_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
     weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # splits that saw nothing weigh 0
-    o = tl.load(part_o_ptr + (parts[:, None] * BLOCK_M + r) * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
+    o = tl.load(part_o_ptr + (parts[:, None] * ROWS + r) * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
     denom = tl.sum(weight, axis=0)
     out = tl.sum(o * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     heads = kv_heads * GROUPS
@@ -185,11 +186,14 @@ def split_plan(programs: int, keys: int, processors: int, block_n: int = BLOCK_N
 
 class Plan(NamedTuple):
     """How one launch cuts the work: keys per split (a whole number of tiles), warps per split program, keys
-    per tile. Fixed by the launch shape alone, so every query of a block sums its keys in the same order."""
+    per tile, query rows per program (0: all of a KV head's, else a power of two of at least 16: a block's
+    rows spread over more programs). Fixed by the launch shape alone, so that every query of a block sums its
+    keys in the same order, whichever program it falls to."""
 
     split_len: int
     warps: int
     block_n: int = BLOCK_N
+    query_rows: int = 0
 
 
 def default_plan(programs: int, keys: int, query_rows: int, processors: int) -> Plan:
@@ -213,13 +217,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    block_m = max(16, next_power_of_2(groups * t))
+    rows = max(16, next_power_of_2(groups * t))
     block_d = max(16, next_power_of_2(dim))
-    plan = plan or default_plan(n * kv_heads, keys, block_m, _processors(q.device))
+    plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device))
     assert plan.split_len % plan.block_n == 0, "a split is a whole number of key tiles"
+    block_m = min(plan.query_rows or rows, rows)
+    assert block_m >= 16 and rows % block_m == 0, "a program's query rows: a power of two, at least 16"
     split_len, num_splits, warps = plan.split_len, _ceil_div(keys, plan.split_len), plan.warps
-    part_o = torch.empty(n * kv_heads * num_splits * block_m * block_d, device=q.device, dtype=torch.float32)
-    part_lse = torch.empty(n * kv_heads * num_splits * block_m, device=q.device, dtype=torch.float32)
+    part_o = torch.empty(n * kv_heads * num_splits * rows * block_d, device=q.device, dtype=torch.float32)
+    part_lse = torch.empty(n * kv_heads * num_splits * rows, device=q.device, dtype=torch.float32)
     out = torch.empty((n, t, heads, dim), device=q.device, dtype=q.dtype)
     split_kernel, combine_kernel = jit(_split_kernel), jit(_combine_kernel)
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
@@ -228,16 +234,16 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     weight = prefetch if asked else q  # never read without PREFETCH
     parts = 32 * warps  # bulk requests a program: one a thread
     chunk = prefetch_chunk(weight.numel(), weight.element_size(), n * kv_heads * num_splits * parts)
-    split_kernel[(n * kv_heads, num_splits)](
+    split_kernel[(n * kv_heads, num_splits, rows // block_m)](
         q, k, v, bounds, part_o, part_lse, weight, *q.stride(), *k.stride(), *v.stride(),
         kv_heads, keys, split_len, num_splits, scale, weight.numel(), chunk,
-        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
+        T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, PREFETCH=asked,
         PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), num_warps=warps,
     )
     combine_kernel[(n * kv_heads, groups * t)](
         part_o, part_lse, out, kv_heads, num_splits,
-        T=t, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
+        T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
     )
     return out
 

@@ -9,12 +9,13 @@ from benchmarks import static_attention as bench
 
 
 def test_plans_are_whole_tiles_and_include_the_default() -> None:
-    candidates = bench.plans(1280)
-    assert all(plan.split_len % plan.block_n == 0 and plan.split_len < 2 * 1280 for plan in candidates)
-    assert len(set(candidates)) == len(candidates)
-    for tokens in (1, 16):  # the baseline row must be among the timed plans
-        block_m = max(16, 4 * tokens)
-        assert bench.sa.default_plan(8, 1280, block_m, 132) in candidates
+    for tokens in (1, 16):
+        rows = max(16, 4 * tokens)
+        candidates = bench.plans(1280, rows)
+        assert all(plan.split_len % plan.block_n == 0 and plan.split_len < 2 * 1280 for plan in candidates)
+        assert all(plan.query_rows < rows for plan in candidates)  # else the same launch as query_rows 0
+        assert len(set(candidates)) == len(candidates)
+        assert bench.sa.default_plan(8, 1280, rows, 132) in candidates  # the baseline row is timed
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")

@@ -80,13 +80,16 @@ def test_kernel_matches_reference(dtype: torch.dtype, n: int, heads: int, kv_hea
 
 
 @kernels_here
-@pytest.mark.parametrize("plan", [(32, 4, 32), (64, 2, 32), (128, 8, 64), (256, 4, 128), (512, 4, 64)])
-def test_every_plan_matches_the_reference(plan: tuple[int, int, int]) -> None:
-    """Any cut of the keys (split length, warps, tile width) computes the same attention: a verify block
-    of 16 over 300 slots at Qwen3's 4 query heads per KV head, one split for the longest plan."""
+@pytest.mark.parametrize("plan", [(32, 4, 32), (64, 2, 32), (128, 8, 64), (256, 4, 128), (512, 4, 64), (64, 4, 64, 16),
+                                  (128, 4, 32, 32)])
+@pytest.mark.parametrize("groups", [4, 3])
+def test_every_plan_matches_the_reference(plan: tuple[int, ...], groups: int) -> None:
+    """Any cut of the work (split length, warps, tile width, query rows a program) computes the same
+    attention: a verify block of 16 over 300 slots, one split for the longest plan; at 4 query heads per KV
+    head (Qwen3) and 3 (SmolLM2: 48 rows padded to 64, a program of only padding rows at 16 a program)."""
     from dflash_train.kernels.static_attention import Plan, static_attention_planned
 
-    q, k, v, positions = make_case(2, 8, 2, 16, 300, 32, torch.float32, seed=11)
+    q, k, v, positions = make_case(2, 2 * groups, 2, 16, 300, 32, torch.float32, seed=11)
     bounds = bounds_from_positions(positions, None)
     expected = static_attention_reference(q, k, v, bounds, scale=0.2)
     got = static_attention_planned(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.2, Plan(*plan))
@@ -100,6 +103,8 @@ def test_a_plan_cuts_splits_into_whole_tiles() -> None:
     q, k, v, positions = make_case(1, 4, 1, 1, 100, 16, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="whole number of key tiles"):
         static_attention_planned(q, k, v, bounds_from_positions(positions, None), 0.2, Plan(96, 4, 64))
+    with pytest.raises(AssertionError, match="a power of two, at least 16"):
+        static_attention_planned(q, k, v, bounds_from_positions(positions, None), 0.2, Plan(64, 4, 64, 8))
 
 
 @kernels_here
@@ -148,10 +153,10 @@ def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int,
     from dflash_train.kernels.static_attention import BLOCK_N, _combine_kernel, _split_kernel
 
     block_m, block_d = max(16, next_power_of_2(groups * tokens)), max(16, next_power_of_2(dim))
-    shapes = dict(T=tokens, GROUPS=groups, D=dim, BLOCK_M=block_m, BLOCK_D=block_d)
+    shapes = dict(T=tokens, GROUPS=groups, D=dim, ROWS=block_m, BLOCK_D=block_d)
     pointers = {"q_ptr": f"*{element}", "k_ptr": f"*{element}", "v_ptr": f"*{element}", "bounds_ptr": "*i32",
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
-    constants = {**shapes, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False, "PREFETCH": False,
+    constants = {**shapes, "BLOCK_M": 16, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False, "PREFETCH": False,
                  "PF_PARTS": 128, "PF_ELEMENT_BYTES": 2}
     compile_for_h100(_split_kernel, constants, {**pointers, "pf_ptr": "*bf16"}, float_type)
     compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)
@@ -169,7 +174,7 @@ def split_kernel_arguments(prefetch: bool) -> dict[str, object]:
                 pf_ptr=torch.empty(4096, 4096, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
                 **{name.replace("sk", "sv"): value for name, value in cache.items()}, kv_heads=8, keys=1024,
                 split_len=64, num_splits=16, scale=0.088, pf_numel=4096 * 4096, pf_chunk=1024, T=1, GROUPS=4, D=128,
-                BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_D=128, IEEE=False, UPCAST=False, PREFETCH=prefetch, PF_PARTS=128,
+                ROWS=16, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_D=128, IEEE=False, UPCAST=False, PREFETCH=prefetch, PF_PARTS=128,
                 PF_ELEMENT_BYTES=2)
 
 
@@ -182,7 +187,7 @@ def test_the_next_weight_is_asked_of_l2_before_the_cache_is_read(monkeypatch: py
     from tests.helpers.kernels import pointers_written
 
     arguments = split_kernel_arguments(prefetch=True)
-    constants = {name: arguments[name] for name in ("T", "GROUPS", "D", "BLOCK_M", "BLOCK_N", "BLOCK_D", "IEEE",
+    constants = {name: arguments[name] for name in ("T", "GROUPS", "D", "ROWS", "BLOCK_M", "BLOCK_N", "BLOCK_D", "IEEE",
                                                      "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES")}
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bounds_ptr": "*i32", "part_o_ptr": "*fp32",
                 "part_lse_ptr": "*fp32", "pf_ptr": "*bf16"}
