@@ -83,7 +83,9 @@ def measure(shape: str, tokens: int, context: int, length: int, replays: int) ->
     bounds, scale = sa.bounds_from_positions(positions, None), dim ** -0.5
     expected = sa.static_attention_reference(q, *caches[0], bounds, scale).float()
     block_m = max(16, sa.next_power_of_2(heads // kv_heads * tokens))
-    default = sa.default_plan(kv_heads, length, block_m, torch.cuda.get_device_properties(0).multi_processor_count)
+    processors = torch.cuda.get_device_properties(0).multi_processor_count
+    default = sa.default_plan(kv_heads, length, block_m, processors, dim)
+    rule = sa.default_plan(kv_heads, length, block_m, processors)  # the plan without the tuned table
     rows = []
     for plan in plans(length, block_m):
         def call(k: torch.Tensor, v: torch.Tensor, plan: sa.Plan = plan) -> Any:
@@ -92,11 +94,14 @@ def measure(shape: str, tokens: int, context: int, length: int, replays: int) ->
         error = float((sa.static_attention_planned(q, *caches[0], bounds, scale, plan).float() - expected).abs().max())
         us = graph_us([call(k, v) for k, v in caches], replays)
         rows.append({**plan._asdict(), "splits": -(-length // plan.split_len), "us": us, "max_error": error})
-    base = next(row for row in rows if sa.Plan(*(row[name] for name in sa.Plan._fields)) == default)
-    best = min(rows, key=lambda row: row["us"])
+    def row_of(plan: sa.Plan) -> dict[str, Any]:
+        return next(row for row in rows if sa.Plan(*(row[name] for name in sa.Plan._fields)) == plan)
+
+    base, untuned, best = row_of(default), row_of(rule), min(rows, key=lambda row: row["us"])
     return {"shape": shape, "tokens": tokens, "heads": heads, "kv_heads": kv_heads, "head_dim": dim,
-            "context": context, "cache_length": length, "default": base, "best": best,
-            "best_over_default": best["us"] / base["us"], "plans": rows}
+            "context": context, "cache_length": length, "default": base, "untuned": untuned, "best": best,
+            "best_over_default": best["us"] / base["us"], "default_over_untuned": base["us"] / untuned["us"],
+            "plans": rows}
 
 
 def plan_text(row: dict[str, Any]) -> str:
@@ -104,12 +109,13 @@ def plan_text(row: dict[str, Any]) -> str:
 
 
 def table(results: list[dict[str, Any]]) -> str:
-    lines = ["| shape | tokens | default plan (split, warps, tile, rows) | µs | best plan | µs | best / default |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| shape | tokens | untuned rule (split, warps, tile, rows) | µs | default (tuned table) | µs | "
+             "best plan | µs | default / rule | best / default |", "|---|---|---|---|---|---|---|---|---|---|"]
     for entry in results:
-        base, best = entry["default"], entry["best"]
-        lines.append(f"| {entry['shape']} | {entry['tokens']} | {plan_text(base)} | {base['us']:.2f} | "
-                     f"{plan_text(best)} | {best['us']:.2f} | {entry['best_over_default']:.2f} |")
+        rule, base, best = entry["untuned"], entry["default"], entry["best"]
+        lines.append(f"| {entry['shape']} | {entry['tokens']} | {plan_text(rule)} | {rule['us']:.2f} | "
+                     f"{plan_text(base)} | {base['us']:.2f} | {plan_text(best)} | {best['us']:.2f} | "
+                     f"{entry['default_over_untuned']:.2f} | {entry['best_over_default']:.2f} |")
     return "\n".join(lines)
 
 

@@ -196,9 +196,22 @@ class Plan(NamedTuple):
     query_rows: int = 0
 
 
-def default_plan(programs: int, keys: int, query_rows: int, processors: int) -> Plan:
-    """`split_plan`'s splits; 4 warps for a query tile of up to 32 rows, else 8."""
-    return Plan(split_plan(programs, keys, processors)[0], 4 if query_rows <= 32 else 8)
+# Plans measured fastest on an H200 (`benchmarks.static_attention`, 1,024 visible slots of 1,280, a layer's
+# call µs in CUDA graphs: benchmarks/results/static_attention-be1b142.json), by (query rows a KV head, padded;
+# head dim): Qwen3-8B's decode step (6.6 against 7.7 for the rule below) and verify block (9.8 against 12.9),
+# SmolLM2's verify block (5.9 against 7.0). Its decode step keeps the rule (5.5 either way).
+TUNED_PLANS = {(16, 128): Plan(32, 2, 32), (64, 128): Plan(128, 4, 32), (64, 64): Plan(128, 4, 128, 16)}
+MAX_SPLITS = 64  # a longer cache lengthens the tuned splits instead: the combine reads every split
+
+
+def default_plan(programs: int, keys: int, query_rows: int, processors: int, head_dim: int = 0) -> Plan:
+    """The tuned plan of (query_rows, head_dim), its splits lengthened to at most MAX_SPLITS; elsewhere
+    `split_plan`'s splits, 64-key tiles and 4 warps (8 were slower at every measured shape)."""
+    tuned = TUNED_PLANS.get((query_rows, head_dim))
+    if tuned is None:
+        return Plan(split_plan(programs, keys, processors)[0], 4)
+    shortest = _ceil_div(_ceil_div(keys, MAX_SPLITS), tuned.block_n) * tuned.block_n
+    return tuned._replace(split_len=max(tuned.split_len, shortest))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -219,7 +232,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     groups = heads // kv_heads
     rows = max(16, next_power_of_2(groups * t))
     block_d = max(16, next_power_of_2(dim))
-    plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device))
+    plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device), dim)
     assert plan.split_len % plan.block_n == 0, "a split is a whole number of key tiles"
     block_m = min(plan.query_rows or rows, rows)
     assert block_m >= 16 and rows % block_m == 0, "a program's query rows: a power of two, at least 16"

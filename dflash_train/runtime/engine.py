@@ -156,6 +156,7 @@ class DecodeEngine:
         self._flag_ring: list[torch.Tensor] | None = None
         wants_compile = config.compile if config.compile is not None else self.device.type == "cuda"
         self._compile = bool(wants_compile)
+        self._compiled_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._requests: dict[int, _Request] = {}
         self._waves: deque[list[int]] = deque()
         self._row_request: list[int | None] = [None] * config.batch_size
@@ -203,7 +204,8 @@ class DecodeEngine:
             verified = torch.where(self.offsets == 0, s.block, -1) if self.refuse_drafts else s.block
             accept_len, bonus = self._verify(out.logits, verified, s.out, s.n_out, s.done)
         if self.drafter is not None:
-            self.drafter.write_context(out.features, positions)
+            self.drafter.write_context(out.features, positions, compiled=self._compile,
+                                       compile_options=self.config.compile_options)
         s.advance(accept_len, bonus)
 
     def _sample(self, logits: torch.Tensor, draft_logits: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -218,7 +220,7 @@ class DecodeEngine:
     def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [b, B-1] for the block in `state.block` at positions [b, B] (the block's own slots 1.. where
         `_pick` writes them there), and their logits [b, B-1, V]."""
-        embeds = self.target.embed_tokens(self.state.block)
+        embeds = self._embed(self.state.block)
         hidden = self.drafter.hidden(embeds, positions, self.state.start, compiled=self._compile,
                                      compile_options=self.config.compile_options,
                                      compile_scope=self.config.compile_scope)  # [b, B, H]
@@ -226,6 +228,16 @@ class DecodeEngine:
         if self.config.temperature > 0:
             draft_logits = top_p_filter(draft_logits, self.config.temperature, self.config.top_p)
         return self._pick(draft_logits), draft_logits
+
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The target's embeddings of the block's tokens; compiled, a gather of one generated kernel (eager,
+        the embedding's index kernel took 7 µs at a 16-token block on an H200, its compiled one 1.5)."""
+        if not self._compile:
+            return self.target.embed_tokens(tokens)
+        if self._compiled_embed is None:
+            options = dict(self.config.compile_options) or None
+            self._compiled_embed = torch.compile(self.target.embed_tokens, dynamic=False, options=options)
+        return self._compiled_embed(tokens)
 
     def _verify(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.kernels == "triton":

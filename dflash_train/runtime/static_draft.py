@@ -55,6 +55,7 @@ class StaticDrafter:
         self.kernels = kernels
         self.fused_products = fused_products and kernels == "triton"
         self._compiled_hidden: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., torch.Tensor]] = {}
+        self._cycle_rows: dict[tuple[int, int], torch.Tensor] = {}
         if kernels == "triton":
             self._prepare_fused(max_length)
         self.layer_kernels: list[DraftLayerKernels] | None = None
@@ -87,24 +88,42 @@ class StaticDrafter:
 
     @torch.no_grad()
     def write_context(self, features: torch.Tensor, positions: torch.Tensor,
-                      row_index: torch.Tensor | None = None) -> None:
-        """Context K/V of target features [n, T, K*H] at positions [n, T] into cache rows row_index [n]."""
+                      row_index: torch.Tensor | None = None, compiled: bool = False,
+                      compile_options: tuple[tuple[str, Any], ...] = ()) -> None:
+        """Context K/V of target features [n, T, K*H] at positions [n, T] into cache rows row_index [n].
+        `compiled`: the products before the cache write through torch.compile (with these inductor options),
+        so that the hidden norm between them is one kernel rather than a string of eager ones."""
         n, t = positions.shape
-        rows = torch.arange(n, device=positions.device) if row_index is None else row_index
         if self.kernels == "triton":
             attn = self.draft.layers[0].self_attn
-            kv = self._context_kv_product(features.to(self.dtype))
+            product = self._compiled_context(compile_options) if compiled else self._context_kv_product
+            kv = product(features.to(self.dtype))
             kv = kv.view(n * t, len(self.draft.layers), 2, attn.num_kv_heads, attn.head_dim)
             context_kv_triton(kv, self.k_norm_weight, self.draft.config.rms_norm_eps, self.cos, self.sin,
-                              positions.reshape(-1), rows[:, None].expand(n, t).reshape(-1),
+                              positions.reshape(-1), self._slot_rows(n, t, row_index),
                               self.cache.keys, self.cache.values)
             return
+        rows = torch.arange(n, device=positions.device) if row_index is None else row_index
         context = self.draft.fuse_context(features.to(self.dtype))  # [n, T, H]
         cos, sin = self.draft.rotary_emb(positions, context.dtype)
         for index, layer in enumerate(self.draft.layers):
             k, v = layer.self_attn.key_values(context, cos, sin)  # [n, kv, T, D]
             self.cache.keys[index][rows[:, None], :, positions] = k.transpose(1, 2)
             self.cache.values[index][rows[:, None], :, positions] = v.transpose(1, 2)
+
+    def _slot_rows(self, n: int, t: int, row_index: torch.Tensor | None) -> torch.Tensor:
+        """The cache row of each of n * t context tokens: row_index's, or rows 0 .. n-1 (a cycle's, made once
+        per shape, so that a cycle launches no kernel to build them)."""
+        if row_index is not None:
+            return row_index[:, None].expand(n, t).reshape(-1)
+        if (n, t) not in self._cycle_rows:
+            self._cycle_rows[n, t] = torch.arange(n, device=self.slots.device).repeat_interleave(t)
+        return self._cycle_rows[n, t]
+
+    def _compiled_context(self, options: tuple[tuple[str, Any], ...]) -> Callable[[torch.Tensor], torch.Tensor]:
+        if ("context", options) not in self._compiled_hidden:
+            self._compiled_hidden["context", options] = _compile(self._context_kv_product, options)
+        return self._compiled_hidden["context", options]
 
     def _context_kv_product(self, features: torch.Tensor) -> torch.Tensor:
         """Every layer's context [k; v] of features [n, T, K*H] before their norm and RoPE: fc, the hidden

@@ -15,7 +15,9 @@ def test_plans_are_whole_tiles_and_include_the_default() -> None:
         assert all(plan.split_len % plan.block_n == 0 and plan.split_len < 2 * 1280 for plan in candidates)
         assert all(plan.query_rows < rows for plan in candidates)  # else the same launch as query_rows 0
         assert len(set(candidates)) == len(candidates)
-        assert bench.sa.default_plan(8, 1280, rows, 132) in candidates  # the baseline row is timed
+        for dim in (64, 128):  # the default and the untuned rule are among the timed plans
+            assert bench.sa.default_plan(8, 1280, rows, 132, dim) in candidates
+            assert bench.sa.default_plan(8, 1280, rows, 132) in candidates
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")

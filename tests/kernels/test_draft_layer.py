@@ -91,6 +91,28 @@ def test_plain_products_on_the_skinny_kernel_equal_the_drafters_own_forward(monk
     assert shapes == []
 
 
+@kernels_here
+def test_the_compiled_context_write_fills_the_cache_as_the_eager_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`write_context(compiled=True)` (the cycle's: fc, hidden norm and K/V product as one compiled graph, rows
+    made once per shape) writes the caches the eager call writes, for a cycle's rows and a prefill's."""
+    real = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: real(fn, backend="aot_eager", dynamic=False))
+    target = make_tiny_target("llama", num_layers=5, seed=3)
+    draft = make_draft(target, block_size=4, seed=5).to(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    features = torch.randn(2, 4, draft.fc.in_features, generator=gen).to(DEVICE)
+    positions = torch.tensor([[3, 4, 5, 6], [9, 10, 11, 12]], device=DEVICE)
+    caches = []
+    for compiled in (False, True):
+        drafter = StaticDrafter(draft, batch_size=3, block_size=4, max_length=32, kernels="triton")
+        drafter.write_context(features, positions, compiled=compiled)  # rows 0 and 1
+        drafter.write_context(features, positions + 1, torch.tensor([2, 0], device=DEVICE), compiled=compiled)
+        caches.append((drafter.cache.keys.clone(), drafter.cache.values.clone()))
+    assert caches[1][0].abs().sum() > 0
+    for eager, compiled_cache in zip(*caches, strict=True):
+        torch.testing.assert_close(compiled_cache, eager, atol=1e-6, rtol=1e-6)
+
+
 def test_the_engine_chooses_the_drafters_attention() -> None:
     target = make_tiny_target("llama", num_layers=5, seed=3)
     draft = make_draft(target, block_size=4, seed=5)

@@ -99,7 +99,11 @@ def test_every_plan_matches_the_reference(plan: tuple[int, ...], groups: int) ->
 def test_a_plan_cuts_splits_into_whole_tiles() -> None:
     from dflash_train.kernels.static_attention import Plan, default_plan, static_attention_planned
 
-    assert default_plan(8, 1280, 64, 132) == Plan(64, 8, 64) and default_plan(8, 1280, 16, 132).warps == 4
+    assert default_plan(8, 1280, 64, 132) == Plan(64, 4, 64)  # no head dim given: the rule
+    assert default_plan(8, 1280, 64, 132, 128) == Plan(128, 4, 32)  # Qwen3-8B's verify block: tuned
+    assert default_plan(8, 1280, 16, 132, 128) == Plan(32, 2, 32)
+    assert default_plan(8, 32768, 16, 132, 128).split_len == 512  # a long cache: at most 64 splits
+    assert default_plan(3, 1280, 16, 132, 64) == default_plan(3, 1280, 16, 132)  # SmolLM2's decode step: the rule
     q, k, v, positions = make_case(1, 4, 1, 1, 100, 16, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="whole number of key tiles"):
         static_attention_planned(q, k, v, bounds_from_positions(positions, None), 0.2, Plan(96, 4, 64))
