@@ -204,14 +204,16 @@ TUNED_PLANS = {(16, 128): Plan(32, 2, 32), (64, 128): Plan(128, 4, 32), (64, 64)
 MAX_SPLITS = 64  # a longer cache lengthens the tuned splits instead: the combine reads every split
 
 
-def default_plan(programs: int, keys: int, query_rows: int, processors: int, head_dim: int = 0) -> Plan:
-    """The tuned plan of (query_rows, head_dim), its splits lengthened to at most MAX_SPLITS; elsewhere
+def default_plan(programs: int, keys: int, query_rows: int, processors: int, head_dim: int = 0,
+                 batch: int = 1) -> Plan:
+    """The tuned plan of (query_rows, head_dim) (tuned at batch 1: at batch n its splits n times as long,
+    so that the launch keeps batch 1's number of programs, and at most MAX_SPLITS of them); elsewhere
     `split_plan`'s splits, 64-key tiles and 4 warps (8 were slower at every measured shape)."""
     tuned = TUNED_PLANS.get((query_rows, head_dim))
     if tuned is None:
         return Plan(split_plan(programs, keys, processors)[0], 4)
     shortest = _ceil_div(_ceil_div(keys, MAX_SPLITS), tuned.block_n) * tuned.block_n
-    return tuned._replace(split_len=max(tuned.split_len, shortest))
+    return tuned._replace(split_len=max(tuned.split_len * batch, shortest))
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -232,7 +234,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     groups = heads // kv_heads
     rows = max(16, next_power_of_2(groups * t))
     block_d = max(16, next_power_of_2(dim))
-    plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device), dim)
+    plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device), dim, n)
     assert plan.split_len % plan.block_n == 0, "a split is a whole number of key tiles"
     block_m = min(plan.query_rows or rows, rows)
     assert block_m >= 16 and rows % block_m == 0, "a program's query rows: a power of two, at least 16"

@@ -103,6 +103,7 @@ def test_a_plan_cuts_splits_into_whole_tiles() -> None:
     assert default_plan(8, 1280, 64, 132, 128) == Plan(128, 4, 32)  # Qwen3-8B's verify block: tuned
     assert default_plan(8, 1280, 16, 132, 128) == Plan(32, 2, 32)
     assert default_plan(8, 32768, 16, 132, 128).split_len == 512  # a long cache: at most 64 splits
+    assert default_plan(32, 1280, 16, 132, 128, batch=4).split_len == 128  # batch 1's number of programs
     assert default_plan(3, 1280, 16, 132, 64) == default_plan(3, 1280, 16, 132)  # SmolLM2's decode step: the rule
     q, k, v, positions = make_case(1, 4, 1, 1, 100, 16, torch.float32, seed=1)
     with pytest.raises(AssertionError, match="whole number of key tiles"):
