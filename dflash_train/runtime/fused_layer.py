@@ -44,8 +44,8 @@ from torch import nn
 from dflash_train.kernels.qkv_rope_cache import qkv_rope_cache_triton
 from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_matmul import TUNED_ROWS, skinny_matmul_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
-from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.models.layers import MLP as DraftMLP
 
 FUSED_ATTRIBUTE = "_dflash_fused_projections"
@@ -254,8 +254,11 @@ def rows_of(x: torch.Tensor) -> int:
 
 def on_skinny_kernel(x: torch.Tensor, weight: torch.Tensor, shapes: Shapes) -> bool:
     """Whether x @ weight^T runs on the skinny-matmul kernel: few enough rows and a weight `shapes` admits
-    (shapes only: static under torch.compile)."""
-    return skinny_fits(rows_of(x)) and (shapes is None or tuple(weight.shape) in shapes)
+    (shapes only: static under torch.compile). Tuned shapes (a set) only up to the rows they were tuned at,
+    `TUNED_ROWS`; every weight (None, asked for) up to the kernel's `MAX_ROWS`."""
+    if shapes is None:
+        return skinny_fits(rows_of(x))
+    return 0 < rows_of(x) <= TUNED_ROWS and tuple(weight.shape) in shapes
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, shapes: Shapes) -> torch.Tensor:

@@ -98,6 +98,21 @@ def test_tuned_shapes_alone_run_on_the_kernel(monkeypatch: pytest.MonkeyPatch) -
         assert set(shapes) == {o_proj, head} and shapes[o_proj] == 2 * shapes[head] and shapes[head] >= NEW - 1
 
 
+def test_tuned_shapes_take_the_kernel_only_at_the_rows_they_were_tuned_at() -> None:
+    """A tuned shape runs on the kernel up to TUNED_ROWS rows (cuBLAS beyond: a batch-4 verify, a batch-64
+    step); a product asked onto the kernel (shapes None) up to MAX_ROWS; an untuned shape never."""
+    from dflash_train.kernels.skinny_matmul import TUNED_ROWS
+    from dflash_train.runtime.fused_layer import on_skinny_kernel
+
+    weight = torch.zeros(8, 4)
+    for rows, tuned, asked in [(1, True, True), (TUNED_ROWS, True, True), (TUNED_ROWS + 1, False, True),
+                               (MAX_ROWS, False, True), (MAX_ROWS + 1, False, False)]:
+        x = torch.zeros(rows, 4)
+        assert on_skinny_kernel(x, weight, frozenset({(8, 4)})) is tuned, rows
+        assert on_skinny_kernel(x, weight, None) is asked, rows
+        assert not on_skinny_kernel(x, weight, frozenset({(4, 8)}))
+
+
 def test_the_kernel_follows_the_runners_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     target = make_tiny_target("qwen3", num_layers=1)
     assert StaticTarget(target, 1, 8).matmul == "torch"  # kernels="torch"
