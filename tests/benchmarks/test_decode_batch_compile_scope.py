@@ -34,8 +34,9 @@ def test_layer_scope_points_compile_three_graphs_per_forward(tmp_path: Path, mon
     points = result["shapes"]["smollm2"]["points"]
     assert [(p["drafter"], p["compiled"], p["compile_error"]) for p in points] == [(False, True, None),
                                                                                   (True, True, None)]
-    # Target alone (3 graphs), then the drafted cycle: the target's at the block's shapes (3) and the drafter's (3).
-    assert counter.frame_count == 9
+    # Target alone (3 graphs), then the drafted cycle: the target's at the block's shapes (3), the drafter's (3)
+    # and the block's embedding (1).
+    assert counter.frame_count == 10
     torch._dynamo.reset()
 
 
