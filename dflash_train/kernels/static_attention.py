@@ -6,7 +6,9 @@ per head, a few dozen on a GPU with 132 SMs, and the step waits on their latency
 layer for one query over 1.3k slots on the H200, 17 % of a Qwen3-8B-shaped decode step). Here, as in
 flash-decoding, the keys are cut into splits and each (row, KV head, split) gets a program; a second
 launch merges the splits' partial softmaxes. The query heads that share a KV head are processed together
-(grouped-query attention without repeating K/V).
+(grouped-query attention without repeating K/V). How a launch cuts the work (split length, warps, key-tile
+width, query rows a program) is its `Plan`: the fastest measured on an H200 for the decode and verify
+shapes of the reference targets (`TUNED_PLANS`, `benchmarks.static_attention`), a rule elsewhere.
 
 Which slots a query sees comes from `bounds` [n, 2, T] (first and last visible slot of each query, both
 inclusive): causal attention is [0, position], a sliding window [position - window + 1, position]. Slots
