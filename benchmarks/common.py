@@ -106,6 +106,29 @@ def median(values: list[float]) -> float:
     return statistics.median(values)
 
 
+def graph_us(calls: list[Callable[[], Any]], replays: int) -> float:
+    """Median µs per call of `calls` run in order, captured once as one CUDA graph (no launch gap between
+    them, as in a graphed decode step), over `replays` replays timed with CUDA events."""
+    for call in calls:  # compiles, and warms up cuBLAS's handles
+        call()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for call in calls:
+            call()
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    del graph
+    return median(times) * 1e3 / len(calls)
+
+
 def measure_matmul_tflops(n: int = 8192, iters: int = 10) -> float:
     """The bf16 matmul ceiling of this device, measured now (it varies from day to day)."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)

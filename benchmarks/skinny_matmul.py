@@ -30,6 +30,7 @@ hide the few µs each small product loses to starting up (experimental; the runt
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -41,7 +42,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import RESULTS_DIR, median, stamp
+from benchmarks.common import RESULTS_DIR, stamp
+from benchmarks.common import graph_us as common_graph_us
 from dflash_train.kernels import skinny_matmul as sm
 
 QWEN3_8B_PRODUCTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24576, 4096),
@@ -71,24 +73,7 @@ def candidates(k: int = 4096) -> list[sm.Config]:
 def graph_us(fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], x: torch.Tensor,
              weights: list[torch.Tensor], replays: int) -> float:
     """Median µs per call of `fn(x, w)` for each w, captured as one CUDA graph."""
-    for w in weights:  # compiles, and warms up cuBLAS's handles
-        fn(x, w)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return median(times) * 1e3 / len(weights)
+    return common_graph_us([functools.partial(fn, x, w) for w in weights], replays)
 
 
 def kernel_fn(config: sm.Config | None, pdl: bool = False) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, median, stamp
+from benchmarks.common import RESULTS_DIR, graph_us, stamp
 from dflash_train.kernels import static_attention as sa
 
 # shape -> (query heads, KV heads, head dim, layers a step)
@@ -46,28 +46,6 @@ def plans(keys: int, rows: int) -> list[sa.Plan]:
         if split_len < 2 * keys and query_rows < rows:
             candidates.append(sa.Plan(split_len, warps, block_n, query_rows))
     return candidates
-
-
-def graph_us(calls: list[Any], replays: int) -> float:
-    """Median µs per call of the calls (closures), captured once as one CUDA graph."""
-    for call in calls:
-        call()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for call in calls:
-            call()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    del graph
-    return median(times) * 1e3 / len(calls)
 
 
 def measure(shape: str, tokens: int, context: int, length: int, replays: int) -> dict[str, Any]:
