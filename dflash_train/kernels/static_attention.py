@@ -33,7 +33,7 @@ from typing import NamedTuple
 import torch
 from torch.library import triton_op, wrap_triton
 
-from dflash_train.kernels._triton import interpreting, jit, next_power_of_2, tl
+from dflash_train.kernels._triton import HAS_TRITON, interpreting, jit, next_power_of_2, tl, triton
 from dflash_train.kernels.device import prefetch_l2_bulk
 
 BLOCK_N = 64  # keys per tile; a split is a whole number of tiles
@@ -69,12 +69,12 @@ def static_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr,
+    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr, counter_ptr, out_ptr,
     sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
     kv_heads, keys, split_len, num_splits, scale, pf_numel, pf_chunk,
     T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr,
+    PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr, MERGE: tl.constexpr,
 ):
     # IEEE: fp32 inputs, fp32 products. UPCAST: bf16/fp16 inputs multiplied as fp32 (the interpreter's dot
     # cannot multiply bf16); else the tensor cores' bf16/fp16 dot with fp32 sums, as flash attention.
@@ -145,6 +145,40 @@ def _split_kernel(
     part = pid * num_splits + split
     tl.store(part_lse_ptr + part * ROWS + r, lse)
     tl.store(part_o_ptr + (part * ROWS + r[:, None]) * BLOCK_D + d[None, :], out)
+    if MERGE:  # the last of these rows' splits to finish merges them all, in split order: no second launch
+        tl.debug_barrier()  # every thread's partial results stored before the release below
+        counter = counter_ptr + pid * (ROWS // BLOCK_M) + tl.program_id(2)
+        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
+            tl.debug_barrier()  # no thread reads another split's results before the acquire above
+            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, pid, row, r, r_ok, head, token, d, kv_heads * GROUPS,
+                          num_splits, T, D, ROWS, BLOCK_M, BLOCK_D)
+            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, pid, row, r, r_ok, head, token, d, heads, num_splits,
+                  T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr):
+    """`_combine_kernel`'s merge for one program's rows, splits summed one after another (loads through L2:
+    the other programs' results were written from other multiprocessors)."""
+    top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for sp in range(0, num_splits):
+        top = tl.maximum(top, tl.load(part_lse_ptr + (pid * num_splits + sp) * ROWS + r, cache_modifier=".cg"))
+    top = tl.where(top == float("-inf"), 0.0, top)  # rows no split saw: every weight 0
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for sp in range(0, num_splits):
+        part = pid * num_splits + sp
+        weight = tl.exp(tl.load(part_lse_ptr + part * ROWS + r, cache_modifier=".cg") - top)
+        o = tl.load(part_o_ptr + (part * ROWS + r[:, None]) * BLOCK_D + d[None, :], cache_modifier=".cg")
+        acc += o * weight[:, None]
+        denom += weight
+    out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    dst = out_ptr + ((row.to(tl.int64) * T + token[:, None]) * heads + head[:, None]) * D + d[None, :]
+    tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (d[None, :] < D))
+
+
+if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
+    _merge_splits = triton.jit(_merge_splits)
 
 
 def _combine_kernel(
@@ -196,6 +230,7 @@ class Plan(NamedTuple):
     warps: int
     block_n: int = BLOCK_N
     query_rows: int = 0
+    merge_in_split: bool = False  # the last split program merges (needs a zeroed counter buffer), else a second launch
 
 
 # Plans measured fastest on an H200 (`benchmarks.static_attention`, 1,024 visible slots of 1,280, a layer's
@@ -230,7 +265,8 @@ def prefetch_chunk(numel: int, element_bytes: int, parts: int) -> int:
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
-            prefetch: torch.Tensor | None = None, plan: Plan | None = None) -> torch.Tensor:
+            prefetch: torch.Tensor | None = None, plan: Plan | None = None,
+            counters: torch.Tensor | None = None) -> torch.Tensor:
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -241,6 +277,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     block_m = min(plan.query_rows or rows, rows)
     assert block_m >= 16 and rows % block_m == 0, "a program's query rows: a power of two, at least 16"
     split_len, num_splits, warps = plan.split_len, _ceil_div(keys, plan.split_len), plan.warps
+    merge = plan.merge_in_split
+    assert not merge or (counters is not None and counters.dtype == torch.int32
+                         and counters.numel() >= n * kv_heads * (rows // block_m)), "a zeroed int32 counter a program"
     part_o = torch.empty(n * kv_heads * num_splits * rows * block_d, device=q.device, dtype=torch.float32)
     part_lse = torch.empty(n * kv_heads * num_splits * rows, device=q.device, dtype=torch.float32)
     out = torch.empty((n, t, heads, dim), device=q.device, dtype=q.dtype)
@@ -252,12 +291,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     parts = 32 * warps  # bulk requests a program: one a thread
     chunk = prefetch_chunk(weight.numel(), weight.element_size(), n * kv_heads * num_splits * parts)
     split_kernel[(n * kv_heads, num_splits, rows // block_m)](
-        q, k, v, bounds, part_o, part_lse, weight, *q.stride(), *k.stride(), *v.stride(),
+        q, k, v, bounds, part_o, part_lse, weight, counters if merge else bounds, out,
+        *q.stride(), *k.stride(), *v.stride(),
         kv_heads, keys, split_len, num_splits, scale, weight.numel(), chunk,
         T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, PREFETCH=asked,
-        PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), num_warps=warps,
+        PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), MERGE=merge, num_warps=warps,
     )
+    if merge:
+        return out
     combine_kernel[(n * kv_heads, groups * t)](
         part_o, part_lse, out, kv_heads, num_splits,
         T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
@@ -282,8 +324,9 @@ def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
 
 
 def static_attention_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
-                             plan: Plan) -> torch.Tensor:
+                             plan: Plan, counters: torch.Tensor | None = None) -> torch.Tensor:
     """`static_attention_triton` (eager) with the work cut by `plan` instead of `default_plan`: for timing
-    other plans (`benchmarks.static_attention`)."""
+    other plans (`benchmarks.static_attention`). A plan that merges in its split kernel takes `counters`:
+    int32 zeros, one per (row, KV head, query-row tile), left zeroed for the next launch."""
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
-    return _launch(q, k, v, bounds.contiguous(), float(scale), plan=plan)
+    return _launch(q, k, v, bounds.contiguous(), float(scale), plan=plan, counters=counters)

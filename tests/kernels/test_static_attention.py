@@ -96,6 +96,29 @@ def test_every_plan_matches_the_reference(plan: tuple[int, ...], groups: int) ->
     torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
 
 
+@kernels_here
+@pytest.mark.parametrize("plan", [(32, 4, 32), (64, 4, 64, 16), (512, 4, 64)])
+@pytest.mark.parametrize("groups", [4, 3])
+def test_the_split_kernel_merging_its_own_splits_matches_the_reference(plan: tuple[int, ...], groups: int) -> None:
+    """A plan that merges in the split kernel's last program (no second launch): the reference's attention,
+    twice in a row on one counter buffer (the last program leaves it zeroed), at one split and at many, with
+    query-row tiles, and a program of only padding rows (3 groups)."""
+    from dflash_train.kernels.static_attention import Plan, static_attention_planned
+
+    q, k, v, positions = make_case(2, 2 * groups, 2, 16, 300, 32, torch.float32, seed=12)
+    bounds = bounds_from_positions(positions, None)
+    expected = static_attention_reference(q, k, v, bounds, scale=0.2)
+    counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+    merged = Plan(*plan)._replace(merge_in_split=True)
+    for _ in range(2):
+        got = static_attention_planned(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.2, merged,
+                                       counters)
+        torch.testing.assert_close(got.cpu(), expected, atol=1e-5, rtol=1e-5)
+        assert not counters.any()
+    with pytest.raises(AssertionError, match="zeroed int32 counter"):
+        static_attention_planned(q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.2, merged)
+
+
 def test_a_plan_cuts_splits_into_whole_tiles() -> None:
     from dflash_train.kernels.static_attention import Plan, default_plan, static_attention_planned
 
@@ -163,7 +186,9 @@ def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int,
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
     constants = {**shapes, "BLOCK_M": 16, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False, "PREFETCH": False,
                  "PF_PARTS": 128, "PF_ELEMENT_BYTES": 2}
-    compile_for_h100(_split_kernel, constants, {**pointers, "pf_ptr": "*bf16"}, float_type)
+    split_pointers = {**pointers, "pf_ptr": "*bf16", "counter_ptr": "*i32"}
+    for merge in (False, True):
+        compile_for_h100(_split_kernel, {**constants, "MERGE": merge}, split_pointers, float_type)
     compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)
 
 
@@ -176,11 +201,12 @@ def split_kernel_arguments(prefetch: bool) -> dict[str, object]:
     return dict(q_ptr=torch.empty(1, 32, 1, 128, **bf16), k_ptr=torch.empty(1, 8, 1024, 128, **bf16),
                 v_ptr=torch.empty(1, 8, 1024, 128, **bf16), bounds_ptr=torch.empty(1, 2, 1, dtype=torch.int32),
                 part_o_ptr=torch.empty(16 * 16 * 128), part_lse_ptr=torch.empty(16 * 16),
-                pf_ptr=torch.empty(4096, 4096, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
+                pf_ptr=torch.empty(4096, 4096, **bf16), counter_ptr=torch.empty(8, dtype=torch.int32),
+                out_ptr=torch.empty(1, 1, 32, 128, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
                 **{name.replace("sk", "sv"): value for name, value in cache.items()}, kv_heads=8, keys=1024,
                 split_len=64, num_splits=16, scale=0.088, pf_numel=4096 * 4096, pf_chunk=1024, T=1, GROUPS=4, D=128,
                 ROWS=16, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_D=128, IEEE=False, UPCAST=False, PREFETCH=prefetch, PF_PARTS=128,
-                PF_ELEMENT_BYTES=2)
+                PF_ELEMENT_BYTES=2, MERGE=False)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -193,9 +219,9 @@ def test_the_next_weight_is_asked_of_l2_before_the_cache_is_read(monkeypatch: py
 
     arguments = split_kernel_arguments(prefetch=True)
     constants = {name: arguments[name] for name in ("T", "GROUPS", "D", "ROWS", "BLOCK_M", "BLOCK_N", "BLOCK_D", "IEEE",
-                                                     "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES")}
+                                                     "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES", "MERGE")}
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bounds_ptr": "*i32", "part_o_ptr": "*fp32",
-                "part_lse_ptr": "*fp32", "pf_ptr": "*bf16"}
+                "part_lse_ptr": "*fp32", "pf_ptr": "*bf16", "counter_ptr": "*i32", "out_ptr": "*bf16"}
     ptx = compile_for_h100(_split_kernel, constants, pointers, "fp32")
     assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("mma")
     assert "cp.async.bulk.prefetch" not in compile_for_h100(_split_kernel, {**constants, "PREFETCH": False},
