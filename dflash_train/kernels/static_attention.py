@@ -310,16 +310,41 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
 @triton_op("dflash_train::static_attention", mutates_args=())
 def _static_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
                          scale: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    return _launch(q, k, v, bounds, scale, prefetch)
+    return _launch(q, k, v, bounds, scale, prefetch, plan=_plan_for(q, k)._replace(merge_in_split=False))
+
+
+@triton_op("dflash_train::static_attention_merged", mutates_args={"counters"})
+def _static_attention_merged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
+                                scale: float, counters: torch.Tensor) -> torch.Tensor:
+    return _launch(q, k, v, bounds, scale, plan=_plan_for(q, k), counters=counters)
+
+
+def _plan_for(q: torch.Tensor, k: torch.Tensor) -> Plan:
+    """`default_plan` at this launch's shapes."""
+    n, heads, t, dim = q.shape
+    rows = max(16, next_power_of_2(heads // k.shape[1] * t))
+    return default_plan(n * k.shape[1], k.shape[2], rows, _processors(q.device), dim, n)
+
+
+def counters_for(batch_size: int, kv_heads: int, device: torch.device) -> torch.Tensor:
+    """Zeroed counters for launches of up to `batch_size` rows whose plan merges in its split kernel: one per
+    (row, KV head, query-row tile); each launch leaves them zeroed. A runner owns one buffer for its layers,
+    whose launches run one after another."""
+    return torch.zeros(batch_size * kv_heads * (MAX_QUERY_ROWS // 16), dtype=torch.int32, device=device)
 
 
 def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                            scale: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+                            scale: float, prefetch: torch.Tensor | None = None,
+                            counters: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `static_attention_reference`; a custom op, so torch.compile keeps it in its graph.
-    `prefetch`: a contiguous weight the next kernel reads, asked of L2 meanwhile (module docstring)."""
+    `prefetch`: a contiguous weight the next kernel reads, asked of L2 meanwhile (module docstring).
+    `counters` (`counters_for`): lets a plan that merges in its split kernel run so (one launch, not two);
+    without them, or with a weight to prefetch, the partial results are merged by a second launch."""
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
     assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
     assert prefetch is None or prefetch.is_contiguous(), "the weight to prefetch must be contiguous"
+    if counters is not None and prefetch is None and _plan_for(q, k).merge_in_split:
+        return _static_attention_merged_op(q, k, v, bounds.contiguous(), float(scale), counters)
     return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch)
 
 

@@ -76,10 +76,11 @@ class DraftLayerKernels:
 
     def __call__(self, h: torch.Tensor, pending: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                 bounds: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 bounds: torch.Tensor, counters: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows h + pending [n, B, H] at positions [n, B] of cache rows [n]; keys/values
         [b, kv, max_len, D] (the block's K/V are written into them); bounds [n, 2, B]: the slots each query
-        sees -> (h', pending'), the layer's output being h' + pending'. The MLP's residual add is left to
+        sees; counters: the attention's (`static_attention.counters_for`) -> (h', pending'), the layer's output
+        being h' + pending'. The MLP's residual add is left to
         the next layer (`pending`: zeros for the first), whose input norm takes it in the same kernel: one
         launch fewer a layer when layers are compiled one at a time. The fused products add it in their
         epilogue instead, so there pending stays zero."""
@@ -90,7 +91,8 @@ class DraftLayerKernels:
         if not fuse:
             h = h + pending
         q = self._queries(h, fuse, cos, sin, keys, values, positions, rows)  # [n, B, heads, D], K/V written
-        out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale)  # [n, B, heads, D]
+        out = static_attention_triton(q.transpose(1, 2), keys, values, bounds, self.scale,
+                                      counters=counters)  # [n, B, heads, D]
         out = out.reshape(n, t, -1)
         if fuse:
             h = skinny_fused_triton(out, attn.o_proj.weight, attn.o_proj.bias, residual=h)

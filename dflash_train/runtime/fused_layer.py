@@ -64,6 +64,7 @@ class LayerCache(Protocol):
     # skinny-matmul kernel (None: every weight)
     skinny_fusion: bool  # those products with the norms, SwiGLU and residual adds folded in
     prefetch_weights: bool  # the attention kernel asks L2 for o_proj's weight while it reads the cache
+    attention_counters: torch.Tensor  # zeroed counters, for attention plans that merge in their split kernel
     rows: torch.Tensor  # [n] cache row of each input row
     positions: torch.Tensor  # [n, T] position (= cache slot) of each token
 
@@ -174,7 +175,8 @@ class FusedLayer:
         follows asked of L2 meanwhile where the cache says so (a contiguous weight: not a fused view)."""
         weight = self.attn.o_proj.weight
         prefetch = {"prefetch": weight} if cache.prefetch_weights and weight.is_contiguous() else {}
-        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling, **prefetch)
+        out, _ = self.attention_fn(self.attn, q, keys, values, attention_mask, scaling=self.scaling, **prefetch,
+                                   counters=cache.attention_counters)
         return out.reshape(q.shape[0], q.shape[2], -1)
 
     def _fuses(self, hidden: torch.Tensor, cache: LayerCache) -> bool:

@@ -29,6 +29,7 @@ from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
+from dflash_train.kernels.static_attention import counters_for
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
@@ -63,6 +64,7 @@ class StaticDrafter:
                 supported(layer, block_size, self.dtype) for layer in draft.layers):
             self.layer_kernels = [DraftLayerKernels(layer, fused_products, skinny_shapes) for layer in draft.layers]
         self.rows = torch.arange(batch_size, device=device)
+        self.attention_counters = counters_for(batch_size, draft.layers[0].self_attn.num_kv_heads, device)
         self._zero_rows = torch.zeros(batch_size, block_size, draft.config.hidden_size, device=device,
                                       dtype=self.dtype)
 
@@ -188,14 +190,15 @@ class StaticDrafter:
             torch.Tensor, torch.Tensor, torch.Tensor, Any]:
         """(block rows [b, B, H] in the drafter's dtype, RoPE cos and sin, what the block sees): the mask
         [b, 1, B, max_len + B] over [cache ; block], or on the kernels (positions [b, B], cache rows [b],
-        bounds [b, 2, B]: slots 0 .. start + B - 1, the context and the block written at its positions)."""
+        bounds [b, 2, B]: slots 0 .. start + B - 1, the context and the block written at its positions; the
+        attention's counters)."""
         b, width = positions.shape
         h = block_embeds.to(self.dtype)
         cos, sin = self.draft.rotary_emb(positions, h.dtype)
         if self.layer_kernels is not None:
             last = (start + width - 1)[:, None].expand(b, width)
             bounds = torch.stack([torch.zeros_like(last), last], dim=1).to(torch.int32)
-            return h, cos, sin, (positions, self.rows, bounds)
+            return h, cos, sin, (positions, self.rows, bounds, self.attention_counters)
         context_visible = (self.slots[None, :] < start[:, None])[:, None, None, :]  # [b, 1, 1, max_len]
         mask = torch.cat([context_visible.expand(b, 1, width, -1), self.block_visible], dim=-1)
         return h, cos, sin, mask

@@ -47,7 +47,12 @@ from transformers import AttentionInterface
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import tuned_shapes
-from dflash_train.kernels.static_attention import bounds_from_positions, fits, static_attention_triton
+from dflash_train.kernels.static_attention import (
+    bounds_from_positions,
+    counters_for,
+    fits,
+    static_attention_triton,
+)
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
 from dflash_train.target import TargetModel, validate_target_layer_ids
@@ -82,11 +87,13 @@ def static_attention(
     """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None).
 
     An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query); there a
-    `prefetch` weight (the fused layers' o_proj, `StaticTarget(prefetch_weights=True)`) is asked of L2 meanwhile."""
+    `prefetch` weight (the fused layers' o_proj, `StaticTarget(prefetch_weights=True)`) is asked of L2 meanwhile,
+    and the fused layers' `counters` let a plan that merges in its split kernel do so."""
     b, heads, t, d = query.shape
     if attention_mask.dtype != torch.bool:
         scale = scaling if scaling is not None else d ** -0.5
-        return static_attention_triton(query, key, value, attention_mask, scale, kwargs.get("prefetch")), None
+        return static_attention_triton(query, key, value, attention_mask, scale, kwargs.get("prefetch"),
+                                       kwargs.get("counters")), None
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
@@ -117,6 +124,7 @@ class _WriteCache:
         self.skinny_shapes = runner.skinny_shapes
         self.skinny_fusion = runner.matmul == "fused"
         self.prefetch_weights = runner.prefetch_weights and runner.kernels == "triton"
+        self.attention_counters = runner.attention_counters
 
     def storage(self, layer_idx: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's whole cache, keys and values [b, kv, max_len, D]."""
@@ -194,6 +202,7 @@ class StaticTarget:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
         self.batch_size, self.max_length = batch_size, max_length
         self.all_rows = torch.arange(batch_size, device=device)
+        self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
         self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
         params = inspect.signature(self.layers[0].forward).parameters

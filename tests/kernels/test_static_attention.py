@@ -158,6 +158,35 @@ def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None
     check_prefill_and_verify(arch, kernels="triton", device=DEVICE)
 
 
+@kernels_here
+def test_the_runtime_runs_merging_plans_on_its_counters(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With every default plan merging in its split kernel, the target runner (prefill, then verify blocks)
+    still computes the model's own forward and the drafter's kernel layers the drafter's own, each launch on
+    the runner's counters, left zeroed."""
+    from dflash_train.kernels import static_attention as sa
+    from tests.helpers.static_target import check_prefill_and_verify
+    from tests.kernels.test_draft_layer import blocks_through
+
+    monkeypatch.setattr(sa, "default_plan", lambda *args, **kwargs: sa.Plan(32, 4, 32, 0, True))
+    merged: list[torch.Tensor] = []
+    real = sa._static_attention_merged_op
+
+    def counting(*args: object) -> torch.Tensor:
+        merged.append(args[-1])  # the counters
+        return real(*args)
+
+    monkeypatch.setattr(sa, "_static_attention_merged_op", counting)
+    check_prefill_and_verify("qwen3", kernels="triton", device=DEVICE)
+    assert merged and not any(counters.any() for counters in merged)
+    merged.clear()
+    kernel_hidden, drafter = blocks_through("kernel")
+    sdpa_hidden, _ = blocks_through("sdpa")
+    for ours, reference in zip(kernel_hidden, sdpa_hidden, strict=True):
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
+    assert merged and all(counters is drafter.attention_counters for counters in merged)
+    assert not drafter.attention_counters.any()
+
+
 def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
     from dflash_train.runtime.static_target import StaticTarget
     from tests.helpers.tiny_models import make_tiny_target

@@ -108,9 +108,11 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
     from dflash_train.runtime import static_target
 
     given: list[torch.Tensor | None] = []
+    counted: list[torch.Tensor | None] = []
 
-    def recording(q, k, v, bounds, scale, prefetch=None):  # noqa: ANN001, ANN202 (the kernel's signature)
+    def recording(q, k, v, bounds, scale, prefetch=None, counters=None):  # noqa: ANN001, ANN202 (the kernel's)
         given.append(prefetch)
+        counted.append(counters)
         return static_attention_reference(q, k, v, bounds, scale)
 
     monkeypatch.setattr(static_target, "static_attention_triton", recording)
@@ -128,3 +130,4 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
         assert len(given) == 6 and all(g is w for g, w in zip(given, o_proj, strict=True))
     else:
         assert given == [None] * 6
+    assert all(c is runner.attention_counters for c in counted)  # one zeroed buffer for every layer
