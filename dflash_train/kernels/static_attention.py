@@ -326,6 +326,14 @@ def _plan_for(q: torch.Tensor, k: torch.Tensor) -> Plan:
     return default_plan(n * k.shape[1], k.shape[2], rows, _processors(q.device), dim, n)
 
 
+def _tuned_to_merge(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether this launch's plan merges in its split kernel: only a tuned plan does. Shapes and the table
+    alone (no device query), since torch.compile evaluates it while tracing the layer."""
+    heads, t, dim = q.shape[1], q.shape[2], q.shape[3]
+    tuned = TUNED_PLANS.get((max(16, next_power_of_2(heads // k.shape[1] * t)), dim))
+    return tuned is not None and tuned.merge_in_split
+
+
 def counters_for(batch_size: int, kv_heads: int, device: torch.device) -> torch.Tensor:
     """Zeroed counters for launches of up to `batch_size` rows whose plan merges in its split kernel: one per
     (row, KV head, query-row tile); each launch leaves them zeroed. A runner owns one buffer for its layers,
@@ -343,7 +351,7 @@ def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, b
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
     assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
     assert prefetch is None or prefetch.is_contiguous(), "the weight to prefetch must be contiguous"
-    if counters is not None and prefetch is None and _plan_for(q, k).merge_in_split:
+    if counters is not None and prefetch is None and _tuned_to_merge(q, k):
         return _static_attention_merged_op(q, k, v, bounds.contiguous(), float(scale), counters)
     return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch)
 

@@ -168,6 +168,7 @@ def test_the_runtime_runs_merging_plans_on_its_counters(monkeypatch: pytest.Monk
     from tests.kernels.test_draft_layer import blocks_through
 
     monkeypatch.setattr(sa, "default_plan", lambda *args, **kwargs: sa.Plan(32, 4, 32, 0, True))
+    monkeypatch.setattr(sa, "_tuned_to_merge", lambda q, k: True)
     merged: list[torch.Tensor] = []
     real = sa._static_attention_merged_op
 
@@ -185,6 +186,15 @@ def test_the_runtime_runs_merging_plans_on_its_counters(monkeypatch: pytest.Monk
         torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-5)
     assert merged and all(counters is drafter.attention_counters for counters in merged)
     assert not drafter.attention_counters.any()
+
+
+def test_only_a_tuned_merging_plan_takes_the_one_launch_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    from dflash_train.kernels import static_attention as sa
+
+    q, k = torch.zeros(1, 32, 16, 128), torch.zeros(1, 8, 64, 128)  # Qwen3-8B's verify block: 64 query rows
+    assert not sa._tuned_to_merge(q, k)  # no tabled plan merges yet
+    monkeypatch.setitem(sa.TUNED_PLANS, (64, 128), sa.Plan(128, 4, 32, 0, True))
+    assert sa._tuned_to_merge(q, k) and not sa._tuned_to_merge(q[:, :, :1], k)  # the decode step's keeps two
 
 
 def test_the_runner_uses_bounds_only_where_the_kernel_fits() -> None:
