@@ -164,8 +164,8 @@ def test_the_runtime_runs_merging_plans_on_its_counters(monkeypatch: pytest.Monk
     still computes the model's own forward and the drafter's kernel layers the drafter's own, each launch on
     the runner's counters, left zeroed."""
     from dflash_train.kernels import static_attention as sa
+    from tests.helpers.draft_blocks import blocks_through
     from tests.helpers.static_target import check_prefill_and_verify
-    from tests.kernels.test_draft_layer import blocks_through
 
     monkeypatch.setattr(sa, "default_plan", lambda *args, **kwargs: sa.Plan(32, 4, 32, 0, True))
     monkeypatch.setattr(sa, "_tuned_to_merge", lambda q, k: True)
