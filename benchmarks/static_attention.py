@@ -102,7 +102,7 @@ def measure(shape: str, tokens: int, context: int, length: int, replays: int) ->
     then the three fastest and the default again with the merge done by the split kernel's last program."""
     heads, kv_heads, dim, _ = SHAPES[shape]
     case = make_case(shape, tokens, context, length)
-    block_m = max(16, sa.next_power_of_2(heads // kv_heads * tokens))
+    block_m = sa.query_rows(heads, kv_heads, tokens)
     processors = torch.cuda.get_device_properties(0).multi_processor_count
     default = sa.default_plan(kv_heads, length, block_m, processors, dim)
     rule = sa.default_plan(kv_heads, length, block_m, processors)  # the plan without the tuned table

@@ -47,6 +47,11 @@ def bounds_from_positions(positions: torch.Tensor, window: int | None) -> torch.
     return torch.stack([lo, hi], dim=1).to(torch.int32)
 
 
+def query_rows(heads: int, kv_heads: int, tokens: int) -> int:
+    """A KV head's query rows in one launch (its query heads x new tokens), padded to a power of two >= 16."""
+    return max(16, next_power_of_2(heads // kv_heads * tokens))
+
+
 def fits(heads: int, kv_heads: int, tokens: int) -> bool:
     """Whether `tokens` new tokens per row fit one program's query tile (else the caller uses SDPA)."""
     return next_power_of_2((heads // kv_heads) * tokens) <= MAX_QUERY_ROWS
@@ -270,7 +275,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
-    rows = max(16, next_power_of_2(groups * t))
+    rows = query_rows(heads, kv_heads, t)
     block_d = max(16, next_power_of_2(dim))
     plan = plan or default_plan(n * kv_heads, keys, rows, _processors(q.device), dim, n)
     assert plan.split_len % plan.block_n == 0, "a split is a whole number of key tiles"
@@ -322,15 +327,14 @@ def _static_attention_merged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _plan_for(q: torch.Tensor, k: torch.Tensor) -> Plan:
     """`default_plan` at this launch's shapes."""
     n, heads, t, dim = q.shape
-    rows = max(16, next_power_of_2(heads // k.shape[1] * t))
+    rows = query_rows(heads, k.shape[1], t)
     return default_plan(n * k.shape[1], k.shape[2], rows, _processors(q.device), dim, n)
 
 
 def _tuned_to_merge(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether this launch's plan merges in its split kernel: only a tuned plan does. Shapes and the table
     alone (no device query), since torch.compile evaluates it while tracing the layer."""
-    heads, t, dim = q.shape[1], q.shape[2], q.shape[3]
-    tuned = TUNED_PLANS.get((max(16, next_power_of_2(heads // k.shape[1] * t)), dim))
+    tuned = TUNED_PLANS.get((query_rows(q.shape[1], k.shape[1], q.shape[2]), q.shape[3]))
     return tuned is not None and tuned.merge_in_split
 
 
