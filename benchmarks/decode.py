@@ -82,281 +82,44 @@ our loop, of the reference loop (`benchmarks/reference_loop.py`), of our target-
 from __future__ import annotations
 
 import argparse
-import bisect
-import contextlib
-import functools
 import gc
 import json
-import math
 import pathlib
-import re
-import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from benchmarks.common import kernel_analysis_fallbacks, median, results_directory, stamp, time_calls
-from benchmarks.shapes import SHAPES, TINY_QWEN3, random_target
+from benchmarks.common import kernel_analysis_fallbacks, results_directory, stamp
+from benchmarks.decode_kernels import kernel_timings
+from benchmarks.decode_smollm2 import section_smollm2
+from benchmarks.decode_timing import (
+    COPY_BANDWIDTH,
+    QUEUED,
+    draft_bytes_per_cycle,
+    engine_step_ms,
+    hf_step_ms,
+    queued_step_ms,
+    random_draft,
+    weight_bytes_per_step,
+)
+from benchmarks.profiling import (
+    as_intervals,
+    call_timeline,
+    category_table,
+    gpu_time,
+    kernel_categories,
+    kernel_profile,
+    profiled_calls,
+)
+from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels import skinny_matmul
-from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import resolve_kernels
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
-
-COPY_BANDWIDTH = 4.3e12  # H200 measured copy bandwidth, bytes/s (docs/design.md §10)
-@contextlib.contextmanager
-def default_dtype(dtype: torch.dtype) -> Iterator[None]:
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int, iters: int) -> float:
-    """Median milliseconds per call (CUDA events on GPU, wall clock on CPU)."""
-    return median(time_calls(fn, device, warmup, iters))
-
-
-def random_draft(target: TargetModel, layers: int, block_size: int, mask_token_id: int) -> DFlashDraftModel:
-    config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_token_id, num_hidden_layers=layers,
-                                             block_size=block_size)
-    torch.manual_seed(1)
-    # Built in the target dtype directly: `.to(bfloat16)` would also round the RoPE frequencies.
-    with torch.device(target.device), default_dtype(target.dtype):
-        return DFlashDraftModel(config).eval()
-
-
-def weight_bytes_per_step(target: TargetModel) -> int:
-    """Bytes a decode step reads: every weight except the input embedding (one row of it is read)."""
-    embed = target.embed_tokens.weight
-    total = sum(p.numel() * p.element_size() for p in target.model.parameters())
-    return total if target.embeddings_tied else total - embed.numel() * embed.element_size()
-
-
-def draft_bytes_per_cycle(target: TargetModel, draft: DFlashDraftModel) -> int:
-    """Bytes a DFlash cycle reads beyond a verify step's: the drafter's own weights (its layers, the context
-    fusion and norms; it borrows the target's embedding and head) and the target's head again, for the drafts'
-    logits. With the step's, the floor of a cycle: what a cycle costs over a step at equal bandwidth."""
-    head = target.model.get_output_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in draft.parameters()) + head.numel() * head.element_size()
-
-
-def engine_step_ms(engine: DecodeEngine, prompt: list[int], warmup: int, iters: int,
-                   setup: dict[str, float] | None = None) -> float:
-    """One replayed cycle of `engine` with a request in flight at the prompt's end in each of its rows;
-    `setup["seconds"]` gets the wall time to the end of the first cycle (compilation and graph capture
-    included)."""
-    start = time.perf_counter()
-    engine.prepare()
-    rows = engine.config.batch_size
-    engine.prefill(list(range(rows)), [prompt] * rows)
-    engine.step()
-    if engine.device.type == "cuda":
-        torch.cuda.synchronize(engine.device)
-    if setup is not None:
-        setup["seconds"] = time.perf_counter() - start
-    return time_ms(engine.step, engine.device, warmup, iters)
-
-
-# Cycles queued back to back in the queued timing: the decode loop keeps the GPU fed the same way, reading a
-# row's finished flag `EngineConfig.lookahead` cycles late, so a replay's launch latency hides behind the work.
-QUEUED = 8
-
-
-def queued_step_ms(engine: DecodeEngine, warmup: int, iters: int, depth: int = QUEUED) -> float:
-    """Milliseconds a cycle with `depth` cycles queued between two events: the GPU's time per cycle as the decode
-    loop sees it. `engine_step_ms` waits for each cycle, so it includes the host's launch latency too."""
-    def burst() -> None:
-        for _ in range(depth):
-            engine.step()
-
-    return time_ms(burst, engine.device, max(1, warmup // depth), max(3, iters // depth)) / depth
-
-
-def kernel_profile(step: Callable[[], Any], device: torch.device, iters: int = 10) -> str:
-    """The GPU kernels of `iters` calls (graph replays included), heaviest first: where a step's time goes
-    (on the CPU: its operators)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = device.type == "cuda"
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
-        for _ in range(iters):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=30,
-                                     max_name_column_width=90)
-
-
-# The profiler range around each profiled call: the GPU work between two of them is one call's.
-CALL_MARKER = "decode_call"
-# Ordered: the first pattern found in a kernel's lower-cased name names its category. The project's Triton
-# kernels go by their function names (inductor keeps a user kernel's name); inductor's own `triton_*` kernels
-# are named after the operations fused into them, so of those only a matmul or an rsqrt (an RMS norm) can be
-# told apart. "reduce" (cuBLAS split-K reductions, aten reductions) comes before "cublas" for that reason;
-# cuBLAS's own split-K GEMMs (nvjet ..._splitK_...) stay matmuls.
-KERNEL_CATEGORIES = (
-    ("attention", r"_split_kernel|_combine_kernel|flash|fmha|attention|sdpa|softmax"),
-    ("norm/rope/prologue", r"_rope_cache_kernel|_context_kv_kernel|rms_?norm|layer_?norm|rsqrt|rope|rotary"),
-    ("reduction/split-K", r"reduce|argmax|argmin|topk"),
-    ("matmul", r"gemm|gemv|cutlass|cublas|nvjet|xmma|(?<![a-z])(add|b)?mm(?![a-z])|linear|matmul"),
-    ("other fused", r"^triton_"),
-    ("copy", r"memcpy|memset|copy|index|gather|scatter"),
-)
-
-
-@dataclass(frozen=True)
-class Launch:
-    """One kernel, memory copy or set on the GPU (on a CPU: one top-level operator), in profiler µs."""
-
-    name: str
-    start_us: float
-    duration_us: float
-
-
-def group_by_call(call_starts: Sequence[float], launches: Sequence[Launch]) -> list[list[Launch]]:
-    """`launches` split by call: each goes to the last call started before it (earlier ones are dropped)."""
-    starts = sorted(call_starts)
-    calls: list[list[Launch]] = [[] for _ in starts]
-    for launch in sorted(launches, key=lambda item: item.start_us):
-        index = bisect.bisect_right(starts, launch.start_us) - 1
-        if index >= 0:
-            calls[index].append(launch)
-    return calls
-
-
-def call_intervals(intervals: Sequence[tuple[float, float]]) -> tuple[float, float, float]:
-    """(sum of the durations, time covered by at least one interval, first start to last end) of one
-    call's (start, duration) intervals: kernels overlapping on two streams count once in the second."""
-    total = covered = 0.0
-    first, covered_to = math.inf, -math.inf
-    for start, duration in sorted(intervals):
-        end = start + duration
-        total += duration
-        covered += max(0.0, end - max(start, covered_to))
-        first, covered_to = min(first, start), max(covered_to, end)
-    return total, covered, (covered_to - first) if intervals else 0.0
-
-
-def gpu_time(calls: Sequence[Sequence[tuple[float, float]]]) -> dict[str, float]:
-    """Means over `calls` (each a list of (start_us, duration_us)) of: launches, the time kernels run
-    (`kernel_ms`, overlaps counted once; `overlap_ms`: what overlapping adds to their plain sum), the busy
-    span (first start to last end), the gaps inside it (span - kernel time) and the gap per launch (µs)."""
-    n = max(len(calls), 1)
-    sums = [0.0, 0.0, 0.0, 0.0]  # launches, sum of durations, covered, span
-    for intervals in calls:
-        total, covered, span = call_intervals(intervals)
-        for i, value in enumerate((len(intervals), total, covered, span)):
-            sums[i] += value
-    launches, total, covered, span = (value / n for value in sums)
-    return {"launches": launches, "kernel_ms": covered / 1e3, "overlap_ms": (total - covered) / 1e3,
-            "busy_ms": span / 1e3, "gap_ms": (span - covered) / 1e3,
-            "gap_per_launch_us": (span - covered) / launches if launches else 0.0}
-
-
-def kernel_category(name: str, table: Sequence[tuple[str, str]] = KERNEL_CATEGORIES) -> str:
-    lowered = name.lower()
-    return next((category for category, pattern in table if re.search(pattern, lowered)), "other")
-
-
-def kernel_categories(calls: Sequence[Sequence[Launch]],
-                      table: Sequence[tuple[str, str]] = KERNEL_CATEGORIES) -> dict[str, dict[str, float]]:
-    """Per category of `table` (name, pattern: the first found in a kernel's lower-cased name wins), heaviest
-    first: mean ms of kernel time (plain sums of durations) and launches per call."""
-    totals: dict[str, list[float]] = {}
-    for launch in (launch for call in calls for launch in call):
-        entry = totals.setdefault(kernel_category(launch.name, table), [0.0, 0.0])
-        entry[0] += launch.duration_us
-        entry[1] += 1
-    n = max(len(calls), 1)
-    ranked = sorted(totals.items(), key=lambda item: -item[1][0])
-    return {category: {"ms": us / n / 1e3, "launches": count / n} for category, (us, count) in ranked}
-
-
-@dataclass(frozen=True)
-class CallProfile:
-    calls: list[list[Launch]]  # what each call put on the GPU
-    wall_us: list[float]  # each call's profiler range on the host: the call and its synchronisation
-    # the host time of the named ranges the code marks inside a call (`record_function`), summed over the calls
-    ranges_us: dict[str, float] = field(default_factory=dict)
-
-
-def profiled_calls(step: Callable[[], Any], device: torch.device, iters: int = 10) -> CallProfile:
-    """What each of `iters` profiled calls of `step` put on the GPU: kernels, memory copies and sets
-    (kernels inside a replayed CUDA graph included), grouped by call. Each call runs inside a profiler range
-    and ends with a synchronisation, so no call's GPU work starts before its range or runs past the next
-    one's start. On a CPU: the top-level operators of a call, a stand-in that keeps this code exercised."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    cuda = device.type == "cuda"
-    # CPU activity on a GPU too: the ranges are host events (it costs the graphed loops nothing, a launch each)
-    activities = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
-    with profile(activities=activities) as prof:
-        for _ in range(iters):
-            with record_function(CALL_MARKER):
-                step()
-                if cuda:
-                    torch.cuda.synchronize(device)
-    return split_by_call(prof.events(), cuda)
-
-
-def split_by_call(events: Sequence[Any], cuda: bool) -> CallProfile:
-    """The profiler's events (`torch.autograd.profiler_util.FunctionEvent`s) as a `CallProfile`: the calls
-    are the host's `CALL_MARKER` ranges; the launches, GPU events (or on a CPU, top-level operators)."""
-    from torch.autograd import DeviceType
-
-    ranges = [event.time_range for event in events if event.name == CALL_MARKER and event.device_type == DeviceType.CPU]
-    launches = [Launch(event.name, event.time_range.start, event.time_range.elapsed_us())
-                for event in events if (on_gpu(event) if cuda else top_level_operator(event))]
-    ranges.sort(key=lambda span: span.start)
-    marked: dict[str, float] = {}
-    for event in events:
-        if event.is_user_annotation and event.device_type == DeviceType.CPU and event.name != CALL_MARKER:
-            marked[event.name] = marked.get(event.name, 0.0) + event.time_range.elapsed_us()
-    return CallProfile(group_by_call([span.start for span in ranges], launches),
-                       [span.elapsed_us() for span in ranges], marked)
-
-
-def on_gpu(event: Any) -> bool:
-    """A kernel, memory copy or set (the profiler also puts record_function ranges on the GPU's timeline)."""
-    from torch.autograd import DeviceType
-
-    return (event.device_type == DeviceType.CUDA and not event.is_user_annotation
-            and event.name != CALL_MARKER)
-
-
-def top_level_operator(event: Any) -> bool:
-    parent = event.cpu_parent
-    return event.name.startswith("aten::") and (parent is None or not parent.name.startswith("aten::"))
-
-
-def launches_per_step(step: Callable[[], Any], device: torch.device, iters: int = 3) -> float:
-    """Kernels, memory copies and sets that one call of `step` puts on the GPU (`profiled_calls`)."""
-    return gpu_time(as_intervals(profiled_calls(step, device, iters).calls))["launches"]
-
-
-def as_intervals(calls: Sequence[Sequence[Launch]]) -> list[list[tuple[float, float]]]:
-    return [[(launch.start_us, launch.duration_us) for launch in call] for call in calls]
-
-
-def call_timeline(calls: Sequence[Sequence[Launch]]) -> str:
-    """One call's launches in order (a graphed call puts the same sequence on the GPU each time): index, start
-    after the call's first launch and median duration over the calls of that length (µs), name. Where a
-    category's time goes when one kernel serves both the drafter and the target (the split-key attention)."""
-    if not calls or not calls[0]:
-        return ""
-    same = [call for call in calls if [launch.name for launch in call] == [launch.name for launch in calls[0]]]
-    first = calls[0][0].start_us
-    lines = []
-    for index, launch in enumerate(calls[0]):
-        durations = sorted(call[index].duration_us for call in same)
-        lines.append(f"{index:5d} {launch.start_us - first:10.1f} {durations[len(durations) // 2]:9.2f}  {launch.name}")
-    return "\n".join([f"# {len(same)} of {len(calls)} calls alike; index, start us, median us, kernel", *lines])
 
 
 def record_trace(result: dict[str, Any], key: str, step: Callable[[], Any], device: torch.device,
@@ -380,104 +143,6 @@ def record_trace(result: dict[str, Any], key: str, step: Callable[[], Any], devi
     show(result, f"{key}_launches", f"{key}_launches_per_layer", f"{key}_kernel_ms", f"{key}_gap_ms",
          f"{key}_gap_per_launch_us", f"{key}_host_ms")
     print(category_table(key, result[f"{key}_kernel_categories"]), flush=True)
-
-
-def category_table(key: str, categories: dict[str, dict[str, float]]) -> str:
-    rows = [f"  {category:<20} {entry['ms']:8.3f} ms {entry['launches']:8.1f}" for category, entry in categories.items()]
-    return "\n".join([f"decode: {key} kernel time by category (per call: ms, launches)", *rows])
-
-
-def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) -> float:
-    """A Hugging Face decode step: dynamic cache, eager, cropped back after each step."""
-    from transformers import DynamicCache
-
-    from dflash_train.inference.target_cache import cache_kwargs, rollback
-
-    cache = DynamicCache()
-    kwargs = cache_kwargs(target.model, cache)
-    with torch.inference_mode():
-        target.model(torch.tensor([prompt], device=target.device), **kwargs)
-        token = torch.tensor([[prompt[-1]]], device=target.device)
-        position = torch.tensor([[len(prompt)]], device=target.device)
-
-        def step() -> None:
-            target.model(token, position_ids=position, **kwargs)
-            rollback(cache, len(prompt))
-
-        return time_ms(step, target.device, warmup, iters)
-
-
-def kernel_timings(device: torch.device, vocab: int, draft: DFlashDraftModel, iters: int) -> dict[str, float]:
-    """Fused kernels against their PyTorch references, at the section's shapes (one block of 16)."""
-    from dflash_train.kernels.context_kv import context_kv_reference, context_kv_triton
-    from dflash_train.kernels.greedy_verify import greedy_verify_reference, greedy_verify_triton
-
-    block = 16
-    logits = torch.randn(1, block, vocab, device=device, dtype=torch.bfloat16)
-    tokens = torch.randint(0, vocab, (1, block), device=device)
-    out = torch.zeros(1, 64, dtype=torch.long, device=device)
-    n_out = torch.zeros(1, dtype=torch.long, device=device)
-    done = torch.zeros(1, dtype=torch.bool, device=device)
-    config, cache = draft.config, draft.new_cache(1, 2048)
-    rope = rope_cache_timings(device, iters)
-    kv = torch.randn(block, config.num_hidden_layers, 2, config.num_key_value_heads, config.head_dim, device=device,
-                     dtype=torch.bfloat16)
-    norm = torch.ones(config.num_hidden_layers, config.head_dim, device=device, dtype=torch.bfloat16)
-    cos = torch.randn(2048, config.head_dim, device=device)
-    positions, rows = torch.arange(1000, 1000 + block, device=device), torch.zeros(block, dtype=torch.long, device=device)
-    args = (kv, norm, 1e-6, cos, cos, positions, rows, cache.keys, cache.values)
-    verify = (logits, tokens, out, n_out, done)
-    return attention_timings(device, iters) | rope | {
-        "greedy_verify_triton_ms": time_ms(lambda: greedy_verify_triton(*verify), device, 5, iters),
-        "greedy_verify_torch_ms": time_ms(lambda: greedy_verify_reference(*verify), device, 5, iters),
-        "context_kv_triton_ms": time_ms(lambda: context_kv_triton(*args), device, 5, iters),
-        "context_kv_torch_ms": time_ms(lambda: context_kv_reference(*args), device, 5, iters),
-    }
-
-
-def attention_timings(device: torch.device, iters: int, context: int = 1024, length: int = 1280) -> dict[str, float]:
-    """One layer's attention over the static cache, Qwen3-8B heads (32 query, 8 KV, D 128), for a decode step
-    (1 token) and a verify block (16): the split-key kernel against SDPA with the boolean mask."""
-    from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
-    from dflash_train.runtime.static_target import static_attention
-
-    k = torch.randn(1, 8, length, 128, device=device, dtype=torch.bfloat16)
-    v = torch.randn_like(k)
-    result, scale = {}, 128 ** -0.5
-    for tokens in (1, 16):
-        q = torch.randn(1, tokens, 32, 128, device=device, dtype=torch.bfloat16).transpose(1, 2)
-        positions = torch.arange(context, context + tokens, device=device)[None]
-        bounds = bounds_from_positions(positions, None)
-        visible = (torch.arange(length, device=device)[None, None] <= positions[..., None])[:, None]
-        ours = functools.partial(static_attention_triton, q, k, v, bounds, scale)
-        sdpa = functools.partial(static_attention, None, q, k, v, visible, scaling=scale)
-        result[f"attention_t{tokens}_max_diff"] = float((ours().float() - sdpa()[0].float()).abs().max())
-        result[f"attention_t{tokens}_triton_ms"] = time_ms(ours, device, 5, iters)
-        result[f"attention_t{tokens}_sdpa_ms"] = time_ms(sdpa, device, 5, iters)
-    return result
-
-
-def rope_cache_timings(device: torch.device, iters: int, context: int = 1024) -> dict[str, float]:
-    """One layer's attention prologue at Qwen3-8B heads (32 query, 8 KV, D 128, q/k norms), for a decode
-    step (1 token) and a verify block (16): the fused kernel against its PyTorch reference (eager)."""
-    from dflash_train.kernels.rope_cache import rope_cache_reference, rope_cache_triton
-
-    heads, kv_heads, dim, length = 32, 8, 128, 2048
-    cache_k = torch.zeros(1, kv_heads, length, dim, device=device, dtype=torch.bfloat16)
-    cache_v = torch.zeros_like(cache_k)
-    norms = torch.ones(dim, device=device, dtype=torch.bfloat16)
-    result = {}
-    for tokens in (1, 16):
-        qkv = torch.randn(1, tokens, (heads + 2 * kv_heads) * dim, device=device, dtype=torch.bfloat16)
-        positions = torch.arange(context, context + tokens, device=device)[None]
-        cos = torch.randn(1, tokens, dim, device=device, dtype=torch.bfloat16)
-        args = (qkv, heads, norms, norms, 1e-6, cos, cos, positions, torch.zeros(1, dtype=torch.long, device=device),
-                cache_k, cache_v)
-        result[f"rope_cache_t{tokens}_max_diff"] = float((rope_cache_triton(*args).float()
-                                                          - rope_cache_reference(*args).float()).abs().max())
-        result[f"rope_cache_t{tokens}_triton_ms"] = time_ms(lambda a=args: rope_cache_triton(*a), device, 5, iters)
-        result[f"rope_cache_t{tokens}_torch_ms"] = time_ms(lambda a=args: rope_cache_reference(*a), device, 5, iters)
-    return result
 
 
 COMPILE_VARIANTS = {
@@ -755,99 +420,6 @@ def derived(result: dict[str, Any]) -> dict[str, float]:
         differences[f"cycle{timing}_ms_saved_by_draft_argmax_kernel"] = (
             f"dflash_cycle_torch_draft_argmax{timing}_ms", f"dflash_cycle_layer_scope{timing}_ms")
     return out | {key: result[a] - result[b] for key, (a, b) in differences.items() if a in result and b in result}
-
-
-def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list, list]:
-    """(target, drafter, prompts as token lists, stop ids): SmolLM2 + chat prompts, or a tiny stand-in."""
-    from dflash_train.eval.chat import prompt_ids, stop_token_ids
-    from dflash_train.eval.prompts import load_prompt_set
-    from dflash_train.target import load_target, resolve_mask_token_id
-
-    if args.tiny:
-        target = random_target("qwen3", {**TINY_QWEN3, "num_hidden_layers": 6}, device, dtype)
-        gen = torch.Generator().manual_seed(1)
-        prompts = [torch.randint(0, 500, (n,), generator=gen).tolist() for n in (9, 14, 5)][: args.prompts]
-        return target, random_draft(target, 2, 16, 511), prompts, []
-    target = load_target(args.target, dtype=dtype, device=device)
-    if args.draft:
-        from dflash_train.checkpoint import load_draft
-
-        draft = load_draft(args.draft, device=device, dtype=dtype)
-    else:
-        draft = random_draft(target, 5, 16, resolve_mask_token_id(target.tokenizer, target.vocab_size))
-    half = (args.prompts + 1) // 2
-    sets = [load_prompt_set("mt-bench", half), load_prompt_set("humaneval", args.prompts - half)]
-    messages = [[{"role": "user", "content": c.turns[0]}] for s in sets for c in s.conversations]
-    prompts = [prompt_ids(target.tokenizer, m, thinking=False) for m in messages]
-    return target, draft, prompts, stop_token_ids(target.tokenizer, target.model.generation_config)
-
-
-def timed(fn: Callable[[], Any], device: torch.device) -> tuple[Any, float]:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    began = time.perf_counter()
-    value = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return value, time.perf_counter() - began
-
-
-def section_smollm2(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
-    from benchmarks.reference_loop import reference_generate
-
-    target, draft, prompts, stop = smollm2_setup(args, device, dtype)
-    new, block = args.max_new_tokens, draft.config.block_size
-    length = -(-(max(map(len, prompts)) + new + 2 * block) // 256) * 256
-    config = EngineConfig(block_size=block, max_new_tokens=new, max_length=length, stop_token_ids=tuple(stop))
-    ours = DecodeEngine(target, draft, config)
-    alone = DecodeEngine(target, None, config, runner=ours.runner)
-    for engine in (ours, alone):  # warm-up: kernel compilation and graph capture are not timed
-        engine.generate(prompts[:1])
-    (outputs, ours_stats), ours_s = timed(lambda: ours.generate(prompts), device)
-    (alone_outputs, alone_stats), alone_s = timed(lambda: alone.generate(prompts), device)
-    reference_generate(target, draft, prompts[0], 8, stop, block)  # warm-up
-    references, reference_s = timed(lambda: [reference_generate(target, draft, p, new, stop, block) for p in prompts],
-                                    device)
-    generated = sum(len(o.tokens) for o in outputs)
-    result = {
-        "draft": args.draft or "random", "block_size": block, "prompts": len(prompts), "max_new_tokens": new,
-        "ours_tokens_per_s": generated / ours_s,
-        "reference_loop_tokens_per_s": sum(len(t) for t, _ in references) / reference_s,
-        "ours_target_only_tokens_per_s": sum(len(o.tokens) for o in alone_outputs) / alone_s,
-        "identical_tokens": sum(o.tokens == t for o, (t, _) in zip(outputs, references, strict=True)),
-        "identical_acceptance": sum(o.acceptance_lengths == a for o, (_, a) in zip(outputs, references, strict=True)),
-        "lossless_vs_target_only": sum(o.tokens == b.tokens for o, b in zip(outputs, alone_outputs, strict=True)),
-        "dtype": str(dtype).removeprefix("torch."),
-        "tau": sum(sum(o.acceptance_lengths) / max(len(o.acceptance_lengths), 1) for o in outputs) / len(outputs),
-        "reference_loop_tau": sum(sum(a) / max(len(a), 1) for _, a in references) / len(references),
-        "cuda_graph": ours.uses_cuda_graph,
-    }
-    result["hf_generate_tokens_per_s"] = hf_generate_tokens_per_s(target, prompts, new, stop, device)
-    result["ours_over_reference_loop"] = result["ours_tokens_per_s"] / result["reference_loop_tokens_per_s"]
-    result["speedup_over_own_target_only"] = result["ours_tokens_per_s"] / result["ours_target_only_tokens_per_s"]
-    # The eval's definition: decode tokens/s, prefill excluded.
-    result["ours_decode_tokens_per_s"] = ours_stats.decode_tokens_per_s
-    result["ours_target_only_decode_tokens_per_s"] = alone_stats.decode_tokens_per_s
-    result["decode_speedup_over_own_target_only"] = ours_stats.decode_tokens_per_s / alone_stats.decode_tokens_per_s
-    # Where a speedup goes: milliseconds per cycle of each loop (decode time over cycles run).
-    for key, stats in (("ours_cycle_ms", ours_stats), ("ours_target_only_step_ms", alone_stats)):
-        result[key] = (stats.wall_s - stats.prefill_s) / max(stats.cycles, 1) * 1e3
-    return result
-
-
-def hf_generate_tokens_per_s(target: TargetModel, prompts: list[list[int]], new: int, stop: list[int],
-                             device: torch.device) -> float:
-    def run() -> int:
-        total = 0
-        for prompt in prompts:
-            ids = torch.tensor([prompt], device=device)
-            out = target.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, do_sample=False,
-                                        eos_token_id=stop or None, pad_token_id=stop[0] if stop else 0)
-            total += out.shape[1] - len(prompt)
-        return total
-
-    tokens, seconds = timed(run, device)
-    return tokens / seconds
 
 
 def plot(results: dict[str, Any], path: Any) -> None:

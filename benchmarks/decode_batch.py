@@ -56,7 +56,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import results_directory, stamp
-from benchmarks.decode import random_draft, time_ms
+from benchmarks.decode_timing import random_draft, time_ms
 from benchmarks.shapes import SHAPES, random_target
 from dflash_train.kernels.greedy_verify import block_argmax_triton, commit_tokens
 from dflash_train.models import DFlashDraftModel

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import H200_BF16_PEAK, write_result
-from benchmarks.decode import as_intervals, gpu_time, kernel_categories, profiled_calls
+from benchmarks.profiling import as_intervals, gpu_time, kernel_categories, profiled_calls
 from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
 
 # Rows of 8,192 tokens, the target's packed forward on the varlen kernel, its decoder layers compiled and its

@@ -1,6 +1,6 @@
 """`benchmarks/decode_batch.py` on the CPU: the acceptance replay draws a+1 from the requested distribution,
 the engine replays those draws cycle by cycle and commits the target's own tokens; the quick mode runs
-end to end; the crossing of 1x is located; launches per step are counted (`benchmarks/decode.py`)."""
+end to end; the crossing of 1x is located; launches per step are counted (`benchmarks/profiling.py`)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from typing import Any
 import pytest
 import torch
 
-from benchmarks.decode import launches_per_step, random_draft
 from benchmarks.decode_batch import Acceptance, ReplayEngine, crossing, main, measuring_order
+from benchmarks.decode_timing import random_draft
+from benchmarks.profiling import launches_per_step
 from dflash_train.runtime.engine import EngineConfig
 from tests.helpers.tiny_models import make_tiny_target
 

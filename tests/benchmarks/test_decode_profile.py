@@ -1,4 +1,4 @@
-"""The profile arithmetic of `benchmarks/decode.py` on hand-computed intervals: kernel time, busy span and gaps
+"""The profile arithmetic of `benchmarks/profiling.py` on hand-computed intervals: kernel time, busy span and gaps
 per call (overlapping kernels counted once), calls told apart by their start times, kernels sorted into
 categories by name; and the CPU stand-in through the real profiler."""
 
@@ -11,7 +11,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.autograd.profiler_util import Interval
 
-from benchmarks.decode import (
+from benchmarks.profiling import (
     CALL_MARKER,
     Launch,
     call_intervals,

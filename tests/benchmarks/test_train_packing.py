@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from benchmarks.decode import kernel_category
+from benchmarks.profiling import kernel_category
 from benchmarks.shapes import SMOLLM2_135M
 from benchmarks.train_packing import TRAINING_CATEGORIES, error_lines, main, save_word_tokenizer
 
