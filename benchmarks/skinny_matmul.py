@@ -19,8 +19,10 @@ the same alone, among 16 rows and among 40 (eager and under torch.compile); whet
 against the plain product in the same run: the RMSNorm prologue (NORM) on q/k/v, gate/up and lm_head, the
 SwiGLU epilogue (SWIGLU) on gate/up and the residual add (RESIDUAL) on o_proj and down, each at the tiling
 the runtime gives it; the NORM options again with other tilings of the norm pass ("NORM@512x8": tiles 512
-wide, 8 in flight; `Config.norm_k`, `norm_stages`), since that pass is what the norm costs. The extra µs of
-an option, against the separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
+wide, 8 in flight; `Config.norm_k`, `norm_stages`), since that pass is what the norm costs; and the norm's
+statistics carried instead: o_proj and down writing each row's sums of squares by output tile (STATS_OUT),
+the norm products reading them (STATS_IN) in place of their pass. The extra µs of an option, against the
+separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
 
 `--pdl` times each product's chain again with every call a programmatic dependent launch (sm_90+): a call
 starts while the one before it ends and asks L2 for its first weight tiles until x is ready, which may
@@ -91,31 +93,61 @@ def cublas(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # Tilings of NORM's pass over x tried beside the product's own ("@WIDTHxSTAGES": Config.norm_k, norm_stages)
 NORM_PASSES = ("@512x8", "@1024x4", "@256x16")
 # The operations the fused path folds into each product (`skinny_fused`; "+": together)
+# and the norm's statistics carried from the residual products (STATS_OUT) to the norm products (STATS_IN),
+# which then skip their pass over x (`sm.launch`'s stats_out, stats_in)
 FUSED_OPTIONS: dict[str, tuple[str, ...]] = {
-    "qkv": ("NORM", *(f"NORM{p}" for p in NORM_PASSES)), "o_proj": ("RESIDUAL",),
-    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", *(f"NORM+SWIGLU{p}" for p in NORM_PASSES)),
-    "down": ("RESIDUAL",), "lm_head": ("NORM", *(f"NORM{p}" for p in NORM_PASSES))}
+    "qkv": ("NORM", *(f"NORM{p}" for p in NORM_PASSES), "NORM+STATS_IN"),
+    "o_proj": ("RESIDUAL", "RESIDUAL+STATS_OUT"),
+    "gate_up": ("SWIGLU", "NORM", "NORM+SWIGLU", *(f"NORM+SWIGLU{p}" for p in NORM_PASSES), "NORM+SWIGLU+STATS_IN"),
+    "down": ("RESIDUAL", "RESIDUAL+STATS_OUT"), "lm_head": ("NORM", *(f"NORM{p}" for p in NORM_PASSES), "NORM+STATS_IN")}
 OPTION_FLAGS = ("NORM", "SWIGLU", "RESIDUAL")
+CARRIED = ("STATS_IN", "STATS_OUT")  # option parts that are tensors handed to the kernel, not its flags
 
 
 def option_flags(option: str) -> dict[str, bool]:
     """The kernel's compile-time flags for an option name ("plain", "NORM", "NORM+SWIGLU@512x8", ...)."""
-    parts = set(option.partition("@")[0].split("+")) - {"plain"}
-    unknown = parts - set(OPTION_FLAGS)
+    parts = option_parts(option)
+    unknown = parts - set(OPTION_FLAGS) - set(CARRIED)
     if unknown:
-        raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or {'+'.join(OPTION_FLAGS)} parts")
+        raise ValueError(f"unknown option {', '.join(sorted(unknown))}: use plain or "
+                         f"{'+'.join((*OPTION_FLAGS, *CARRIED))} parts")
+    if "STATS_IN" in parts and "NORM" not in parts:
+        raise ValueError(f"{option}: STATS_IN is the statistics of a NORM product")
     return {**{flag: flag in parts for flag in OPTION_FLAGS}, "HAS_BIAS": False}
 
 
+def option_parts(option: str) -> set[str]:
+    return set(option.partition("@")[0].split("+")) - {"plain"}
+
+
+def carried_shares(x: torch.Tensor) -> torch.Tensor:
+    """What a residual product as wide as x (o_proj's shape: it writes the rows a norm reads) leaves with
+    stats_out: each row's sum of squares of x by that product's output tiles, [rows, tiles] fp32."""
+    m, k = x.shape
+    tiles = sm.stats_width(k, k)
+    width = -(-k // tiles)
+    padded = F.pad(x.float(), (0, tiles * width - k))
+    return padded.pow(2).view(m, tiles, width).sum(-1).contiguous()
+
+
 def fused_fn(option: str, gamma: torch.Tensor, residuals: dict[int, torch.Tensor], config: sm.Config | None = None,
-             ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use."""
-    flags = option_flags(option)
+             shares: dict[int, torch.Tensor] | None = None) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The kernel with `option`'s flags, at `config` or else the tiling the runtime would use; STATS_IN reads
+    `shares` of x's rows (`carried_shares`, by rows), made beforehand so that no other kernel is timed;
+    STATS_OUT writes its own."""
+    flags, parts = option_flags(option), option_parts(option)
 
     def run(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         n = w.shape[0] // 2 if flags["SWIGLU"] else w.shape[0]
         residual = residuals[x.shape[0]] if flags["RESIDUAL"] else x
-        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config)
+        stats_in = shares[x.shape[0]] if "STATS_IN" in parts and shares is not None else None
+        if "STATS_IN" in parts and stats_in is None:
+            raise ValueError(f"{option}: no shares of x given")
+        stats_out = None
+        if "STATS_OUT" in parts:  # an allocation, no kernel: free inside a captured graph
+            tiles = -(-n // (config or sm.config_for(n, x.shape[1], flags["SWIGLU"])).block_n)
+            stats_out = torch.empty(x.shape[0], tiles, device=x.device, dtype=torch.float32)
+        return sm.launch(x, gamma, w, w, residual, 1e-6, n, flags, config, stats_in=stats_in, stats_out=stats_out)
 
     return run
 
@@ -158,13 +190,14 @@ def measure_options(name: str, n: int, k: int, replays: int) -> dict[str, Any]:
     xs = {m: torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
     gamma = (torch.rand(k, device="cuda", generator=gen) + 0.5).to(torch.bfloat16)
     residuals = {m: torch.randn(m, n, device="cuda", dtype=torch.bfloat16, generator=gen) for m in ROWS}
+    shares = {m: carried_shares(x) for m, x in xs.items()}
 
     def tiling(option: str) -> sm.Config:  # the runtime's (a SwiGLU product's for its output N / 2 wide)
         swiglu = option_flags(option)["SWIGLU"]  # with the norm pass's of an "@WIDTHxSTAGES" option
         return with_norm_pass(sm.config_for(n // 2 if swiglu else n, k, swiglu), option)
 
     def timed(option: str, copies: list[torch.Tensor] = weights) -> list[float]:
-        run = fused_fn(option, gamma, residuals, tiling(option))
+        run = fused_fn(option, gamma, residuals, tiling(option), shares)
         return [graph_us(run, xs[m], copies, replays) for m in ROWS]
 
     costs: dict[str, Any] = option_costs(name, timed)

@@ -48,6 +48,14 @@ effects, which torch.compile's analysis of a kernel cannot follow: it would take
 given as written and copy the weight at each call, so no launch the runtime makes may turn it on
 (`kernel_constants`; the same L2 request before a NORM product's norm pass measured slower as well: Qwen3-8B's
 q/k/v 21.5 against 20.0 µs).
+
+NORM's pass over x is what made the fused path slow: every program sums its rows' squares over the whole of
+K before its weight stream starts (+4.9 µs on Qwen3-8B's q/k/v, +9.4 on gate/up). So the norm's statistics
+can be carried instead (experimental, `launch`'s `stats_out` and `stats_in`): the product that writes x with
+its residual add (o_proj, down) also writes each row's sum of squares of what it stored, one share per
+output tile, and the NORM product reads those shares (256 floats a row at those tilings) in one load and adds
+them in a fixed tree. A row's shares depend on that row alone and on the tiling, which (N, K) fixes, so
+batch invariance holds; against the pass, only the order of the fp32 sum of squares changes.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -151,11 +159,13 @@ def skinny_matmul_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.T
 
 
 def _skinny_matmul_kernel(
-    x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, p_ptr, M, N, K, K_SPLIT, stride_xm, stride_wn, stride_rm, stride_ym,
+    x_ptr, g_ptr, w_ptr, b_ptr, r_ptr, y_ptr, p_ptr, s_in_ptr, s_out_ptr, M, N, K, K_SPLIT, P_IN, P_OUT, stride_xm,
+    stride_wn, stride_rm, stride_ym,
     EPS: tl.constexpr, NORM: tl.constexpr, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, SPLIT_K: tl.constexpr,
     IEEE: tl.constexpr, UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr, GDC: tl.constexpr,
     PREFETCH_K: tl.constexpr, PREFETCH_STEP: tl.constexpr, NORM_K: tl.constexpr, NORM_STAGES: tl.constexpr,
+    STATS_IN: tl.constexpr, STATS_OUT: tl.constexpr, STATS_BLOCK: tl.constexpr,
 ):
     # N is the output's width (I with SWIGLU, whose up rows start at weight row N). Axis 0 is the row tile,
     # so that the programs sharing a weight tile run side by side and all but the first read it from L2.
@@ -181,7 +191,13 @@ def _skinny_matmul_kernel(
             prefetch_l2(w_ptr + N * stride_wn + rows_w, line_ok, w_ptr, True)
         grid_wait(True)
     inv_rms = tl.zeros([BLOCK_M], dtype=tl.float32)
-    if NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
+    if NORM and STATS_IN:  # the rows' sums of squares as the product that wrote x left them (STATS_OUT): its
+        # P_IN output tiles' shares [M, P_IN], added in one fixed tree; one load instead of a pass over x
+        shares = tl.arange(0, STATS_BLOCK)
+        part = tl.load(s_in_ptr + rows[None, :] * P_IN + shares[:, None],
+                       mask=(shares < P_IN)[:, None] & row_ok[None, :], other=0.0)
+        inv_rms = tl.rsqrt(tl.sum(part, axis=0) / K + EPS)
+    elif NORM:  # the rows' mean squares, over the whole of K (every slice's), before any product
         squares = tl.zeros([BLOCK_M], dtype=tl.float32)
         # Pipelined, NORM_STAGES tiles of NORM_K in flight: the pass's loads are otherwise issued one tile at a
         # time, each waiting out the memory latency before the weight stream starts (16 tiles at K = 4,096).
@@ -229,14 +245,14 @@ def _skinny_matmul_kernel(
         if SWIGLU:
             tl.store(partial + N, acc_up, mask=row_ok[None, :] & col_ok[:, None])
     else:
-        _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
-                SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE)
+        _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, s_out_ptr, rows, cols, row_ok, col_ok, N, P_OUT, stride_rm,
+                stride_ym, SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE, STATS_OUT)
 
 
 def _skinny_reduce_kernel(
-    p_ptr, b_ptr, r_ptr, y_ptr, M, N, stride_rm, stride_ym, SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-    ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr,
+    p_ptr, b_ptr, r_ptr, y_ptr, s_out_ptr, M, N, P_OUT, stride_rm, stride_ym, SWIGLU: tl.constexpr,
+    RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT_K: tl.constexpr, ROUND_BITS: tl.constexpr, OPAQUE: tl.constexpr, STATS_OUT: tl.constexpr,
 ):
     """A split product's slices added in slice order (the same sum for every row, whatever M), then finished
     as the unsplit kernel finishes."""
@@ -253,15 +269,16 @@ def _skinny_reduce_kernel(
         acc += tl.load(partial + s * M * width, mask=mask, other=0.0)
         if SWIGLU:
             acc_up += tl.load(partial + s * M * width + N, mask=mask, other=0.0)
-    _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
-            SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE)
+    _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, s_out_ptr, rows, cols, row_ok, col_ok, N, P_OUT, stride_rm, stride_ym,
+            SWIGLU, RESIDUAL, HAS_BIAS, ROUND_BITS, OPAQUE, STATS_OUT)
 
 
-def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, stride_rm, stride_ym,
+def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, s_out_ptr, rows, cols, row_ok, col_ok, N, P_OUT, stride_rm, stride_ym,
             SWIGLU: tl.constexpr, RESIDUAL: tl.constexpr, HAS_BIAS: tl.constexpr, ROUND_BITS: tl.constexpr,
-            OPAQUE: tl.constexpr):
+            OPAQUE: tl.constexpr, STATS_OUT: tl.constexpr):
     """The product's fp32 sums [BLOCK_N, BLOCK_M] (and the up half's, SWIGLU) to y: bias, the modules'
-    roundings, SwiGLU, the residual add."""
+    roundings, SwiGLU, the residual add; with STATS_OUT, this output tile's share of each row's sum of squares
+    of y as stored, to s_out [M, P_OUT] (column: the tile), for the next product's norm (STATS_IN)."""
     out_ty = y_ptr.dtype.element_ty
     if HAS_BIAS:
         acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
@@ -280,6 +297,10 @@ def _finish(acc, acc_up, b_ptr, r_ptr, y_ptr, rows, cols, row_ok, col_ok, N, str
         residual = tl.load(r_ptr + rows[None, :] * stride_rm + cols[:, None], mask=out_mask, other=0.0)
         y = rounded(residual.to(tl.float32) + y, ROUND_BITS, False)
     tl.store(y_ptr + rows[None, :] * stride_ym + cols[:, None], y.to(out_ty), mask=out_mask)
+    if STATS_OUT:  # the squares of the stored values (exact in fp32 for 16-bit ones), summed in a fixed tree
+        stored = y.to(out_ty).to(tl.float32)
+        share = tl.sum(tl.where(out_mask, stored * stored, 0.0), axis=0)
+        tl.store(s_out_ptr + rows * P_OUT + tl.program_id(1), share, mask=row_ok)
 
 
 if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
@@ -287,7 +308,7 @@ if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
 
 
 def kernel_constants(dtype: torch.dtype, k: int, eps: float, flags: dict[str, bool], config: Config,
-                     pdl: bool = False) -> dict[str, object]:
+                     pdl: bool = False, stats_in_width: int = 0, stats_out: bool = False) -> dict[str, object]:
     """The kernel's compile-time arguments for a launch (what `launch` passes; tests compile them)."""
     split = max(1, config.split_k)
     return dict(EPS=eps, **flags, BLOCK_M=BLOCK_M, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
@@ -295,20 +316,34 @@ def kernel_constants(dtype: torch.dtype, k: int, eps: float, flags: dict[str, bo
                 UPCAST=interpreting() and dtype != torch.float32, ROUND_BITS=interpreting() and dtype == torch.bfloat16,
                 OPAQUE=not interpreting(), GDC=pdl and not interpreting(), PREFETCH_K=4 * config.block_k,
                 PREFETCH_STEP=128 // dtype.itemsize, NORM_K=config.norm_k or config.block_k,
-                NORM_STAGES=config.norm_stages)
+                NORM_STAGES=config.norm_stages, STATS_IN=stats_in_width > 0, STATS_OUT=stats_out,
+                STATS_BLOCK=next_power_of_2(max(1, stats_in_width)))
+
+
+def stats_width(n: int, k: int, swiglu: bool = False) -> int:
+    """How many shares of a row's sum of squares a product of output N over K writes with `stats_out`: one
+    per output tile of its tiling (`launch`)."""
+    return -(-n // config_for(n, k, swiglu).block_n)
 
 
 def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
            residual: torch.Tensor, eps: float, n: int, flags: dict[str, bool], config: Config | None = None,
-           pdl: bool = False) -> torch.Tensor:
+           pdl: bool = False, stats_in: torch.Tensor | None = None,
+           stats_out: torch.Tensor | None = None) -> torch.Tensor:
     """The kernel over x [M, K] and weight [N or 2N (SWIGLU), K] with K contiguous, residual [M, N], for the
     options in `flags` (NORM, SWIGLU, RESIDUAL, HAS_BIAS); unused tensors stand in for absent ones (never
     read); `config`: the table's for (N, K) unless given (benchmarks). -> y [M, N] in x's dtype.
     `pdl`: launched with programmatic dependent launch (sm_90 and later; experimental, for
     `benchmarks.skinny_matmul --pdl`): it may start while the kernel before it ends, prefetching its first
-    weight tiles until x is ready. The result is the same; a split product's reduction launches as usual."""
+    weight tiles until x is ready. The result is the same; a split product's reduction launches as usual.
+    `stats_out` [M, tiles along N] fp32: written with each output tile's share of each row's sum of squares of
+    y (`stats_width`); `stats_in` [M, P] fp32: such shares of x, from which NORM takes the rows' mean squares
+    instead of its own pass over x (the same up to the order of the fp32 sums; experimental, for
+    `benchmarks.skinny_matmul --options`)."""
     m, k = x.shape
     config = config or config_for(n, k, flags["SWIGLU"])
+    assert stats_in is None or (flags["NORM"] and stats_in.dtype == torch.float32 and stats_in.shape[0] == m
+                                and stats_in.is_contiguous()), "stats_in: [M, P] fp32 shares, for a NORM product"
     y = torch.empty((m, n), device=x.device, dtype=x.dtype)
     split = max(1, config.split_k)
     # Slices of whole K steps, so that EVEN_K holds in every slice when it holds for K.
@@ -322,17 +357,24 @@ def launch(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bia
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
         kernel, reduce = wrap_triton(kernel), wrap_triton(reduce)
     tiles = (-(-m // BLOCK_M), -(-n // config.block_n))
+    assert stats_out is None or (stats_out.shape == (m, tiles[1]) and stats_out.dtype == torch.float32
+                                 and stats_out.is_contiguous()), f"stats_out: [M, {tiles[1]}] fp32"
+    stats_in_width = 0 if stats_in is None else stats_in.shape[1]
+    shares_in = partials if stats_in is None else stats_in  # a stand-in is never read
+    shares_out = partials if stats_out is None else stats_out
+    constants = kernel_constants(x.dtype, k, eps, flags, config, pdl, stats_in_width, stats_out is not None)
     kernel[(*tiles, split)](
-        x, norm_weight, weight, bias, residual, y, partials, m, n, k, k_split, x.stride(0), weight.stride(0),
-        residual.stride(0), y.stride(0), **kernel_constants(x.dtype, k, eps, flags, config, pdl),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        x, norm_weight, weight, bias, residual, y, partials, shares_in, shares_out, m, n, k, k_split,
+        max(1, stats_in_width), tiles[1], x.stride(0), weight.stride(0), residual.stride(0), y.stride(0),
+        **constants, num_warps=config.num_warps, num_stages=config.num_stages,
         **({"launch_pdl": True} if pdl and not interpreting() else {}),
     )
     if split > 1:
         reduce[tiles](
-            partials, bias, residual, y, m, n, residual.stride(0), y.stride(0), SWIGLU=flags["SWIGLU"],
-            RESIDUAL=flags["RESIDUAL"], HAS_BIAS=flags["HAS_BIAS"], BLOCK_M=BLOCK_M, BLOCK_N=config.block_n,
-            SPLIT_K=split, ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, OPAQUE=not interpreting(),
+            partials, bias, residual, y, shares_out, m, n, tiles[1], residual.stride(0), y.stride(0),
+            SWIGLU=flags["SWIGLU"], RESIDUAL=flags["RESIDUAL"], HAS_BIAS=flags["HAS_BIAS"], BLOCK_M=BLOCK_M,
+            BLOCK_N=config.block_n, SPLIT_K=split, ROUND_BITS=interpreting() and x.dtype == torch.bfloat16,
+            OPAQUE=not interpreting(), STATS_OUT=stats_out is not None,
         )
     return y
 

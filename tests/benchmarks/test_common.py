@@ -41,8 +41,8 @@ def test_a_kernel_the_compiler_cannot_read_is_counted(monkeypatch: pytest.Monkey
     bf16 = dict(dtype=torch.bfloat16)
     kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), g_ptr=torch.empty(256, **bf16), w_ptr=torch.empty(64, 256, **bf16),
                   b_ptr=torch.empty(64, **bf16), r_ptr=torch.empty(16, 64, **bf16), y_ptr=torch.empty(16, 64, **bf16),
-                  p_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=256, K_SPLIT=256, stride_xm=256, stride_wn=256,
-                  stride_rm=64, stride_ym=64)
+                  p_ptr=torch.empty(16, 64, **bf16), s_in_ptr=torch.empty(16, 8), s_out_ptr=torch.empty(16, 2), M=16,
+                  N=64, K=256, K_SPLIT=256, P_IN=8, P_OUT=2, stride_xm=256, stride_wn=256, stride_rm=64, stride_ym=64)
     flags = dict(NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=False)
     with kernel_analysis_fallbacks() as fallbacks:
         plain = skinny_matmul.kernel_constants(torch.bfloat16, 256, 0.0, flags, Config(32, 128))

@@ -13,6 +13,7 @@ from benchmarks.skinny_matmul import (
     SHARED_BYTES,
     SMOLLM2_PRODUCTS,
     candidates,
+    carried_shares,
     fused_fn,
     main,
     option_costs,
@@ -23,6 +24,7 @@ from benchmarks.skinny_matmul import (
     table,
     with_norm_pass,
 )
+from dflash_train.kernels import skinny_matmul
 from dflash_train.kernels.skinny_fused import skinny_fused_reference
 from dflash_train.kernels.skinny_matmul import BLOCK_M, Config
 from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
@@ -129,10 +131,22 @@ def test_option_names_map_to_the_kernel_flags() -> None:
     with pytest.raises(ValueError, match="unknown option BIAS"):
         option_flags("NORM+BIAS")
     assert all(option_flags(option) for options in FUSED_OPTIONS.values() for option in options)
+    assert option_flags("RESIDUAL+STATS_OUT") == option_flags("RESIDUAL")
+    with pytest.raises(ValueError, match="STATS_IN is the statistics of a NORM product"):
+        option_flags("SWIGLU+STATS_IN")
+
+
+def test_carried_shares_sum_to_the_rows_squares() -> None:
+    """The shares a norm product reads stand for x's rows: by tiles of the residual product's output."""
+    x = torch.randn(3, 200)
+    shares = carried_shares(x)
+    assert shares.shape == (3, skinny_matmul.stats_width(200, 200))
+    torch.testing.assert_close(shares.sum(-1), x.pow(2).sum(-1))
 
 
 @kernels_here
-@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL", "NORM+SWIGLU@32x2"])
+@pytest.mark.parametrize("option", ["plain", "NORM", "SWIGLU", "NORM+SWIGLU", "RESIDUAL", "NORM+SWIGLU@32x2",
+                                    "NORM+SWIGLU+STATS_IN", "RESIDUAL+STATS_OUT"])
 def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     """What the benchmark times is the kernel with that option's work, against the fused reference (fp32)."""
     gen = torch.Generator().manual_seed(0)
@@ -143,7 +157,7 @@ def test_each_option_is_the_fused_product_it_names(option: str) -> None:
     residual = torch.randn(m, n, generator=gen)
     x, w, gamma, residual = (t.to(DEVICE) for t in (x, w, gamma, residual))
     config = with_norm_pass(Config(16, 16), option) if "@" in option else None  # a K of 48: three norm tiles
-    got = fused_fn(option, gamma, {m: residual}, config)(x, w)
+    got = fused_fn(option, gamma, {m: residual}, config, {m: carried_shares(x)})(x, w)
     expected = skinny_fused_reference(x, w, None, gamma if flags["NORM"] else None, 1e-6, flags["SWIGLU"],
                                       residual if flags["RESIDUAL"] else None)
     assert got.shape == (m, n // 2 if flags["SWIGLU"] else n)

@@ -167,7 +167,8 @@ def test_kernel_compiles_for_the_gpu(element: str, flags: dict[str, bool]) -> No
     """A kernel that only fails in the GPU compiler (types the interpreter lets through) fails here, on CPU."""
     constants = dict(**flags, EPS=1e-6, BLOCK_M=BLOCK_M, BLOCK_N=32, BLOCK_K=128, EVEN_K=False, SPLIT_K=1,
                      IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
-                     PREFETCH_K=512, PREFETCH_STEP=64, NORM_K=512, NORM_STAGES=4)
+                     PREFETCH_K=512, PREFETCH_STEP=64, NORM_K=512, NORM_STAGES=4, STATS_IN=False,
+                     STATS_OUT=False, STATS_BLOCK=1)
     pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
-    compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32", "s_in_ptr": "*fp32", "s_out_ptr": "*fp32"}, "fp32")
 

@@ -147,12 +147,17 @@ def test_registered_as_a_custom_op() -> None:
     assert hasattr(torch.ops.dflash_train, "skinny_matmul")
 
 
+# The kernel's fp32 buffers: a split product's slices, and the norm statistics' shares in and out
+SHARES = {"p_ptr": "*fp32", "s_in_ptr": "*fp32", "s_out_ptr": "*fp32"}
+
+
 def kernel_constants(element: str, config: Config, even_k: bool) -> dict[str, object]:
     """The plain product's constants (no norm, SwiGLU or residual: `test_skinny_fused` compiles those)."""
     return dict(EPS=0.0, NORM=False, SWIGLU=False, RESIDUAL=False, HAS_BIAS=True, BLOCK_M=BLOCK_M,
                 BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=even_k, SPLIT_K=config.split_k,
                 IEEE=element == "fp32", UPCAST=False, ROUND_BITS=False, OPAQUE=True, GDC=False,
-                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64, NORM_K=config.block_k, NORM_STAGES=4)
+                PREFETCH_K=4 * config.block_k, PREFETCH_STEP=64, NORM_K=config.block_k, NORM_STAGES=4,
+                STATS_IN=False, STATS_OUT=False, STATS_BLOCK=1)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -165,13 +170,13 @@ def test_kernel_compiles_for_the_gpu(element: str, config: Config, even_k: bool)
     with K split, the kernel that adds the slices too, with every epilogue on (SwiGLU then a residual add:
     the product the compiler fused with the add on an H200 until it was `kept`)."""
     pointers = {name: f"*{element}" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
-    compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), {**pointers, "p_ptr": "*fp32"},
+    compile_for_h100(_skinny_matmul_kernel, kernel_constants(element, config, even_k), {**pointers, **SHARES},
                      "fp32")
     if config.split_k > 1:
         compile_for_h100(_skinny_reduce_kernel, dict(SWIGLU=True, RESIDUAL=True, HAS_BIAS=True, BLOCK_M=BLOCK_M,
                                                      BLOCK_N=config.block_n, SPLIT_K=config.split_k, ROUND_BITS=False,
-                                                     OPAQUE=True),
-                         {**pointers, "p_ptr": "*fp32"}, "fp32")
+                                                     OPAQUE=True, STATS_OUT=True),
+                         {**pointers, **SHARES}, "fp32")
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -182,13 +187,13 @@ def test_a_dependent_launch_prefetches_its_weight_then_waits_for_x(swiglu: bool)
     none of it is in the code."""
     pointers = {name: "*bf16" for name in ("x_ptr", "g_ptr", "w_ptr", "b_ptr", "r_ptr", "y_ptr")}
     constants = {**kernel_constants("bf16", Config(16, 256), True), "SWIGLU": swiglu}
-    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "GDC": True}, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    ptx = compile_for_h100(_skinny_matmul_kernel, {**constants, "GDC": True}, {**pointers, **SHARES}, "fp32")
     wait, release = ptx.find("griddepcontrol.wait"), ptx.find("griddepcontrol.launch_dependents")
     first_prefetch, last_prefetch = ptx.find("prefetch.global.L2"), ptx.rfind("prefetch.global.L2")
     assert -1 < first_prefetch <= last_prefetch < wait < release
     if swiglu:  # gate rows and up rows: two prefetch sites
         assert ptx.count("prefetch.global.L2") >= 2
-    plain = compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, "p_ptr": "*fp32"}, "fp32")
+    plain = compile_for_h100(_skinny_matmul_kernel, constants, {**pointers, **SHARES}, "fp32")
     assert "griddepcontrol" not in plain and "prefetch.global" not in plain
 
 
@@ -213,8 +218,9 @@ def test_torch_compile_sees_only_the_output_written(flags: dict[str, bool], even
     kwargs = dict(x_ptr=torch.empty(16, 256, **bf16), g_ptr=torch.empty(256, **bf16),
                   w_ptr=torch.empty(128, 256, **bf16), b_ptr=torch.empty(128, **bf16),
                   r_ptr=torch.empty(16, 64, **bf16), y_ptr=torch.empty(16, 64, **bf16),
-                  p_ptr=torch.empty(16, 64, **bf16), M=16, N=64, K=k, K_SPLIT=k,
-                  stride_xm=256, stride_wn=256, stride_rm=64, stride_ym=64)
+                  p_ptr=torch.empty(16, 64, **bf16), s_in_ptr=torch.empty(16, 8), s_out_ptr=torch.empty(16, 2),
+                  M=16, N=64, K=k, K_SPLIT=k, P_IN=8, P_OUT=2, stride_xm=256, stride_wn=256, stride_rm=64,
+                  stride_ym=64)
     constants = skinny_matmul.kernel_constants(torch.bfloat16, k, 1e-6, flags, Config(32, 128))
     assert pointers_written(_skinny_matmul_kernel, {**kwargs, **constants}, monkeypatch) == ["y_ptr"]
     if flags["NORM"] and flags["SWIGLU"]:
