@@ -38,6 +38,8 @@ same run (CUDA events, median):
   (`skinny_fused`) the same with each layer's norms, SwiGLU and residual adds folded into its products
   (`dflash_train.kernels.skinny_fused`) and the attention prologue into the q/k/v product's epilogue
   (`dflash_train.kernels.qkv_rope_cache`): six launches a layer, the drafter's layers too; and
+  (`skinny_fused_carried`) that with each norm reading the rows' sums of squares the product before it left
+  instead of its own pass over x (`StaticTarget(carry_norm_stats=True)`); and
   (`prefetch_o_proj`) the default with the attention kernel asking L2 for each layer's o_proj weight while
   it reads the cache (`StaticTarget(prefetch_weights=True)`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
@@ -51,8 +53,8 @@ same run (CUDA events, median):
   (dynamic cache, eager) for reference; the fused verify and context kernels against their PyTorch
   references. The first call of each shape compiles (about a minute at these shapes); `--variants` picks
   some of default, layer_scope, no_graph, eager, sdpa_attention, torch_prologue, unfused, undeferred_residual,
-  cublas_matmul, skinny_matmul, skinny_fused, prefetch_o_proj, sdpa_draft_attention, torch_state_update,
-  torch_draft_argmax, hf
+  cublas_matmul, skinny_matmul, skinny_fused, skinny_fused_carried, prefetch_o_proj, sdpa_draft_attention,
+  torch_state_update, torch_draft_argmax, hf
   (ratios that need a skipped one are left out) and `--section` splits the run, when the 10-minute limit of
   a command is near. The ablations and skinny_matmul compile one layer at a time (the engine's default
   scope): their like-for-like baseline is layer_scope (`--profile` writes skinny_matmul's kernel tables
@@ -204,6 +206,9 @@ ABLATIONS = {"sdpa_attention": ({"kernels": "torch"}, ("target_step", "dflash_cy
 # Opt-in optimisations not yet the default, measured the same way: what each would be worth.
 OPT_INS = {"skinny_matmul": ({"skinny_matmul": "all"}, ("target_step", "dflash_cycle")),
            "skinny_fused": ({"skinny_matmul": "all", "skinny_fusion": True}, ("target_step", "dflash_cycle")),
+           # the same with each norm reading the sums of squares the product before it left (no pass over x)
+           "skinny_fused_carried": ({"skinny_matmul": "all", "skinny_fusion": True, "carry_norm_stats": True},
+                                    ("target_step", "dflash_cycle")),
            "prefetch_o_proj": ({"prefetch_weights": True}, ("target_step", "dflash_cycle"))}
 # Ablations of the engine's own settings (the default runner): name -> EngineConfig options; the cycle only.
 ENGINE_ABLATIONS = {"sdpa_draft_attention": {"draft_attention": "sdpa"},
@@ -338,6 +343,7 @@ def ablation_applies(label: str, runner: StaticTarget) -> bool:
     and so would an opt-in Triton kernel where the runner has none."""
     return {"sdpa_attention": runner.attention == "triton", "torch_prologue": runner.prologue == "triton",
             "skinny_matmul": runner.kernels == "triton", "skinny_fused": runner.kernels == "triton",
+            "skinny_fused_carried": runner.kernels == "triton",
             "prefetch_o_proj": runner.attention == "triton" and runner.fused is not None,
             "cublas_matmul": runner.matmul == "tuned"}.get(label, True)
 
@@ -453,6 +459,7 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("ours step, unfused", "target_step_unfused_ms", "navy"),
               ("ours step, skinny matmul", "target_step_skinny_matmul_ms", "darkorange"),
               ("ours step, skinny fused", "target_step_skinny_fused_ms", "chocolate"),
+              ("ours step, skinny fused, carried", "target_step_skinny_fused_carried_ms", "peru"),
               ("ours step, no graph", "target_step_no_graph_ms", "tab:cyan"),
               ("ours step, eager", "target_step_eager_ms", "lightblue"), ("HF step", "hf_step_ms", "tab:red"),
               ("DFlash cycle", "dflash_cycle_ms", "tab:green"),
@@ -460,6 +467,7 @@ QWEN3_BARS = (("floor", "floor_ms", "grey"), ("ours step", "target_step_ms", "ta
               ("cycle, SDPA attention", "dflash_cycle_sdpa_attention_ms", "seagreen"),
               ("cycle, skinny matmul", "dflash_cycle_skinny_matmul_ms", "orange"),
               ("cycle, skinny fused", "dflash_cycle_skinny_fused_ms", "sandybrown"),
+              ("cycle, skinny fused, carried", "dflash_cycle_skinny_fused_carried_ms", "burlywood"),
               ("cycle, drafter on SDPA", "dflash_cycle_sdpa_draft_attention_ms", "olive"),
               ("cycle, state update unfused", "dflash_cycle_torch_state_update_ms", "darkkhaki"),
               ("cycle, no graph", "dflash_cycle_no_graph_ms", "tab:olive"),

@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.library import triton_op
 
-from dflash_train.kernels.skinny_matmul import fits, launch
+from dflash_train.kernels.skinny_matmul import fits, launch, stats_width
 
 
 def skinny_fused_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -73,6 +73,49 @@ def skinny_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
                         residual: torch.Tensor | None = None) -> torch.Tensor:
     """`skinny_fused_reference`'s contract for at most `skinny_matmul.MAX_ROWS` rows (x's leading dimensions
     flattened), as one launch; a custom op, so torch.compile keeps it in its graph and CUDA graphs capture it."""
+    x2, r2, n, lead = _checked(x, weight, bias, norm_weight, swiglu, residual)
+    y = _skinny_fused_op(x2, norm_weight if norm_weight is not None else weight, weight,
+                         bias.contiguous() if bias is not None else weight, r2, float(norm_eps), n,
+                         norm_weight is not None, swiglu, residual is not None, bias is not None)
+    return y.reshape(*lead, n)
+
+
+@triton_op("dflash_train::skinny_fused_stats", mutates_args=())
+def _skinny_fused_stats_op(x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
+                           residual: torch.Tensor, stats_in: torch.Tensor, eps: float, n: int, norm: bool,
+                           swiglu: bool, has_residual: bool, has_bias: bool, has_stats_in: bool,
+                           stats_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    flags = dict(NORM=norm, SWIGLU=swiglu, RESIDUAL=has_residual, HAS_BIAS=has_bias)
+    tiles = stats_width(n, x.shape[1], swiglu) if stats_out else 0
+    shares = torch.empty((x.shape[0], tiles), device=x.device, dtype=torch.float32)
+    y = launch(x, norm_weight, weight, bias, residual, eps, n, flags, stats_in=stats_in if has_stats_in else None,
+               stats_out=shares if stats_out else None)
+    return y, shares
+
+
+def skinny_fused_stats_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                              norm_weight: torch.Tensor | None = None, norm_eps: float = 0.0, swiglu: bool = False,
+                              residual: torch.Tensor | None = None, stats_in: torch.Tensor | None = None,
+                              stats_out: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`skinny_fused_triton` with the norm's statistics carried between products (`skinny_matmul`'s module
+    docstring): `stats_in` [rows, P] fp32, shares of the sums of squares of x's rows (flattened), which the
+    norm reads in place of its own pass over x; with `stats_out`, y's shares [rows, output tiles] are made
+    too, for the next product's norm. -> (y, y's shares or None)."""
+    x2, r2, n, lead = _checked(x, weight, bias, norm_weight, swiglu, residual)
+    assert stats_in is None or (norm_weight is not None and stats_in.dtype == torch.float32
+                                and stats_in.shape[0] == x2.shape[0]), "stats_in: [rows, P] fp32, for a norm"
+    stand_in = stats_in.contiguous() if stats_in is not None else x2  # never read without has_stats_in
+    y, shares = _skinny_fused_stats_op(
+        x2, norm_weight if norm_weight is not None else weight, weight, bias.contiguous() if bias is not None else weight,
+        r2, stand_in, float(norm_eps), n, norm_weight is not None, swiglu, residual is not None, bias is not None,
+        stats_in is not None, stats_out)
+    return y.reshape(*lead, n), (shares if stats_out else None)
+
+
+def _checked(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, norm_weight: torch.Tensor | None,
+             swiglu: bool, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, int, list[int]]:
+    """(x as [rows, K], the residual as [rows, N] (x standing in without one), the output width N, x's leading
+    dimensions), the arguments checked."""
     *lead, k = x.shape
     rows_of_weight = weight.shape[0]
     assert weight.shape[1] == k and weight.dtype == x.dtype, "weight must be [N, K] in x's dtype"
@@ -88,7 +131,4 @@ def skinny_fused_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if residual is not None:
         assert residual.shape == (*lead, n) and residual.dtype == x.dtype, "residual must be the output's shape"
         r2 = residual.reshape(-1, n).contiguous()
-    y = _skinny_fused_op(x2, norm_weight if norm_weight is not None else weight, weight,
-                         bias.contiguous() if bias is not None else weight, r2, float(norm_eps), n,
-                         norm_weight is not None, swiglu, residual is not None, bias is not None)
-    return y.reshape(*lead, n)
+    return x2, r2, n, lead

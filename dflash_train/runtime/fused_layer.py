@@ -43,7 +43,7 @@ from torch import nn
 
 from dflash_train.kernels.qkv_rope_cache import qkv_rope_cache_triton
 from dflash_train.kernels.rope_cache import rope_cache_triton, supports_rope
-from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import TUNED_ROWS, skinny_matmul_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.models.layers import MLP as DraftMLP
@@ -131,7 +131,7 @@ class FusedLayer:
     def __call__(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         if self._fuses(hidden, cache):
-            return self._fused_call(hidden, position_embeddings, attention_mask, cache)
+            return self._fused_call(hidden, position_embeddings, attention_mask, cache)[0]
         hidden = hidden + self._attention(self.layer.input_layernorm(hidden), position_embeddings, attention_mask,
                                           cache)
         return hidden + self._mlp(hidden, cache)
@@ -187,9 +187,22 @@ class FusedLayer:
         norms = (self.layer.input_layernorm, self.layer.post_attention_layernorm)
         return all(norm.weight.dtype == hidden.dtype for norm in norms)
 
+    def carried(self, hidden: torch.Tensor, shares: torch.Tensor | None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor], attention_mask: torch.Tensor,
+                cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer with its norms' statistics carried between its fused products (`skinny_matmul`'s module
+        docstring): `shares` [rows, P] of hidden's rows' sums of squares, from the layer before (None: the
+        q/k/v product's norm takes its own pass). -> (the layer's output, its shares for the next layer's norm);
+        a step the fused products do not run: (the output, None)."""
+        if not self._fuses(hidden, cache):
+            return self(hidden, position_embeddings, attention_mask, cache), None
+        return self._fused_call(hidden, position_embeddings, attention_mask, cache, shares, carry=True)
+
     def _fused_call(self, hidden: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                    attention_mask: torch.Tensor, cache: LayerCache) -> torch.Tensor:
-        """The layer as `__call__` computes it, on four fused products (module docstring)."""
+                    attention_mask: torch.Tensor, cache: LayerCache, shares: torch.Tensor | None = None,
+                    carry: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The layer as `__call__` computes it, on four fused products (module docstring); with `carry`, each
+        norm reads the statistics the product before it left (`carried`). -> (output, its shares or None)."""
         before_attention, before_mlp = self.layer.input_layernorm, self.layer.post_attention_layernorm
         o_proj, down_proj = self.attn.o_proj, self.mlp.down_proj
         qkv_weight = self.weights["qkv"]
@@ -202,13 +215,13 @@ class FusedLayer:
                                       cache.positions, cache.rows, keys, values, k_eps=k_eps)
             out = self._attention_output(q.transpose(1, 2), *cache.visible(self.layer_idx), attention_mask, cache)
         else:
-            qkv = skinny_fused_triton(hidden, qkv_weight, self.weights["qkv_bias"],
-                                      norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
+            qkv, _ = fused_product(carry, hidden, qkv_weight, self.weights["qkv_bias"], stats_in=shares,
+                                   norm_weight=before_attention.weight, norm_eps=norm_eps(before_attention))
             out = self._attend(qkv, position_embeddings, attention_mask, cache)
-        h = skinny_fused_triton(out, o_proj.weight, o_proj.bias, residual=hidden)
-        act = skinny_fused_triton(h, self.weights["gate_up"], self.weights["gate_up_bias"],
-                                  norm_weight=before_mlp.weight, norm_eps=norm_eps(before_mlp), swiglu=True)
-        return skinny_fused_triton(act, down_proj.weight, down_proj.bias, residual=h)
+        h, h_shares = fused_product(carry, out, o_proj.weight, o_proj.bias, residual=hidden, stats_out=True)
+        act, _ = fused_product(carry, h, self.weights["gate_up"], self.weights["gate_up_bias"], stats_in=h_shares,
+                               norm_weight=before_mlp.weight, norm_eps=norm_eps(before_mlp), swiglu=True)
+        return fused_product(carry, act, down_proj.weight, down_proj.bias, residual=h, stats_out=True)
 
     def _use_kernel(self, qkv: torch.Tensor, cos: torch.Tensor, cache: LayerCache) -> bool:
         """Shapes and dtypes only (static under torch.compile): the kernel rounds as the PyTorch path only
@@ -273,6 +286,16 @@ def project(module: nn.Linear, x: torch.Tensor, shapes: Shapes) -> torch.Tensor:
     if isinstance(module, nn.Linear) and on_skinny_kernel(x, module.weight, shapes):
         return skinny_matmul_triton(x, module.weight, module.bias)
     return module(x)
+
+
+def fused_product(carry: bool, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  stats_in: torch.Tensor | None = None, stats_out: bool = False,
+                  **options: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One of a layer's fused products -> (y, y's shares or None): with `carry`, the norm reads `stats_in` and
+    the product writes its shares where `stats_out` asks (`skinny_fused_stats_triton`); without, neither."""
+    if carry:
+        return skinny_fused_stats_triton(x, weight, bias, stats_in=stats_in, stats_out=stats_out, **options)
+    return skinny_fused_triton(x, weight, bias, **options), None
 
 
 def _norms_supported(q_norm: nn.Module | None, k_norm: nn.Module | None, head_dim: int) -> bool:

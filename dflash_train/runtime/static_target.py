@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
-from dflash_train.kernels.skinny_fused import skinny_fused_triton
+from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import tuned_shapes
 from dflash_train.kernels.static_attention import (
@@ -160,7 +160,8 @@ class TargetOutput:
 class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
-                 skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False) -> None:
+                 skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False,
+                 carry_norm_stats: bool = False) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
@@ -169,6 +170,8 @@ class StaticTarget:
         tilings for, swept on this GPU's architecture), "all" (True) or "off" (False);
         `skinny_fusion`: with `skinny_matmul="all"`, those steps with the layers' norms, SwiGLU and residual adds folded
         into the products (`FusedLayer._fused_call`; residuals are then not deferred);
+        `carry_norm_stats`: with `skinny_fusion`, each norm reads its rows' sums of squares as the product before
+        it left them, in place of its own pass over x (`FusedLayer.carried`; experimental, opt-in);
         `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
         are compiled one at a time;
@@ -193,6 +196,7 @@ class StaticTarget:
         if self.skinny_matmul not in SKINNY_MATMULS:
             raise ValueError(f"skinny_matmul must be one of {', '.join(SKINNY_MATMULS)}, not {skinny_matmul!r}")
         self.skinny_fusion = skinny_fusion  # read at each forward, as `kernels`
+        self.carry_norm_stats = carry_norm_stats
         self.prefetch_weights = prefetch_weights
         self.tuned_shapes = tuned_shapes(target.device)
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
@@ -232,6 +236,11 @@ class StaticTarget:
         if self.skinny_matmul == "tuned":
             return "tuned" if self.tuned_shapes else "torch"
         return "fused" if self.skinny_fusion and self.fused is not None else "skinny"
+
+    @property
+    def carries_norm_stats(self) -> bool:
+        """Whether the fused products of decode and verify steps carry their norms' statistics."""
+        return self.carry_norm_stats and self.matmul == "fused"
 
     @property
     def skinny_shapes(self) -> frozenset[tuple[int, int]] | None:
@@ -317,62 +326,79 @@ class StaticTarget:
                  kv_len: int, logit_index: torch.Tensor | None, feature_layer_ids: tuple[int, ...],
                  regions: _Regions | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The whole forward; `regions`: its parts compiled one by one (else they run as they are, eager or
-        traced into the one graph of compile scope "step"). With deferred residuals a layer's output is
-        h + pending, which the next layer (or the output) forms and returns as its input."""
+        traced into the one graph of compile scope "step"). Beside h, each layer hands the next what it left
+        for it (`carry`): with deferred residuals, the pending residual (a layer's output is h + pending, which
+        the next layer, or the output, forms and returns as its input); with carried norm statistics, the
+        shares of h's rows' sums of squares (or None); else None."""
         embed, run_layer, output = regions or (self._embed, self._layer, self._output)
-        h, pending, position_embeddings, masks = embed(input_ids, positions, kv_len)
+        h, carry, position_embeddings, masks = embed(input_ids, positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.fused or self.layers):
             cache = _WriteCache(self, index, row_index, positions, kv_len)
-            h, pending, layer_input = run_layer(layer, h, pending, position_embeddings, masks[self.windows[index]],
-                                                cache)
-            if pending is None:
+            h, carry, layer_input = run_layer(layer, h, carry, position_embeddings, masks[self.windows[index]], cache)
+            if not self.defer_residual:
                 if index in feature_layer_ids:
                     captured[index] = h
             elif index - 1 in feature_layer_ids:  # the previous layer's output is this layer's input
                 captured[index - 1] = layer_input
-        if pending is not None and len(self.layers) - 1 in feature_layer_ids:  # the last layer's, formed here
-            captured[len(self.layers) - 1] = h = h + pending
-            pending = torch.zeros_like(h)
-        return output(h, pending, logit_index, tuple(captured[i] for i in feature_layer_ids))
+        if self.defer_residual and len(self.layers) - 1 in feature_layer_ids:  # the last layer's, formed here
+            captured[len(self.layers) - 1] = h = h + carry
+            carry = torch.zeros_like(h)
+        return output(h, carry, logit_index, tuple(captured[i] for i in feature_layer_ids))
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> tuple[
             torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]:
-        """(embeddings [n, T, H], the pending residual (zeros; None without deferred residuals), the rotary
-        embedding's cos/sin, the masks of `_masks`)."""
+        """(embeddings [n, T, H], what the first layer is handed beside them (`_forward`: a zero pending
+        residual, the embeddings' sums of squares as one share a row, or None), the rotary embedding's cos/sin,
+        the masks of `_masks`)."""
         h = self.base.embed_tokens(input_ids)
-        pending = torch.zeros_like(h) if self.defer_residual else None
-        return h, pending, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
+        carry = None
+        if self.defer_residual:
+            carry = torch.zeros_like(h)
+        elif self.carries_norm_stats and skinny_fits(h.numel() // h.shape[-1]):
+            carry = h.float().pow(2).sum(-1).reshape(-1, 1)
+        return h, carry, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
 
-    def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor, pending: torch.Tensor | None,
+    def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor, carry: torch.Tensor | None,
                position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
                cache: _WriteCache) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """One decoder layer, fused or the Hugging Face one -> (h, pending, the layer's input): with a pending
-        residual, the layer's output is h + pending; without, h and two Nones. Nothing here depends on
-        which layer it is."""
+        """One decoder layer, fused or the Hugging Face one -> (h, carry, the layer's input): with a pending
+        residual (`carry`), the layer's output is h + pending; with carried norm statistics, h and its shares;
+        else h and two Nones. Nothing here depends on which layer it is."""
         if isinstance(layer, FusedLayer):
-            if pending is not None:
-                layer_input, h, pending = layer.deferred(h, pending, position_embeddings, mask, cache)
+            if self.defer_residual:
+                layer_input, h, pending = layer.deferred(h, carry, position_embeddings, mask, cache)
                 return h, pending, layer_input
+            if self.carries_norm_stats:
+                h, shares = layer.carried(h, carry, position_embeddings, mask, cache)
+                return h, shares, None
             return layer(h, position_embeddings, mask, cache), None, None
         out = layer(h, attention_mask=mask, position_ids=cache.positions, position_embeddings=position_embeddings,
                     use_cache=True, **{self.cache_arg: cache})
         return (out[0] if isinstance(out, tuple) else out), None, None
 
-    def _output(self, h: torch.Tensor, pending: torch.Tensor | None, logit_index: torch.Tensor | None,
+    def _output(self, h: torch.Tensor, carry: torch.Tensor | None, logit_index: torch.Tensor | None,
                 captured: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(logits at `logit_index` or at every position, the captured features concatenated or None); the
-        last layer's output is h + pending where residuals are deferred."""
+        last layer's output is h + `carry` where residuals are deferred; `carry` holds its rows' norm shares
+        where the layers carry them (`_forward`)."""
+        pending, shares = (carry, None) if self.defer_residual else (None, carry)
         if logit_index is not None:
             index = logit_index[:, None, None].expand(-1, 1, h.shape[-1])
             h = h.gather(1, index)  # [n, 1, H]
             pending = None if pending is None else pending.gather(1, index)
+            shares = None  # the shares are by row of the whole step: the norm takes its own pass
         if pending is not None:
             h = h + pending
         head, norm = self.target.lm_head, self.base.norm
         if (self.matmul == "fused" and isinstance(head, nn.Linear) and is_rms_norm(norm, h.shape[-1])
                 and norm.weight.dtype == h.dtype and skinny_fits(h.numel() // h.shape[-1])):
-            logits = skinny_fused_triton(h, head.weight, head.bias, norm_weight=norm.weight, norm_eps=norm_eps(norm))
+            if shares is not None:
+                logits, _ = skinny_fused_stats_triton(h, head.weight, head.bias, norm_weight=norm.weight,
+                                                      norm_eps=norm_eps(norm), stats_in=shares)
+            else:
+                logits = skinny_fused_triton(h, head.weight, head.bias, norm_weight=norm.weight,
+                                             norm_eps=norm_eps(norm))
         else:
             logits = self.lm_head(norm(h))
         return logits, torch.cat(captured, dim=-1) if captured else None

@@ -18,7 +18,7 @@ from tests.helpers.tiny_models import make_tiny_target
 TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
 
 
-@pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused", "prefetch_o_proj"])
+@pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused", "skinny_fused_carried", "prefetch_o_proj"])
 def test_the_variant_runs_only_with_the_triton_kernels(variant: str) -> None:
     assert variant in VARIANTS
     target = make_tiny_target("qwen3", num_layers=1)
@@ -46,10 +46,10 @@ def test_forced_on_a_cpu_it_records_what_ran(tmp_path: Path, monkeypatch: pytest
     """On a CPU the runner has no Triton kernels, so the variants run cuBLAS's place-holder (torch) and say so."""
     monkeypatch.setattr(decode, "ablation_applies", lambda label, runner: True)
     out = tmp_path / "decode.json"
-    main([*TINY_QWEN3, "--variants", "skinny_matmul,skinny_fused", "--out", str(out)])
+    main([*TINY_QWEN3, "--variants", "skinny_matmul,skinny_fused,skinny_fused_carried", "--out", str(out)])
     qwen = json.loads(out.read_text())["qwen3_8b"]
     for loop in ("target_step", "dflash_cycle"):
-        for variant in ("skinny_matmul", "skinny_fused"):
+        for variant in ("skinny_matmul", "skinny_fused", "skinny_fused_carried"):
             assert qwen[f"{loop}_{variant}_ms"] > 0 and qwen[f"{loop}_{variant}_setup_s"] > 0
             assert qwen[f"{loop}_{variant}_matmul"] == "torch" and qwen[f"{loop}_{variant}_compile_error"] is None
             assert qwen[f"{loop}_{variant}_kernel_categories"]["matmul"]["launches"] > 0

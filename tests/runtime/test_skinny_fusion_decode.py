@@ -141,3 +141,87 @@ def test_the_prologue_goes_into_the_product_for_small_weights_only() -> None:
     keeps the wide skinny product and the prologue kernel apart."""
     assert fused_layer.prologue_in_product(torch.empty(960, 576, dtype=torch.bfloat16, device="meta"))
     assert not fused_layer.prologue_in_product(torch.empty(6144, 4096, dtype=torch.bfloat16, device="meta"))
+
+
+def count_carried_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str]]:
+    """(where, what) of every fused product that carries norm statistics: "reads" (a norm taking the shares
+    the product before it left) or "writes" (a residual product leaving its output's), and of every fused
+    product that does neither ("plain"), by the target's layers and its output."""
+    calls: Counter[tuple[str, str]] = Counter()
+
+    def counted(where: str) -> Any:
+        def carrying(x: torch.Tensor, *args: Any, stats_in: Any = None, stats_out: bool = False, **kwargs: Any) -> Any:
+            calls[where, "reads"] += stats_in is not None
+            calls[where, "writes"] += stats_out
+            return skinny_fused.skinny_fused_stats_triton(x, *args, stats_in=stats_in, stats_out=stats_out, **kwargs)
+        return carrying
+
+    def plain(where: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> torch.Tensor:
+            calls[where, "plain"] += 1
+            return skinny_fused.skinny_fused_triton(*args, **kwargs)
+        return call
+
+    for module, where in ((fused_layer, "target layer"), (static_target, "output")):
+        monkeypatch.setattr(module, "skinny_fused_stats_triton", counted(where))
+        monkeypatch.setattr(module, "skinny_fused_triton", plain(where))
+    return calls
+
+
+@kernels_here
+@pytest.mark.parametrize(("model_type", "block_size", "prologue"), [
+    ("qwen3", 1, False), ("qwen3", 4, False),  # every norm reads shares: q/k/v's, gate/up's and the output's
+    ("llama", 4, True),  # the q/k/v product with the prologue kernel takes its own pass
+])
+def test_carried_norm_statistics_keep_the_targets_own_tokens(model_type: str, block_size: int, prologue: bool,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The norms reading the sums of squares the product before them left (`carry_norm_stats`): greedy tokens
+    equal the target's own, alone and verifying a drafter's blocks; in every decode or verify step each layer's
+    o_proj and down leave shares, gate/up reads them, and so do the next layer's q/k/v and the logits' norm."""
+    torch.set_num_threads(1)
+    layers = 3 if block_size > 1 else 2
+    target = make_tiny_target(model_type, num_layers=layers, seed=3)
+    expected = [own_greedy(target, prompt, NEW) for prompt in prompts(1)]
+    draft = make_draft(target, block_size, layers=1).to(DEVICE) if block_size > 1 else None
+    target.model.to(DEVICE)
+    calls = count_carried_calls(monkeypatch) if DEVICE == "cpu" else None
+    runner = StaticTarget(target, 1, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                          fuse_prologue=prologue, carry_norm_stats=True)
+    assert runner.carries_norm_stats
+    config = EngineConfig(block_size=block_size, max_new_tokens=NEW, max_length=64, kernels="triton")
+    outputs, _ = DecodeEngine(target, draft, config, runner=runner).generate(prompts(1))
+    assert [output.tokens for output in outputs] == expected
+    if calls is not None:
+        steps, rest = divmod(calls["target layer", "writes"], 2 * layers)
+        assert rest == 0 and steps >= 2 and calls["target layer", "plain"] == 0
+        reads_a_layer = 1 if prologue else 2  # gate/up; and q/k/v unless the prologue kernel takes it
+        assert calls["target layer", "reads"] == reads_a_layer * layers * steps
+        # the logits of every step read them too, but the prefill's (a short prompt fits the fused products):
+        # its logits at one position a row take the norm's own pass
+        assert calls["output", "reads"] + calls["output", "plain"] == steps and calls["output", "plain"] == 1
+
+
+@kernels_here
+def test_a_carrying_layer_equals_the_hugging_face_layer() -> None:
+    """Two layers over 3 new tokens after a 5-token context, the second reading the first's shares, against the
+    model's own forward (fp32: equal to rounding); the prefill, too many rows for the fused products, carries
+    nothing."""
+    target = make_tiny_target("qwen3", num_layers=2, seed=4)
+    target.model.to(DEVICE)
+    ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with torch.no_grad():
+        expected = target.model(ids).logits[0, 5:]
+        runner = StaticTarget(target, 1, 16, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                              carry_norm_stats=True)
+        runner.forward(ids[:, :5], torch.arange(5, device=DEVICE)[None])
+        got = runner.forward(ids[:, 5:], torch.arange(5, 8, device=DEVICE)[None]).logits[0]
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_carrying_needs_the_fused_products() -> None:
+    target = make_tiny_target("qwen3", num_layers=1)
+    assert not StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True, carry_norm_stats=True).carries_norm_stats
+    runner = StaticTarget(target, 1, 8, kernels="triton", skinny_matmul=True, skinny_fusion=True, carry_norm_stats=True)
+    assert runner.carries_norm_stats and not runner.defer_residual
+    runner.kernels = "torch"  # the engine's fallback after a compiler failure: nothing fused, nothing carried
+    assert not runner.carries_norm_stats
