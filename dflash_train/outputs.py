@@ -92,6 +92,19 @@ def refuse_inputs_inside(out: Path, inputs: Iterable[str | Path | None], flag: s
                              f"outside the inputs)")
 
 
+def check_output_file(out: Path, flag: str = "--out") -> None:
+    """Refuse a file path that a command could write only at its end (an eval report, a self-prompt file): a
+    folder at `out`, a file where one of its folders would be, or a folder this user cannot write in would
+    otherwise fail only after the work that the file was to hold."""
+    if out.is_dir():
+        raise ValueError(f"{flag} {out} is a folder; give the path of the file to write")
+    folder = next(parent for parent in out.absolute().parents if parent.exists())  # `/` at the latest
+    if not folder.is_dir():
+        raise ValueError(f"{flag} {out}: {folder} is a file, not a folder; pick another {flag}")
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise ValueError(f"{flag} {out}: cannot write in {folder}; check its permissions or pick another {flag}")
+
+
 def claim(out: Path, kind: OutputKind, *, inputs: Iterable[str | Path | None], overwrite: bool, reusable: bool,
           flag: str = "--out", why: str | None = None, clear: bool = True) -> None:
     """Check that `out` may be written (see the module's rules); with `overwrite`, remove what `kind` wrote

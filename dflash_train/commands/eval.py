@@ -27,7 +27,7 @@ import torch
 from dflash_train.checkpoint import draft_from_checkpoint, read_checkpoint
 from dflash_train.checkpoint.io import DraftCheckpoint
 from dflash_train.commands import run_command
-from dflash_train.data.cli_args import positive_int
+from dflash_train.data.cli_args import device_arg, parse_device, positive_int
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
@@ -37,6 +37,7 @@ from dflash_train.eval.report import build_report, write_outputs
 from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.layers import RotaryEmbedding
+from dflash_train.outputs import check_output_file
 from dflash_train.runtime.config import (
     COMPILE_SCOPE_HELP,
     COMPILE_SCOPES,
@@ -69,7 +70,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
-    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=device_arg, default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                         help="auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--kernels", default="auto", choices=KERNELS,
@@ -121,12 +122,11 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--matmul {args.matmul} runs on the Triton kernels: drop --kernels torch or --matmul")
     if args.target_cache is not None and args.target_cache.exists() and not args.target_cache.is_dir():
         raise ValueError(f"--target-cache {args.target_cache} is a file: give a folder (made if missing)")
+    check_output_file(Path(args.out))  # written last: a bad path would fail after the whole evaluation
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda requested but no CUDA device is visible; use --device cpu")
+    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     return device, getattr(torch, name)
 

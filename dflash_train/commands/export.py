@@ -14,6 +14,7 @@ from pathlib import Path
 
 from dflash_train.checkpoint import export_checkpoint
 from dflash_train.checkpoint.card import load_eval_reports
+from dflash_train.data.cli_args import positive_float
 from dflash_train.outputs import EXPORTED, claim, holds_output
 
 
@@ -29,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--training-data", default=None, help="markdown describing the training data")
     parser.add_argument("--eval-report", action="append", default=[], metavar="JSON",
                         help="eval report(s) to tabulate in the card (repeatable)")
-    parser.add_argument("--max-shard-gb", type=float, default=5.0, help="shard the weights above this size")
+    parser.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="shard the weights above this size")
 
 
 def run(args: argparse.Namespace) -> int:

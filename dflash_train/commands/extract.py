@@ -22,6 +22,7 @@ from typing import Any
 
 from dflash_train.data.cli_args import (
     TORCH_DTYPES,
+    device_arg,
     non_negative_int,
     positive_float,
     positive_int,
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-layers", type=positive_int, default=5)
     parser.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16", help="stored feature dtype")
     parser.add_argument("--target-dtype", choices=tuple(TORCH_DTYPES), default="bf16", help="target weights")
-    parser.add_argument("--device", default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--device", type=device_arg, default=None, help="cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--shard-gb", type=positive_float, default=0.5,
                         help="about this many GB per shard file (pinned host memory holds up to 2 x "
                              "--window-shards shards: one window computed while the one before is written)")

@@ -39,6 +39,7 @@ from dflash_train.data.self_prompts import (
     user_turn_prefix,
     write_rows,
 )
+from dflash_train.outputs import check_output_file
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.generation import Generator
 from dflash_train.target import TargetModel, load_target
@@ -76,6 +77,7 @@ def _check_out(args: argparse.Namespace) -> None:
                          "(greedy decoding writes one prompt)")
     if args.out.is_dir():
         raise ValueError(f"--out {args.out} is a directory; give a .jsonl file path")
+    check_output_file(args.out)  # written last: a bad path would fail after the whole generation
     if args.out.exists() and not args.overwrite:
         raise ValueError(f"--out {args.out} exists; pass --overwrite to replace it, or choose another path")
     if args.out.exists() and not is_self_prompt_file(args.out):

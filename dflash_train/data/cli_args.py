@@ -89,6 +89,32 @@ def thinking_value(args: argparse.Namespace) -> bool | None:
     return None if args.thinking is None else args.thinking == "on"
 
 
+def parse_device(requested: str) -> torch.device:
+    """A device name as a torch device, refused in one line when torch does not know it or it is a CUDA device
+    this machine does not have (torch would fail later, in a traceback from deep inside a model load)."""
+    try:
+        device = torch.device(requested)
+    except RuntimeError:
+        raise ValueError(f"{requested!r} is not a device; use cpu, cuda or cuda:N") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{requested} requested but no CUDA device is visible; use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise ValueError(f"{requested}: this machine has {count} CUDA device(s); use cuda:0 to cuda:{count - 1}")
+    return device
+
+
+def device_arg(text: str) -> str:
+    """An argparse `type` for --device: a name that `parse_device` accepts, refused while the arguments are read,
+    before a model loads or an output folder is made."""
+    try:
+        parse_device(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
 def resolve_device(requested: str | None) -> str:
     """``--device``, else ``cuda:$LOCAL_RANK`` (one GPU per process under torchrun/accelerate), else ``cpu``;
     a plain ``cuda`` means ``cuda:$LOCAL_RANK`` too. A CUDA device also becomes the current one, which CUDA
@@ -98,7 +124,7 @@ def resolve_device(requested: str | None) -> str:
         if not torch.cuda.is_available():
             return "cpu"
         requested = "cuda"
-    device = torch.device(requested)
+    device = parse_device(requested)
     if device.type == "cuda":
         if device.index is None:  # plain "cuda": this process's GPU (set_device needs an index)
             device = torch.device("cuda", local_rank)
@@ -138,7 +164,7 @@ def top_p(text: str) -> float:
 def add_runtime_arguments(parser: argparse.ArgumentParser, decode_rows_help: str, prefix: str = "") -> None:
     """The flags of a command that generates with the target through the runtime in this process (`prefix`
     names that back end where the command has another)."""
-    parser.add_argument("--device", default=None, help=f"{prefix}cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
+    parser.add_argument("--device", type=device_arg, default=None, help=f"{prefix}cuda, cuda:N or cpu (default: cuda:$LOCAL_RANK if present)")
     parser.add_argument("--dtype", choices=tuple(TORCH_DTYPES), default="bf16", help=f"{prefix}weights")
     parser.add_argument("--decode-rows", type=positive_int, default=None, help=f"{prefix}{decode_rows_help}")
     parser.add_argument("--kernels", default="auto", choices=KERNELS,

@@ -369,7 +369,7 @@ def _build(chat: ChatTokenizer, config: PrepareConfig, report: DataReport, featu
     if failure:  # a user error inside the generator, which datasets would otherwise wrap
         raise failure[0]
     if dataset is None or report.kept == 0:
-        raise ValueError(f"no usable rows in {[s.source for s in config.sources]}: {report.as_dict()['dropped']}")
+        raise ValueError(report.nothing_kept("rows", [spec.source for spec in config.sources]))
     return dataset
 
 

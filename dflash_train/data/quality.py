@@ -89,6 +89,19 @@ class DataReport:
                 lines.append(f"WARNING: {n:,} of {self.read:,} rows ({n / self.read:.0%}) dropped as {reason}{hint}")
         return lines
 
+    def nothing_kept(self, what: str, sources: list[str]) -> str:
+        """The one-line error of a step that kept no row: that the data was empty, or why every row was dropped,
+        where the first ones were and what to do about it (the summary table is never printed then)."""
+        where = ", ".join(sources)
+        if not self.read:
+            return f"no {what} in {where}: it holds no records (an empty file or folder); check --data"
+        reasons = []
+        for reason, n in sorted(self.dropped.items(), key=lambda item: -item[1]):
+            found = self._where(f"dropped: {reason}").strip()
+            hint = f": {DROP_HINTS[reason]}" if reason in DROP_HINTS else ""
+            reasons.append(f"{reason} {n:,}" + (f" {found}" if found else "") + hint)
+        return f"no usable {what} in {where}: all {self.read:,} read were dropped ({'; '.join(reasons)})"
+
     def _where(self, row: str) -> str:
         """`  (chats.jsonl line 3, 4, 5, ...)` after a drop reason's count: where its first rows were."""
         reason = row.removeprefix("dropped: ")

@@ -381,7 +381,7 @@ def regenerate(
     the manifest of the last turn run, with counts (``complete`` once the final turn is)."""
     first, report = plan_prompts(chat, config)
     if not first:
-        raise ValueError(f"no usable prompts in {[s.source for s in config.sources]}: {report.as_dict()['dropped']}")
+        raise ValueError(report.nothing_kept("prompts", [spec.source for spec in config.sources]))
     rounds = count_turns(first, config.turns)
     rows, tokens, manifest, units = first, 0, {}, []
     for turn in range(1, rounds + 1):

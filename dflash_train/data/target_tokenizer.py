@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dflash_train.target import ensure_converted_gguf, resolve_target_source
+from dflash_train.target import ensure_converted_gguf, load_tokenizer, resolve_target_source
 
 
 def load_target_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
@@ -15,7 +14,4 @@ def load_target_tokenizer(name_or_path: str) -> PreTrainedTokenizerBase:
     source = resolve_target_source(name_or_path)
     if source.endswith(".gguf"):
         source = str(ensure_converted_gguf(Path(source)))
-    try:
-        return AutoTokenizer.from_pretrained(source)
-    except OSError as error:
-        raise ValueError(f"cannot load the tokenizer of {name_or_path!r} ({error})") from error
+    return load_tokenizer(source, name_or_path)

@@ -16,6 +16,7 @@ import gzip
 import importlib.util
 import json
 import logging
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,19 +104,23 @@ def load_prompt_file(path: Path, name: str | None = None) -> PromptSet:
     """A jsonl (optionally .gz) file of prompt rows; malformed rows are skipped and counted."""
     opener = gzip.open if path.suffix == ".gz" else open
     conversations, skipped, first_bad = [], 0, None
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                conversation = conversation_from_row(json.loads(line))
-            except json.JSONDecodeError:
-                conversation = None
-            if conversation is None:
-                skipped += 1
-                first_bad = first_bad or number
-            else:
-                conversations.append(conversation)
+    try:
+        with opener(path, "rb") as handle:
+            for number, line in enumerate(handle, start=1):
+                if not line.strip():
+                    continue
+                try:  # a line that is not UTF-8 is one malformed row, not the end of the file
+                    conversation = conversation_from_row(json.loads(line.decode("utf-8")))
+                except (UnicodeDecodeError, json.JSONDecodeError):
+                    conversation = None
+                if conversation is None:
+                    skipped += 1
+                    first_bad = first_bad or number
+                else:
+                    conversations.append(conversation)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as error:  # neither names the file
+        raise ValueError(f"{path} is not a whole gzip file ({error}); copy it again, or give the .jsonl "
+                         "uncompressed") from None
     if skipped:
         logger.warning("%s: skipped %d malformed rows (first at line %d)", path, skipped, first_bad)
     if not conversations:

@@ -38,6 +38,7 @@ from dflash_train.target.loading import (
     DEFAULT_TARGET_ALIASES,
     PackagedFile,
     load_target,
+    load_tokenizer,
     resolve_target_source,
 )
 from dflash_train.target.mask_token import MaskTokenChoice, choose_mask_token, resolve_mask_token_id
@@ -65,6 +66,7 @@ __all__ = [
     "load_gguf",
     "load_target",
     "load_target_config",
+    "load_tokenizer",
     "resolve_mask_token_id",
     "resolve_target_source",
     "rows_not_packed",

@@ -174,7 +174,6 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
         raise DamagedFileError(*damaged[0], TARGET_ADVICE)
     try:
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
-        tokenizer = AutoTokenizer.from_pretrained(source)
     except SafetensorError as error:
         raise ValueError(f"Could not load target {source!r}: a weights file is damaged ({first_line(error)}); "
                          f"{TARGET_ADVICE}") from error
@@ -183,4 +182,26 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
             f"Could not load target {source!r} ({first_line(error)}); pass a known alias "
             f"({', '.join(DEFAULT_TARGET_ALIASES)}), a local model directory, a .gguf file or a reachable Hub id."
         ) from error
-    return model, tokenizer
+    return model, load_tokenizer(source)
+
+
+def load_tokenizer(source: str, name: str | None = None) -> PreTrainedTokenizerBase:
+    """The tokenizer of a resolved target `source` (`name`: what the user passed, for messages). Its files are
+    read by `transformers` and `tokenizers`, whose errors for a damaged one (JSON, Rust or key errors) name
+    neither the file nor a fix; and a directory without tokenizer files loads as a tokenizer of special
+    tokens only, which then fails far from the cause (a chat template that seems to have no end of turn)."""
+    name = name or source
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except Exception as error:
+        # transformers says OSError, ValueError or KeyError for a missing or damaged file, tokenizers a bare
+        # Exception; anything else is a bug and keeps its traceback.
+        if not isinstance(error, (OSError, ValueError, KeyError)) and type(error) is not Exception:
+            raise
+        raise ValueError(f"cannot load the tokenizer of {name!r} ({first_line(error)}); its tokenizer files "
+                         f"(tokenizer.json, tokenizer_config.json, ...) are missing or damaged: {TARGET_ADVICE}"
+                         ) from error
+    if len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        raise ValueError(f"{name!r} has no tokenizer: no tokenizer.json, tokenizer.model or vocabulary file "
+                         f"beside its config.json; {TARGET_ADVICE}, tokenizer files included")
+    return tokenizer

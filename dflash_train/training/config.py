@@ -154,6 +154,17 @@ class TrainConfig:
         if self.training.soft_targets and self.data.features is not None:
             raise ValueError("training.soft_targets needs the target's final states, computed online: use "
                              "data.prepared instead of data.features")
+        # 0 or less would not be refused later: max_steps=0 falls back to the epochs, a negative count saves an
+        # untrained checkpoint as a finished run, and a gamma of 0 turns the loss into NaN.
+        if self.training.max_steps is not None and self.training.max_steps < 1:
+            raise ValueError(f"training.max_steps must be >= 1, got {self.training.max_steps} (null: train "
+                             "training.epochs)")
+        if self.training.max_steps is None and not self.training.epochs > 0:
+            raise ValueError(f"training.epochs must be > 0, got {self.training.epochs}")
+        gamma = self.training.loss_decay_gamma
+        if gamma is not None and not gamma > 0:
+            raise ValueError(f"training.loss_decay_gamma must be > 0, got {gamma} (.inf: every block position "
+                             "weighs the same; null: the default for the block size)")
         for name in ("time_budget_minutes", "stop_after_minutes"):
             value = getattr(self.training, name)
             if value is not None and value <= 0:

@@ -46,6 +46,7 @@ def test_resolve_device_gives_set_device_an_index(monkeypatch: pytest.MonkeyPatc
         current.append(device)
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "set_device", set_device)
     if local_rank is None:
         monkeypatch.delenv("LOCAL_RANK", raising=False)

@@ -95,6 +95,29 @@ def test_file_without_usable_rows_is_a_clear_error(tmp_path: Path) -> None:
         load_prompt_file(path)
 
 
+def test_a_line_that_is_not_utf8_is_one_malformed_row(tmp_path: Path) -> None:
+    """It used to end the whole file in a UnicodeDecodeError that named neither the file nor the line."""
+    path = tmp_path / "mixed.jsonl"
+    path.write_bytes(b'{"prompt": "one"}\n\xff\xfe latin-1 \xe9\n{"prompt": "two"}\n')
+    prompt_set = load_prompt_file(path)
+    assert [c.turns for c in prompt_set.conversations] == [["one"], ["two"]] and prompt_set.skipped_rows == 1
+    binary = tmp_path / "binary.jsonl"
+    binary.write_bytes(b"\xff\xfe\x00\x01")
+    with pytest.raises(ValueError, match=f"^{binary} has no usable prompt rows \\(1 malformed\\)"):
+        load_prompt_file(binary)
+
+
+@pytest.mark.parametrize("damage", ["truncated", "not gzip"])
+def test_a_damaged_gzip_file_is_one_line_naming_it(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "prompts.jsonl.gz"
+    whole = gzip.compress(b'{"prompt": "one"}\n' * 50)
+    path.write_bytes(whole[: len(whole) // 2] if damage == "truncated" else b'{"prompt": "one"}\n')
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=f"^{path} is not a whole gzip file .*; copy it again") as error:
+        load_prompt_file(path)
+    assert "\n" not in str(error.value) and path.read_bytes() == before
+
+
 def test_row_parser_rejects_non_string_turns() -> None:
     assert conversation_from_row({"turns": ["ok", 3]}) is None
     assert conversation_from_row({"messages": [{"role": "wizard", "content": "x"}]}) is None

@@ -30,7 +30,6 @@ def hub_lookups(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("AutoModelForCausalLM", "AutoTokenizer"):
         monkeypatch.setattr(getattr(loading, name), "from_pretrained", offline)
     monkeypatch.setattr("transformers.AutoConfig.from_pretrained", offline)
-    monkeypatch.setattr("dflash_train.data.target_tokenizer.AutoTokenizer.from_pretrained", offline)
     monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
     return asked
 

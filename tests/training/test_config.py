@@ -44,6 +44,12 @@ def test_overrides_are_typed() -> None:
         ("training.batch_size=0", "training.batch_size must be >= 1"),
         ("training.log_every=0", "training.log_every must be >= 1"),  # the loop divides by both
         ("training.save_every=0", "training.save_every must be >= 1"),
+        # 0 fell back to the epochs, a negative count saved an untrained drafter, a gamma of 0 gave a NaN loss
+        ("training.max_steps=0", "training.max_steps must be >= 1, got 0"),
+        ("training.max_steps=-5", "training.max_steps must be >= 1, got -5"),
+        ("training.epochs=0", "training.epochs must be > 0, got 0"),
+        ("training.loss_decay_gamma=0", "training.loss_decay_gamma must be > 0, got 0.0"),
+        ("training.loss_decay_gamma=-4", "training.loss_decay_gamma must be > 0, got -4.0"),
         ("trainer.steps=1", "unknown config key trainer"),
         ("training.seed", "must look like section.key=value"),
     ],
@@ -51,6 +57,11 @@ def test_overrides_are_typed() -> None:
 def test_mistakes_are_clear_errors(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("?", r"\?")):
         load_config(RECIPES[0], [override])
+
+
+def test_epochs_apply_only_without_max_steps_and_gamma_may_be_infinite() -> None:
+    c = load_config(RECIPES[0], ["training.max_steps=3", "training.epochs=0", "training.loss_decay_gamma=.inf"])
+    assert c.training.max_steps == 3 and c.training.loss_decay_gamma == float("inf")
 
 
 def test_exactly_one_data_source(tmp_path: pathlib.Path) -> None:

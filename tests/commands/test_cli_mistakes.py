@@ -1,0 +1,193 @@
+"""Mistakes typed at a terminal (a device this machine lacks, a size of 0, an output path that cannot be written,
+data with nothing to keep, a target without a usable tokenizer): each is one line that says what to do, given
+before a model loads or a long run starts, and no input changes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.cli import main
+from dflash_train.commands import eval as eval_command
+from dflash_train.commands import self_prompt
+from tests.helpers.training import save_tiny_prepared, save_tiny_target
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("inputs")
+    chats = root / "chats.jsonl"  # one chat whose answer is too short to train a drafter of block size 16
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "hello"},
+                                              {"role": "assistant", "content": "yes"}]}) + "\n")
+    (root / "empty.jsonl").write_text("")
+    return {"root": root, "target": save_tiny_target(root / "target"), "chats": chats, "empty": root / "empty.jsonl",
+            "prepared": save_tiny_prepared(root / "prepared", num_rows=4)}
+
+
+def contents(root: Path) -> dict[str, str]:
+    return {str(path.relative_to(root)): hashlib.sha256(path.read_bytes()).hexdigest()
+            for path in sorted(root.rglob("*")) if path.is_file()}
+
+
+def one_line_error(capsys: pytest.CaptureFixture[str], after_progress: bool = False) -> str:
+    """The error line; `after_progress`: the one after a model's loading bar (a command that got that far)."""
+    lines = capsys.readouterr().err.strip().splitlines()
+    if after_progress:
+        lines = [line for line in lines if not line.startswith("Loading weights")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+def with_device(name: str, inputs: dict[str, Path], out: Path, device: str) -> list[str]:
+    target = str(inputs["target"])
+    if name == "regenerate":
+        return ["regenerate", "--target", target, "--data", str(inputs["chats"]), "--out", str(out), "--device", device]
+    if name == "extract":
+        return ["extract", "--target", target, "--data", str(inputs["prepared"]), "--out", str(out), "--device", device]
+    if name == "self-prompt":
+        return ["self-prompt", "--target", target, "--num-prompts", "2", "--out", str(out / "p.jsonl"),
+                "--device", device]
+    return ["eval", "--target", target, "--draft", "random", "--dataset", "humaneval", "--out",
+            str(out / "report.json"), "--device", device]
+
+
+@pytest.mark.parametrize("name", ["regenerate", "extract", "self-prompt", "eval"])
+@pytest.mark.parametrize(("device", "cuda_devices", "message"), [
+    ("tpu", 0, "'tpu' is not a device; use cpu, cuda or cuda:N"),
+    ("cuda", 0, "cuda requested but no CUDA device is visible; use --device cpu"),
+    ("cuda:3", 2, "cuda:3: this machine has 2 CUDA device(s); use cuda:0 to cuda:1"),
+])
+def test_a_device_this_machine_lacks_is_one_line_before_anything_loads(
+        name: str, device: str, cuda_devices: int, message: str, inputs: dict[str, Path], tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Torch refused these deep inside the run, in a traceback (an unknown device type, CUDA not compiled in)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_devices > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: cuda_devices)
+    before = contents(inputs["root"])
+    out = tmp_path / "out"
+    assert main(with_device(name, inputs, out, device)) == 2
+    assert one_line_error(capsys) == (f"dflash-train {name}: error: argument --device: {message} "
+                                      f"(see dflash-train {name} --help)")
+    assert not out.exists() and contents(inputs["root"]) == before
+
+
+@pytest.mark.parametrize("size", ["0", "-1", "nan"])
+def test_export_refuses_a_shard_size_that_is_not_positive(size: str, inputs: dict[str, Path], tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """0 or less wrote a shard file per tensor (thousands for a real drafter); nan failed in a float conversion."""
+    out = tmp_path / "out"
+    assert main(["export", str(inputs["prepared"]), "--out", str(out), f"--max-shard-gb={size}"]) == 2
+    assert one_line_error(capsys) == (f"dflash-train export: error: argument --max-shard-gb: must be > 0, not {size} "
+                                      "(see dflash-train export --help)")
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--block-size", "0"), ("--num-draft-layers", "-2")])
+def test_inspect_refuses_a_count_below_one_naming_the_flag(flag: str, value: str, inputs: dict[str, Path],
+                                                           capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", "--target", str(inputs["target"]), flag, value]) == 2
+    assert one_line_error(capsys) == (f"dflash-train inspect: error: argument {flag}: must be at least 1, not {value} "
+                                      "(see dflash-train inspect --help)")
+
+
+def _never(*args: object, **kwargs: object) -> None:
+    raise AssertionError("the command went on to load the target")
+
+
+@pytest.mark.parametrize("where", ["folder", "under a file"])
+def test_eval_refuses_a_report_path_it_cannot_write_before_evaluating(
+        where: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """The report is written last: such a path failed only after the whole evaluation, naming a hidden temp file."""
+    monkeypatch.setattr(eval_command, "_load_target", _never)
+    (tmp_path / "results").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+    out = tmp_path / "results" if where == "folder" else tmp_path / "notes.txt" / "report.json"
+    assert main(["eval", "--target", "t", "--draft", "random", "--dataset", "humaneval", "--device", "cpu",
+                 "--out", str(out)]) == 2
+    expected = (f"--out {out} is a folder; give the path of the file to write" if where == "folder" else
+                f"--out {out}: {tmp_path / 'notes.txt'} is a file, not a folder; pick another --out")
+    assert one_line_error(capsys) == f"dflash-train eval: error: {expected}"
+    assert (tmp_path / "notes.txt").read_text() == "mine" and not any((tmp_path / "results").iterdir())
+
+
+def test_eval_refuses_a_report_folder_it_may_not_write_in(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(eval_command, "_load_target", _never)
+    monkeypatch.setattr("os.access", lambda path, mode: False)  # as for another user's folder (tests run as root)
+    out = tmp_path / "report.json"
+    assert main(["eval", "--target", "t", "--draft", "random", "--dataset", "humaneval", "--device", "cpu",
+                 "--out", str(out)]) == 2
+    assert one_line_error(capsys) == (f"dflash-train eval: error: --out {out}: cannot write in {tmp_path}; check its "
+                                      "permissions or pick another --out")
+
+
+def test_self_prompt_refuses_an_out_under_a_file_before_generating(
+        inputs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(self_prompt, "load_target", _never)
+    (tmp_path / "notes.txt").write_text("mine")
+    out = tmp_path / "notes.txt" / "prompts.jsonl"
+    assert main(["self-prompt", "--target", str(inputs["target"]), "--num-prompts", "2", "--out", str(out)]) == 2
+    assert one_line_error(capsys) == (f"dflash-train self-prompt: error: --out {out}: {tmp_path / 'notes.txt'} is a "
+                                      "file, not a folder; pick another --out")
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_prepare_and_regenerate_say_why_nothing_was_kept(inputs: dict[str, Path], tmp_path: Path,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """An empty file read `no usable rows in [...]: {}`, every row dropped a dict of counts, with no fix."""
+    before = contents(inputs["root"])
+    target, empty, chats = str(inputs["target"]), str(inputs["empty"]), str(inputs["chats"])
+    assert main(["prepare", "--target", target, "--data", empty, "--out", str(tmp_path / "p1")]) == 2
+    assert one_line_error(capsys) == (f"dflash-train prepare: error: no rows in {empty}: it holds no records (an "
+                                      "empty file or folder); check --data")
+    assert main(["prepare", "--target", target, "--data", chats, "--out", str(tmp_path / "p2")]) == 2
+    assert one_line_error(capsys) == (
+        f"dflash-train prepare: error: no usable rows in {chats}: all 1 read were dropped (too_few_supervised_tokens "
+        "1 (chats.jsonl line 1): their answers are shorter than 2 x --block-size tokens; a smaller --block-size "
+        "keeps them)")
+    assert main(["regenerate", "--target", target, "--data", empty, "--device", "cpu", "--out",
+                 str(tmp_path / "r")]) == 2
+    assert one_line_error(capsys, after_progress=True) == (
+        f"dflash-train regenerate: error: no prompts in {empty}: it holds no records (an empty file or folder); "
+        "check --data")
+    assert not (tmp_path / "p1").exists() and not (tmp_path / "p2").exists()
+    assert contents(inputs["root"]) == before
+
+
+@pytest.mark.parametrize("damage", ["removed", "not JSON", "another model type"])
+@pytest.mark.parametrize("command", ["inspect", "prepare"])
+def test_a_target_without_a_usable_tokenizer_is_one_line(damage: str, command: str, inputs: dict[str, Path],
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without tokenizer files transformers loads a tokenizer of special tokens only, which failed later as a
+    chat template without an end of turn; a damaged tokenizer.json was a JSON or Rust error naming no file."""
+    target = shutil.copytree(inputs["target"], tmp_path / "target")
+    tokenizer = target / "tokenizer.json"
+    if damage == "removed":
+        tokenizer.unlink()
+        (target / "tokenizer_config.json").unlink()
+    elif damage == "not JSON":
+        tokenizer.write_text(tokenizer.read_text()[:3000])
+    else:
+        content = json.loads(tokenizer.read_text())
+        content["model"]["type"] = "Nope"
+        tokenizer.write_text(json.dumps(content))
+    before = contents(target)
+    argv = ["inspect", "--target", str(target)] if command == "inspect" else \
+        ["prepare", "--target", str(target), "--data", str(inputs["chats"]), "--show", "1"]
+    assert main(argv) == 2
+    error = one_line_error(capsys, after_progress=command == "inspect")  # the weights load first
+    if damage == "removed":
+        assert error == (f"dflash-train {command}: error: '{target}' has no tokenizer: no tokenizer.json, "
+                         "tokenizer.model or vocabulary file beside its config.json; download or copy the target "
+                         "again, tokenizer files included")
+    else:
+        assert error.startswith(f"dflash-train {command}: error: cannot load the tokenizer of '{target}' (")
+        assert error.endswith("); its tokenizer files (tokenizer.json, tokenizer_config.json, ...) are missing or "
+                              "damaged: download or copy the target again")
+    assert contents(target) == before
