@@ -38,17 +38,21 @@ def test_graph_compiled_triton_loop_is_lossless(target_and_draft: tuple, batch_s
     assert_own_greedy(target, prompts(5), [output.tokens for output in outputs], 24)
 
 
-@pytest.mark.parametrize("batch_size", [1, 3])
-def test_fused_skinny_products_compiled_and_graphed_are_lossless(target_and_draft: tuple, batch_size: int) -> None:
+@pytest.mark.parametrize(("batch_size", "carry"), [(1, False), (3, False), (1, True), (3, True)])
+def test_fused_skinny_products_compiled_and_graphed_are_lossless(target_and_draft: tuple, batch_size: int,
+                                                                 carry: bool) -> None:
     """The opt-in fused products (norms, SwiGLU, residual adds in the skinny kernel), target and drafter,
-    under torch.compile and a CUDA graph: the target's own greedy tokens (fp32)."""
+    under torch.compile and a CUDA graph: the target's own greedy tokens (fp32); also with the norms reading
+    the statistics the product before them left (`carry_norm_stats`)."""
     target, draft = target_and_draft
-    runner = StaticTarget(target, batch_size, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True)
+    runner = StaticTarget(target, batch_size, 64, kernels="triton", skinny_matmul=True, skinny_fusion=True,
+                          carry_norm_stats=carry)
     engine = DecodeEngine(target, draft, EngineConfig(batch_size=batch_size, block_size=8, max_new_tokens=24,
                                                       max_length=64), runner=runner)
     outputs, _ = engine.generate(prompts(5))
     assert engine.uses_cuda_graph and engine.uses_compile and engine.compile_error is None, engine.graph_error
     assert engine.runner.matmul == "fused" and all(layer.fused_products for layer in engine.drafter.layer_kernels)
+    assert engine.runner.carries_norm_stats == carry
     assert_own_greedy(target, prompts(5), [output.tokens for output in outputs], 24)
 
 
@@ -57,7 +61,7 @@ def test_products_with_k_split_compiled_and_graphed_are_lossless(target_and_draf
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Every skinny product with K in three slices (a second kernel adds them) under torch.compile and a CUDA
     graph: the target's own greedy tokens (fp32), with and without the fused norms and epilogues."""
-    monkeypatch.setattr(skinny_matmul, "config_for", lambda n, k: skinny_matmul.Config(16, 32, split_k=3))
+    monkeypatch.setattr(skinny_matmul, "config_for", lambda n, k, swiglu=False: skinny_matmul.Config(16, 32, split_k=3))
     target, draft = target_and_draft
     runner = StaticTarget(target, 2, 64, kernels="triton", skinny_matmul=True, skinny_fusion=fusion)
     engine = DecodeEngine(target, draft, EngineConfig(batch_size=2, block_size=8, max_new_tokens=24,
