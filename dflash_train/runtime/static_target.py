@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 
 from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
-from dflash_train.kernels.skinny_matmul import tuned_shapes
+from dflash_train.kernels.skinny_matmul import stats_width, tuned_shapes
 from dflash_train.kernels.static_attention import (
     bounds_from_positions,
     counters_for,
@@ -356,7 +356,11 @@ class StaticTarget:
         if self.defer_residual:
             carry = torch.zeros_like(h)
         elif self.carries_norm_stats and skinny_fits(h.numel() // h.shape[-1]):
-            carry = h.float().pow(2).sum(-1).reshape(-1, 1)
+            # as wide as the shares a layer's down product leaves (its other columns exact zeros): every layer
+            # then gets the same shapes, and compile scope "layer" one graph for all of them
+            down = self.layers[0].mlp.down_proj.weight
+            sums = h.float().pow(2).sum(-1).reshape(-1, 1)
+            carry = F.pad(sums, (0, stats_width(down.shape[0], down.shape[1]) - 1))
         return h, carry, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
 
     def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor, carry: torch.Tensor | None,

@@ -202,20 +202,30 @@ def test_carried_norm_statistics_keep_the_targets_own_tokens(model_type: str, bl
 
 
 @kernels_here
-def test_a_carrying_layer_equals_the_hugging_face_layer() -> None:
+def test_a_carrying_layer_equals_the_hugging_face_layer(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two layers over 3 new tokens after a 5-token context, the second reading the first's shares, against the
-    model's own forward (fp32: equal to rounding); the prefill, too many rows for the fused products, carries
-    nothing."""
+    model's own forward (fp32: equal to rounding). Every layer is handed shares of one shape, the first the
+    embeddings' (so that one compiled layer serves all)."""
     target = make_tiny_target("qwen3", num_layers=2, seed=4)
     target.model.to(DEVICE)
     ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    handed: list[tuple[int, ...] | None] = []
+    carried = FusedLayer.carried
+
+    def recording(layer: FusedLayer, hidden: torch.Tensor, shares: torch.Tensor | None, *args: Any) -> Any:
+        handed.append(None if shares is None else tuple(shares.shape))
+        return carried(layer, hidden, shares, *args)
+
+    monkeypatch.setattr(FusedLayer, "carried", recording)
     with torch.no_grad():
         expected = target.model(ids).logits[0, 5:]
         runner = StaticTarget(target, 1, 16, kernels="triton", skinny_matmul=True, skinny_fusion=True,
                               carry_norm_stats=True)
         runner.forward(ids[:, :5], torch.arange(5, device=DEVICE)[None])
+        handed.clear()
         got = runner.forward(ids[:, 5:], torch.arange(5, 8, device=DEVICE)[None]).logits[0]
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert len(handed) == 2 and handed[0] == handed[1] and handed[0] is not None and handed[0][0] == 3
 
 
 def test_carrying_needs_the_fused_products() -> None:
