@@ -203,8 +203,10 @@ def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: An
 
 
 def step_profile(trainer: Any, steps: int = 3, top: int = 60) -> dict[str, Any]:
-    """Where `steps` training steps' time goes (their data loaded beforehand): means per step of the wall time,
-    kernel time, gaps and launches, kernel time by category, and the `top` heaviest kernels by name."""
+    """Where `steps` training steps' time goes (their data loaded beforehand): the median and the mean wall time
+    of a step, means per step of the kernel time, gaps and launches, kernel time by category, the `top`
+    heaviest kernels by name, and the host's time in the phases the trainer marks (means per step, which
+    add up to at most the mean wall time: the phases run inside the step)."""
     device = trainer.accelerator.device
     loaded = [trainer._load_step(trainer.step + i) for i in range(steps)]
     profiled = profiled_calls(lambda: trainer.train_step(loaded.pop(0)), device, iters=steps)
@@ -215,6 +217,7 @@ def step_profile(trainer: Any, steps: int = 3, top: int = 60) -> dict[str, Any]:
         entry[1] += 1 / steps
     heaviest = sorted(by_name.items(), key=lambda item: -item[1][0])[:top]
     return {"steps": steps, "wall_ms": statistics.median(profiled.wall_us) / 1e3,
+            "wall_mean_ms": statistics.fmean(profiled.wall_us) / 1e3,
             **gpu_time(as_intervals(profiled.calls)),
             "categories": kernel_categories(profiled.calls, TRAINING_CATEGORIES),
             "kernels": {name: {"ms": ms, "launches": count} for name, (ms, count) in heaviest},

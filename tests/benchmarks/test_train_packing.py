@@ -38,7 +38,9 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     phases = profile["host_ms"]  # the host's time in the phases the trainer marks, within the step's wall time
     assert set(phases) == {"train/target_features", "train/drafter_and_loss", "train/backward", "train/optimizer",
                            "train/metrics_copy"}
-    assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_ms"] * 1.5
+    # means per step of ranges nested in each step's: at most the mean wall time (the median may be less when
+    # one step is slow, as on a busy machine)
+    assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_mean_ms"] * 1.001
     # the same phases on the device's timeline (here the host's clock), in unprofiled steps: together they fit in
     # about a step (the median's noise allowed for)
     device = profile["device_ms"]
