@@ -2,8 +2,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
-# torch 2.13.0: these machines serve the CPU build from a local wheel; plain PyPI gives the CUDA build on Linux
-# (for CPU elsewhere: make test TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu").
+# torch 2.13.0 as pip resolves it: from PyPI that is the CUDA build on Linux (a few GB); for the CPU build:
+# make install TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu".
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_FLAGS ?= -q
 
@@ -44,15 +44,16 @@ lint: install
 demo: install  ## the whole job on SmolLM2-135M-Instruct: regenerate, prepare, train, eval, export, check
 	$(PY) -m dflash_train.demo
 
-bench:  ## on a CUDA machine: writes benchmarks/results/*.json (multi_gpu needs two GPUs, `make bench-multi-gpu`)
-	$(PYTHON) -m benchmarks.train_step
-	$(PYTHON) -m benchmarks.train_throughput
-	$(PYTHON) -m benchmarks.extract
-	$(PYTHON) -m benchmarks.regenerate
-	$(PYTHON) -m benchmarks.decode
+bench: install  ## on a CUDA machine: the headline benchmarks -> benchmarks/results/*.json (docs/benchmarks.md lists the others)
+	$(PY) -m benchmarks.train_step
+	$(PY) -m benchmarks.train_throughput
+	$(PY) -m benchmarks.extract
+	$(PY) -m benchmarks.regenerate
+	$(PY) -m benchmarks.decode
+	$(PY) -m benchmarks.decode_batch
 
-bench-multi-gpu:  ## on a machine with two CUDA devices
-	$(PYTHON) -m benchmarks.multi_gpu
+bench-multi-gpu: install  ## on a machine with two CUDA devices
+	$(PY) -m benchmarks.multi_gpu
 
 clean:
 	rm -rf $(VENV) *.egg-info

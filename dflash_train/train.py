@@ -4,7 +4,7 @@
     python -m dflash_train.train --config recipes/smollm2-135m-dflash-b16.yaml
     dflash-train train --config recipes/smollm2-135m-dflash-b16-cpu.yaml training.max_steps=20
     # several GPUs / DeepSpeed / FSDP: the same module under accelerate
-    accelerate launch --config_file recipes/accelerate/ddp.yaml -m dflash_train.train \
+    accelerate launch --config_file recipes/accelerate/ddp.yaml -m dflash_train.train \\
         --config recipes/qwen3-8b-dflash-b16.yaml
 
 Overrides are dotted `section.key=value` pairs (YAML values), e.g. `training.learning_rate=3e-4`.

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from dflash_train.data.corpora import CorpusSpec
+from dflash_train.data.corpora import BUILTIN_SOURCES, CorpusSpec
 from dflash_train.data.records import FORMATS
 from dflash_train.runtime.config import (
     COMPILE_SCOPE_HELP,
@@ -57,8 +57,8 @@ def positive_float(text: str) -> float:
 def add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("input data")
     group.add_argument("--data", action="append", required=True, metavar="SOURCE",
-                       help="built-in (sharegpt, gsm-symbolic), .jsonl/.json/.parquet/.arrow file, saved dataset "
-                            "or regenerate output directory, or Hub dataset id; repeat to mix")
+                       help=f"built-in ({', '.join(BUILTIN_SOURCES)}), .jsonl/.json/.parquet/.arrow file, saved "
+                            "dataset or regenerate output directory, or Hub dataset id; repeat to mix")
     group.add_argument("--split", default="train", help="split of Hub datasets")
     group.add_argument("--format", default="auto", choices=("auto", *FORMATS), help="record format")
     group.add_argument("--columns", default="", metavar="OURS=THEIRS,...",
