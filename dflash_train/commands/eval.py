@@ -27,7 +27,7 @@ import torch
 from dflash_train.checkpoint import draft_from_checkpoint, read_checkpoint
 from dflash_train.checkpoint.io import DraftCheckpoint
 from dflash_train.commands import run_command
-from dflash_train.data.cli_args import device_arg, parse_device, positive_int
+from dflash_train.data.cli_args import device_arg, parse_device, positive_int, temperature
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's block size")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--num-prompts", type=positive_int, default=None, help="K conversations of each set, spread evenly over it (MT-Bench: every category)")
-    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (lossless check)")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (lossless check)")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
     parser.add_argument("--device", type=device_arg, default=None, help="default: cuda if available, else cpu")

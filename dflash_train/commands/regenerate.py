@@ -49,6 +49,7 @@ from dflash_train.data.cli_args import (
     non_negative_int,
     positive_int,
     resolve_device,
+    temperature,
     thinking_value,
     top_p,
     tqdm_progress,
@@ -86,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_corpus_arguments(parser)
     add_thinking_argument(parser)
     parser.add_argument("--max-new-tokens", type=positive_int, default=1024)
-    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--temperature", type=temperature, default=0.0, help="0 = greedy")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--samples-per-prompt", type=positive_int, default=1, metavar="K",
                         help="answers sampled per prompt (needs --temperature > 0), each a row of its own")

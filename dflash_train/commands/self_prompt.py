@@ -26,6 +26,7 @@ from dflash_train.data.cli_args import (
     generation_config,
     positive_int,
     resolve_device,
+    sampling_temperature,
     thinking_value,
     top_p,
 )
@@ -51,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, type=Path, help="the JSONL to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier self-prompt file at --out")
     add_thinking_argument(parser)
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature (> 0)")
+    parser.add_argument("--temperature", type=sampling_temperature, default=1.0, help="sampling temperature (> 0)")
     parser.add_argument("--top-p", type=top_p, default=1.0, help="nucleus sampling (1: the whole distribution)")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256,
                         help="a longer turn is dropped as unfinished")

@@ -150,6 +150,31 @@ def tqdm_progress(description: str, unit: str) -> Callable[..., None]:
     return update
 
 
+def temperature(text: str) -> float:
+    """A sampling temperature, 0 (greedy) or more, for argparse: finite (nan or inf would sample from a broken
+    distribution, not fail)."""
+    value = _number(text)
+    if not 0.0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number >= 0 (0: greedy), not {text!r}")
+    return value
+
+
+def sampling_temperature(text: str) -> float:
+    """`temperature` where greedy decoding makes no sense: > 0, finite."""
+    value = _number(text)
+    if not 0.0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number > 0, not {text!r}")
+    return value
+
+
+def _number(text: str) -> float:
+    """`text` as a float, nan where it is not one (refused by the checks above)."""
+    try:
+        return float(text)
+    except ValueError:
+        return float("nan")
+
+
 def top_p(text: str) -> float:
     """A nucleus-sampling probability mass in (0, 1], for argparse."""
     try:

@@ -191,3 +191,16 @@ def test_a_target_without_a_usable_tokenizer_is_one_line(damage: str, command: s
         assert error.endswith("); its tokenizer files (tokenizer.json, tokenizer_config.json, ...) are missing or "
                               "damaged: download or copy the target again")
     assert contents(target) == before
+
+
+@pytest.mark.parametrize("name", ["regenerate", "self-prompt", "eval"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-1", "hot"])
+def test_a_temperature_that_is_not_a_number_to_sample_at(name: str, value: str, inputs: dict[str, Path],
+                                                         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """nan or inf would sample from a broken distribution (self-prompt wrote an empty file): refused as the
+    arguments are read, before the target loads."""
+    assert main([*with_device(name, inputs, tmp_path / "out", "cpu"), f"--temperature={value}"]) == 2
+    line = one_line_error(capsys)
+    expected = "takes a number > 0" if name == "self-prompt" else "takes a number >= 0 (0: greedy)"
+    assert line.startswith(f"dflash-train {name}: error: argument --temperature: {expected}") and value in line
+    assert not (tmp_path / "out").exists()
