@@ -220,9 +220,22 @@ def run(args: argparse.Namespace) -> int:
     return reporting_stops(lambda: _run(args, tokenizer, chat, config, rank, world), args.out, rank, world, started)
 
 
+class _BuiltOnFirstUse:
+    """The back end, built when regeneration first uses it: a corpus with no usable prompt is refused, and a
+    finished run resumed, without loading the target's weights first."""
+
+    def __init__(self, build: Callable[[], LocalBackend | OpenAIBackend]) -> None:
+        self._build, self._backend = build, None
+
+    def __getattr__(self, name: str) -> Any:
+        if self._backend is None:
+            self._backend = self._build()
+        return getattr(self._backend, name)
+
+
 def _run(args: argparse.Namespace, tokenizer: object, chat: ChatTokenizer, config: RegenerateConfig, rank: int,
          world: int) -> int:
-    backend = _backend(args, tokenizer)
+    backend = _BuiltOnFirstUse(lambda: _backend(args, tokenizer))
     manifest = regenerate(backend, chat, config, args.out, rank, world, tqdm_progress("regenerate", "tok/s"))
     where = f"turn {manifest['turn']} of {manifest['rounds']}: " if manifest.get("rounds", 1) > 1 else ""
     print(f"regenerate: {where}{manifest['units_finished']} of {manifest['num_units']} shards in {args.out}"
