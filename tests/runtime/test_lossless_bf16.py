@@ -206,9 +206,11 @@ def committed_logits(runner: StaticTarget, sequences: torch.Tensor, prompt_lengt
     return kept
 
 
-def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: str, compiled: bool) -> None:
+def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: str, compiled: bool,
+                                               **runner_options: Any) -> None:
     """Row 0 reaches the same 24 positions one token per pass (the baseline) and in uneven strides (a drafted
-    run), while the other rows hold other tokens and move differently: the same bits at every position."""
+    run), while the other rows hold other tokens and move differently: the same bits at every position.
+    `runner_options`: the static target's, beside its defaults."""
     target = make_tiny_target(arch, num_layers=6, seed=1)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # windows start mid-block, and mid key tile
@@ -216,7 +218,7 @@ def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: 
     gen = torch.Generator().manual_seed(0)
     first, second = (torch.randint(10, 300, (4, 128), generator=gen).to(device) for _ in range(2))
     second[0] = first[0]
-    runner = StaticTarget(bf16, batch_size=4, max_length=128, kernels=kernels)  # one compiled forward, as in eval
+    runner = StaticTarget(bf16, batch_size=4, max_length=128, kernels=kernels, **runner_options)  # as in eval
     results = []
     for sequences, advances in [(first, [[1] * 24, [2] * 24, [8] * 5 + [1] * 19, [3] * 24]),
                                 (second, [[3, 8, 1, 5, 2, 1, 4], [1] * 7, [8] * 7, [5, 1] * 3 + [2]])]:
@@ -376,6 +378,16 @@ def test_gpu_rows_depend_on_the_launch_shape_only(arch: str) -> None:
     """Triton attention and fused prologue, the target forward compiled as in the decode cycle."""
     needs_cuda()
     check_rows_depend_on_the_launch_shape_only(arch, "cuda", "triton", compiled=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+def test_gpu_rows_depend_on_the_launch_shape_only_with_carried_norm_statistics(arch: str) -> None:
+    """The same on the opt-in fused products whose norms read the statistics the product before them left
+    (`carry_norm_stats`): a row's shares depend on that row alone."""
+    needs_cuda()
+    check_rows_depend_on_the_launch_shape_only(arch, "cuda", "triton", compiled=True, skinny_matmul=True,
+                                               skinny_fusion=True, carry_norm_stats=True)
 
 
 @pytest.mark.gpu
