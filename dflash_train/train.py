@@ -16,6 +16,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dflash_train.commands import OneLineErrorParser, parse_or_report
 from dflash_train.errors import run_with_one_line_errors
 from dflash_train.outputs import claim_training_dir
 from dflash_train.training.config import load_config
@@ -42,10 +43,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m dflash_train.train", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineErrorParser(prog="python -m dflash_train.train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    args = parser.parse_args(argv)
+    args = parse_or_report(lambda: parser.parse_args(argv))
+    if args is None:  # a bad command line, said in one line
+        return 2
     return run_with_one_line_errors("dflash-train train", lambda: run(args))
 
 

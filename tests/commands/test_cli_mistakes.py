@@ -211,3 +211,12 @@ def test_a_temperature_that_is_not_a_number_to_sample_at(name: str, value: str, 
     expected = "takes a number > 0" if name == "self-prompt" else "takes a number >= 0 (0: greedy)"
     assert line.startswith(f"dflash-train {name}: error: argument --temperature: {expected}") and value in line
     assert not (tmp_path / "out").exists()
+
+
+def test_the_training_module_refuses_a_bad_command_line_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m dflash_train.train` (what `accelerate launch -m` runs) printed its whole usage text first."""
+    from dflash_train import train
+
+    assert train.main(["--config", "recipe.yaml", "--bogus"]) == 2
+    assert one_line_error(capsys) == ("python -m dflash_train.train: error: unrecognized arguments: --bogus "
+                                      "(see python -m dflash_train.train --help)")
