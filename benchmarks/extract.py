@@ -194,7 +194,25 @@ def print_row(name: str, result: dict[str, Any], base: float) -> None:
               flush=True)
 
 
-def main() -> None:
+def summarize(results: dict[str, Any], hidden_size: int) -> None:
+    """The table against the faster baseline, and what the disk alone allows (its ceilings, added to its row)."""
+    disk = results["disk alone"]
+    disk["tokens_per_s"] = None  # no tokens: its ceiling is in bytes
+    for dtype in ("bf16", "fp8"):  # the most tokens/s this disk lets a store of that dtype reach
+        disk[f"ceiling_{dtype}_tokens_per_s"] = disk["write_gb_per_s"] * 1e9 / bytes_per_token(
+            len(LAYER_IDS), hidden_size, dtype)
+    base = max(results[name]["tokens_per_s"] for name in ("baseline", "baseline, HF check") if name in results)
+    print(f"{'variant':<24} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
+    for name, r in results.items():
+        if r["tokens_per_s"] is not None:
+            r["fraction_of_baseline"] = r["tokens_per_s"] / base
+        print_row(name, r, base)
+    print(f"the disk alone allows {disk['ceiling_bf16_tokens_per_s']:,.0f} tokens/s in bf16 "
+          f"({disk['ceiling_bf16_tokens_per_s'] / base:.0%} of the baseline), "
+          f"{disk['ceiling_fp8_tokens_per_s']:,.0f} in fp8 ({disk['ceiling_fp8_tokens_per_s'] / base:.0%})")
+
+
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=4096)
     parser.add_argument("--min-len", type=int, default=256)
@@ -217,7 +235,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=None, help="scratch directory on the disk to measure")
     parser.add_argument("--target", default="smollm2-135m-instruct",
                         help="alias, local directory or .gguf of SmolLM2-135M-Instruct (a node without the alias's wheel)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/extract.py needs a CUDA device")
     target = load_benchmark_target(args.target)
@@ -261,23 +283,10 @@ def main() -> None:
         results[name] = {"seconds": [s for s, _ in timings], "tokens_per_s": tokens / median_s,
                          "bytes_written": timings[0][1], "write_gb_per_s": timings[0][1] / median_s / 1e9}
         print_row(name, results[name], results["baseline"]["tokens_per_s"])  # as it comes: a cut run keeps it
-    disk = results["disk alone"]
-    disk["tokens_per_s"] = None  # no tokens: its ceiling is in bytes
-    for dtype in ("bf16", "fp8"):  # the most tokens/s this disk lets a store of that dtype reach
-        disk[f"ceiling_{dtype}_tokens_per_s"] = disk["write_gb_per_s"] * 1e9 / bytes_per_token(
-            len(LAYER_IDS), target.hidden_size, dtype)
-    base = max(results[name]["tokens_per_s"] for name in ("baseline", "baseline, HF check") if name in results)
     print(f"\nfeature extraction, SmolLM2-135M-Instruct bf16, layers {LAYER_IDS}, {args.rows} rows, {tokens:,} tokens, "
           f"budget {args.token_budget}; padded tokens per real token: baseline {padding['baseline']:.3f}, "
           f"extraction {padding['extract']:.3f}")
-    print(f"{'variant':<24} {'tokens/s':>12} {'vs baseline':>12} {'GB written':>11} {'GB/s':>6}")
-    for name, r in results.items():
-        if r["tokens_per_s"] is not None:
-            r["fraction_of_baseline"] = r["tokens_per_s"] / base
-        print_row(name, r, base)
-    print(f"the disk alone allows {disk['ceiling_bf16_tokens_per_s']:,.0f} tokens/s in bf16 "
-          f"({disk['ceiling_bf16_tokens_per_s'] / base:.0%} of the baseline), "
-          f"{disk['ceiling_fp8_tokens_per_s']:,.0f} in fp8 ({disk['ceiling_fp8_tokens_per_s'] / base:.0%})")
+    summarize(results, target.hidden_size)
     table = host_profile(lambda: extract_seconds(target, dataset, scratch / "bf16", "bf16", args)) if args.profile \
         else None
     path = write_result("extract", {"config": {k: str(v) for k, v in vars(args).items()}, "tokens": tokens,

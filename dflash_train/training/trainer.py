@@ -105,15 +105,7 @@ class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         t = config.training
-        refuse_fsdp_without_cuda()
-        if t.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True, warn_only=True)
-        self.accelerator = Accelerator(
-            mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
-            step_scheduler_with_optimizer=False,
-            cpu=not torch.cuda.is_available(),  # several CPU processes then meet over gloo
-        )
+        self.accelerator = self._build_accelerator()
         torch.manual_seed(t.seed)
         self.output_dir = Path(t.output_dir)
         self.target = build_target(config, self.accelerator.device)
@@ -126,15 +118,7 @@ class Trainer:
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
         self.val_groups: list[list[list[int]]] = []  # packed validation micro-batches (rows of chats)
         self.packed = self._build_packing()
-        if self.packed is None:
-            # Whole validation batches only: a short last batch is one more shape for compiled attention.
-            full = t.batch_size * self.accelerator.num_processes
-            if len(self.val_ids) >= full:
-                self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
-            steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
-            self.total_steps = t.max_steps or max(1, int(t.epochs * steps_per_epoch))
-        else:
-            self.total_steps = t.max_steps or self.packed.total_steps(t.epochs)
+        self.total_steps = self._plan_total_steps()
         self.configured_steps = self.total_steps  # a time budget may shorten the run, never beyond this
         sources = self.samples.sources(self.val_ids) if self.val_ids else None
         self.val_sources = dict(zip(self.val_ids, sources, strict=True)) if sources else {}
@@ -146,27 +130,9 @@ class Trainer:
             packed_target_attention(t.target_attention, self.accelerator.device), t.soft_targets,
             whole_rows=t.compile_target, say=self.accelerator.print)
         self._check_offline_features()
-        deepspeed = self.accelerator.state.deepspeed_plugin
-        if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
-            check_deepspeed_accumulation(deepspeed.deepspeed_config, t.gradient_accumulation_steps)
-            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
-        optimizer = build_optimizer(draft.to(self.accelerator.device), config)
-        schedule = build_schedule(optimizer, lambda: self.total_steps, config)
-        self.model, self.optimizer, self.schedule = self.accelerator.prepare(draft, optimizer, schedule)
-        if t.compile:
-            self.accelerator.unwrap_model(self.model).compile_layers()
-        if t.compile_target and not self.samples.offline:
-            self.target.compile_decoder_layers()
-        if t.target_cuda_graphs:
-            self.features.build_graphs(not self.samples.offline and self.packed is not None, t.batch_size,
-                                       config.data.pack_tokens or 0, self.accelerator.device)
-        self.objective = DFlashObjective(
-            block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
-            num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
-            partition_anchors=t.anchors == "partition",
-            anchors_per_row=self.packed.anchors_per_row if self.packed else None,
-            position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha, flex_tile=t.flex_tile,
-        )
+        self.model, self.optimizer, self.schedule = self._prepare_draft(draft)
+        self._compile_and_capture()
+        self.objective = self._build_objective()
         self.compat = {
             "target": config.model.target, "target_fingerprint": target_fingerprint(self.target.model),
             "target_layer_ids": self.draft_config.target_layer_ids, "block_size": self.draft_config.block_size,
@@ -177,6 +143,61 @@ class Trainer:
         self.step = 0
         self.first_step_seconds: float | None = None  # the run's cold start: step 0 -> 1, compilation included
         self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes, t.time_budget_excludes_warmup)
+
+    def _build_accelerator(self) -> Accelerator:
+        t = self.config.training
+        refuse_fsdp_without_cuda()
+        if t.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True, warn_only=True)
+        return Accelerator(
+            mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
+            step_scheduler_with_optimizer=False,
+            cpu=not torch.cuda.is_available(),  # several CPU processes then meet over gloo
+        )
+
+    def _plan_total_steps(self) -> int:
+        """The run's optimizer steps: training.max_steps, or its epochs over the (packed) training chats."""
+        t = self.config.training
+        if self.packed is not None:
+            return t.max_steps or self.packed.total_steps(t.epochs)
+        # Whole validation batches only: a short last batch is one more shape for compiled attention.
+        full = t.batch_size * self.accelerator.num_processes
+        if len(self.val_ids) >= full:
+            self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
+        steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
+        return t.max_steps or max(1, int(t.epochs * steps_per_epoch))
+
+    def _prepare_draft(self, draft: torch.nn.Module) -> tuple[Any, Any, Any]:
+        """The drafter, its optimizer and schedule, as accelerate (DDP, DeepSpeed or FSDP) wraps them."""
+        t = self.config.training
+        deepspeed = self.accelerator.state.deepspeed_plugin
+        if deepspeed is not None:  # no dataloader goes through prepare(), so DeepSpeed is told the batch
+            check_deepspeed_accumulation(deepspeed.deepspeed_config, t.gradient_accumulation_steps)
+            deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = t.batch_size
+        optimizer = build_optimizer(draft.to(self.accelerator.device), self.config)
+        schedule = build_schedule(optimizer, lambda: self.total_steps, self.config)
+        return self.accelerator.prepare(draft, optimizer, schedule)
+
+    def _compile_and_capture(self) -> None:
+        t = self.config.training
+        if t.compile:
+            self.accelerator.unwrap_model(self.model).compile_layers()
+        if t.compile_target and not self.samples.offline:
+            self.target.compile_decoder_layers()
+        if t.target_cuda_graphs:
+            self.features.build_graphs(not self.samples.offline and self.packed is not None, t.batch_size,
+                                       self.config.data.pack_tokens or 0, self.accelerator.device)
+
+    def _build_objective(self) -> DFlashObjective:
+        t = self.config.training
+        return DFlashObjective(
+            block_size=self.draft_config.block_size, mask_token_id=self.draft_config.mask_token_id,
+            num_anchors=t.num_anchors, loss_decay_gamma=t.loss_decay_gamma, mask_kind=t.attention,
+            partition_anchors=t.anchors == "partition",
+            anchors_per_row=self.packed.anchors_per_row if self.packed else None,
+            position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha, flex_tile=t.flex_tile,
+        )
 
     def _build_packing(self) -> PackedStepPlan | None:
         """The packing plan of a packed run (None unpacked), from every chat's length and anchor count."""

@@ -58,3 +58,23 @@ def test_padding_ratios_count_the_baselines_and_each_shards_groups() -> None:
     # of 2 rows -> [20, 19] padded to 40 (one pad is cheaper than a second group)
     ratios = padding_ratios([20, 19, 20, 19], token_budget=64, rows_per_window=2)
     assert ratios == {"baseline": 1.0, "extract": 80 / 78}
+
+
+def test_summary_sets_each_variant_against_the_faster_baseline_and_the_disks_ceilings(capsys) -> None:
+    from benchmarks.extract import LAYER_IDS, summarize
+
+    results = {
+        "baseline": {"tokens_per_s": 800.0, "bytes_written": 0, "write_gb_per_s": 0.0},
+        "baseline, HF check": {"tokens_per_s": 1000.0, "bytes_written": 0, "write_gb_per_s": 0.0},
+        "extract-bf16": {"tokens_per_s": 900.0, "bytes_written": 10**9, "write_gb_per_s": 1.0},
+        "disk alone": {"tokens_per_s": 5.0, "bytes_written": 10**9, "write_gb_per_s": 2.0},
+    }
+    summarize(results, hidden_size=10)
+    assert results["extract-bf16"]["fraction_of_baseline"] == pytest.approx(0.9)  # of the faster baseline
+    assert results["baseline"]["fraction_of_baseline"] == pytest.approx(0.8)
+    disk = results["disk alone"]
+    assert disk["tokens_per_s"] is None and "fraction_of_baseline" not in disk
+    layers = len(LAYER_IDS)  # 2 GB/s over a token's bytes: bf16 features, int32 id, uint8 mask (fp8: + scales)
+    assert disk["ceiling_bf16_tokens_per_s"] == pytest.approx(2e9 / (layers * 10 * 2 + 5))
+    assert disk["ceiling_fp8_tokens_per_s"] == pytest.approx(2e9 / (layers * 10 + 4 * layers + 5))
+    assert "extract-bf16" in capsys.readouterr().out
