@@ -76,7 +76,7 @@ def test_openai_backend_against_llama_server(tmp_path: Path) -> None:
 
     binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
     if not binary:
-        pytest.skip("llama-server not found: build it (see SERVING.md) and set LLAMA_SERVER")
+        pytest.skip("llama-server not found: build llama.cpp's llama-server and set LLAMA_SERVER to its path")
     port = _free_port()
     gguf = DEFAULT_TARGET_ALIASES["smollm2-135m-instruct"].path()
     server = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "2048"],
