@@ -15,6 +15,9 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import subprocess
+import sys
 import weakref
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -29,13 +32,15 @@ from dflash_train.cli import main
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.prompts import Conversation, PromptSet
 from dflash_train.eval.run import EvalSettings, Evaluator
+from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 from tests.helpers.decoding import make_draft, own_greedy
-from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.kernels import DEVICE, IN_PROCESS, kernels_here, under_interpreter
+from tests.helpers.paths import REPO
 from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
 
 BLOCK, NEW = 8, 40
@@ -231,6 +236,27 @@ def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: 
 @pytest.mark.parametrize("arch", ["qwen3", "mistral"])
 def test_rows_depend_on_the_launch_shape_only(arch: str) -> None:
     check_rows_depend_on_the_launch_shape_only(arch, "cpu", "torch", compiled=False)
+
+
+@pytest.mark.slow
+@kernels_here
+def test_rows_depend_on_the_launch_shape_only_on_the_fused_products_with_carried_norm_statistics() -> None:
+    """The opt-in fused products whose norms read the statistics the product before them left: each row's
+    shares depend on that row alone, so its bits do too (kernels interpreted on CPU, about 5 minutes)."""
+    check_rows_depend_on_the_launch_shape_only("qwen3", DEVICE, "triton", compiled=DEVICE == "cuda",
+                                               skinny_matmul=True, skinny_fusion=True, carry_norm_stats=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRITON or IN_PROCESS, reason="the kernels run in this process")
+def test_carried_norm_statistics_rows_under_the_interpreter() -> None:
+    """The test above, re-run in a process that sets TRITON_INTERPRET=1 before triton is imported (the
+    session's shared interpreted process runs the fast tier only)."""
+    test = f"{__file__}::test_rows_depend_on_the_launch_shape_only_on_the_fused_products_with_carried_norm_statistics"
+    done = subprocess.run([sys.executable, "-m", "pytest", test, "-q", "-m", "slow", "-p", "no:cacheprovider"],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=REPO, capture_output=True, text=True,
+                          timeout=1800)
+    assert done.returncode == 0 and "1 passed" in done.stdout, done.stdout[-6000:] + done.stderr[-2000:]
 
 
 def test_the_baseline_is_plain_greedy_decoding_in_float32(targets: tuple[TargetModel, TargetModel]) -> None:
