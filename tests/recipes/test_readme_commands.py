@@ -5,7 +5,7 @@ before it wrote. They run on the real SmolLM2-135M-Instruct, on the CPU, at tiny
 - `dflash-train ...` (or `.venv/bin/dflash-train ...`) runs in this process with the flags of `TINY` appended for
   its subcommand (argparse keeps a flag's last value, and a later training override wins), so that sizes shrink
   while paths, targets and step counts stay those of the README;
-- a command whose comment names GPUs (`# one GPU`, `# DDP on all GPUs`: `python -m dflash_train.train`,
+- a command whose comment names GPUs (`# one GPU`, `# DDP, 8 GPUs`: `python -m dflash_train.train`,
   `accelerate launch ... -m dflash_train.train`) is not run here: its recipe and overrides must load, its
   launch config exist and the data it trains on exist at that point of the sequence;
 - `make TARGET` must name a target of the Makefile (make builds the environment this test runs in, and

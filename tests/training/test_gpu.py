@@ -1,7 +1,7 @@
 """CUDA-only: the trainer under DeepSpeed ZeRO-2 and under FSDP2 (through accelerate, one process) tracks
 the plain bf16 run, and writes a whole drafter.
 
-ZeRO-2 needs `deepspeed` (an extra: `pip install -e '.[deepspeed]'`); run with `make test-gpu`.
+ZeRO-2 needs `deepspeed` (installed with the package on Linux); run with `make test-gpu`.
 """
 
 from __future__ import annotations
