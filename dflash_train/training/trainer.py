@@ -90,8 +90,9 @@ def check_deepspeed_accumulation(deepspeed_config: dict[str, Any], steps: int) -
     configured = deepspeed_config.get("gradient_accumulation_steps", "auto")
     if configured != "auto" and int(configured) != steps:
         raise ValueError(
-            f"the DeepSpeed launch config sets gradient_accumulation_steps: {configured} but "
-            f"training.gradient_accumulation_steps={steps}: make them equal (or set it to auto in the launch config)")
+            f"the DeepSpeed launch sets gradient_accumulation_steps: {configured} but "
+            f"training.gradient_accumulation_steps={steps}: make them equal (`accelerate launch "
+            f"--gradient_accumulation_steps {steps}`, or auto in the launch config)")
 
 
 def refuse_fsdp_without_cuda() -> None:

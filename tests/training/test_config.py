@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import pathlib
+import shlex
 
 import pytest
+import yaml
 
 from dflash_train.training.config import load_config
+from dflash_train.training.trainer import check_deepspeed_accumulation
 from tests.helpers.paths import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
@@ -26,6 +29,34 @@ def test_paper_recipes_follow_the_spec() -> None:
         assert (c.training.learning_rate, c.training.warmup_ratio, c.training.max_grad_norm) == (6e-4, 0.04, 1.0)
         assert (c.training.epochs, c.data.max_length, c.training.weight_decay) == (6, 3072, 0.0)
         assert c.training.mixed_precision == "bf16"
+
+
+def header_launches(recipe: pathlib.Path) -> list[list[str]]:
+    """The `accelerate launch ...` commands a recipe's header comment shows, continuation lines joined."""
+    header = "".join(line.removeprefix("#") for line in recipe.read_text().splitlines(keepends=True)
+                     if line.startswith("#"))
+    return [shlex.split(line) for line in header.replace("\\\n", " ").splitlines() if "accelerate launch" in line]
+
+
+def test_a_recipes_deepspeed_launch_accumulates_as_the_recipe_does() -> None:
+    """A launch a recipe shows under DeepSpeed passes the trainer's check that DeepSpeed accumulates as many
+    micro-batches as `training.gradient_accumulation_steps` (accelerate's --gradient_accumulation_steps, else the
+    launch config's)."""
+    shown = 0
+    for recipe in RECIPES:
+        for argv in header_launches(recipe):
+            config_file = REPO / argv[argv.index("--config_file") + 1]
+            launch = yaml.safe_load(config_file.read_text())
+            assert argv[argv.index("--config") + 1] == f"recipes/{recipe.name}", argv
+            if launch["distributed_type"] != "DEEPSPEED":
+                continue
+            steps = launch["deepspeed_config"].get("gradient_accumulation_steps", "auto")
+            if "--gradient_accumulation_steps" in argv:
+                steps = argv[argv.index("--gradient_accumulation_steps") + 1]
+            check_deepspeed_accumulation({"gradient_accumulation_steps": steps},
+                                         load_config(recipe).training.gradient_accumulation_steps)
+            shown += 1
+    assert shown >= 3  # the paper recipes
 
 
 def test_overrides_are_typed() -> None:
