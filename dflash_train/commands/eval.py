@@ -33,7 +33,7 @@ from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.prompts import load_prompt_set
-from dflash_train.eval.report import build_report, write_outputs
+from dflash_train.eval.report import build_report, is_eval_report, write_outputs
 from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.layers import RotaryEmbedding
@@ -122,7 +122,27 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--matmul {args.matmul} runs on the Triton kernels: drop --kernels torch or --matmul")
     if args.target_cache is not None and args.target_cache.exists() and not args.target_cache.is_dir():
         raise ValueError(f"--target-cache {args.target_cache} is a file: give a folder (made if missing)")
-    check_output_file(Path(args.out))  # written last: a bad path would fail after the whole evaluation
+    check_report_paths(args)  # written last: a bad path would fail after the whole evaluation
+
+
+def check_report_paths(args: argparse.Namespace) -> None:
+    """The report and its figure may replace an earlier eval report's, and nothing else: not an input (a prompt
+    file, a GGUF target), not a file of another kind, not a figure no report beside it owns."""
+    out = Path(args.out)
+    check_output_file(out)
+    if out.suffix.lower() == ".png":
+        raise ValueError(f"--out {out}: the report is JSON and its figure goes next to it as .png; give a .json path")
+    inputs = [args.target, args.draft, *args.dataset]
+    if out.exists() and any(Path(item).exists() and Path(item).resolve() == out.resolve() for item in inputs):
+        raise ValueError(f"--out {out} is one of this evaluation's inputs; pick another --out")
+    earlier_report = out.exists() and is_eval_report(out)
+    if out.exists() and not earlier_report:
+        raise ValueError(f"--out {out} exists and is not an eval report (an earlier report is replaced); "
+                         "move it or pick another --out")
+    figure = out.with_suffix(".png")
+    if not args.no_plot and figure.exists() and not earlier_report:
+        raise ValueError(f"--out {out} would replace {figure}, which no eval report beside it owns; move it, "
+                         "pick another --out or pass --no-plot")
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -109,6 +110,15 @@ def _environment(target: TargetModel, evaluator: Evaluator) -> dict[str, Any]:
         "compile_options": dict(dflash.config.compile_options) if dflash else {},
         "compile_scope": dflash.config.compile_scope if dflash else None,
     }
+
+
+def is_eval_report(path: Path) -> bool:
+    """Whether `path` holds a report this module wrote (the one kind of file `eval --out` may replace)."""
+    try:
+        report = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    return isinstance(report, dict) and {"settings", "definitions", "datasets"} <= report.keys()
 
 
 def write_outputs(report: dict[str, Any], out: Path, plot: bool = True,

@@ -220,3 +220,50 @@ def test_the_training_module_refuses_a_bad_command_line_in_one_line(capsys: pyte
     assert train.main(["--config", "recipe.yaml", "--bogus"]) == 2
     assert one_line_error(capsys) == ("python -m dflash_train.train: error: unrecognized arguments: --bogus "
                                       "(see python -m dflash_train.train --help)")
+
+
+def eval_argv(out: Path, *extra: str, dataset: str = "humaneval") -> list[str]:
+    return ["eval", "--target", "t", "--draft", "random", "--dataset", dataset, "--device", "cpu", "--out", str(out),
+            *extra]
+
+
+def test_eval_never_writes_its_report_over_an_input_or_a_file_of_another_kind(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--out` equal to the prompt file replaced the prompts with the report; a training run's curves file (and the
+    figure beside it) were replaced the same way. Each is refused before anything loads, and nothing changes."""
+    monkeypatch.setattr(eval_command, "_load_target", _never)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"turns": ["hello"]}) + "\n")
+    curves, figure = tmp_path / "training_curves.json", tmp_path / "training_curves.png"
+    curves.write_text('{"steps": [1, 2]}')
+    figure.write_bytes(b"\x89PNG mine")
+    lonely = tmp_path / "plot.png"
+    lonely.write_bytes(b"\x89PNG also mine")
+    before = contents(tmp_path)
+    cases = [
+        (eval_argv(prompts, dataset=str(prompts)), f"--out {prompts} is one of this evaluation's inputs; pick another --out"),
+        (eval_argv(curves), f"--out {curves} exists and is not an eval report (an earlier report is replaced); move it "
+                            "or pick another --out"),
+        (eval_argv(tmp_path / "plot.json"), f"--out {tmp_path / 'plot.json'} would replace {lonely}, which no eval "
+                                            "report beside it owns; move it, pick another --out or pass --no-plot"),
+        (eval_argv(lonely), f"--out {lonely}: the report is JSON and its figure goes next to it as .png; give a "
+                            ".json path"),
+    ]
+    for argv, expected in cases:
+        assert main(argv) == 2
+        assert one_line_error(capsys) == f"dflash-train eval: error: {expected}"
+    assert contents(tmp_path) == before
+
+
+def test_eval_replaces_an_earlier_report_and_its_figure(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Evaluating again into the same `--out` is the usual way to refresh a report: it passes the checks."""
+    monkeypatch.setattr(eval_command, "_load_target", _never)
+    out = tmp_path / "report.json"
+    out.write_text(json.dumps({"settings": {}, "definitions": {}, "datasets": {}}))
+    out.with_suffix(".png").write_bytes(b"\x89PNG earlier")
+    with pytest.raises(AssertionError, match="went on to load the target"):
+        main(eval_argv(out))
+    no_plot = tmp_path / "other.json"
+    (tmp_path / "other.png").write_bytes(b"\x89PNG not a report's")
+    with pytest.raises(AssertionError, match="went on to load the target"):
+        main(eval_argv(no_plot, "--no-plot"))  # the figure is not written, so it is not in the way
