@@ -15,6 +15,7 @@ from string import Template
 from typing import Any
 
 from dflash_train.checkpoint.hub import looks_like_hub_id
+from dflash_train.json_files import json_type
 from dflash_train.models import DFlashConfig
 
 # Targets known by alias here whose Hub id the card should name.
@@ -121,8 +122,14 @@ def load_eval_reports(paths: list[str | Path]) -> list[dict[str, Any]]:
 def rows_from_eval_report(report: dict[str, Any]) -> list[dict[str, Any]]:
     """One row per dataset of a `dflash-train eval` report, with the columns a model card needs."""
     settings, environment = report.get("settings") or {}, report.get("environment") or {}
+    if not isinstance(settings, dict) or not isinstance(environment, dict):
+        raise ValueError("an eval report's 'settings' and 'environment' must be objects; pass a report "
+                         "`dflash-train eval` wrote")
     rows = []
     for name, result in report["datasets"].items():
+        if not isinstance(result, dict):
+            raise ValueError(f"an eval report's dataset {name!r} holds a JSON {json_type(result)}, not an object; "
+                             "pass a report `dflash-train eval` wrote")
         rows.append({
             "dataset": name,
             "requests": result.get("requests"),

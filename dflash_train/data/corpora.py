@@ -43,9 +43,10 @@ import datasets
 
 from dflash_train.data.code_prompts import code_prompts
 from dflash_train.data.records import SHAREGPT_ROLES, BadRecord
-from dflash_train.data.shards import REGEN_MANIFEST, regenerated_files
+from dflash_train.data.shards import REGEN_MANIFEST, REGENERATE_AGAIN, regenerated_files
 from dflash_train.data.word_problems import word_problem
 from dflash_train.data.worked_math import worked_solution_prompt
+from dflash_train.json_files import object_field, read_json_object
 
 SHAREGPT_FILE = "data/ShareGPT_V3_unfiltered_cleaned_split.json"
 GENERATED_DEFAULT_SIZE = 2000
@@ -170,11 +171,13 @@ def _dataset_record(dataset: Any, i: int) -> dict[str, Any] | BadRecord:
 
 def _directory_corpus(path: Path, allow_unfinished: bool = False) -> Corpus:
     if (path / REGEN_MANIFEST).is_file():
-        manifest = json.loads((path / REGEN_MANIFEST).read_text())
+        manifest_path = path / REGEN_MANIFEST
+        units = object_field(read_json_object(manifest_path, REGENERATE_AGAIN), "num_units", int, manifest_path,
+                             REGENERATE_AGAIN)
         shards = regenerated_files(path)
-        if len(shards) != manifest.get("num_units") and not allow_unfinished:
+        if len(shards) != units and not allow_unfinished:
             raise ValueError(
-                f"{path}: regeneration unfinished ({len(shards)} of {manifest.get('num_units')} shards); "
+                f"{path}: regeneration unfinished ({len(shards)} of {units} shards); "
                 f"run the same `dflash-train regenerate` command again to finish it, or pass --allow-unfinished "
                 f"to use the finished shards only"
             )

@@ -285,7 +285,7 @@ def extract(
                 "hidden_size": target.hidden_size, "dtype": config.dtype, "num_rows": len(lengths),
                 "num_tokens": sum(lengths), "rows_per_shard": rows_per_shard, "num_units": units,
                 "bytes_per_token": per_token}
-    check_same_settings(out_dir / MANIFEST, manifest, "a feature store")
+    check_same_settings(out_dir / MANIFEST, manifest, "a feature store", "extract")
     windows, missing = _windows_to_run(out_dir, units, max(1, config.window_shards), rank, world)
     todo = sorted(missing)
     todo_tokens = sum(sum(lengths[k * rows_per_shard:(k + 1) * rows_per_shard]) for k in todo)

@@ -41,7 +41,8 @@ from dflash_train.data.loops import UNFINISHED, trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
 from dflash_train.data.quality import EXCLUDED_SOURCE, OVER_SOURCE_CAP, DataReport
 from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
-from dflash_train.data.shards import REGEN_MANIFEST
+from dflash_train.data.shards import REGEN_MANIFEST, REGENERATE_AGAIN
+from dflash_train.json_files import read_json_object
 from dflash_train.outputs import PREPARED, claim, publish
 
 DUPLICATE_CONVERSATION = "duplicate_conversation"
@@ -81,7 +82,7 @@ def settings_of_regenerated(sources: list[CorpusSpec], tokenizer: PreTrainedToke
         manifest_path = Path(spec.source) / REGEN_MANIFEST
         if not manifest_path.is_file():
             continue
-        manifest = json.loads(manifest_path.read_text())
+        manifest = read_json_object(manifest_path, REGENERATE_AGAIN)
         if manifest.get("chat_template_hash") != template_hash(tokenizer):
             raise ValueError(f"{manifest_path}: responses generated with another chat template than this target's; "
                              f"prepare them with the target that generated them")

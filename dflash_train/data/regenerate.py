@@ -410,7 +410,7 @@ def run_turn(backend: Backend, rows: list[PromptRow], units: list[list[int]], tu
              command_started: float | None = None) -> tuple[dict[str, Any], int]:
     """One round: check/write its manifest, run this rank's units, mark it complete when it is."""
     manifest_path = turn_dir / REGEN_MANIFEST
-    check_same_settings(manifest_path, settings, "regenerated responses")
+    check_same_settings(manifest_path, settings, "regenerated responses", "regenerate")
     if rank == 0 and not manifest_path.exists():
         write_json_atomically(manifest_path, {**settings, "prompts": report.as_dict()})
     tokens = run_units(backend, rows, units, turn_dir, rank, world, seed, progress, command_started)

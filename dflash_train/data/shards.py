@@ -8,12 +8,15 @@ run agrees on what unit ``k`` contains; rank ``r`` of ``w`` owns units ``k % w =
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
+from dflash_train.json_files import read_json_object, rerun_keeps_shards
+
 REGEN_MANIFEST = "regenerate.json"
+# What to do about a damaged regenerate.json: a run resumes by its finished shards, so they are kept.
+REGENERATE_AGAIN = rerun_keeps_shards("regenerate")
 REGEN_SHARD_GLOB = "part-*.jsonl"
 
 
@@ -35,14 +38,12 @@ def regenerated_files(out_dir: Path) -> list[Path]:
     return sorted(out_dir.glob(REGEN_SHARD_GLOB))
 
 
-def check_same_settings(path: Path, expected: dict[str, Any], what: str) -> None:
-    """Refuse to resume into ``path``'s directory when it was started with other settings."""
+def check_same_settings(path: Path, expected: dict[str, Any], what: str, command: str) -> None:
+    """Refuse to resume into ``path``'s directory when it was started with other settings (``command``: the
+    `dflash-train` command that writes it)."""
     if not path.is_file():
         return
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError) as error:
-        raise ValueError(f"{path} is unreadable ({error}); remove it or pick another --out directory") from error
+    found = read_json_object(path, rerun_keeps_shards(command))
     changed = sorted(key for key in expected if found.get(key) != expected[key])
     if changed:
         raise ValueError(

@@ -194,6 +194,26 @@ def test_resume_after_kill_equals_uninterrupted(tiny: TargetModel, tmp_path: Pat
     assert len(shard_bytes(tmp_path / "full")) == 5
 
 
+@pytest.mark.parametrize("damage", ["[1]", "{\"format\": "])
+def test_a_damaged_manifest_is_one_line_and_its_advice_resumes_keeping_the_shards(
+        tiny: TargetModel, tmp_path: Path, damage: str) -> None:
+    """A manifest that is not a JSON object ended in an AttributeError when the same command ran again; now it is
+    named with what to do, and doing it (remove the file, run again) computes only the missing shards."""
+    data = rows_dataset()
+    run_extract(tiny, data, tmp_path / "full", "fp8", budget=40)
+    with pytest.raises(KeyboardInterrupt):
+        run_extract(tiny, data, tmp_path / "out", "fp8", budget=40, kill_after=2)
+    manifest = tmp_path / "out" / "manifest.json"
+    manifest.write_text(damage)
+    with pytest.raises(ValueError, match=r"manifest.json is damaged \(.*\); remove it and run the same "
+                                         r"`dflash-train extract` command again \(its finished shards are kept\)"):
+        run_extract(tiny, data, tmp_path / "out", "fp8", budget=40)
+    manifest.unlink()
+    shards_run: list[int] = []
+    run_extract(tiny, data, tmp_path / "out", "fp8", budget=40, shards_run=shards_run)
+    assert shards_run == [3] and shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "full")
+
+
 def test_ranks_split_the_shards_by_window(tiny: TargetModel, tmp_path: Path) -> None:
     data = rows_dataset()  # 9 rows: shards of 2 rows 0-4, windows of 2 shards [0, 1], [2, 3], [4]
     config = {"rows_per_shard": 2, "token_budget": 64, "window_shards": 2}  # rows of a window batched together

@@ -122,3 +122,9 @@ def test_regenerated_data_must_use_its_template(tmp_path: Path) -> None:
         prepare(tokenizer, config, tmp_path / "unfinished")
     partial = PrepareConfig([CorpusSpec(str(regen), allow_unfinished=True)], block_size=2, target_name="tiny")
     assert prepare(tokenizer, partial, tmp_path / "partial").kept == 1  # the one finished shard, on request
+    advice = r"; remove it and run the same `dflash-train regenerate` command again \(its finished shards are kept\)"
+    for damage, why in (("[1]", "a JSON array, not an object"),
+                        (json.dumps({**manifest, "num_units": "two"}), "'num_units' is a JSON string, not number")):
+        (regen / "regenerate.json").write_text(damage)  # an AttributeError, or "1 of two shards" and a rerun
+        with pytest.raises(ValueError, match=r"regenerate.json is damaged \(" + why + r"\)" + advice):
+            prepare(tokenizer, config, tmp_path / "damaged")

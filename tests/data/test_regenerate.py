@@ -111,6 +111,26 @@ def test_resume_with_other_settings_is_refused(tiny: TargetModel, tmp_path: Path
         run_regen(tiny, source, tmp_path / "out", temperature=0.5)
 
 
+@pytest.mark.parametrize("damage", ["[1]", "{\"num_units\": ", ""])
+def test_a_damaged_manifest_is_one_line_and_its_advice_resumes_keeping_the_shards(
+        tiny: TargetModel, tmp_path: Path, damage: str) -> None:
+    """A manifest that is not a JSON object failed with an AttributeError from its first `.get`. Now it is named
+    with what to do, and doing it (remove the file, run again) reruns only the unfinished units."""
+    source = write_prompts(tmp_path / "prompts.jsonl")
+    full = run_regen(tiny, source, tmp_path / "full")
+    with pytest.raises(Killed):
+        run_regen(tiny, source, tmp_path / "out", kill_after=2)
+    manifest = tmp_path / "out" / "regenerate.json"
+    manifest.write_text(damage)
+    with pytest.raises(ValueError, match=r"regenerate.json is damaged \(.*\); remove it and run the same "
+                                         r"`dflash-train regenerate` command again \(its finished shards are kept\)"):
+        run_regen(tiny, source, tmp_path / "out")
+    manifest.unlink()
+    units_run: list[int] = []
+    assert run_regen(tiny, source, tmp_path / "out", units_run=units_run)["complete"] and units_run == [2]
+    assert full["complete"] and shard_texts(tmp_path / "out") == shard_texts(tmp_path / "full")
+
+
 # ------------------------------------------------------------------ OpenAI-compatible server on loopback
 
 

@@ -58,3 +58,19 @@ def test_the_summary_ends_with_the_time_line(run: tuple[dict[str, Any], str, Pat
 def test_export_reads_the_report(run: tuple[dict[str, Any], str, Path]) -> None:
     rows = load_eval_reports([run[2]])
     assert [row["dataset"] for row in rows] == list(DATASETS)
+
+
+@pytest.mark.parametrize(("report", "message"), [
+    ({"datasets": {"humaneval": 2.5}}, "an eval report's dataset 'humaneval' holds a JSON number, not an object; "
+                                       "pass a report `dflash-train eval` wrote"),
+    ({"datasets": {}, "settings": "greedy"}, "an eval report's 'settings' and 'environment' must be objects; pass a "
+                                             "report `dflash-train eval` wrote"),
+])
+def test_export_refuses_a_report_of_the_wrong_shape_in_one_line(tmp_path: Path, report: dict[str, Any],
+                                                                 message: str) -> None:
+    """`export --eval-report` with such a file ended in an AttributeError from the model card's table."""
+    path = tmp_path / "report.json"
+    path.write_text(json.dumps(report))
+    with pytest.raises(ValueError) as error:
+        load_eval_reports([path])
+    assert str(error.value) == message
