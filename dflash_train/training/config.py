@@ -141,7 +141,7 @@ class TrainConfig:
             "training.batch_size": self.training.batch_size, "training.num_anchors": self.training.num_anchors,
             "training.gradient_accumulation_steps": self.training.gradient_accumulation_steps,
             "data.max_length": self.data.max_length, "training.keep_last": self.training.keep_last,
-            "data.pad_to_multiple": self.data.pad_to_multiple or 1,
+            "data.pad_to_multiple": 1 if self.data.pad_to_multiple is None else self.data.pad_to_multiple,
             "training.log_every": self.training.log_every, "training.save_every": self.training.save_every,
         }
         for name, value in positive.items():
@@ -169,13 +169,22 @@ class TrainConfig:
             value = getattr(self.training, name)
             if value is not None and value <= 0:
                 raise ValueError(f"training.{name} must be > 0 minutes, got {value}")
-        if self.training.learning_rate <= 0:
-            raise ValueError(f"training.learning_rate must be > 0, got {self.training.learning_rate}")
-        if self.training.muon_learning_rate <= 0:
-            raise ValueError(f"training.muon_learning_rate must be > 0, got {self.training.muon_learning_rate}")
-        if not 0 <= self.training.dpace_alpha <= 1:
-            raise ValueError(f"training.dpace_alpha must be in [0, 1], got {self.training.dpace_alpha}")
+        self._validate_optimizer()
         return self
+
+    def _validate_optimizer(self) -> None:
+        t = self.training
+        for name in ("learning_rate", "muon_learning_rate"):
+            if getattr(t, name) <= 0:
+                raise ValueError(f"training.{name} must be > 0, got {getattr(t, name)}")
+        if not 0 <= t.dpace_alpha <= 1:
+            raise ValueError(f"training.dpace_alpha must be in [0, 1], got {t.dpace_alpha}")
+        # Outside [0, 1] the schedule still runs: a min_lr_ratio of 5 ends at 5x the peak learning rate.
+        for name in ("warmup_ratio", "min_lr_ratio"):
+            if not 0 <= getattr(t, name) <= 1:
+                raise ValueError(f"training.{name} must be in [0, 1], got {getattr(t, name)}")
+        if len(t.adam_betas) != 2 or not all(0 <= beta < 1 for beta in t.adam_betas):
+            raise ValueError(f"training.adam_betas must be two numbers in [0, 1), got {t.adam_betas}")
 
     def _validate_layer_init(self) -> None:
         m = self.model

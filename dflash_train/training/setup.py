@@ -51,6 +51,9 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
         draft = DFlashDraftModel(draft_config)
         if m.init_layers_from_target:
             init_layers_from_target(draft, target.config, target.decoder_layers, m.init_layer_ids)
+    unmatched = [prefix for prefix in m.freeze if not any(name.startswith(prefix) for name, _ in draft.named_parameters())]
+    if unmatched:  # a typo would otherwise train everything, as if nothing had been asked
+        raise ValueError(f"model.freeze: {unmatched} match no parameter; use names like 'layers.' or 'fc.'")
     for name, param in draft.named_parameters():
         if any(name.startswith(prefix) for prefix in m.freeze):
             param.requires_grad_(False)

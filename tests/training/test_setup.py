@@ -42,3 +42,15 @@ def test_init_from_refuses_a_mask_token_outside_the_target(
     with pytest.raises(ValueError, match="mask"):
         built(assets, tmp_path, **{"model.init_from": str(saved_draft), "model.block_size": 4,
                                    "model.mask_token_id": target_rows + 3})
+
+
+def test_freeze_refuses_a_prefix_that_matches_no_parameter(assets: dict[str, pathlib.Path],
+                                                           tmp_path: pathlib.Path) -> None:
+    """A typo froze nothing and the run trained every parameter, as if nothing had been asked."""
+    with pytest.raises(ValueError) as error:
+        built(assets, tmp_path / "a", **{"model.freeze": '["layers.", "nonexist."]', "model.block_size": 4})
+    assert str(error.value) == "model.freeze: ['nonexist.'] match no parameter; use names like 'layers.' or 'fc.'"
+    draft = built(assets, tmp_path / "b", **{"model.freeze": '["layers."]', "model.block_size": 4})
+    frozen = {name for name, p in draft.named_parameters() if not p.requires_grad}
+    assert frozen and all(name.startswith("layers.") for name in frozen)
+    assert all(p.requires_grad for name, p in draft.named_parameters() if not name.startswith("layers."))
