@@ -346,6 +346,8 @@ def prepare(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, out_dir: 
     try:
         with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=f".{out_dir.name}.") as work:
             dataset = _build(chat, config, report, features, Path(work) / "cache")
+            report.note_unmatched_sources("--exclude-source", config.exclude_sources)
+            report.note_unmatched_sources("--cap-source", [name for name, _ in config.source_caps])
             staging = Path(work) / "dataset"
             dataset.save_to_disk(str(staging))
             write_json_atomically(staging / METADATA_FILE, _metadata(tokenizer, config, report))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +22,7 @@ DROP_HINTS = {
                                  "keeps them",
     "too_long": "their prompt alone fills --max-length; raise it",
     "special_token_text": "their text contains the tokenizer's special tokens",
+    "missing_mapped_column": "they lack a column --columns names; check the mapping against the data's columns",
 }
 
 
@@ -38,6 +40,16 @@ class DataReport:
     dropped_at: dict[str, list[str]] = field(default_factory=dict)
     # per source label: "kept" and each drop reason, so a mix shows which of its sources it loses rows of
     by_source: dict[str, Counter[str]] = field(default_factory=dict)
+    # warnings found outside the counts (a flag naming a source no record has), in the summary's warning lines
+    notes: list[str] = field(default_factory=list)
+
+    def note_unmatched_sources(self, flag: str, names: Iterable[str]) -> None:
+        """A warning for each of `names` (sources `flag` names) that labels no record read: a typo there
+        excludes or caps nothing."""
+        seen = ", ".join(sorted(self.by_source)) or "none"
+        for name in sorted(set(names) - set(self.by_source)):
+            self.notes.append(f"WARNING: {flag} {name} names no source of the data (its sources: {seen}); it "
+                              "changed nothing")
 
     def count_source(self, source: str, outcome: str) -> None:
         """One record of `source` kept (`outcome` "kept") or dropped for the reason `outcome`."""
@@ -80,7 +92,7 @@ class DataReport:
     def warnings(self) -> list[str]:
         """A line for each drop reason that took more than ``WARN_DROPPED_SHARE`` of the rows read: a data or
         template problem is easy to miss in the table's counts."""
-        lines = []
+        lines = list(self.notes)
         for reason, n in sorted(self.dropped.items()):
             if reason in CHOSEN_DROPS:  # the user asked for these: no warning
                 continue

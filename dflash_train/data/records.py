@@ -49,12 +49,17 @@ def detect_format(columns: list[str] | tuple[str, ...]) -> str:
     )
 
 
+MISSING_MAPPED_COLUMN = "missing_mapped_column"  # the drop reason of a record without a column --columns names
+
+
 def rename_columns(record: Mapping[str, Any], column_map: Mapping[str, str]) -> dict[str, Any]:
-    """``column_map`` maps our name -> the corpus' column name."""
+    """``column_map`` maps our name -> the corpus' column name. A record without one of those columns is dropped
+    (read as is, its own standard column would be used in place of the one asked for, without a word)."""
     out = dict(record)
     for ours, theirs in column_map.items():
-        if theirs in record:
-            out[ours] = record[theirs]
+        if theirs not in record:
+            raise BadRecord(MISSING_MAPPED_COLUMN, theirs)
+        out[ours] = record[theirs]
     return out
 
 

@@ -95,6 +95,20 @@ def test_column_map_and_cap_and_shuffle(tmp_path: Path) -> None:
     assert again == contents  # the seed fixes the order
 
 
+def test_a_record_without_the_column_columns_names_is_dropped_not_read_by_its_own_column(tmp_path: Path) -> None:
+    """`--columns messages=conversation` on records that also hold a standard `messages` column read that column
+    instead, without a word; a record lacking the named column is now a drop with its reason and line."""
+    path = tmp_path / "chats.jsonl"
+    record = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    path.write_text(json.dumps(record) + "\n" + json.dumps({**record, "conversation": record["messages"]}) + "\n")
+    spec = CorpusSpec(str(path), column_map={"messages": "conversation"})
+    report = DataReport("t")
+    rows = list(iter_messages(open_corpus(spec), spec, report))
+    assert [index for index, _, _ in rows] == [1]
+    assert report.dropped == {"missing_mapped_column": 1} and report.dropped_at["missing_mapped_column"] == [
+        f"{path.name} line 1"]
+
+
 def test_parquet_and_saved_dataset(tmp_path: Path) -> None:
     import datasets
 

@@ -68,7 +68,22 @@ def test_the_flag_reaches_prepare(tmp_path: Path, capsys) -> None:  # noqa: ANN0
     assert main(["prepare", "--target", str(target), "--data", str(source), "--block-size", "4",
                  "--exclude-source", "math", "--exclude-source", "other", "--out", str(tmp_path / "out")]) == 0
     assert list(load_prepared(tmp_path / "out")["source"]) == ["sharegpt"]
-    assert "excluded_source" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "excluded_source" in out
+    # a name no record carries (a typo) excluded nothing without a word: now the summary says so
+    assert ("WARNING: --exclude-source other names no source of the data (its sources: math, sharegpt); it changed "
+            "nothing") in out.splitlines()
+    assert "--exclude-source math names" not in out
+
+
+def test_a_cap_on_a_source_no_record_has_is_a_warning(tmp_path: Path) -> None:
+    source = tmp_path / "chats.jsonl"
+    source.write_text(json.dumps(chat(0, LONG, "sharegpt")) + "\n")
+    config = PrepareConfig([CorpusSpec(str(source))], block_size=4, target_name="tiny", source_caps=(("foo", 3),))
+    report = prepare(make_tiny_tokenizer(), config, tmp_path / "prepared")
+    assert report.kept == 1
+    assert [line for line in report.lines() if line.startswith("WARNING")] == [
+        "WARNING: --cap-source foo names no source of the data (its sources: sharegpt); it changed nothing"]
 
 
 def test_a_capped_source_keeps_its_first_records_and_counts_the_rest(tmp_path: Path) -> None:
