@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import logging
 import re
 from dataclasses import dataclass
@@ -92,6 +93,9 @@ def resolve_target_source(name_or_path: str) -> str:
         raise ValueError(
             f"{path} has no config.json; pass a Hugging Face model directory, a .gguf file or an alias."
         )
+    if path.is_dir() and _is_drafter_config(path / "config.json"):
+        raise ValueError(f"{path} is a DFlash drafter, not a target: pass it as --draft (or model.init_from), and "
+                         "the model it drafts for as the target")
     if path.is_dir() or (path.is_file() and path.suffix == ".gguf"):
         return str(path)
     if path.is_file():
@@ -108,6 +112,15 @@ def resolve_target_source(name_or_path: str) -> str:
             f"({', '.join(DEFAULT_TARGET_ALIASES)}), nor a Hub id."
         )
     return _hub_source(name_or_path)
+
+
+def _is_drafter_config(config_file: Path) -> bool:
+    """Whether a model directory's config.json is a DFlash drafter's (an export or a checkpoint's `draft/`)."""
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False  # loading says what is wrong with it
+    return isinstance(config, dict) and ("dflash_config" in config or "DFlashDraftModel" in config.get("architectures", []))
 
 
 def _hub_source(repo_id: str) -> str:

@@ -267,3 +267,17 @@ def test_eval_replaces_an_earlier_report_and_its_figure(tmp_path: Path, monkeypa
     (tmp_path / "other.png").write_bytes(b"\x89PNG not a report's")
     with pytest.raises(AssertionError, match="went on to load the target"):
         main(eval_argv(no_plot, "--no-plot"))  # the figure is not written, so it is not in the way
+
+
+def test_a_drafter_given_as_the_target_is_named_as_such(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """An exported drafter as --target printed transformers' load report, then said it had no tokenizer."""
+    from dflash_train.checkpoint.io import save_draft
+    from dflash_train.models import DFlashConfig, DFlashDraftModel
+    from tests.helpers.tiny_models import make_tiny_target
+
+    target = make_tiny_target("qwen3", num_layers=4)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=5, num_hidden_layers=1, block_size=4)
+    draft = save_draft(DFlashDraftModel(config), tmp_path / "draft", dtype=torch.float32)
+    assert main(["inspect", "--target", str(draft)]) == 2
+    assert one_line_error(capsys) == (f"dflash-train inspect: error: {draft} is a DFlash drafter, not a target: pass "
+                                      "it as --draft (or model.init_from), and the model it drafts for as the target")
