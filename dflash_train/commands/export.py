@@ -27,10 +27,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", default=None, help="Hub id of the target for the model card")
     parser.add_argument("--repo-id", default=None, help="Hub repo the export will be pushed to (for the card)")
     parser.add_argument("--license", default=None, help="licence for the card's front matter (default apache-2.0)")
-    parser.add_argument("--training-data", default=None, help="markdown describing the training data")
+    parser.add_argument("--training-data", default=None, metavar="TEXT|FILE",
+                        help="the card's Training data section: markdown text, or a .md/.txt file holding it")
     parser.add_argument("--eval-report", action="append", default=[], metavar="JSON",
                         help="eval report(s) to tabulate in the card (repeatable)")
     parser.add_argument("--max-shard-gb", type=positive_float, default=5.0, help="shard the weights above this size")
+
+
+def training_data_text(value: str | None) -> str | None:
+    """--training-data as the card's text: an existing .md or .txt file is read; a word ending in .md or .txt
+    that names no file is refused (the card would show the path); anything else is the text itself."""
+    if value is None or Path(value).suffix.lower() not in (".md", ".txt"):
+        return value
+    path = Path(value).expanduser()
+    if not path.is_file():
+        if any(character.isspace() for character in value):
+            return value  # a sentence that ends in a file name
+        raise ValueError(f"--training-data {value}: no such file; give the file that describes the training "
+                         "data, or the text itself")
+    try:
+        return path.read_text(encoding="utf-8").strip()
+    except UnicodeDecodeError as error:
+        raise ValueError(f"--training-data {value} is not UTF-8 text ({error.reason}); save it as UTF-8") from error
 
 
 def run(args: argparse.Namespace) -> int:
@@ -38,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
         "base_model": args.base_model,
         "repo_id": args.repo_id,
         "license": args.license,
-        "training_data": args.training_data,
+        "training_data": training_data_text(args.training_data),
         "eval": load_eval_reports(args.eval_report) or None,
     }
     out: Path = args.out

@@ -94,3 +94,17 @@ def test_card_names_the_target_recorded_by_training(tmp_path: Path) -> None:
     assert "base_model: Qwen/Qwen3-8B\n" in card and "trained for 120 optimizer steps" in card
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["dflash_train"] == {"step": 120, "target": "Qwen/Qwen3-8B"}
+
+
+def test_training_data_is_text_or_a_file_and_a_missing_file_is_refused(tmp_path: Path) -> None:
+    """`--training-data notes.md` put the path itself in the card's Training data section."""
+    from dflash_train.commands.export import training_data_text
+
+    notes = tmp_path / "notes.md"
+    notes.write_text("## Data\n\n150k regenerated chats.\n")
+    assert training_data_text(str(notes)) == "## Data\n\n150k regenerated chats."
+    assert training_data_text("ShareGPT prompts, 1k") == "ShareGPT prompts, 1k"
+    assert training_data_text("regenerated answers, listed in data.md") == "regenerated answers, listed in data.md"
+    assert training_data_text(None) is None
+    with pytest.raises(ValueError, match=r"--training-data .*missing.md: no such file; give the file"):
+        training_data_text(str(tmp_path / "missing.md"))
