@@ -165,6 +165,10 @@ class TrainConfig:
         if gamma is not None and not gamma > 0:
             raise ValueError(f"training.loss_decay_gamma must be > 0, got {gamma} (.inf: every block position "
                              "weighs the same; null: the default for the block size)")
+        if self.training.position_weighting == "decay":
+            from dflash_train.objective.loss import decay_gamma  # torch; this module stays light to import
+
+            decay_gamma(self.model.block_size, gamma)  # no default for this block size: said now, not after loading
         for name in ("time_budget_minutes", "stop_after_minutes"):
             value = getattr(self.training, name)
             if value is not None and value <= 0:

@@ -109,8 +109,9 @@ class Trainer:
         self.accelerator = self._build_accelerator()
         torch.manual_seed(t.seed)
         self.output_dir = Path(t.output_dir)
-        self.target = build_target(config, self.accelerator.device)
+        # The data first: a missing or damaged dataset is said before the target's seconds of loading.
         self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
+        self.target = build_target(config, self.accelerator.device)
         if config.data.prepared is not None:
             check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
         self.train_ids, self.val_ids = split_indices(

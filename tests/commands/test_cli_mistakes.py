@@ -281,3 +281,14 @@ def test_a_drafter_given_as_the_target_is_named_as_such(tmp_path: Path, capsys: 
     assert main(["inspect", "--target", str(draft)]) == 2
     assert one_line_error(capsys) == (f"dflash-train inspect: error: {draft} is a DFlash drafter, not a target: pass "
                                       "it as --draft (or model.init_from), and the model it drafts for as the target")
+
+
+def test_train_names_missing_data_before_loading_the_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    import dflash_train.training.trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "build_target", _never)
+    missing = tmp_path / "missing"
+    assert main(["train", "--config", "recipes/smollm2-135m-dflash-b16-cpu.yaml", f"data.prepared={missing}",
+                 f"training.output_dir={tmp_path / 'out'}", "tracking.report_to=none"]) == 2
+    assert str(missing) in one_line_error(capsys)

@@ -91,6 +91,7 @@ def test_overrides_are_typed() -> None:
         ("training.min_lr_ratio=5", "training.min_lr_ratio must be in [0, 1], got 5.0"),
         ("training.warmup_ratio=-1", "training.warmup_ratio must be in [0, 1], got -1.0"),
         ("training.learning_rate=0", "training.learning_rate must be > 0, got 0.0"),
+        ("model.block_size=32", "no default loss-decay gamma for block_size=32"),
         ("trainer.steps=1", "unknown config key trainer"),
         ("training.seed", "must look like section.key=value"),
     ],
