@@ -22,7 +22,8 @@ COPIED = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_pro
 
 
 def config(**model: object) -> TrainConfig:
-    values = {"model.num_draft_layers": 2, "model.block_size": 4, "model.mask_token_id": 5, **model}
+    values = {"model.num_draft_layers": 2, "model.block_size": 4, "model.mask_token_id": 5,
+              "training.loss_decay_gamma": 4, **model}
     return load_config(None, ["data.prepared=unused", *(f"{k}={v}" for k, v in values.items())])
 
 

@@ -116,7 +116,8 @@ def test_training_on_default_extract_features_with_a_float32_target(target_dir: 
                 "--layer-ids", "1,3", "--device", "cpu"]) == 0
     assert json.loads((store / "manifest.json").read_text())["target_dtype"] == "bf16"
     args = [f"model.target={target_dir}", "model.target_dtype=float32", "model.num_draft_layers=2",
-            "model.block_size=4", "model.target_layer_ids=[1, 3]", f"data.features={store}", "data.max_length=64",
+            "model.block_size=4", "training.loss_decay_gamma=4", "model.target_layer_ids=[1, 3]", f"data.features={store}",
+            "data.max_length=64",
             f"training.output_dir={tmp_path / 'run'}", "training.max_steps=1", "tracking.report_to=none",
             "training.mixed_precision=no"]  # as every trainer in this process: accelerate's state is set once
     with pytest.raises(ValueError, match=r"set model\.target_dtype=bfloat16"):
