@@ -167,7 +167,11 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
                      "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
     queued = queued_steps(trainer, pool, upcoming, load, steps)
     pool.shutdown()
-    profile = {**step_profile(trainer), "device_ms": phase_device_ms(trainer)} if args.profile else None
+    if args.profile:
+        device_ms, device_step_ms = phase_device_ms(trainer)
+        profile = {**step_profile(trainer), "device_ms": device_ms, "device_step_ms": device_step_ms}
+    else:
+        profile = None
     first, steady = rows[0], rows[1:]
     step_s = statistics.median(r["seconds"] for r in steady)
     total_s = sum(r["seconds"] for r in steady)
@@ -238,11 +242,12 @@ class WallEvent:
         return (end.seconds - self.seconds) * 1e3
 
 
-def phase_device_ms(trainer: Any, steps: int = 3) -> dict[str, float]:
+def phase_device_ms(trainer: Any, steps: int = 3) -> tuple[dict[str, float], float]:
     """Per phase the trainer marks (`train/...`), the milliseconds per step of the device's timeline between the
     phase's start and end: its kernels and the gaps in which the device waited for the host, unprofiled. Events
     are recorded on the stream at each mark (the trainer's `record_function`, wrapped for these steps), so the
-    backward's kernels, launched from autograd's own thread, still fall inside their phase."""
+    backward's kernels, launched from autograd's own thread, still fall inside their phase. -> (those means,
+    the mean milliseconds of the same steps whole, which the phases fall within)."""
     import dflash_train.training.trainer as trainer_module
 
     cuda = trainer.accelerator.device.type == "cuda"
@@ -260,10 +265,14 @@ def phase_device_ms(trainer: Any, steps: int = 3) -> dict[str, float]:
         spans.append((name, start, end))
 
     loaded = [trainer._load_step(trainer.step + i) for i in range(steps)]
+    whole: list[tuple[Any, Any]] = []
     trainer_module.record_function = timed_phase
     try:
         for batch in loaded:
+            whole.append((new_event(), new_event()))
+            whole[-1][0].record()
             trainer.train_step(batch)
+            whole[-1][1].record()
     finally:
         trainer_module.record_function = marked_phase
     if cuda:
@@ -271,7 +280,8 @@ def phase_device_ms(trainer: Any, steps: int = 3) -> dict[str, float]:
     totals: dict[str, float] = {}
     for name, start, end in spans:
         totals[name] = totals.get(name, 0.0) + start.elapsed_time(end)
-    return {name: ms / steps for name, ms in totals.items()}
+    step_ms = sum(start.elapsed_time(end) for start, end in whole) / steps
+    return {name: ms / steps for name, ms in totals.items()}, step_ms
 
 
 def print_profile(result: dict[str, Any]) -> None:

@@ -41,12 +41,12 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     # means per step of ranges nested in each step's: at most the mean wall time (the median may be less when
     # one step is slow, as on a busy machine)
     assert all(ms > 0 for ms in phases.values()) and sum(phases.values()) <= profile["wall_mean_ms"] * 1.001
-    # the same phases on the device's timeline (here the host's clock), in unprofiled steps: together they fit in
-    # about a step (the median's noise allowed for)
+    # the same phases on the device's timeline (here the host's clock), in unprofiled steps: nested in those steps,
+    # together they fit in their mean (timed in the same steps: a step of another run may be faster on a busy
+    # machine); a sum over the steps instead of a mean would be about 3x it
     device = profile["device_ms"]
     assert set(device) == set(phases) and all(ms > 0 for ms in device.values())
-    # (3x: a sum over the 3 steps instead of a mean would be 3x its own, noisy, figure)
-    assert sum(device.values()) <= packed["step_s_median"] * 1e3 * 3
+    assert sum(device.values()) <= profile["device_step_ms"] * 1.001
     assert "device ms by phase" in out
 
 
