@@ -86,6 +86,17 @@ def test_every_relative_link_points_at_a_file_and_heading(doc: Path) -> None:
     assert not broken, "\n".join(broken)
 
 
+def test_the_code_names_only_docs_pages_that_exist() -> None:
+    """A comment, docstring or recipe that sends the reader to docs/<page>.md names a page that exists."""
+    sources = [*(REPO / "dflash_train").rglob("*.py"), *(REPO / "benchmarks").glob("*.py"),
+               *(REPO / "recipes").rglob("*.*"), *(REPO / "tests").rglob("*.py"), REPO / "Makefile"]
+    missing = sorted({f"{path.relative_to(REPO)}: docs/{page}" for path in sources
+                      if path.is_file() and path != Path(__file__)
+                      for page in re.findall(r"docs/([\w.-]+\.md)", path.read_text(errors="ignore"))
+                      if not (REPO / "docs" / page).is_file()})
+    assert not missing, "\n".join(missing)
+
+
 def test_the_checks_see_what_a_reader_sees() -> None:
     text = ("# Title\n\nOne short sentence. Another one! A question?\n- an item\n- [a link](docs/x.md#y) here\n"
             "```bash\nnot. a. sentence.\n```\n| a | table. row |\n")
