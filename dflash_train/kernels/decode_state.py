@@ -2,8 +2,8 @@
 
 `DecodeState.advance` in PyTorch is a chain of tiny element-wise ops over [b] and [b, B] tensors (gather the
 committed tokens, test them against the stop ids, find the first stop, update counters and flags). Inside a
-CUDA graph each is still a kernel of a few microseconds; for a small target whose whole step is ~1 ms that
-chain is several percent of a cycle. Here one program per row does all of it, with the same semantics:
+CUDA graph each is still a kernel with its own latency; for a small target, whose whole step is a few hundred
+such kernels, that chain is several percent of a cycle. Here one program per row does all of it, with the same semantics:
 
     committed = out[r, n_out .. n_out + B)     (slots past accept_len ignored)
     first stop slot s among them, if any: kept = s + 1, else kept = accept_len

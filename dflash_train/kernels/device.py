@@ -44,8 +44,8 @@ def kept(x, OPAQUE: tl.constexpr):
     """fp32 x as it is, but opaque to the compiler (OPAQUE: compiled kernels; the interpreter, which never
     fuses, has no inline assembly). Why: given round(a * b) + c with a 16-bit rounding in between, the GPU
     compiler narrows both operations to that dtype and then fuses them into one FMA, skipping the product's
-    rounding; on an H200 a SwiGLU product followed by a residual add came out one unit off in 22 % of its
-    bf16 outputs. A value that comes out of an assembly `mov` cannot be traced back to the product."""
+    rounding; compiled for sm_90, a split-K SwiGLU product followed by a residual add came out one unit off
+    in a large share of its bf16 outputs (docs/benchmarks.md, `decode`). A value that comes out of an assembly `mov` cannot be traced back to the product."""
     if OPAQUE:
         x = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True, pack=1)
     return x

@@ -149,8 +149,8 @@ def block_argmax_triton(logits: torch.Tensor, block_v: int | None = None, out: t
                         ) -> torch.Tensor:
     """The token at every slot, logits [b, B, V] -> [b, B] int64 (torch.argmax's first index among equal
     maxima), in two launches: the verify's vocabulary pass, then one that reduces each slot's chunks. For the
-    drafter's greedy drafts (PyTorch's argmax over a [15, 49,152] bf16 block took 13.7 µs on an H200) and a
-    caller that decides acceptance itself (the acceptance replay of benchmarks/decode_batch.py). `out`: an
+    drafter's greedy drafts (PyTorch's argmax over a [15, 49,152] bf16 block is slow for the little it reads:
+    docs/benchmarks.md, 'Figures behind code choices') and a caller that decides acceptance itself (the acceptance replay of benchmarks/decode_batch.py). `out`: an
     int64 [b, B] tensor, any strides (the decode block's draft slots), written in place of a new one, which
     saves the copy into it."""
     b, width, vocab = logits.shape

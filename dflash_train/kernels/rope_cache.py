@@ -2,8 +2,9 @@
 k_norm, as Qwen3), RoPE on q and k, and the write of k and v into the static KV cache.
 
 Without it a layer's prologue is several kernels between the q/k/v matmul and the attention (norms,
-RoPE, two cache writes; on the H200 they and cuBLAS's split-K reductions took ~14 µs per layer of a
-Qwen3-8B-shaped decode step, each kernel a few µs of launch latency over a few KB of data).
+RoPE, two cache writes; with cuBLAS's split-K reductions a measurable share of each layer of a
+Qwen3-8B-shaped decode step, each kernel paying its launch latency over a few KB of data: docs/benchmarks.md,
+`decode`).
 
 Input: the output of the fused q/k/v projection (`dflash_train/runtime/fused_layer.py`, bias included),
 qkv [n, T, (Hq + 2·Hkv)·D], query heads first, then key heads, then value heads. Token (i, t) belongs to

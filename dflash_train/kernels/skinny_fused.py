@@ -2,9 +2,9 @@
 product, and after it the SwiGLU of a gate/up pair or the residual add. One launch instead of two or three.
 
 Why: a small target at batch 1 is bound by kernel launches, not by its weights. SmolLM2-135M's decoder layer
-reads 7 MB of weights (1.6 µs at the H200's 4.3 TB/s) but runs about 14 kernels (0.92 ms a step for 30
-layers, H200, c6f1a0e): norms, products, split-K reductions, SiLU, adds, each a launch of a few µs. A
-Llama-family layer on these products is
+reads 7 MB of weights, which the memory streams in less time than one kernel's latency, but runs about 14
+kernels: norms, products, split-K reductions, SiLU, adds, each paying that latency (docs/benchmarks.md,
+`decode`: the fused decode path). A Llama-family layer on these products is
 
     qkv  = rmsnorm(h) @ W_qkv^T             (norm prologue)
     ...    q/k norms, RoPE, cache write, attention (their own kernels)

@@ -1,13 +1,10 @@
 """y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for the few rows of a decode or verify step, streaming W once,
 with every row's result independent of how many rows there are and of what they hold.
 
-Why: at batch 1 a decode step is a string of matrix-vector products bound by reading the weights. On an
-H200, Qwen3-8B's target step took 5.06 ms against a 3.52 ms weight-read floor, and its cuBLAS matmuls alone
-4.07 ms (1.16x the floor): per layer gate_up [24576 x 4096] 50.3 µs (~84 % of HBM bandwidth), down
-[4096 x 12288] 28.1 µs plus a split-K reduction kernel (~75 %), the fused qkv [6144 x 4096] 15.6 µs (~67 %),
-o_proj [4096 x 4096] 10.8 µs with a split-K reduction (~65 %); lm_head [151936 x 4096] 295 µs (~88 %); and
-720 split-K reduction launches in 10 steps (1.3 ms). The small products run well below bandwidth because
-the library's kernels are built for large M; a DFlash verify step runs the same products at M = 16.
+Why: at batch 1 a decode step is a string of matrix-vector products bound by reading the weights, and
+cuBLAS runs the small ones (q/k/v, o_proj, down) well below the memory bandwidth, with a split-K reduction
+kernel after several of them: its kernels are built for large M (docs/benchmarks.md, `decode`). A DFlash
+verify step runs the same products at M = 16.
 
 Design: the product is computed transposed, y^T = W · x^T, so that the weight tile [BLOCK_N, BLOCK_K] is
 the tensor cores' wide operand, loaded along K in wide vectors, and the rows of x are the narrow one
@@ -17,13 +14,12 @@ program per K slice writes its fp32 sums and a second kernel adds the slices in 
 (more programs in flight for an output too narrow to keep every multiprocessor streaming; no atomics). The
 tiling per (N, K) comes from a small table (`CONFIGS`, filled from `python -m benchmarks.skinny_matmul
 --sweep` on the GPU) or else `default_config`, whose BLOCK_N leaves even N = 4096 a program or two per
-multiprocessor of an H100/H200. With those default tilings it is slower than cuBLAS on an H200 (Qwen3-8B's
-products 4.35 against 4.11 ms a step, split-K reductions included; SmolLM2's small products 4.4 against 3.9 µs
-a launch); with the swept tilings of `CONFIGS` every Qwen3-8B product is level with cuBLAS or faster (the
-step 4.67 against 4.93 ms, 0.95x). So the runtime runs on it by default the shapes of `CONFIGS`, on the
-architecture they were swept on (`tuned_shapes`), and every product only when asked
-(`StaticTarget(skinny_matmul="all")`); `benchmarks.decode --variants skinny_matmul,cublas_matmul` measures
-both against the default.
+multiprocessor of an H100/H200. With those default tilings it is slower than cuBLAS; with the swept
+tilings of `CONFIGS` every Qwen3-8B product is level with cuBLAS or faster, and so is the step
+(docs/benchmarks.md, `decode`: 'The skinny kernel's tilings swept'). So the runtime runs on it by default
+the shapes of `CONFIGS`, on the architecture they were swept on (`tuned_shapes`), and every product only
+when asked (`StaticTarget(skinny_matmul="all")`); `benchmarks.decode --variants skinny_matmul,cublas_matmul`
+measures both against the default.
 
 Batch invariance: a row's output is bitwise the same whatever M is (1, 16 or 40) and whatever the other
 rows hold. The tiling is chosen from (N, K) only, never from M; rows are processed 16 at a time by
@@ -42,20 +38,20 @@ The kernel has three compile-time options, off for the plain product, which `ski
 operations around a decoder layer's products into them: an RMSNorm of x before the product (NORM), SwiGLU
 over a [gate; up] weight (SWIGLU) and a residual add (RESIDUAL) after it. A fourth, GDC (`launch(pdl=True)`),
 launches it as a programmatic dependent launch: it starts while the kernel before it ends, asks L2 for its
-first weight tiles, then waits for x; measured by `benchmarks.skinny_matmul --pdl`, not used by the runtime
-(on an H200, 2026-12-04, 52584ee: 0.99-1.09x the plain launch's time, no gain). Its inline assembly has side
-effects, which torch.compile's analysis of a kernel cannot follow: it would take every tensor the kernel is
-given as written and copy the weight at each call, so no launch the runtime makes may turn it on
-(`kernel_constants`; the same L2 request before a NORM product's norm pass measured slower as well: Qwen3-8B's
-q/k/v 21.5 against 20.0 µs).
+first weight tiles, then waits for x; measured by `benchmarks.skinny_matmul --pdl`, not used by the runtime,
+since it gained nothing over the plain launch (docs/benchmarks.md, 'Programmatic dependent launch gains
+nothing'). Its inline assembly has side effects, which torch.compile's analysis of a kernel cannot follow: it
+would take every tensor the kernel is given as written and copy the weight at each call, so no launch the
+runtime makes may turn it on (`kernel_constants`; the same L2 request before a NORM product's norm pass made
+it slower as well).
 
 NORM's pass over x is what made the fused path slow: every program sums its rows' squares over the whole of
-K before its weight stream starts (+4.9 µs on Qwen3-8B's q/k/v, +9.4 on gate/up). So the norm's statistics
-can be carried instead (experimental, `launch`'s `stats_out` and `stats_in`): the product that writes x with
-its residual add (o_proj, down) also writes each row's sum of squares of what it stored, one share per
-output tile, and the NORM product reads those shares (256 floats a row at those tilings) in one load and adds
-them in a fixed tree. A row's shares depend on that row alone and on the tiling, which (N, K) fixes, so
-batch invariance holds; against the pass, only the order of the fp32 sum of squares changes.
+K before its weight stream starts (docs/benchmarks.md, 'What each folded-in operation costs'). So the
+norm's statistics can be carried instead (experimental, `launch`'s `stats_out` and `stats_in`): the product
+that writes x with its residual add (o_proj, down) also writes each row's sum of squares of what it stored,
+one share per output tile, and the NORM product reads those shares (256 floats a row at those tilings) in
+one load and adds them in a fixed tree. A row's shares depend on that row alone and on the tiling, which
+(N, K) fixes, so batch invariance holds; against the pass, only the order of the fp32 sum of squares changes.
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
@@ -69,9 +65,9 @@ from dflash_train.kernels.device import dot, grid_release, grid_wait, kept, pref
 
 BLOCK_M = 16  # rows per program: the smallest dot tile, and the unit that keeps rows independent of M
 MAX_ROWS = 64  # rows the kernel takes (4 programs per weight tile, the weight re-read from L2); more: cuBLAS
-# Rows up to which the tuned shapes run on the kernel by default: CONFIGS was swept at 1 and 16 rows. At 64 rows
-# (a batch-64 decode step, a batch-4 verify) Qwen3-8B's step took 11.4 ms on it against 7.8 on cuBLAS (H200,
-# decode_batch-82797ae.json and decode_batch.json at c6f1a0e).
+# Rows up to which the tuned shapes run on the kernel by default: CONFIGS was swept at 1 and 16 rows, and at 64
+# rows (a batch-64 decode step, a batch-4 verify) Qwen3-8B's step is much slower on it than on cuBLAS
+# (docs/benchmarks.md, 'Products of 64 rows').
 TUNED_ROWS = 16
 
 
@@ -91,15 +87,16 @@ class Config(NamedTuple):
 
 
 # (N, K) -> Config, measured on the GPU in bf16 (`python -m benchmarks.skinny_matmul --sweep` prints the
-# rows). Only (N, K) picks the row (module docstring); a shape not here gets `default_config`. Swept on one
-# H200 (2026-12-04, benchmarks/results/skinny_matmul-qwen3-8b-sweep.json), µs at 1 / 16 rows against cuBLAS's:
+# rows). Only (N, K) picks the row (module docstring); a shape not here gets `default_config`. Each is the
+# fastest tiling of the sweep at 1 and 16 rows, Qwen3-8B's products on an H200; the times against cuBLAS's are
+# in docs/benchmarks.md (`decode`: 'The skinny kernel's tilings swept').
 CONFIGS: dict[tuple[int, int], Config] = {
-    (6144, 4096): Config(64, 256, 4, 4),  # Qwen3-8B q/k/v: 16.0 / 16.2 against 16.2 / 16.2
-    (4096, 4096): Config(16, 512, 2, 3),  # o_proj: 11.9 / 12.1 against 13.2 / 13.4
-    (24576, 4096): Config(64, 128, 4, 3),  # gate/up: 51.5 / 52.3 against 52.9 / 53.7
-    (4096, 12288): Config(16, 512, 2, 3),  # down: 27.8 / 28.7 against 29.0 / 29.4
-    # lm_head: 281 / 287 against 300 / 305. Its norm pass (the fused path's NORM) in tiles of 1,024, 4 in flight:
-    # +28.4 µs over the plain product against +53.2 at tiles of 128 (2026-12-04, skinny-options-e7af288.json).
+    (6144, 4096): Config(64, 256, 4, 4),  # Qwen3-8B q/k/v
+    (4096, 4096): Config(16, 512, 2, 3),  # o_proj
+    (24576, 4096): Config(64, 128, 4, 3),  # gate/up
+    (4096, 12288): Config(16, 512, 2, 3),  # down
+    # lm_head. Its norm pass (the fused path's NORM) in wide tiles, 4 in flight: far cheaper than in the
+    # product's own tiles of 128 (docs/benchmarks.md, 'The norm pass's own tiling').
     (151936, 4096): Config(128, 128, 8, 4, norm_k=1024, norm_stages=4),
 }
 # The GPU architecture CONFIGS was swept on (sm_90: H100, H200). There its shapes run on this kernel by
@@ -123,8 +120,8 @@ def default_config(n: int, k: int) -> Config:
 def swiglu_tiling(plain: Config) -> Config:
     """A [gate; up] product's tiling from its plain product's: half the outputs a program, since each output
     reads a gate row and an up row, so a program streams as many weight rows a step as the plain product's.
-    On an H200 (2026-12-04, 52584ee) Qwen3-8B's gate/up with SwiGLU took 51.1 µs at this tiling against 55.8
-    at `default_config`'s for the 12,288-wide output (plain product: 50.3)."""
+    At Qwen3-8B's gate/up this makes SwiGLU nearly free, where `default_config`'s tiling of the 12,288-wide
+    output was markedly slower (docs/benchmarks.md, 'What each folded-in operation costs')."""
     return plain._replace(block_n=max(16, plain.block_n // 2))
 
 

@@ -2,9 +2,9 @@
 
 A decode step has one query per row and a verify step 16, against a cache of thousands of slots. A prefill
 attention kernel gives each query tile one program that walks every key: at batch 1 that is one program
-per head, a few dozen on a GPU with 132 SMs, and the step waits on their latency (cuDNN's took ~30 µs per
-layer for one query over 1.3k slots on the H200, 17 % of a Qwen3-8B-shaped decode step). Here, as in
-flash-decoding, the keys are cut into splits and each (row, KV head, split) gets a program; a second
+per head, a few dozen on a GPU with 132 SMs, and the step waits on their latency (cuDNN's kernel took a
+large share of a Qwen3-8B-shaped decode step for one query over about a thousand slots: docs/benchmarks.md,
+`decode`). Here, as in flash-decoding, the keys are cut into splits and each (row, KV head, split) gets a program; a second
 launch merges the splits' partial softmaxes. The query heads that share a KV head are processed together
 (grouped-query attention without repeating K/V). How a launch cuts the work (split length, warps, key-tile
 width, query rows a program) is its `Plan`: the fastest measured on an H200 for the decode and verify
@@ -20,8 +20,8 @@ running max); probabilities are rounded to the cache's dtype for the P·V produc
 the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
 
 The next weight (opt-in, `prefetch`): at a decode step the attention reads a few MB of cache while the
-memory bus is otherwise idle, and the product after it (o_proj: 33.5 MB in Qwen3-8B, streamed at 2.8 TB/s
-where the large products reach 4 TB/s) waits on its own ramp-up. Given a weight, the split kernel's programs
+memory bus is otherwise idle, and the product after it (o_proj: 33.5 MB in Qwen3-8B, streamed well below the
+rate the large products reach) waits on its own ramp-up. Given a weight, the split kernel's programs
 first ask L2 for it in bulk (`prefetch_l2_bulk`), each a share, so that the product finds it there. The
 result does not change; `benchmarks.decode --variants prefetch_o_proj` times what it is worth.
 """
@@ -239,9 +239,9 @@ class Plan(NamedTuple):
 
 
 # Plans measured fastest on an H200 (`benchmarks.static_attention`, 1,024 visible slots of 1,280, a layer's
-# call µs in CUDA graphs: benchmarks/results/static_attention-be1b142.json), by (query rows a KV head, padded;
-# head dim): Qwen3-8B's decode step (6.6 against 7.7 for the rule below) and verify block (9.8 against 12.9),
-# SmolLM2's verify block (5.9 against 7.0). Its decode step keeps the rule (5.5 either way).
+# call in CUDA graphs), by (query rows a KV head, padded; head dim): Qwen3-8B's decode step and verify block,
+# SmolLM2's verify block, each faster than the rule below; SmolLM2's decode step keeps the rule, which was as
+# fast there (docs/benchmarks.md, 'Attention plans').
 TUNED_PLANS = {(16, 128): Plan(32, 2, 32), (64, 128): Plan(128, 4, 32), (64, 64): Plan(128, 4, 128, 16)}
 MAX_SPLITS = 64  # a longer cache lengthens the tuned splits instead: the combine reads every split
 

@@ -42,8 +42,8 @@ class EngineConfig:
     # inductor options for those compilations, e.g. (("freezing", True),): weights folded as constants, so
     # that inductor may concatenate the q/k/v and gate/up projections (a benchmark knob)
     compile_options: tuple[tuple[str, Any], ...] = ()
-    # What one compiled graph covers (COMPILE_SCOPES above). "layer" by default: on an H200 it compiled in
-    # 4-17 s per engine against 46-60 s for "step", at the same step and cycle times within 1 % (docs/benchmarks.md).
+    # What one compiled graph covers (COMPILE_SCOPES above). "layer" by default: it compiles several times faster
+    # than "step", at the same step and cycle times (docs/eval.md, 'The decode loop').
     compile_scope: Literal["step", "layer"] = "layer"
     # The drafter's block attention with kernels "triton": "kernel", the block's K/V written into the context
     # cache and attended by the split-key kernel (runtime/draft_layer.py); "sdpa", the drafter's own forward,
@@ -57,10 +57,10 @@ class EngineConfig:
     fuse_draft_argmax: bool = True
     # With kernels "triton", the products of decode and verify steps (at most 64 rows): "auto", the skinny
     # kernel (kernels/skinny_matmul.py) for the weight shapes its tiling table was swept for on this GPU's
-    # architecture and cuBLAS for the others (on an H200 at Qwen3-8B's shapes: a step 0.95x cuBLAS's);
+    # architecture and cuBLAS for the others (at Qwen3-8B's shapes a step faster than on cuBLAS alone);
     # "torch" (cuBLAS), "skinny" (the kernel for every product), or "fused": the skinny kernel with each
     # layer's RMSNorms, SwiGLU and residual adds folded in (kernels/skinny_fused.py) and the attention prologue
-    # in the q/k/v product (kernels/qkv_rope_cache.py), target and drafter (slower on an H200: opt-in).
+    # in the q/k/v product (kernels/qkv_rope_cache.py), target and drafter (slower than "auto": opt-in).
     matmul: Literal["auto", "torch", "skinny", "fused"] = "auto"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches

@@ -5,7 +5,8 @@ Why: the drafter's own forward (`DFlashDecoderLayer` with a dense mask, the refe
 layer's whole context cache with the block's K/V and runs SDPA under a [b, 1, B, max_len + B] mask in every
 cycle: copies of the cache, kernels that build and apply the mask, and an attention kernel whose programs
 each walk every slot of the cache, a few dozen of them at batch 1 on a GPU with 132 multiprocessors. In a
-Qwen3-8B-shaped cycle the attention kernels took 0.75 ms, against 0.27 ms in a target step (H200, 620ba93).
+Qwen3-8B-shaped cycle the attention kernels took well over twice their time in a target step, the extra
+launches all the drafter's (docs/benchmarks.md, 'Not measured yet').
 
 Here, as in the target's layers (`fused_layer.FusedLayer`): one q/k/v product (the projections fused by
 `fused_layer.fused_projections`, no weight copied), one kernel for the q/k norms, RoPE and the write of the block's K/V into

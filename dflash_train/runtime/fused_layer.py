@@ -1,9 +1,9 @@
 """A target decoder layer run with its q/k/v projections as one matmul and gate/up as another.
 
 At batch 1 a decode step is a string of matrix-vector products, each bound by reading its weight; small
-ones do not reach the memory bandwidth (on the H200, Qwen3-8B's k and v projections, 8 MB each, ran at
-38 % of it and q at 73 %, against 84 % for the 100 MB MLP matrices). One product over the concatenated
-[q; k; v] weight, and one over [gate; up], read the same bytes in fewer, larger kernels.
+ones stream far below the memory bandwidth that large ones reach (Qwen3-8B's 8 MB k and v projections
+against its 100 MB MLP matrices: docs/benchmarks.md, 'Figures behind code choices'). One product over the
+concatenated [q; k; v] weight, and one over [gate; up], read the same bytes in fewer, larger kernels.
 
 No weight is copied: the fused tensors are built once per layer, and the layer's own `q_proj`, `k_proj`,
 ... are re-pointed at row slices of them, so the model's parameters, its own forward and its weight hash

@@ -20,8 +20,8 @@ itself, with our attention function); the KV cache and the attention are ours:
 - Matmuls (with `kernels="triton"`): a step of at most `MAX_ROWS` rows (decode, verify, the drafter's logits)
   runs the fused layers' products and the output projection on `dflash_train.kernels.skinny_matmul` instead of
   cuBLAS where the kernel's tiling table was swept on this GPU's architecture (`skinny_matmul="tuned"`, the
-  default: on an H200, Qwen3-8B's five products, each level with or faster than cuBLAS), or for every product
-  (`"all"`), or for none (`"off"`); prefill keeps torch's matmul. With `skinny_matmul="all"` and `skinny_fusion`
+  default: Qwen3-8B's five products, each level with or faster than cuBLAS on the GPU they were swept on), or
+  for every product (`"all"`), or for none (`"off"`); prefill keeps torch's matmul. With `skinny_matmul="all"` and `skinny_fusion`
   too, those steps run each layer as four products of `dflash_train.kernels.skinny_fused` (RMSNorms, SwiGLU and
   residual adds folded in; the attention prologue in the q/k/v product's epilogue for small weights,
   `dflash_train.kernels.qkv_rope_cache`) and the final norm inside the output projection's.
@@ -177,7 +177,8 @@ class StaticTarget:
         are compiled one at a time;
         `prefetch_weights`: with "triton" and fused projections, the attention kernel of decode and verify steps
         asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; off by
-        default: on an H200 it saved 61 µs of products a Qwen3-8B step and cost the attention 153, docs/benchmarks.md)."""
+        default: at Qwen3-8B's shape it cost the attention more than it saved the products, docs/benchmarks.md,
+        'Asking L2 for o_proj's weight')."""
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
