@@ -90,8 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "for correctness checks such as a float32 lossless run")
     parser.add_argument("--compile-scope", choices=COMPILE_SCOPES, default=None, help=COMPILE_SCOPE_HELP)
     parser.add_argument("--max-autotune", action="store_true",
-                        help="compile with inductor's autotuned matmuls: minutes more compiling, a faster step "
-                             "(Qwen3-8B-shaped target on an H200: 5.92 instead of 6.64 ms)")
+                        help="compile with inductor's autotuned matmuls: minutes more compiling, a somewhat faster "
+                             "step (docs/eval.md)")
     parser.add_argument("--ignore-eos", action="store_true", help="always generate --max-new-tokens tokens")
     parser.add_argument("--no-lossless-check", action="store_true",
                         help="skip the lossless check's pass (the target alone through the drafter run's verify "

@@ -50,7 +50,7 @@ def load_target_config(name_or_path: str) -> Any:
         if source.endswith(".gguf"):
             path = Path(source)
             # A converted copy's config.json holds the same config; the GGUF's metadata holds the whole
-            # vocabulary too, which transformers parses in seconds (5 s for SmolLM2) on every export and check.
+            # vocabulary too, which transformers parses in seconds on every export and check.
             converted = existing_conversion(path)
             if converted is not None:
                 return AutoConfig.from_pretrained(converted)

@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CONVERSION_MARKER = "dflash_train_source.json"
 # bf16 and float32 copies come from one float32 dequantisation (a bf16 load rounds the same float32 values, so
 # the copies are those of two conversions) and are written together while the float32 copy is small: reading
-# the GGUF is most of a conversion (26 s of the speedrun eval's float32 check, 839ee3b), dequantising ~1.5 s.
+# the GGUF is most of a conversion, dequantising a small part (docs/data.md, 'Targets').
 PAIRED_DTYPES = (torch.bfloat16, torch.float32)
 PAIRED_MAX_FP32_BYTES = 4 << 30
 # Content digests of GGUF files, remembered per file so that a large file is read in full only once.

@@ -10,7 +10,8 @@ new length from that step on.
 
 With `exclude_warmup` the budget's clock starts once the `WARM_STEPS` compiling steps are done: runs that
 compare recipes at equal minutes then get equal minutes of training, whichever of them found the compiled
-graphs already cached (a fresh shape compiles for ~25 s of a 75 s ablation otherwise).
+graphs already cached (otherwise a fresh shape compiles for a third of a short ablation's minutes:
+docs/results.md, 'The recipe's first ablations').
 
 `stop_after_minutes`: a checkpoint is saved and the run stops once this much time has passed in this
 process (a job's time limit); the same command resumes it, with the length already settled.

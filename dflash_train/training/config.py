@@ -94,7 +94,8 @@ class TrainingConfig:
     # online features: its eager forward launches ~50 small kernels a layer, which a slow host pays per step.
     compile_target: bool = False
     # Replay the target's pass over packed rows from CUDA graphs (target/graphed.py): one launch instead of
-    # the host launching every layer's kernels, which left the GPU idle ~40 ms of a SmolLM2 step. Needs
+    # the host launching every layer's kernels, which left the GPU idle for much of a SmolLM2 step
+    # (docs/benchmarks.md, 'Where the gaps come from'). Needs
     # online features, packed rows, target_attention=varlen and CUDA (elsewhere a note, and no graphs).
     target_cuda_graphs: bool = False
     log_every: int = 10

@@ -7,8 +7,8 @@ T context tokens; attention counts only visible (query, key) pairs. Forward FLOP
 
 Peak rate: the dense (no sparsity) bf16 tensor-core rate of the device, by device name. Where this project
 measured a device's bf16 matmul ceiling (`benchmarks.common.measure_matmul_tflops`), that rate is used;
-otherwise the vendor's data-sheet figure, which real matmuls do not reach (the H200 measured 790 of its 989
-TFLOP/s), so MFU against a data-sheet rate reads lower. ``DFLASH_PEAK_TFLOPS`` overrides the table for any
+otherwise the vendor's data-sheet figure, which real matmuls do not reach (design.md §10 gives the H200's
+measured rate against its data sheet), so MFU against a data-sheet rate reads lower. ``DFLASH_PEAK_TFLOPS`` overrides the table for any
 device; on a device it does not know, MFU is not reported.
 """
 

@@ -8,7 +8,7 @@ optimizer, as they do with plain AdamW.
 
 `torch.optim.Muon.step` updates one matrix at a time, 23 small kernels each (momentum, Nesterov, bf16 cast,
 norm, five Newton–Schulz iterations of three matmuls, weight decay, update): ~830 launches per step for a
-5-layer drafter's 36 matrices, a real share of a ~0.15 s training step on a slow host. `BatchedMuon` does
+5-layer drafter's 36 matrices, a real share of a short training step on a slow host. `BatchedMuon` does
 the same arithmetic per matrix but stacks the matrices of one shape (the five layers' q_proj weights, ...)
 and iterates them with batched matmuls, so the launches are ~22 per shape (five shapes there) plus three
 `_foreach` ops for the momentum and weight decay: ~115 in all.

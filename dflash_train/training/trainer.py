@@ -392,9 +392,9 @@ class Trainer:
         if not self.val_ids:
             return None
         # Compiled layers, unwrapped drafter: the training graph serves validation (train mode, gradients
-        # recorded, no backward); eval mode or no_grad would compile the layer once more, for inference (~8 s of
-        # the first validation on an H200 for SmolLM2's drafter). The drafter has no dropout, so both compute the
-        # same. A drafter wrapped by DDP, FSDP or DeepSpeed expects a backward after a forward with gradients.
+        # recorded, no backward); eval mode or no_grad would compile the layer once more, for inference (a
+        # compilation in the first validation, docs/training.md). The drafter has no dropout, so both compute
+        # the same. A drafter wrapped by DDP, FSDP or DeepSpeed expects a backward after a forward with gradients.
         on_training_graph = self.config.training.compile and self._distributed_type() == "NO"
         with torch.set_grad_enabled(on_training_graph):
             if not on_training_graph:
