@@ -43,8 +43,8 @@ same run (CUDA events, median):
   (`prefetch_o_proj`) the default with the attention kernel asking L2 for each layer's o_proj weight while
   it reads the cache (`StaticTarget(prefetch_weights=True)`);
 - the same two compiled one decoder layer at a time (`EngineConfig.compile_scope="layer"`: one layer's
-  graph reused by every layer, plus small graphs before and after the layers; the engine's default since
-  2026-12-02), beside the whole-step graph (the variant named `default`, the engine's default before): step
+  graph reused by every layer, plus small graphs before and after the layers; the engine's default), beside
+  the whole-step graph (the variant named `default`, the engine's default before): step
   time, setup seconds (compilation and capture) and launches (`*_layer_scope_*`; it runs after
   the default in the same process, so Triton kernels are compiled already, and inductor's on-disk cache
   serves a second run: for cold figures give each run a fresh TORCHINDUCTOR_CACHE_DIR; on a CPU nothing is
@@ -511,8 +511,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(<out>.profile.txt) and each measured call's launches in order (<out>.timeline.txt)")
     parser.add_argument("--compile-variants", nargs="?", const=",".join(COMPILE_VARIANTS), default="",
                         help="qwen3-8b: also time the target step compiled with other inductor options: all of "
-                             f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given (minutes each "
-                             "on an H200: three of them did not finish in 8 minutes)")
+                             f"{', '.join(COMPILE_VARIANTS)}, or the comma-separated ones given (minutes each, "
+                             "some longer than a 10-minute call)")
     parser.add_argument("--dtype", choices=("bf16", "float32"), default=None,
                         help="default bf16 on CUDA, float32 on CPU; float32 makes the two loops' outputs comparable "
                              "token for token (in bf16 their different kernels round the target's ties differently)")

@@ -22,9 +22,9 @@ graph replay) is timed with all rows decoding: tokens/s = rows x tokens per cycl
 token per cycle without a drafter, tau (the replayed distribution's mean a+1) with one. The table also
 gives each variant's set-up seconds: compile (the warm-up cycles, where torch.compile and Triton
 compile), CUDA-graph capture and prefill. Each (shape, batch, drafter or not) compiles its own graph:
-compilation was most of the run's time with whole-step graphs (46-60 s a point for Qwen3-8B). The
-runtime's default, `--compile-scope layer`, compiles one decoder layer per variant, reused by every layer
-(`EngineConfig.compile_scope`): 4-17 s a point on an H200, whatever the depth; `--compile-scope step`
+compilation was most of the run's time with whole-step graphs. The runtime's default, `--compile-scope
+layer`, compiles one decoder layer per variant, reused by every layer (`EngineConfig.compile_scope`):
+several times faster, whatever the depth (docs/benchmarks.md, `decode_batch`); `--compile-scope step`
 measures the whole-step graphs. The JSON records the scope.
 
 Acceptance replay (`ReplayEngine`): a random drafter's drafts are all rejected, so a measured speedup

@@ -17,14 +17,14 @@ right-padded micro-batches of at most --token-budget padded tokens (`micro_batch
 - extract-bf16 / extract-fp8: the full `extract()` (capture, pad removal, fp8 quantisation, device-to-host
   copies, shard files written and closed), timed until the last shard is on disk ("on disk": in the
   page cache, as for any program writing files; no fsync);
-- "bf16, 16k budget": extract-bf16 at a quarter of the budget (16,384, the command's default until 2026-11);
+- "bf16, 16k budget": extract-bf16 at a quarter of the budget (16,384, the command's earlier default);
 - "bf16 to host, 2x window": "bf16 to host" with windows of twice as many shards;
 - "bf16 to RAM": extract-bf16 into /dev/shm (when it has room): the pipeline without the disk;
 - "bf16 to host": extract-bf16 with the shard writes left out (features copied to pinned host memory,
   then dropped): the GPU side of the pipeline alone; "fp8 to host" the same for fp8;
 - "disk alone": the bf16 store's bytes written from host memory by the same shard writer, no GPU work:
-  the disk's ceiling, and the tokens/s it allows at 5.8 KB (bf16) or 2.9 KB (fp8) per token (8 writers
-  instead of 4 measured no faster: 2.06 vs 2.18 GB/s, 2026-11-30; 1 writer reached 1.22 GB/s).
+  the disk's ceiling, and the tokens/s it allows at 5.8 KB (bf16) or 2.9 KB (fp8) per token (4 writers:
+  8 were no faster, 1 far slower; docs/benchmarks.md, 'Figures behind code choices').
 Goal: extraction >= 85 % of the baseline's tokens/s.
 
 `--profile` also writes where one bf16 extraction's host time goes (operators and CUDA API calls, heaviest
@@ -221,8 +221,9 @@ def parse_args() -> argparse.Namespace:
     # Shards are computed a window at a time (8 shards by default: 512 rows, ~3.4 GB of bf16 features, about
     # what the command's default 0.5 GB shards give) and written while the next window computes; the last
     # window's writes, which nothing overlaps, are an 8th of the default rows' time (a real store has
-    # thousands of windows), so the to-disk figures are a little low. Smaller windows micro-batch worse:
-    # 128-row windows ran 118 forwards where the baseline ran 41, and reached 79 % instead of 89 % to host.
+    # thousands of windows), so the to-disk figures are a little low. Smaller windows micro-batch worse: more,
+    # smaller forwards, and a lower share of the baseline to host (docs/benchmarks.md, 'Figures behind code
+    # choices').
     parser.add_argument("--rows-per-shard", type=int, default=64)
     parser.add_argument("--write-threads", type=int, default=4, help="shard files written at once, as `dflash-train extract --write-threads`")
     parser.add_argument("--window-shards", type=int, default=ExtractConfig.window_shards,

@@ -34,11 +34,9 @@ this variant measures decode throughput, not early finishes (refill only changes
 The weights are Hugging Face's initialisation (normal, std 0.02), whose 36-layer bf16 logits stay finite (the
 script checks one prompt's before timing); greedy picks the first of tied maxima in both paths (torch.argmax).
 Defaults of this mode where the command line sets none: 256 prompts, `--rows 64,256`, 128 new tokens,
-`--hf-batches 1`. Expected on one H200 (an estimate from the decode benchmark's step times): 256 x 128 =
-32,768 tokens per variant; `generate` at ~30-50 ms a step takes ~5 s at 64 rows and ~10 s at 256 (with a
-prefill of 256 x 512 padded tokens); the runtime's decode at ~6-12 ms a step ~2-4 s per variant, after its
-torch.compile and CUDA-graph warm-up, the larger part (48 s for the 8B step in docs/benchmarks.md, once for
-each of the three engines); building the 16 GB of weights on the GPU, seconds: 3-5 minutes in all.
+`--hf-batches 1`: 256 x 128 = 32,768 tokens per variant, which decode in seconds; most of a run is each
+engine's torch.compile and CUDA-graph warm-up, so it takes minutes in all (docs/benchmarks.md, `regenerate`,
+'At Qwen3-8B's shape').
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from dflash_train.target import TargetModel
 DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "demo_prompts.jsonl"
 QUICK = {"rows": "4,8", "baseline_rows": 2, "prompts": 12, "max_new_tokens": 8, "hf_batches": 1}
 RANDOM_SHAPES = {"qwen3-8b": QWEN3_8B, "tiny-qwen3": TINY_QWEN3}
-# Defaults where the command line sets none. The random 8B's are smaller: `generate` there is ~30x slower per
+# Defaults where the command line sets none. The random 8B's are smaller: `generate` there is far slower per
 # step than on SmolLM2, and its answers all run to the end, so 2048 x 512 tokens would take hours.
 DEFAULTS = {"prompts": 2048, "max_new_tokens": 512, "rows": "256,512", "hf_batches": 1}
 RANDOM_DEFAULTS = {"prompts": 256, "max_new_tokens": 128, "rows": "64,256", "hf_batches": 1}

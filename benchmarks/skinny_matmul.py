@@ -22,7 +22,7 @@ the runtime gives it; the NORM options again with other tilings of the norm pass
 wide, 8 in flight; `Config.norm_k`, `norm_stages`), since that pass is what the norm costs; and the norm's
 statistics carried instead: o_proj and down writing each row's sums of squares by output tile (STATS_OUT),
 the norm products reading them (STATS_IN) in place of their pass. The extra µs of an option, against the
-separate kernel it replaces (about 2 µs a launch), says whether folding it in pays.
+separate kernel it replaces (a launch of its own, with its latency), says whether folding it in pays.
 
 `--pdl` times each product's chain again with every call a programmatic dependent launch (sm_90+): a call
 starts while the one before it ends and asks L2 for its first weight tiles until x is ready, which may

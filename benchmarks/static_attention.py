@@ -9,9 +9,10 @@ SmolLM2-135M's (9, 3, 64):
 `merge_in_split` plans (the partial results merged by the last split program of each row, no second
 launch) are timed for the three fastest plans and the default.
 
-Why: in a Qwen3-8B-shaped DFlash cycle the 16-token verify's attention took 11.5 µs a layer against 5.1 µs for
-a decode step's over the same 1,024 slots (H200, 8bf8361), 0.3 ms a cycle over 41 layers (target and
-drafter), while the cache it reads is 4 MB a layer (1 µs of bandwidth).
+Why: in a Qwen3-8B-shaped DFlash cycle the 16-token verify's attention took about twice a decode step's
+over the same 1,024 slots, in each of 41 layers (target and drafter), while the cache it reads is 4 MB a
+layer, a small fraction of that time at the memory bandwidth (docs/benchmarks.md, 'Where the cycle's time
+went').
 
 How: a layer's call is timed as a CUDA graph of one call per layer over that many distinct caches (or more,
 until they hold twice the L2, so that each call reads its cache from memory as in a step), median of the

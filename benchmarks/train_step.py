@@ -12,8 +12,8 @@ Variants, measured in the same run:
   compiled decoder layers;
 - optimised-eager: the same without torch.compile;
 - naive: dense SDPA mask and full `[N*B, vocab]` fp32 logits (what a straightforward port does).
-MFU uses the model-FLOPs count of docs/design.md §10 against the device's peak bf16 rate (790 TFLOP/s on
-an H200, measured); the matmul ceiling measured in the same run is printed beside it.
+MFU uses the model-FLOPs count of docs/design.md §10 against the device's peak bf16 rate (the measured one
+where `dflash_train.training.flops` has it); the matmul ceiling measured in the same run is printed beside it.
 """
 
 from __future__ import annotations

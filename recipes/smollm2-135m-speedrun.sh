@@ -19,43 +19,42 @@
 #   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
 #   MIX             `dflash_train.data.pack` sources (default: ~84k distinct prompts, decontaminated:
 #                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math asking for worked solutions
-#                   (`:steps`: bare-result math gave answers too short to train on, 42 %, in a style the math
-#                   eval never sees), 6k generated word problems asking for worked solutions (math τ 3.71 ->
-#                   4.71 in the 8db07a8 run, with 3.5x the self-prompts); with SELF_PROMPTS, ~159k)
+#                   (`:steps`: bare-result math gave answers too short to train on, in a style the math eval
+#                   never sees), 6k generated word problems asking for worked solutions (with them and more
+#                   self-prompts, math τ rose by about one: docs/results.md); with SELF_PROMPTS, ~159k)
 #   CHATS           optional `pack` sources of whole conversations (e.g. "sharegpt=20000"): regenerated first,
 #                   CHAT_TURNS user turns each (default 3; `all`), each answered after the target's own earlier
 #                   answers; their first turns are left out of MIX
 #   SELF_PROMPTS    chat prompts the target writes itself (`dflash-train self-prompt`: sampled user turns,
 #                   distinct, decontaminated), packed into the mix beside MIX in the prompts stage, which then
-#                   needs the GPU and the target (default 75000, ~2.3 minutes on an H200, taken off
-#                   REGEN_MINUTES; 0: none). In place of 20k openai-evals prompts, 20k of them raised MT-Bench
-#                   τ 2.96 -> 3.15 at equal minutes (b628823); 70k took the kept chats from 93k to 148k
-#                   (8db07a8); 75k for >= 150k kept chats. SELF_PROMPT_EXTRA: more self-prompt flags
+#                   needs the GPU and the target (default 75000, a few minutes, taken off REGEN_MINUTES; 0:
+#                   none). In place of openai-evals prompts they raised MT-Bench τ at equal minutes, and more
+#                   of them raised the kept chats; 75k for >= 150k kept chats (docs/results.md, the speedrun's
+#                   runs). SELF_PROMPT_EXTRA: more self-prompt flags
 #   SELF_MATH_PROMPTS   math word problems the target writes itself (`self-prompt --opening`, SELF_MATH_OPENING),
 #                   each followed by a request for a worked solution in \boxed{}, packed beside the other
 #                   self-prompts as source self-prompts:math: the target's answers in the style it uses on the
 #                   word problems of the math eval set, which the generated math lacks (default 0: none; their
 #                   minutes come off REGEN_MINUTES too)
 #   TRIM_LOOPS      1: prepare cuts answers the token cap stopped inside a verbatim loop to two copies of it
-#                   (`prepare --trim-loops`: 21 % of the 839ee3b run's answers, 24 % of its answer text); default 0
+#                   (`prepare --trim-loops`: about a fifth of a speedrun's answers, docs/data.md); default 0
 #   STOP_LOOPS      1 (default): regeneration ends an answer inside a verbatim loop (`regenerate --stop-loops`)
-#                   instead of decoding it to the cap, and its row takes the next prompt: 512 answers a second in
-#                   steady shards against 393 without (H200, 85b2b63 against b628823); 0: decode every answer to
-#                   the cap or its end
+#                   instead of decoding it to the cap, and its row takes the next prompt: more answers a minute
+#                   from the same prompts (docs/results.md, 'Loop stopping'); 0: decode every answer to the cap
+#                   or its end
 #   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
-#                   SELF_PROMPTS took; training uses the finished shards (default 9.5: the 8db07a8 run answered
-#                   all ~153k prompts in 8.2 minutes, self-prompts included; with 8.5, the 7b99c43 run answered
-#                   143k of ~159k, 35 of 39 units, at 122k tokens/s while decoding against 8db07a8's 136k, a pace
-#                   that needs ~8.9 minutes for all 39; a budget not spent goes to training through TOTAL_MINUTES)
+#                   SELF_PROMPTS took; training uses the finished shards (default 9.5: room for every prompt of
+#                   the default mix at the slower regeneration pace the speedruns saw, where a lower budget left
+#                   units unanswered, docs/results.md; a budget not spent goes to training through TOTAL_MINUTES)
 #   TOTAL_MINUTES   the whole run's budget of timed stages (default 24: the speedrun's 25 minutes less about one for
 #                   copying the target and installing, which no stage times): training gets what the data stages
 #                   (times.tsv) and EVAL_RESERVE_MINUTES leave, fixed once in $OUT/train_minutes, so a machine that
 #                   regenerates faster trains longer and a slow one still ends in time
-#   EVAL_RESERVE_MINUTES   kept back for the eval stage and training's own loading and first step (default 5: the
-#                   7b99c43 run's eval took 4.1 minutes and its training 0.9 more than its budget, over two calls)
+#   EVAL_RESERVE_MINUTES   kept back for the eval stage and training's own loading and first step (default 5: about
+#                   what a speedrun's eval and its training's overrun over two calls took, docs/results.md)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it, in place of TOTAL_MINUTES's share
-#                   (default: that share; the 7b99c43 and 8db07a8 runs trained 9)
+#                   (default: that share)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   GOALS           what the summary checks the run against (`python -m dflash_train.eval.summary --goal`): τ per
 #                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
@@ -63,15 +62,15 @@
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
 #   CHECK_EVERY     steps between a training run's held-out validations and checkpoints (default 1000; the
-#                   ablate stage's runs: ABLATION_CHECK_EVERY, default 400). Each takes ~1.4 s, so at 400 the
-#                   ~11k steps of a 9-minute run would spend ~7 % of its minutes on them; a run stopped by
+#                   ablate stage's runs: ABLATION_CHECK_EVERY, default 400). Each takes seconds, so checking
+#                   much more often would spend a real share of a short run's minutes on them; a run stopped by
 #                   STOP_AFTER saves anyway
 #   STOP_AFTER      minutes after which a training run saves and stops (training.stop_after_minutes), for a
 #                   machine lent for less than a run takes: the same stage resumes it on the next call
 #   ABLATIONS       the ablate stage's runs, "name:override ...;name:override ..." (default: the changes not yet
 #                   measured against today's recipe: 16 anchors per chat instead of 32, the trend's next step, and
-#                   twice both learning rates, last measured at 250 steps of the 2026-12-01 recipe where runs now
-#                   take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
+#                   twice both learning rates, last measured at 250 steps of a much earlier recipe where runs
+#                   now take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
 #                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
 #                   slot decay; empty: the baseline only), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
@@ -83,8 +82,7 @@
 #                   trim_loops:--trim-loops": chats capped at 512 tokens instead of MAX_LENGTH (a cap of 1,024
 #                   touches 0.2 % of the speedrun's chats, too few to measure), the mix without the target's own
 #                   prompts, so the code, math and ShareGPT chats get all the steps, and loops cut to two
-#                   copies; empty: none; maxlen512 and noself both lost at e7af288: MT-Bench τ -0.07 and
-#                   -0.32, docs/results.md). Their
+#                   copies; empty: none; maxlen512 and noself both lost on MT-Bench τ, docs/results.md). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_DRAFT      a drafter folder (a checkpoint's draft/ or an export) the eval stage evaluates, exports and
@@ -96,8 +94,7 @@
 #                   and the exact check with 8 requests decoded together; default 16, 0: none)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once when
-#                   regenerating and self-prompting (1024: 154.7k tokens/s against 135.6k at 512 on an H200,
-#                   benchmarks.regenerate at 923fd32)
+#                   regenerating and self-prompting (1024: faster than 512, docs/benchmarks.md, `regenerate`)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
 #                   train every run with `accelerate launch` (LAUNCH_CONFIG, default recipes/accelerate/ddp.yaml;
 #                   RUN_PORT its rendezvous port, default 29501); eval stays on one GPU, as a user decodes
