@@ -38,7 +38,7 @@ with Triton), commit a+1 tokens, drafter context K/V of the block; only the comp
 replaced. The committed tokens are the target's own (its argmax at slots 0..a of the verified block, not
 the drafts), but not the target's greedy decode, since the block it saw held random drafts: losslessness
 is checked with real drafters only (`dflash-train eval`, `benchmarks/decode.py --section smollm2`).
-Default: tau 6.0, the acceptance length this project aims for with a trained drafter (docs/smollm2-h200.md).
+Default: tau 6.0, the acceptance length this project aims for with a trained drafter (docs/results.md).
 """
 
 from __future__ import annotations
