@@ -123,8 +123,7 @@ def test_the_readme_commands_run_in_order_from_a_fresh_clone(clone: Path) -> Non
             pytest.fail(f"{command}: a README command this test cannot check; teach it how")
     # The whole job ran, in the README's order: the data, a drafter trained on it, evaluated, exported, checked,
     # then fine-tuned from its export.
-    assert ran == ["inspect", "regenerate", "prepare", "extract", "extract", "train", "eval", "eval", "export",
-                   "check", "push", "train"]
+    assert ran == ["inspect", "regenerate", "prepare", "train", "eval", "eval", "export", "check", "push", "train"]
     assert (clone / "runs" / "exports" / "SmolLM2-135M-DFlash-b16" / "model.safetensors").is_file()
     # Everything the commands wrote is under folders that .gitignore keeps out of a clone's status.
     written = {path.name for path in clone.iterdir()} - {"recipes", "data"}
@@ -143,7 +142,7 @@ def run_console_script(command: Command) -> None:
 
 def check_gpu_launch(command: Command) -> None:
     """A launch that needs GPUs: its accelerate config, recipe and overrides load, and its data exist now."""
-    from dflash_train.train import add_arguments
+    from dflash_train.commands.train import add_arguments
     from dflash_train.training.config import load_config
 
     argv = command.argv
