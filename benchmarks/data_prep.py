@@ -39,14 +39,15 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from benchmarks.common import write_result
 from dflash_train.data.chat import ChatTokenizer
-from dflash_train.data.corpora import CorpusSpec, open_corpus
-from dflash_train.data.decontaminate import project_eval_index
-from dflash_train.data.prepare import PrepareConfig, default_workers, iter_messages, prepare
-from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, prompt_messages
-from dflash_train.data.regenerate import RegenerateConfig, plan_prompts
+from dflash_train.data.prepare import PrepareConfig, default_workers, prepare
 from dflash_train.data.target_tokenizer import load_target_tokenizer
-from dflash_train.data.turns import PromptRow
+from dflash_train.prompts.corpora import CorpusSpec, open_corpus
+from dflash_train.prompts.decontaminate import project_eval_index
+from dflash_train.prompts.messages import iter_messages
+from dflash_train.prompts.records import BadRecord, prompt_messages
+from dflash_train.quality import DataReport
+from dflash_train.regeneration.regenerate import RegenerateConfig, plan_prompts
+from dflash_train.regeneration.turns import PromptRow
 
 DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "demo_prompts.jsonl"
 QUICK = {"prompts": 64, "repeats": 1, "workers": 2, "answer_chars": 400}

@@ -18,8 +18,8 @@ from dflash_train.target import TargetModel
 
 def smollm2_setup(args: argparse.Namespace, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any, list, list]:
     """(target, drafter, prompts as token lists, stop ids): SmolLM2 + chat prompts, or a tiny stand-in."""
-    from dflash_train.eval.chat import prompt_ids, stop_token_ids
-    from dflash_train.eval.prompts import load_prompt_set
+    from dflash_train.data.prompt_ids import prompt_ids, stop_token_ids
+    from dflash_train.prompts.eval_sets import load_prompt_set
     from dflash_train.target import load_target, resolve_mask_token_id
 
     if args.tiny:

@@ -93,7 +93,7 @@ def hf_step_ms(target: TargetModel, prompt: list[int], warmup: int, iters: int) 
     """A Hugging Face decode step: dynamic cache, eager, cropped back after each step."""
     from transformers import DynamicCache
 
-    from dflash_train.inference.target_cache import cache_kwargs, rollback
+    from dflash_train.runtime.hf_cache import cache_kwargs, rollback
 
     cache = DynamicCache()
     kwargs = cache_kwargs(target.model, cache)

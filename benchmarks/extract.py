@@ -48,10 +48,10 @@ from typing import Any
 
 import torch
 
-import dflash_train.data.extract as extract_module
+import dflash_train.features.extract as extract_module
 from benchmarks.common import write_result
-from dflash_train.data.extract import ExtractConfig, bytes_per_token, extract, micro_batches, row_lengths
-from dflash_train.target import rows_not_packed
+from dflash_train.features.capture import rows_not_packed
+from dflash_train.features.extract import ExtractConfig, bytes_per_token, extract, micro_batches, row_lengths
 
 LAYER_IDS = [1, 8, 14, 20, 27]
 
@@ -116,7 +116,7 @@ def disk_alone_seconds(out: Path, total_bytes: int, shards: int, threads: int) -
     """Write `total_bytes` as `shards` files from pinned host memory, `threads` files at a time, as the
     extractor's writers do."""
     from dflash_train.atomic import write_atomically
-    from dflash_train.data.safetensors_writer import write_safetensors
+    from dflash_train.features.safetensors_writer import write_safetensors
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)

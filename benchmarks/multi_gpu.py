@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import stamp, write_result
+from dflash_train.training.config import TrainingConfig
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes/smollm2-135m-dflash-b16.yaml"
@@ -287,7 +288,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: 12 on GPU, 6 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="sequences per process per step (default 2, CPU 1)")
     parser.add_argument("--seq-len", type=int, default=3072)
-    parser.add_argument("--num-anchors", type=int, default=512)
+    parser.add_argument("--num-anchors", type=int, default=TrainingConfig.num_anchors)
     parser.add_argument("--target-layers", type=int, default=4, help="layers of the random target")
     parser.add_argument("--target", type=Path, default=None,
                         help="train the checks on this target (e.g. SmolLM2-135M-Instruct, the default recipe's GPU "

@@ -3,7 +3,7 @@ baseline that `benchmarks/decode.py` measures the fast loop against. Never used 
 
 Per cycle: a dynamic KV cache grown and cropped, `output_hidden_states=True` on every target forward (all
 layers' hidden states kept, the drafter's few picked out), eager kernels, and the accepted length read
-back with `.item()`. Same semantics as `dflash_train.inference.greedy` (and so the same tokens and
+back with `.item()`. Same semantics as `dflash_train.runtime.reference_loop` (and so the same tokens and
 acceptance lengths as the fast loop, up to floating-point ties).
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-from dflash_train.inference.target_cache import cache_kwargs, rollback
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.hf_cache import cache_kwargs, rollback
 from dflash_train.target import TargetModel
 
 

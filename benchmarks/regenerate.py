@@ -53,9 +53,9 @@ import torch
 
 from benchmarks.common import write_result
 from benchmarks.shapes import QWEN3_8B, TINY_QWEN3, random_target
-from dflash_train.eval.chat import prompt_ids
+from dflash_train.data.prompt_ids import prompt_ids
+from dflash_train.regeneration.generation import Generated, Generator, hf_generate
 from dflash_train.runtime.config import EngineConfig, stop_token_ids
-from dflash_train.runtime.generation import Generated, Generator, hf_generate
 from dflash_train.target import TargetModel
 
 DEMO_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "prompts" / "demo_prompts.jsonl"
@@ -73,7 +73,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", default="smollm2-135m-instruct", help="alias, local directory or .gguf")
     parser.add_argument("--data", type=Path, default=DEMO_PROMPTS,
-                        help='a .jsonl of {"prompt": ...} rows, or a prompt file of `dflash_train.data.pack`')
+                        help='a .jsonl of {"prompt": ...} rows, or a prompt file of `dflash_train.prompts.pack`')
     parser.add_argument("--prompts", type=int, help=f"prompts answered by each variant (default {DEFAULTS['prompts']}; "
                         f"random shape: {RANDOM_DEFAULTS['prompts']})")
     parser.add_argument("--max-new-tokens", type=int, help=f"default {DEFAULTS['max_new_tokens']}; random shape: "
@@ -107,7 +107,7 @@ def load_prompts(target: TargetModel, path: Path, count: int) -> list[list[int]]
 
 
 def _first_user_turn(row: dict[str, Any], path: Path) -> str:
-    """A row's prompt: its "prompt", or the first user turn of its "messages" (a `dflash_train.data.pack`
+    """A row's prompt: its "prompt", or the first user turn of its "messages" (a `dflash_train.prompts.pack`
     file, so that the benchmark answers the very prompts a regeneration would)."""
     if isinstance(row.get("prompt"), str):
         return row["prompt"]

@@ -48,6 +48,7 @@ import torch
 from benchmarks.common import H200_BF16_PEAK, write_result
 from benchmarks.profiling import as_intervals, gpu_time, kernel_categories, profiled_calls
 from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
+from dflash_train.training.config import TrainingConfig
 
 # Rows of 8,192 tokens, the target's packed forward on the varlen kernel, its decoder layers compiled and its
 # pass replayed from CUDA graphs (the packed recipe's choices); the other packed variants change one thing
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prepared", type=Path, default=None)
     parser.add_argument("--chats", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--num-anchors", type=int, default=512)
+    parser.add_argument("--num-anchors", type=int, default=TrainingConfig.num_anchors)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--workdir", type=Path, default=None)
     parser.add_argument("--recipe", type=Path, default=None, help="a recipe YAML every variant starts from")

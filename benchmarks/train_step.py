@@ -29,6 +29,7 @@ from benchmarks.common import device_peak_flops, measure_matmul_tflops, median, 
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.objective import DFlashObjective, dense_mask
 from dflash_train.objective.objective import ObjectiveOutput
+from dflash_train.training.config import TrainingConfig
 from dflash_train.training.flops import training_step_flops
 
 QWEN3_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
@@ -111,7 +112,7 @@ def _percent(fraction: float | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seq-len", type=int, default=3072)
-    parser.add_argument("--num-anchors", type=int, default=512)
+    parser.add_argument("--num-anchors", type=int, default=TrainingConfig.num_anchors)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-layers", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=3)

@@ -142,7 +142,7 @@ def plan_stages(out: Path, sizes: DemoSizes, device: str, target_name: str = TAR
 def final_checkpoint(train_dir: Path) -> Path | None:
     """The newest checkpoint if training reached its last step, else None."""
     # Deferred, as every import of torch or huggingface_hub here: main() sets their environment first.
-    from dflash_train.training.checkpoint_files import list_checkpoints, read_trainer_state
+    from dflash_train.training.run_files import list_checkpoints, read_trainer_state
 
     found = list_checkpoints(train_dir)
     if not found:

@@ -25,6 +25,15 @@ def read_json_object(path: Path, fix: str) -> dict[str, Any]:
     return value
 
 
+def json_object_or_none(path: Path) -> dict[str, Any] | None:
+    """The JSON object in `path`, or None when there is none to read (missing, unreadable, not JSON, not an
+    object): for files a command only checks whether it wrote (`read_json_object` says what is wrong)."""
+    try:
+        return read_json_object(path, "")
+    except ValueError:
+        return None
+
+
 def object_field(value: dict[str, Any], key: str, kind: type | tuple[type, ...], path: Path, fix: str) -> Any:
     """`value[key]` when it is of `kind` (bool is no int here); otherwise `<path> is damaged (...); <fix>`."""
     field = value.get(key)

@@ -46,7 +46,7 @@ class OutputKind:
         return any(fnmatch.fnmatchcase(name, pattern) for pattern in self.patterns)
 
 
-# The names are those of the writers (data/prepared.py, data/shards.py, data/features.py, checkpoint/,
+# The names are those of the writers (data/prepared.py, shards.py, features/store.py, checkpoint/,
 # training/); tests check that they agree.
 PREPARED = OutputKind("prepare", "a prepared dataset", "dflash_data.json",
                       ("dflash_data.json", "data-*-of-*.arrow", "dataset_info.json", "state.json"))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The SmolLM2-135M-Instruct drafter of the README's results table, on one GPU or more, stage by stage.
+# The full SmolLM2-135M-Instruct recipe (its runs: docs/results.md), on one GPU or more, stage by stage.
 #
 #   bash recipes/smollm2-135m-h200.sh data        # regenerate ShareGPT + generated-math responses, tokenise
 #   bash recipes/smollm2-135m-h200.sh train       # the recipe, plus the three ablation runs, side by side
@@ -10,7 +10,7 @@
 # training from the last checkpoint, with the run length it settled on). Settings (environment):
 #   TARGET          alias, local directory or .gguf of the target (default: smollm2-135m-instruct)
 #   PROMPTS         regenerate's input arguments (default: 8,000 ShareGPT + 2,000 generated math prompts;
-#                   `python -m dflash_train.data.pack` writes the same as one file for an offline node)
+#                   `python -m dflash_train.prompts.pack` writes the same as one file for an offline node)
 #   OUT             where everything goes (default: outputs/smollm2-h200)
 #   TRAIN_MINUTES   wall-time budget of the main run; its cosine schedule is fitted to it (default: 7)
 #   ABLATION_STEPS  optimizer steps of each ablation run (default: 600)
@@ -35,7 +35,7 @@
 #                   `pack --whole-conversations`: more supervised tokens from the same conversations)
 #   EXTRA_PROMPTS   optional: regenerate's input arguments for more training prompts (own folder
 #                   regen-extra, prepared with the rest), e.g. the ShareGPT prompts the default set and
-#                   the held-out set leave: `python -m dflash_train.data.pack --source sharegpt=20000
+#                   the held-out set leave: `python -m dflash_train.prompts.pack --source sharegpt=20000
 #                   --exclude $OUT/prompts.jsonl --exclude $OUT/heldout-sharegpt.jsonl --out more.jsonl`
 #   MAX_NEW_TOKENS, MAX_LENGTH, TRAIN_EXTRA   response cap (512), sequence cap (2048), extra train overrides
 #   NUM_ANCHORS, BATCH_SIZE, LEARNING_RATE    256, 16 sequences per step, 1e-3
@@ -91,9 +91,9 @@ regenerate_into() {  # output folder, then regenerate's input arguments; GPUS > 
 
 data() {
   if [[ "$PROMPTS" == "--data $OUT/prompts.jsonl" && ! -f "$OUT/prompts.jsonl" ]]; then
-    python3 -m dflash_train.data.pack --source sharegpt=8000 --source reasoning-gym-math:steps=2000 --out "$OUT/prompts.jsonl"
+    python3 -m dflash_train.prompts.pack --source sharegpt=8000 --source reasoning-gym-math:steps=2000 --out "$OUT/prompts.jsonl"
     # The same shuffle, 100 prompts further: ShareGPT prompts the drafter never trains on.
-    python3 -m dflash_train.data.pack --source sharegpt=100 --exclude "$OUT/prompts.jsonl" \
+    python3 -m dflash_train.prompts.pack --source sharegpt=100 --exclude "$OUT/prompts.jsonl" \
       --out "$OUT/heldout-sharegpt.jsonl"
   fi
   local partial=() sets=(--data "$OUT/regen")
@@ -154,7 +154,7 @@ final_draft() {  # the newest checkpoint's drafter if that run reached its last 
 import sys
 from pathlib import Path
 from dflash_train.demo import final_checkpoint
-from dflash_train.training.checkpointing import list_checkpoints
+from dflash_train.training.resume import list_checkpoints
 found = final_checkpoint(Path(sys.argv[1]))
 if found is None and sys.argv[2] == "1":
     found = (list_checkpoints(Path(sys.argv[1])) or [None])[-1]
@@ -214,7 +214,7 @@ eval_all() {
     main_eval || failed=1
     other_evals || failed=1
   fi
-  python3 -m dflash_train.eval.summary "$OUT"
+  python3 -m recipes.scoring.summary "$OUT"
   return $failed
 }
 

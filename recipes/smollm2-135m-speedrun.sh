@@ -17,7 +17,7 @@
 #   TARGET          alias, local directory or .gguf (default: smollm2-135m-instruct)
 #   OUT             where everything goes (default: outputs/speedrun)
 #   PROMPTS         a prompt file to regenerate (default: $OUT/prompts.jsonl, packed from MIX)
-#   MIX             `dflash_train.data.pack` sources (default: ~84k distinct prompts, decontaminated:
+#   MIX             `dflash_train.prompts.pack` sources (default: ~84k distinct prompts, decontaminated:
 #                   15.6k ShareGPT, 32k code-writing prompts, 30k generated math asking for worked solutions
 #                   (`:steps`: bare-result math gave answers too short to train on, in a style the math eval
 #                   never sees), 6k generated word problems asking for worked solutions (with them and more
@@ -56,7 +56,7 @@
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it, in place of TOTAL_MINUTES's share
 #                   (default: that share)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
-#   GOALS           what the summary checks the run against (`python -m dflash_train.eval.summary --goal`): τ per
+#   GOALS           what the summary checks the run against (`python -m recipes.scoring.summary --goal`): τ per
 #                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
 #                   mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25"; empty: none)
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
@@ -197,7 +197,7 @@ prompts() {
   local sources=() excluded=()
   if [[ -n "$CHATS" && ! -f "$OUT/chats.jsonl" ]]; then
     for source in $CHATS; do sources+=(--source "$source"); done
-    run python3 -m dflash_train.data.pack "${sources[@]}" --whole-conversations --out "$OUT/chats.jsonl"
+    run python3 -m dflash_train.prompts.pack "${sources[@]}" --whole-conversations --out "$OUT/chats.jsonl"
     sources=()
   fi
   [[ -f "$PROMPTS" ]] && return 0
@@ -224,7 +224,7 @@ prompts() {
   fi
   [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
   # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
-  run python3 -m dflash_train.data.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"
+  run python3 -m dflash_train.prompts.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"
 }
 
 on_every_gpu() {  # a command, run once per GPU as rank r of GPUS (LOCAL_RANK picks its device), after every
@@ -374,7 +374,7 @@ curve() {
     # the same prompts for every point: once, then read from the cache (the main eval decodes its own).
     eval_b16 "curve-${minutes}min" "$draft" "$CURVE_PROMPTS" --no-lossless-check --target-cache "$OUT/eval/target-cache"
   done
-  run python3 -m dflash_train.eval.curve "$OUT"
+  run python3 -m recipes.scoring.curve "$OUT"
 }
 
 ablate() {
@@ -401,7 +401,7 @@ ablate() {
     ablation_eval "ablation-${entry%%:*}"
   done
   # The table is kept as $OUT/ablations.md too: a time-limited call's log may keep only its last lines.
-  run python3 -m dflash_train.training.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \
+  run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \
     | tee "$OUT/ablations.md"
 }
 
@@ -454,7 +454,7 @@ summary() {
           printf "  %-10s %6.1f\n", "total", total / 60 }' "$OUT/times.tsv"
   local goal goals=()
   for goal in $GOALS; do goals+=(--goal "$goal"); done
-  python3 -m dflash_train.eval.summary "$OUT" "${goals[@]}"
+  python3 -m recipes.scoring.summary "$OUT" "${goals[@]}"
 }
 
 case "$STAGE" in

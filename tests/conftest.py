@@ -1,14 +1,16 @@
 """Test-wide settings.
 
-Layout: tests/<package>/test_<module>.py mirrors dflash_train/<package>/<module>.py (data, eval, runtime,
-inference, kernels, objective, training, models, checkpoint, target); tests/commands/ holds the command-line
-tests and those that cross every command (full disk, output folders, corrupt files, fuzzed inputs);
-tests/benchmarks/ tests benchmarks/; tests/recipes/ runs the recipe scripts, the README's commands and the
-demo end to end; tests of top-level modules (errors.py, the import layers) sit here in tests/. Every folder
+Layout: tests/<package>/test_<module>.py mirrors dflash_train/<package>/<module>.py (prompts, regeneration,
+data, features, training, eval, runtime, kernels, objective, models, checkpoint, target); tests/commands/
+holds the command-line tests and those that cross every command (full disk, output folders, corrupt files,
+fuzzed inputs); tests/benchmarks/ tests benchmarks/; tests/recipes/ runs the recipe scripts, the README's
+commands and the demo end to end, and tests recipes/scoring/; tests of top-level modules (errors.py, the
+import layers) sit here in tests/. Every folder
 is a package (tests.data.test_prepare), so one basename may appear in several folders.
 
-Fixtures shared by the files of one folder live in that folder's conftest.py; plain helpers (tiny models,
-reference implementations, skip markers, paths) live in tests/helpers/, and no test module imports another.
+Fixtures shared by the files of one folder live in that folder's conftest.py, those of several folders here;
+plain helpers (tiny models, reference implementations, skip markers, paths) live in tests/helpers/, and no
+test module imports another.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ import pytest
 import torch
 
 from dflash_train.kernels._triton import HAS_TRITON
+from dflash_train.target import TargetModel
 from tests.helpers.kernels import (
     IN_PROCESS,
     INTERPRETED_TARGET,
     InterpretedProcess,
     InterpretedRun,
 )
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 
 _INTERPRETED = pytest.StashKey[InterpretedProcess]()  # the session's interpreted kernel tests, once started
 
@@ -70,3 +74,9 @@ def interpreted(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     if running is None:
         running = InterpretedProcess(_interpreted_targets(request.session.items), tmp_path_factory.mktemp("interpreted"))
     return running.result()
+
+
+@pytest.fixture(scope="module", params=TINY_ARCHS)
+def tiny(request: pytest.FixtureRequest) -> TargetModel:
+    """A tiny target of each architecture (the target and feature-capture tests)."""
+    return make_tiny_target(request.param)

@@ -1,7 +1,9 @@
 """The package's modules form layers: no import cycle, whether the imports run when a module is loaded or
 only when a function runs (a deferred import), counting the package `__init__.py` files that an import runs
-on the way. The graph is read from the source with `ast`, so the test does not depend on the order in which
-modules happen to be imported."""
+on the way; no cycle between its first-level packages either; and the pipeline's stages are layered: the
+prompt sources reach none of the later stages, and the target never imports the feature capture built on
+it. The graph is read from the source with `ast`, so the test does not depend on the order in which modules
+happen to be imported."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+
+import pytest
 
 from tests.helpers.paths import REPO
 
@@ -95,16 +99,55 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def package_of(module: str) -> str:
+    """The first-level package (or top-level module) of `module`: dflash_train.data.chat -> dflash_train.data."""
+    return ".".join(module.split(".")[:2])
+
+
+def package_graph(graph: dict[str, set[str]], root: str = "dflash_train") -> dict[str, set[str]]:
+    """`graph` collapsed per first-level package: X -> Y when a module of X imports one of Y (X != Y). The
+    root package itself (its __init__.py, which every import runs) is no node."""
+    packages: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        if module == root:
+            continue
+        edges = packages.setdefault(package_of(module), set())
+        edges.update(package_of(t) for t in targets if t != root)
+    for package, edges in packages.items():
+        edges.discard(package)
+    return packages
+
+
+def reachable(graph: dict[str, set[str]], start: str) -> dict[str, list[str]]:
+    """Every node reachable from `start`, with one path to it ([start, ..., node])."""
+    paths, stack = {start: [start]}, [start]
+    while stack:
+        node = stack.pop()
+        for successor in sorted(graph.get(node, ())):
+            if successor not in paths:
+                paths[successor] = [*paths[node], successor]
+                stack.append(successor)
+    return paths
+
+
+# package -> the packages it must not reach, even through others (the pipeline's layers)
+FORBIDDEN = {
+    "dflash_train.prompts": {"dflash_train.data", "dflash_train.regeneration", "dflash_train.features",
+                             "dflash_train.eval", "dflash_train.training"},
+    "dflash_train.target": {"dflash_train.features"},
+}
+
+
 def test_find_cycle_sees_a_cycle_and_a_layering() -> None:
     assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert find_cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
 
 def test_relative_and_from_imports_resolve_to_modules() -> None:
-    node = ast.parse("from ..data import shards").body[0]
+    node = ast.parse("from ..data import prepared").body[0]
     assert isinstance(node, ast.ImportFrom)
     names = _imported_names("dflash_train.commands.eval", False, node)
-    assert names == ["dflash_train.data", "dflash_train.data.shards"]
+    assert names == ["dflash_train.data", "dflash_train.data.prepared"]
 
 
 def test_the_graph_sees_deferred_imports() -> None:
@@ -147,6 +190,32 @@ def test_no_cycle_through_deferred_imports() -> None:
     them both."""
     cycle = find_cycle(import_graph(top_level_only=False, with_parents=True))
     assert cycle is None, f"import cycle (deferred imports and package __init__ files included): {' -> '.join(cycle or [])}"
+
+
+def test_package_graph_collapses_modules_into_their_packages() -> None:
+    graph = {"dflash_train": {"dflash_train.a"}, "dflash_train.a.x": {"dflash_train.a.y", "dflash_train.b.z"},
+             "dflash_train.a.y": {"dflash_train"}, "dflash_train.b.z": {"dflash_train.c"}, "dflash_train.c": set()}
+    packages = package_graph(graph)
+    assert packages == {"dflash_train.a": {"dflash_train.b"}, "dflash_train.b": {"dflash_train.c"},
+                        "dflash_train.c": set()}
+    assert reachable(packages, "dflash_train.a")["dflash_train.c"] == ["dflash_train.a", "dflash_train.b",
+                                                                       "dflash_train.c"]
+
+
+def test_no_cycle_between_packages() -> None:
+    """Packages (and top-level modules) form layers too: a package that imports another that imports it
+    back, however deep in either, has no place in the pipeline's order."""
+    cycle = find_cycle(package_graph(import_graph(top_level_only=False, with_parents=False)))
+    assert cycle is None, f"package cycle: {' -> '.join(cycle or [])}"
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_the_stages_are_layered(package: str) -> None:
+    """prompts/ is the first stage: it reaches none of regeneration, data, features, eval or training; the
+    target package never imports features/, which is built on it."""
+    paths = reachable(package_graph(import_graph(top_level_only=False, with_parents=False)), package)
+    reached = sorted(FORBIDDEN[package] & set(paths))
+    assert not reached, f"{package} reaches {reached}: " + "; ".join(" -> ".join(paths[r]) for r in reached)
 
 
 def test_every_module_imports_in_a_fresh_interpreter() -> None:

@@ -6,7 +6,13 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.json_files import json_type, object_field, read_json_object, rerun_keeps_shards
+from dflash_train.json_files import (
+    json_object_or_none,
+    json_type,
+    object_field,
+    read_json_object,
+    rerun_keeps_shards,
+)
 
 
 @pytest.mark.parametrize(("text", "why"), [
@@ -31,6 +37,17 @@ def test_bytes_that_are_not_utf8_and_a_folder_are_damaged_too(tmp_path: Path) ->
     (tmp_path / "folder.json").mkdir()
     with pytest.raises(ValueError, match=r"folder.json is damaged \(.*Is a directory.*\); fix"):
         read_json_object(tmp_path / "folder.json", "fix")
+
+
+def test_the_optional_reader_is_none_where_the_reader_would_say_damaged(tmp_path: Path) -> None:
+    """`json_object_or_none`, for files a command only checks (did it write them?): None for each file
+    `read_json_object` refuses, and the object otherwise."""
+    for name, content in [("list.json", b"[1]"), ("cut.json", b'{"a": '), ("bytes.json", b'{"a": "\xff"}')]:
+        (tmp_path / name).write_bytes(content)
+        assert json_object_or_none(tmp_path / name) is None
+    assert json_object_or_none(tmp_path / "missing.json") is None
+    (tmp_path / "good.json").write_text('{"a": 1}')
+    assert json_object_or_none(tmp_path / "good.json") == {"a": 1}
 
 
 def test_an_object_is_returned_as_it_is(tmp_path: Path) -> None:

@@ -22,6 +22,7 @@ from dflash_train.checkpoint.hf_format import (
 )
 from dflash_train.checkpoint.io import CONFIG_FILE, TOLERATED_PREFIX, read_config_json
 from dflash_train.checkpoint.weights import TensorInfo, read_tensor_infos, weight_files
+from dflash_train.features.layer_ids import deepest_drafter_layer
 from dflash_train.safetensors_io import DamagedFileError
 from dflash_train.target import target_facts
 
@@ -151,12 +152,12 @@ def _check_layer_ids(ids: Any, num_layers: Any) -> list[str]:
 
 
 def _check_ids_in_range(ids: list[int], num_layers: int, owner: str) -> list[str]:
-    # Id k reads hidden_states[k+1]; the last layer's entry is taken after the final norm, so k <= L-2.
-    out_of_range = [i for i in ids if not 0 <= i <= num_layers - 2]
+    deepest = deepest_drafter_layer(num_layers)  # the last layer's output is never read (validate_drafter_layer_ids)
+    out_of_range = [i for i in ids if not 0 <= i <= deepest]
     if not out_of_range:
         return []
     return [f"target_layer_ids {out_of_range} out of range for {owner} = {num_layers} layers: use ids in "
-            f"0..{num_layers - 2}"]
+            f"0..{deepest}"]
 
 
 def check_tensors(directory: Path, hf: dict[str, Any]) -> list[str]:

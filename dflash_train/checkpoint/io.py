@@ -33,6 +33,7 @@ from dflash_train.checkpoint.weights import (
     read_tensors,
     write_tensors,
 )
+from dflash_train.json_files import read_json_object
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.layers import RotaryEmbedding
 
@@ -54,13 +55,7 @@ def read_config_json(directory: Path) -> dict[str, Any]:
     path = directory / CONFIG_FILE
     if not path.is_file():
         raise ValueError(f"{directory} has no {CONFIG_FILE}; point at a drafter checkpoint directory")
-    try:
-        values = json.loads(path.read_text())
-    except ValueError as error:
-        raise ValueError(f"{path} is not valid JSON ({error}); fix or re-export it") from error
-    if not isinstance(values, dict):
-        raise ValueError(f"{path} must hold a JSON object")
-    return values
+    return read_json_object(path, "fix or re-export it")
 
 
 def read_checkpoint(path_or_hub_id: str | Path) -> DraftCheckpoint:

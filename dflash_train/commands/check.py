@@ -11,12 +11,13 @@ from __future__ import annotations
 import argparse
 
 from dflash_train.checkpoint import check_checkpoint
+from dflash_train.commands.data_args import add_target_argument
 from dflash_train.target import load_target_config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("directory", help="checkpoint directory")
-    parser.add_argument("--target", default=None, help="the target (alias, directory, .gguf or Hub id)")
+    add_target_argument(parser, required=False, use="the target to check the drafter against")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -27,17 +27,23 @@ import torch
 from dflash_train.checkpoint import draft_from_checkpoint, read_checkpoint
 from dflash_train.checkpoint.io import DraftCheckpoint
 from dflash_train.commands import run_command
-from dflash_train.data.cli_args import device_arg, parse_device, positive_int, temperature
+from dflash_train.commands.data_args import (
+    add_target_argument,
+    device_arg,
+    parse_device,
+    positive_int,
+    temperature,
+)
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
 from dflash_train.eval.phases import PhaseTimer
-from dflash_train.eval.prompts import load_prompt_set
 from dflash_train.eval.report import build_report, is_eval_report, write_outputs
 from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.layers import RotaryEmbedding
 from dflash_train.outputs import check_output_file
+from dflash_train.prompts.eval_sets import load_prompt_set
 from dflash_train.runtime.config import (
     COMPILE_SCOPE_HELP,
     COMPILE_SCOPES,
@@ -59,7 +65,7 @@ from dflash_train.target import (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf file")
+    add_target_argument(parser)
     parser.add_argument("--draft", required=True, help="drafter checkpoint directory or Hub id; 'random' for an "
                                                        "untrained drafter")
     parser.add_argument("--dataset", action="append", required=True,

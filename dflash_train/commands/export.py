@@ -14,14 +14,14 @@ from pathlib import Path
 
 from dflash_train.checkpoint import export_checkpoint
 from dflash_train.checkpoint.card import load_eval_reports
-from dflash_train.data.cli_args import positive_float
+from dflash_train.commands.data_args import add_target_argument, positive_float
 from dflash_train.outputs import EXPORTED, claim, holds_output
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("checkpoint", help="checkpoint directory or Hub id")
     parser.add_argument("--out", required=True, type=Path, help="output directory: new, empty, or an earlier export with --overwrite")
-    parser.add_argument("--target", default=None, help="the target (alias, directory, .gguf or Hub id) to check against")
+    add_target_argument(parser, required=False, use="the target to check the export against")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace the files of an earlier export in --out (other files are kept)")
     parser.add_argument("--base-model", default=None, help="Hub id of the target for the model card")

@@ -16,12 +16,12 @@ token ids and a --recompute sample of features.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
-from dflash_train.data.cli_args import (
+from dflash_train.commands.data_args import (
     TORCH_DTYPES,
+    add_target_argument,
     device_arg,
     non_negative_int,
     positive_float,
@@ -29,19 +29,15 @@ from dflash_train.data.cli_args import (
     resolve_device,
     tqdm_progress,
 )
-from dflash_train.data.extract import ExtractConfig, extract
-from dflash_train.data.features import MANIFEST
 from dflash_train.data.prepared import check_tokenizer, load_prepared, tokenizer_hash
-from dflash_train.data.shards import rank_and_world
-from dflash_train.data.verify import verify_store
+from dflash_train.features.extract import ExtractConfig, extract
+from dflash_train.features.layer_ids import default_target_layer_ids, validate_target_layer_ids
+from dflash_train.features.store import MANIFEST
+from dflash_train.features.verify import verify_store
+from dflash_train.json_files import json_object_or_none
 from dflash_train.outputs import FEATURES, claim, foreign_entries, holds_output, remove_owned
-from dflash_train.target import (
-    TargetModel,
-    default_target_layer_ids,
-    load_target,
-    target_fingerprint,
-    validate_target_layer_ids,
-)
+from dflash_train.shards import rank_and_world
+from dflash_train.target import TargetModel, load_target, target_fingerprint
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -50,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="start over in --out: remove a store made with other settings (one with the same "
                              "settings is resumed, so every rank may pass it); other files are kept")
     parser.add_argument("--data", type=Path, default=None, help="prepared dataset (from `dflash-train prepare`)")
-    parser.add_argument("--target", default=None, help="alias, Hub id, local model directory or .gguf")
+    add_target_argument(parser, required=False, use="needed to extract, and by --verify --recompute")
     parser.add_argument("--layer-ids", default=None, help="comma-separated target layer ids (default: the "
                                                           "drafter's defaults for --num-draft-layers)")
     parser.add_argument("--num-draft-layers", type=positive_int, default=5)
@@ -108,11 +104,8 @@ def _made_otherwise(out: Path, expected: dict[str, Any]) -> bool:
     path = out / MANIFEST
     if not path.exists():
         return False
-    try:
-        found = json.loads(path.read_text())
-    except (OSError, ValueError):
-        found = None
-    if not isinstance(found, dict) or found.get("format") != expected["format"]:
+    found = json_object_or_none(path)
+    if found is None or found.get("format") != expected["format"]:
         raise ValueError(f"{path} is not a feature store's manifest; move it away or pick another --out")
     return any(found.get(key) != value for key, value in expected.items())
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 
-from dflash_train.data.cli_args import positive_int
+from dflash_train.commands.data_args import add_target_argument, positive_int
 from dflash_train.models import DFlashConfig
 from dflash_train.target import choose_mask_token, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf file")
+    add_target_argument(parser)
     parser.add_argument("--num-draft-layers", type=positive_int, default=5)
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--mask-token", default=None, help="explicit mask token id or string")

@@ -21,20 +21,21 @@ import argparse
 import time
 from pathlib import Path
 
-from dflash_train.data.cli_args import (
+from dflash_train.commands.data_args import (
     add_corpus_arguments,
+    add_target_argument,
     add_thinking_argument,
     corpus_specs,
     positive_int,
     thinking_value,
 )
-from dflash_train.data.decontaminate import project_eval_index
 from dflash_train.data.prepare import PARALLEL_MIN_ROWS, PrepareConfig, default_workers, prepare, show
 from dflash_train.data.target_tokenizer import load_target_tokenizer
+from dflash_train.prompts.decontaminate import project_eval_index
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf (tokenizer only)")
+    add_target_argument(parser, use="its tokenizer only")
     parser.add_argument("--out", type=Path,  # required, except with --show
                         help="output directory: new, empty, or an earlier prepare of the same inputs (replaced)")
     parser.add_argument("--overwrite", action="store_true",

@@ -28,7 +28,6 @@ it finished and how fast (from regen_stats.json, rewritten after every shard) an
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import threading
 import time
@@ -37,12 +36,11 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from dflash_train.data.backends import LocalBackend, OpenAIBackend
-from dflash_train.data.chat import ChatTokenizer
-from dflash_train.data.cli_args import (
+from dflash_train.commands.data_args import (
     TORCH_DTYPES,
     add_corpus_arguments,
     add_runtime_arguments,
+    add_target_argument,
     add_thinking_argument,
     corpus_specs,
     generation_config,
@@ -54,18 +52,9 @@ from dflash_train.data.cli_args import (
     top_p,
     tqdm_progress,
 )
-from dflash_train.data.regenerate import (
-    RegenerateConfig,
-    latest_stats,
-    manifest_settings,
-    plan_prompts,
-    plan_units,
-    regenerate,
-    stopped_line,
-)
-from dflash_train.data.shards import REGEN_MANIFEST, rank_and_world
+from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.target_tokenizer import load_target_tokenizer
-from dflash_train.data.turns import count_turns, turn_directory
+from dflash_train.json_files import json_object_or_none
 from dflash_train.outputs import (
     REGENERATED,
     claim,
@@ -74,12 +63,24 @@ from dflash_train.outputs import (
     refuse_inputs_inside,
     remove_owned,
 )
+from dflash_train.regeneration.backends import LocalBackend, OpenAIBackend
+from dflash_train.regeneration.regenerate import (
+    RegenerateConfig,
+    latest_stats,
+    manifest_settings,
+    plan_prompts,
+    plan_units,
+    regenerate,
+    stopped_line,
+)
+from dflash_train.regeneration.turns import count_turns, turn_directory
 from dflash_train.runtime.config import EngineConfig
+from dflash_train.shards import REGEN_MANIFEST, rank_and_world
 from dflash_train.target import TargetModel, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf")
+    add_target_argument(parser)
     parser.add_argument("--out", required=True, type=Path, help="output directory (resumed if it exists)")
     parser.add_argument("--overwrite", action="store_true",
                         help="start over in --out: remove an earlier run's files if made with other settings (a run "
@@ -168,11 +169,8 @@ def _made_otherwise(out: Path, chat: ChatTokenizer, config: RegenerateConfig) ->
     expected = manifest_settings(chat, config, len(rows), len(plan_units(rows, config.batch_size)))
     if config.turns != 1:
         expected.update(turns=config.turns, turn=1, rounds=rounds)
-    try:
-        found = json.loads((turn_directory(out, 1, rounds) / REGEN_MANIFEST).read_text())
-    except (OSError, ValueError):
-        return True
-    return any(found.get(key) != value for key, value in expected.items())
+    found = json_object_or_none(turn_directory(out, 1, rounds) / REGEN_MANIFEST)
+    return found is None or any(found.get(key) != value for key, value in expected.items())
 
 
 class Stopped(Exception):

@@ -5,7 +5,7 @@ of a user turn in its chat template, kept when the target ended the turn, distin
     dflash-train regenerate --target smollm2-135m-instruct --data runs/self_prompts.jsonl --out runs/regen-self
 
 The file is an OpenAI-messages corpus (source label "self-prompts") that `regenerate`, `prepare` and
-`python -m dflash_train.data.pack --source runs/self_prompts.jsonl=N` read. Generation runs through the runtime
+`python -m dflash_train.prompts.pack --source runs/self_prompts.jsonl=N` read. Generation runs through the runtime
 of `regenerate` (static caches, CUDA graphs, --decode-rows rows refilled as turns end); the same settings write
 the same file. It ends early, with what it kept, when the target keeps writing prompts it wrote before.
 """
@@ -18,10 +18,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from dflash_train.data.chat import ChatTokenizer
-from dflash_train.data.cli_args import (
+from dflash_train.commands.data_args import (
     TORCH_DTYPES,
     add_runtime_arguments,
+    add_target_argument,
     add_thinking_argument,
     generation_config,
     positive_int,
@@ -30,9 +30,12 @@ from dflash_train.data.cli_args import (
     thinking_value,
     top_p,
 )
-from dflash_train.data.decontaminate import project_eval_index
-from dflash_train.data.quality import DataReport
-from dflash_train.data.self_prompts import (
+from dflash_train.data.chat import ChatTokenizer
+from dflash_train.outputs import check_output_file
+from dflash_train.prompts.decontaminate import project_eval_index
+from dflash_train.quality import DataReport
+from dflash_train.regeneration.generation import Generator
+from dflash_train.regeneration.self_prompts import (
     Settings,
     is_self_prompt_file,
     self_prompts,
@@ -40,14 +43,12 @@ from dflash_train.data.self_prompts import (
     user_turn_prefix,
     write_rows,
 )
-from dflash_train.outputs import check_output_file
 from dflash_train.runtime.config import EngineConfig
-from dflash_train.runtime.generation import Generator
 from dflash_train.target import TargetModel, load_target
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="alias, Hub id, local model directory or .gguf")
+    add_target_argument(parser)
     parser.add_argument("--num-prompts", type=positive_int, required=True, help="distinct prompts to keep")
     parser.add_argument("--out", required=True, type=Path, help="the JSONL to write")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier self-prompt file at --out")

@@ -36,7 +36,7 @@ from typing import Any
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from dflash_train.data.records import BadRecord, Message
+from dflash_train.prompts.records import BadRecord, Message
 
 
 @dataclass

@@ -1,9 +1,9 @@
 """Corpora -> tokenised chats with loss masks, saved as a prepared dataset (see ``prepared.py``).
 
-Rows are validated (``records.py``), rendered and masked with the target's chat template (``chat.py``),
+Rows are validated (``prompts/records.py``), rendered and masked with the target's chat template (``chat.py``),
 cut to ``max_length`` keeping whole assistant spans where possible, and dropped when fewer than
 ``min_supervised`` (``2 * block_size``) tokens remain supervised. Rows whose prompt turns share a word
-13-gram with an eval set are dropped as ``overlaps_eval_set`` (``decontaminate.py``; the metadata lists the
+13-gram with an eval set are dropped as ``overlaps_eval_set`` (``prompts/decontaminate.py``; the metadata lists the
 eval sets); a conversation identical to an earlier one (several sampled answers to a prompt can be) as
 ``duplicate_conversation``, unless ``dedupe`` is off. Every drop is counted by reason, and a reason that drops more than 5 % of the rows gets a
 warning line in the summary. A conversation whose template renders some turns differently once later turns
@@ -34,16 +34,17 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.atomic import write_json_atomically
 from dflash_train.data.chat import ChatTokenizer, TokenizedChat, fit_length, marked_text, template_hash
-from dflash_train.data.corpora import Corpus, CorpusSpec, open_corpus
-from dflash_train.data.decontaminate import DROP_REASON as EVAL_OVERLAP
-from dflash_train.data.decontaminate import EvalIndex, project_eval_index
-from dflash_train.data.loops import UNFINISHED, trim_tail_loop
+from dflash_train.data.loop_trim import UNFINISHED, trim_tail_loop
 from dflash_train.data.prepared import METADATA_FILE, tokenizer_hash
-from dflash_train.data.quality import EXCLUDED_SOURCE, OVER_SOURCE_CAP, DataReport
-from dflash_train.data.records import BadRecord, Message, detect_format, rename_columns, to_messages
-from dflash_train.data.shards import REGEN_MANIFEST, REGENERATE_AGAIN
-from dflash_train.json_files import read_json_object
+from dflash_train.json_files import json_object_or_none, read_json_object
 from dflash_train.outputs import PREPARED, claim, publish
+from dflash_train.prompts.corpora import Corpus, CorpusSpec, open_corpus
+from dflash_train.prompts.decontaminate import DROP_REASON as EVAL_OVERLAP
+from dflash_train.prompts.decontaminate import EvalIndex, project_eval_index
+from dflash_train.prompts.messages import Label, iter_messages, record_label
+from dflash_train.prompts.records import BadRecord, Message
+from dflash_train.quality import EXCLUDED_SOURCE, OVER_SOURCE_CAP, DataReport
+from dflash_train.shards import REGEN_MANIFEST, REGENERATE_AGAIN
 
 DUPLICATE_CONVERSATION = "duplicate_conversation"
 PARALLEL_MIN_ROWS = 4096  # records below which a pool costs more to start (fork, first calls) than it saves
@@ -62,7 +63,7 @@ class PrepareConfig:
     decontaminate: bool = True  # drop rows whose prompt turns share a word 13-gram with an eval set
     workers: int = 1  # processes tokenising the records (1: this one); the rows written are the same
     parallel_min_rows: int = PARALLEL_MIN_ROWS  # fewer records are tokenised here: a pool would not repay its start
-    trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loops.py)
+    trim_loops: bool = False  # cut answers the token cap stopped inside a verbatim loop to two copies (loop_trim.py)
     exclude_sources: tuple[str, ...] = ()  # records labelled with one of these sources are left out
     # (source, n): at most the first n records of the source go on to tokenising (a mix's share made smaller
     # without regenerating; tokenising's own drops can leave fewer rows)
@@ -94,47 +95,6 @@ def settings_of_regenerated(sources: list[CorpusSpec], tokenizer: PreTrainedToke
     return thinking
 
 
-def iter_messages(
-    corpus: Corpus, spec: CorpusSpec, report: DataReport, prompt_only: bool = False
-) -> Iterator[tuple[int, dict[str, Any], list]]:
-    """(index, record, messages) for every usable record; the others are counted in ``report``."""
-    fmt = None if spec.fmt == "auto" else spec.fmt
-    if corpus.truncated:
-        report.dropped["truncated_file_tail"] += corpus.truncated
-    for index, record in enumerate(corpus):
-        report.read += 1
-        try:
-            if isinstance(record, BadRecord):
-                raise record
-            record = rename_columns(record, spec.column_map)
-            fmt = fmt or _detected_format(record, corpus, index)
-            yield index, record, to_messages(record, fmt, prompt_only)
-        except BadRecord as bad:
-            report.drop(bad.reason, corpus.location(index))
-
-
-Label = tuple[str, int]  # the source name and index a record's rows are labelled with
-
-
-def record_label(record: dict[str, Any], corpus: Corpus, index: int) -> Label:
-    """The source name and index a record's rows are labelled with: its own string ``source`` (with its own
-    integer ``source_index``, else ``index``), else ``corpus.name`` and ``index``. Only the label: messages
-    about a record still name its file and line (``corpus.location``)."""
-    source, own_index = record.get("source"), record.get("source_index")
-    if not isinstance(source, str) or not source:
-        return corpus.name, index
-    # bool is an int subclass, and a JSON true is no index
-    return source, own_index if isinstance(own_index, int) and not isinstance(own_index, bool) else index
-
-
-def _detected_format(record: dict[str, Any], corpus: Corpus, index: int) -> str:
-    """The format of the first usable record; the error names its line, which may be damaged."""
-    try:
-        return detect_format(list(record))
-    except ValueError as error:
-        raise ValueError(f"{corpus.location(index)}: {error}") from None
-
-
 def default_workers() -> int:
     """Processes for tokenising: one per core this process may use, at most 16. This process still reads
     every record and writes every row alone, which caps what more workers can add."""
@@ -163,7 +123,7 @@ def _records(config: PrepareConfig, report: DataReport) -> Iterator[tuple[Where,
     for spec in config.sources:
         corpus = open_corpus(spec)
         for index, record, messages in iter_messages(corpus, spec, report):
-            label = record_label(record, corpus, index)
+            label = record_label(record, corpus.name, index)
             reason = EXCLUDED_SOURCE if label[0] in config.exclude_sources else None
             if reason is None and seen is not None:
                 key = conversation_key(messages, record.get("finish_reason") in UNFINISHED)
@@ -387,11 +347,8 @@ def _generate(
 
 def _same_settings(out_dir: Path, settings: dict[str, Any]) -> bool:
     """Whether ``out_dir`` holds a prepared dataset made with these settings (a re-run may replace it)."""
-    try:
-        found = json.loads((out_dir / METADATA_FILE).read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(found, dict) and all(found.get(key) == value for key, value in settings.items())
+    found = json_object_or_none(out_dir / METADATA_FILE)
+    return found is not None and all(found.get(key) == value for key, value in settings.items())
 
 
 def _metadata(tokenizer: PreTrainedTokenizerBase, config: PrepareConfig, report: DataReport) -> dict[str, Any]:

@@ -16,6 +16,8 @@ import datasets
 import pyarrow.compute as pc
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.json_files import read_json_object
+
 METADATA_FILE = "dflash_data.json"
 REQUIRED_COLUMNS = ("input_ids", "loss_mask")
 
@@ -31,13 +33,7 @@ def read_metadata(path: str | Path) -> dict[str, Any]:
     meta = Path(path) / METADATA_FILE
     if not meta.is_file():
         raise ValueError(f"{path} is not a prepared dataset ({METADATA_FILE} missing); run `dflash-train prepare`")
-    try:
-        values = json.loads(meta.read_text())
-    except ValueError as error:
-        raise ValueError(f"{meta} is not valid JSON ({error}); run `dflash-train prepare` again") from error
-    if not isinstance(values, dict):
-        raise ValueError(f"{meta} is damaged (not a JSON object); run `dflash-train prepare` again")
-    return values
+    return read_json_object(meta, "run `dflash-train prepare` again")
 
 
 def load_prepared(path: str | Path) -> Any:

@@ -2,6 +2,9 @@
 
 - The decode loop is the runtime's (`dflash_train.runtime`): static caches, device-side accept/stop, CUDA
   graphs, batched requests.
-- `prompts`, `math_prompts`, `chat`: prompt sets and their chat formatting.
+- The prompt sets are `dflash_train.prompts.eval_sets`; their prompt ids and stop tokens
+  `dflash_train.data.prompt_ids`.
+- `teacher_forced`, `target_pass_cache`, `compat`: teacher-forced acceptance, the cached target passes it
+  reuses, and the drafter-target compatibility checks.
 - `run`, `metrics`, `report`, `plot`, `console`: an evaluation run and its outputs.
 """

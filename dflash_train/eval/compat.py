@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from dflash_train.features.layer_ids import validate_drafter_layer_ids
 from dflash_train.models import DFlashDraftModel
 from dflash_train.target import TargetModel
 
@@ -17,10 +18,10 @@ def check_compatible(draft: DFlashDraftModel, target: TargetModel, block_size: i
         raise ValueError(f"drafter hidden size {config.hidden_size} != target hidden size {target.hidden_size}; {fix}")
     if config.vocab_size != target.vocab_size:
         raise ValueError(f"drafter vocabulary {config.vocab_size} != target embedding rows {target.vocab_size}; {fix}")
-    too_deep = [i for i in config.target_layer_ids if not 0 <= i <= target.num_layers - 2]
-    if too_deep:  # the last layer is never read: see validate_drafter_layer_ids
-        raise ValueError(f"drafter reads target layers {too_deep}, but the target has {target.num_layers} layers "
-                         f"(drafter ids 0..{target.num_layers - 2}); {fix}")
+    try:
+        validate_drafter_layer_ids(config.target_layer_ids, target.num_layers)
+    except ValueError as error:
+        raise ValueError(f"{str(error).rstrip('.')} (the drafter's target_layer_ids); {fix}") from None
     if not 0 <= config.mask_token_id < target.vocab_size:
         raise ValueError(f"drafter mask token {config.mask_token_id} is outside the target's {target.vocab_size} "
                          f"embedding rows; {fix}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ from dflash_train.atomic import write_json_atomically
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.plot import plot_report
 from dflash_train.eval.run import Evaluator
+from dflash_train.json_files import json_object_or_none
 from dflash_train.target import TargetModel
 
 # What each figure of the report means, written into every report so that a reader of the JSON alone knows.
@@ -114,11 +114,8 @@ def _environment(target: TargetModel, evaluator: Evaluator) -> dict[str, Any]:
 
 def is_eval_report(path: Path) -> bool:
     """Whether `path` holds a report this module wrote (the one kind of file `eval --out` may replace)."""
-    try:
-        report = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False
-    return isinstance(report, dict) and {"settings", "definitions", "datasets"} <= report.keys()
+    report = json_object_or_none(path)
+    return report is not None and {"settings", "definitions", "datasets"} <= report.keys()
 
 
 def write_outputs(report: dict[str, Any], out: Path, plot: bool = True,

@@ -15,7 +15,7 @@ target's own answer to turn k):
    costs about one more target-only pass and is not timed into any speed figure.
 Decode tokens/s exclude prefill; every engine is warmed up (and its CUDA graph captured) before timing.
 With `target_cache`, pass (1) of prompts decoded before with the same target and settings is read from disk
-(`dflash_train.eval.target_cache`): evaluating many drafters then decodes the target alone once.
+(`dflash_train.eval.target_pass_cache`): evaluating many drafters then decodes the target alone once.
 """
 
 from __future__ import annotations
@@ -28,14 +28,14 @@ from typing import Any, NamedTuple
 import torch
 from rich.progress import Progress
 
-from dflash_train.eval.chat import prompt_ids, supports_thinking
+from dflash_train.data.prompt_ids import prompt_ids, supports_thinking
 from dflash_train.eval.console import PassProgress
 from dflash_train.eval.metrics import acceptance_metrics, running_tau
 from dflash_train.eval.phases import PhaseTimer
-from dflash_train.eval.prompts import PromptSet
-from dflash_train.eval.target_cache import TargetPassCache, target_identity
+from dflash_train.eval.target_pass_cache import TargetPassCache, target_identity
 from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
+from dflash_train.prompts.eval_sets import PromptSet
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, RunStats
 from dflash_train.runtime.state import RequestOutput
 from dflash_train.runtime.static_target import StaticTarget

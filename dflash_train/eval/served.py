@@ -32,8 +32,9 @@ from transformers import AutoTokenizer, GenerationConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.atomic import write_json_atomically
-from dflash_train.eval.chat import prompt_ids, stop_token_ids
-from dflash_train.eval.prompts import PromptSet, load_prompt_set
+from dflash_train.data.prompt_ids import prompt_ids, stop_token_ids
+from dflash_train.json_files import json_object_or_none
+from dflash_train.prompts.eval_sets import PromptSet, load_prompt_set
 
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
@@ -231,11 +232,8 @@ def foreign_json(path: Path | None) -> bool:
     """Whether `path` exists and is not a report an earlier run of this command wrote (never overwritten)."""
     if path is None or not path.exists():
         return False
-    try:
-        report = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return True
-    return not (isinstance(report, dict) and {"url", "sets"} <= report.keys())
+    report = json_object_or_none(path)
+    return not (report is not None and {"url", "sets"} <= report.keys())
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.features.capture import capture_features
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DFlashObjective, build_blocks, expected_acceptance_length
 from dflash_train.objective.blocks import anchor_candidates
@@ -47,10 +48,10 @@ class TeacherForcedAccuracy:
             return
         config = self.draft.config
         # Features in the eval target's own dtype: what the decode loop hands the drafter.
-        features = self.target.capture_features(ids, config.target_layer_ids)
+        features = capture_features(self.target, ids, config.target_layer_ids)
         # Dense mask: one shape per request would recompile compiled flex attention every time.
         objective = DFlashObjective(block_size=self.block_size, mask_token_id=config.mask_token_id,
-                                    loss_decay_gamma=math.inf, mask_kind="dense")
+                                    num_anchors=self.anchors_per_pass, loss_decay_gamma=math.inf, mask_kind="dense")
         for anchors in all_anchors.split(self.anchors_per_pass):
             anchors = anchors[None]
             blocks = build_blocks(ids, loss_mask, anchors, torch.ones_like(anchors, dtype=torch.bool),

@@ -10,7 +10,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from dflash_train.target import default_target_layer_ids, validate_drafter_layer_ids
+from dflash_train.features.layer_ids import default_target_layer_ids, validate_drafter_layer_ids
 
 
 @dataclass

@@ -99,7 +99,7 @@ class DFlashObjective:
 
     block_size: int
     mask_token_id: int
-    num_anchors: int = 512
+    num_anchors: int  # anchors drawn per row (unpacked) when no blocks are given; the default is training's
     loss_decay_gamma: float | None = None  # None: paper default for the block size; inf: no decay
     mask_kind: MaskKind = "auto"
     chunk_rows: int | None = None

@@ -1,6 +1,6 @@
 """The static-cache target runtime, shared by regeneration and evaluation.
 
-Regeneration is the runtime without a drafter (`generation.Generator`); evaluation runs it with one, and
+Regeneration is the runtime without a drafter (`dflash_train.regeneration.generation.Generator`); evaluation runs it with one, and
 without one for its baseline (`engine.DecodeEngine`).
 
 - `config`: the settings (`EngineConfig`), defined once; kernel choice `auto|triton|torch`; stop ids.
@@ -10,5 +10,8 @@ without one for its baseline (`engine.DecodeEngine`).
 - `engine`: the decode loop: decisions on the device, CUDA graphs, rows refilled in prefill waves.
 - `state`: per-row state on the device; `sampling`: greedy, seeded per-request draws, top-p, speculative
   rejection sampling.
-- `generation`: regeneration's entry point, with Hugging Face `generate` for other architectures.
+- `loop_stop`: finishing a row stuck in a verbatim loop; `hf_cache`: Hugging Face KV-cache calls across
+  transformers versions.
+- `reference_loop`: the plain greedy verify loop over Hugging Face forwards, the semantics the engine
+  reproduces (and the tests' reference).
 """

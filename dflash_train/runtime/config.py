@@ -67,7 +67,7 @@ class EngineConfig:
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.
     prefill_rows: int | None = None
     prefill_tokens: int = 32768  # padded prompt tokens of one prefill forward at most (memory)
-    # End a row inside a verbatim loop (runtime/loops.py; finish reason "loop"): regeneration's --stop-loops.
+    # End a row inside a verbatim loop (runtime/loop_stop.py; finish reason "loop"): regeneration's --stop-loops.
     # Off in eval: its speed baseline and lossless check decode every prompt to the same length.
     stop_loops: bool = False
 

@@ -2,7 +2,7 @@
 
 Regeneration is this loop without a drafter; evaluation runs it with one, without one for the speed
 baseline, and with every draft refused for the lossless check's baseline (below). One cycle (all rows at
-once, shapes fixed; see `dflash_train.inference.greedy` for the semantics it reproduces):
+once, shapes fixed; see `dflash_train.runtime.reference_loop` for the semantics it reproduces):
 
     positions = start + [0 .. B-1]                               [b, B]
     block     = [last_token, MASK x (B-1)] -> drafter -> [last_token, d_1 .. d_{B-1}]
@@ -59,7 +59,7 @@ from dflash_train.kernels.greedy_verify import (
 )
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
-from dflash_train.runtime.loops import LoopDetector
+from dflash_train.runtime.loop_stop import LoopDetector
 from dflash_train.runtime.sampling import (
     probabilities,
     request_seed,

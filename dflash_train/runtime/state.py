@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.kernels.decode_state import advance_triton
-from dflash_train.runtime.loops import LoopDetector
+from dflash_train.runtime.loop_stop import LoopDetector
 
 
 @dataclass

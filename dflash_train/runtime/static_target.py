@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface
 
+from dflash_train.features.layer_ids import validate_target_layer_ids
 from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import stats_width, tuned_shapes
@@ -55,7 +56,7 @@ from dflash_train.kernels.static_attention import (
 )
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
-from dflash_train.target import TargetModel, validate_target_layer_ids
+from dflash_train.target import TargetModel
 from dflash_train.target.attention import attention_implementation
 
 SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
@@ -182,7 +183,7 @@ class StaticTarget:
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
-                f"{model_type(target)!r}; use the plain loop `dflash_train.inference.generate_greedy` for others"
+                f"{model_type(target)!r}; use the plain loop `dflash_train.runtime.reference_loop.generate_greedy` for others"
             )
         if kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")

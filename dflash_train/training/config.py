@@ -85,15 +85,15 @@ class TrainingConfig:
     # visible pair is computed whole, so smaller tiles compute fewer masked-out scores, on smaller kernels.
     flex_tile: Literal[64, 128] = 128
     # The target's attention over packed rows (online features): flex skips the tiles no chat fills, where SDPA
-    # computes a dense mask's every score (dflash_train/target/attention.py); varlen attends each chat alone
-    # with PyTorch's FlashAttention varlen kernel, nothing compiled (target/varlen.py); auto: flex on CUDA.
+    # computes a dense mask's every score (features/packed_attention.py); varlen attends each chat alone
+    # with PyTorch's FlashAttention varlen kernel, nothing compiled (features/varlen.py); auto: flex on CUDA.
     # A failure runs the rest of the run on SDPA. Unpacked rows keep the target's own attention.
     target_attention: Literal["auto", "sdpa", "flex", "varlen"] = "auto"
     compile: bool = False
     # Also torch.compile the frozen target's decoder layers (their forward, one graph every layer reuses) for
     # online features: its eager forward launches ~50 small kernels a layer, which a slow host pays per step.
     compile_target: bool = False
-    # Replay the target's pass over packed rows from CUDA graphs (target/graphed.py): one launch instead of
+    # Replay the target's pass over packed rows from CUDA graphs (features/graphed.py): one launch instead of
     # the host launching every layer's kernels, which left the GPU idle for much of a SmolLM2 step
     # (docs/benchmarks.md, 'Where the gaps come from'). Needs
     # online features, packed rows, target_attention=varlen and CUDA (elsewhere a note, and no graphs).

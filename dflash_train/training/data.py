@@ -8,16 +8,14 @@ sees exactly the same sequences at the same step.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_train.data.features import FeatureStore
-from dflash_train.data.prepared import load_prepared
+from dflash_train.data.prepared import load_prepared, read_metadata
+from dflash_train.features.store import FeatureStore
 
 
 class TrainingSamples:
@@ -63,8 +61,7 @@ class TrainingSamples:
 
 def load_prepared_dataset(path: str) -> tuple[Any, dict[str, Any]]:
     dataset = load_prepared(path)
-    meta_path = Path(path) / "dflash_data.json"
-    metadata = json.loads(meta_path.read_text()) if meta_path.is_file() else {}
+    metadata = read_metadata(path)
     missing = {"input_ids", "loss_mask"} - set(dataset.column_names)
     if missing:
         raise ValueError(f"{path} lacks columns {sorted(missing)}; re-create it with `dflash-train prepare`")

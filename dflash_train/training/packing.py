@@ -20,7 +20,8 @@ import numpy as np
 import pyarrow.compute as pc
 import torch
 
-from dflash_train.data.features import open_shard, shard_path
+from dflash_train.features.store import open_shard, shard_path
+from dflash_train.objective.blocks import anchor_candidates
 from dflash_train.training.data import epoch_order
 
 ANCHOR_SLACK = 1.125  # anchor capacity over the data's mean anchors per token: rows rarely close on anchors
@@ -51,9 +52,10 @@ def flat_chat_stats(
     lengths = np.minimum(np.diff(offsets), max_length).astype(np.int64)
     starts = offsets[:-1].astype(np.int64)
     supervised = loss_mask.astype(bool)
-    # Position a is a candidate iff a and a+1 are supervised and a+1 is inside the (cut) row.
+    # The objective's own rule (`anchor_candidates`) over the rows back to back; a pair that crosses into the
+    # next row, or past the cut, is outside [start, start + length - 1) and not counted.
     pair = np.zeros(supervised.shape[0] + 1, dtype=bool)
-    pair[:-2] = supervised[:-1] & supervised[1:]
+    pair[:-1] = anchor_candidates(torch.from_numpy(supervised)[None])[0].numpy()
     if partition_block is not None:
         pair[:-1] &= _on_partition_grid(supervised, starts, partition_block)
     total = np.concatenate([[0], np.cumsum(pair, dtype=np.int64)])
@@ -62,7 +64,9 @@ def flat_chat_stats(
 
 
 def _on_partition_grid(supervised: np.ndarray, starts: np.ndarray, block: int) -> np.ndarray:
-    """Positions on the fixed block grid of their supervised span (`partition_candidates`, flat)."""
+    """Positions on the fixed block grid of their supervised span: `partition_candidates`'s grid over rows
+    back to back, a span never continuing into the next row (tests/training/test_packing_plan.py checks
+    the two agree row by row)."""
     index = np.arange(supervised.shape[0], dtype=np.int64)
     span_start = supervised.copy()
     span_start[1:] &= ~supervised[:-1]
@@ -294,14 +298,3 @@ def chat_layout(cpu_batch: dict[str, torch.Tensor]) -> list[tuple[int, int, int]
     if "chats" in cpu_batch:
         return [tuple(chat) for chat in cpu_batch["chats"].tolist()]
     return [(row, 0, n) for row, n in enumerate(cpu_batch["attention_mask"].sum(1).tolist())]
-
-
-@torch.no_grad()
-def packed_features_and_final_states(
-    target: Any, input_ids: torch.Tensor, position_ids: torch.Tensor, layer_ids: Sequence[int]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The target's features and final hidden states of packed rows (soft targets): one full pass of the
-    decoder body with per-chat position ids, from which Hugging Face builds the per-chat causal mask."""
-    with target.feature_hooks(layer_ids) as store:
-        out = target.model.base_model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return store.features(), out.last_hidden_state

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from dflash_train.checkpoint.io import load_draft
+from dflash_train.features.layer_ids import validate_drafter_layer_ids
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.init_from_target import init_layers_from_target
 from dflash_train.safetensors_io import DamagedFileError
@@ -93,9 +94,10 @@ def check_draft_fits_target(draft: DFlashConfig, target: TargetModel, block_size
         problems.append(f"hidden size {draft.hidden_size} != target's {target.hidden_size}")
     if draft.vocab_size != target.vocab_size:
         problems.append(f"vocab {draft.vocab_size} != target's {target.vocab_size}")
-    if max(draft.target_layer_ids) > target.num_layers - 2:  # ids <= L-2: docs/design.md §2
-        problems.append(f"target_layer_ids {draft.target_layer_ids} reach past layer {target.num_layers - 2} "
-                        f"of the target's {target.num_layers} layers")
+    try:  # ids <= L-2: docs/design.md §2
+        validate_drafter_layer_ids(draft.target_layer_ids, target.num_layers)
+    except ValueError as error:
+        problems.append(str(error).rstrip("."))
     if draft.mask_token_id >= target.vocab_size:
         problems.append(f"mask token {draft.mask_token_id} is outside the target's {target.vocab_size} rows")
     if draft.block_size != block_size:

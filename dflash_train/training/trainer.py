@@ -23,18 +23,17 @@ from torch.profiler import record_function
 
 from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.prepared import check_tokenizer
+from dflash_train.features.online import OnlineFeatures
+from dflash_train.features.packed_attention import packed_target_attention
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
-from dflash_train.target.attention import packed_target_attention
-from dflash_train.training import checkpointing as ckpt
+from dflash_train.training import resume as ckpt
 from dflash_train.training.budget import TimeBudget
-from dflash_train.training.checkpoint_files import read_trainer_state
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
 from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
-from dflash_train.training.online_features import OnlineFeatures
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_layout,
@@ -45,6 +44,7 @@ from dflash_train.training.packing import (
     pack_rows,
 )
 from dflash_train.training.progress import TrainProgress
+from dflash_train.training.run_files import read_trainer_state
 from dflash_train.training.setup import (
     build_draft,
     build_optimizer,

@@ -29,7 +29,7 @@ def test_to_host_variant_runs_the_extraction_but_writes_no_shard(tmp_path: Path,
 
     import datasets
 
-    import dflash_train.data.extract as extract_module
+    import dflash_train.features.extract as extract_module
     from benchmarks.extract import to_host_seconds
     from tests.helpers.tiny_models import make_tiny_target
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.regenerate import load_prompts, main, parse_args, random_prompts
-from dflash_train.eval.chat import prompt_ids
+from dflash_train.data.prompt_ids import prompt_ids
 from tests.helpers.tiny_models import make_tiny_target
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_train.inference import generate_greedy
+from dflash_train.runtime.reference_loop import generate_greedy
 from dflash_train.target import TargetModel
 from tests.helpers.checkpoints import export_tiny, load_remote, reference_greedy
 from tests.helpers.tiny_models import make_tiny_target

@@ -36,7 +36,7 @@ def test_resolve_device_gives_set_device_an_index(monkeypatch: pytest.MonkeyPatc
     """`--device cuda` once failed in torch.cuda.set_device, which refuses a CUDA device without an index."""
     import torch
 
-    from dflash_train.data.cli_args import resolve_device
+    from dflash_train.commands.data_args import resolve_device
 
     current: list[torch.device] = []
 

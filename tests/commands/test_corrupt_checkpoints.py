@@ -15,7 +15,7 @@ from dflash_train.checkpoint import load_draft, save_draft
 from dflash_train.cli import main
 from dflash_train.safetensors_io import DamagedFileError, safetensors_damage
 from dflash_train.target import load_target
-from dflash_train.training import checkpointing as ckpt
+from dflash_train.training import resume as ckpt
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.setup import build_draft
 from tests.helpers.checkpoints import export_tiny, tiny_draft_for

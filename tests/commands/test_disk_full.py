@@ -10,11 +10,12 @@ from collections.abc import Callable
 
 import pytest
 
-import dflash_train.data.regenerate as regenerate_module
-from dflash_train import cli, train
+import dflash_train.regeneration.regenerate as regenerate_module
+from dflash_train import cli
 from dflash_train.atomic import write_atomically
-from dflash_train.data.shards import regenerated_files
+from dflash_train.commands import train
 from dflash_train.disk import disk_full_message
+from dflash_train.shards import regenerated_files
 from tests.helpers.paths import REPO
 from tests.helpers.training import save_tiny_target
 
@@ -80,7 +81,7 @@ def test_train_on_a_full_disk_is_one_line(monkeypatch: pytest.MonkeyPatch, capsy
 
 def test_an_eval_report_cut_short_leaves_no_report(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The recipe skips an evaluation whose report exists: a half-written one must never be there."""
-    import dflash_train.data.shards as shards
+    import dflash_train.shards as shards
     from dflash_train.eval.report import write_outputs
 
     def full_disk(source: str, destination: str) -> None:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train import disk, train
+from dflash_train import disk
 from dflash_train.cli import main
+from dflash_train.commands import train
 from tests.helpers.paths import REPO
 from tests.helpers.training import save_tiny_target
 
@@ -63,7 +64,7 @@ def test_train_reports_the_free_space_of_its_output_dir(scratch: Path, monkeypat
     def fills_the_disk(config: object) -> None:
         raise RuntimeError(NO_SPACE)  # what torch's and safetensors' writers raise: no file name
 
-    monkeypatch.setattr("dflash_train.train.run_training", fills_the_disk)
+    monkeypatch.setattr(train, "run_training", fills_the_disk)
     monkeypatch.chdir(scratch.parent)
     out = scratch / "runs" / "cpu"
     assert train.main(["--config", str(RECIPE), f"training.output_dir={out}"]) == 2

@@ -12,11 +12,11 @@ import torch
 
 from dflash_train.checkpoint import save_draft
 from dflash_train.cli import main
-from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prepared import METADATA_FILE
 from dflash_train.demo import StageRunner, plan_stages
 from dflash_train.outputs import EXPORTED, FEATURES, PREPARED, REGENERATED, TRAINING, claim_training_dir
+from dflash_train.prompts.corpora import CorpusSpec
 from dflash_train.training.config import load_config
 from tests.helpers.checkpoints import tiny_draft_for
 from tests.helpers.paths import CPU_RECIPE
@@ -234,8 +234,8 @@ def test_the_known_names_are_those_the_writers_use(tmp_path: Path) -> None:
     from dflash_train.checkpoint.hf_format import REMOTE_CODE_FILE
     from dflash_train.checkpoint.io import CONFIG_FILE
     from dflash_train.checkpoint.weights import INDEX_FILE, SINGLE_FILE
-    from dflash_train.data.features import MANIFEST, shard_path
-    from dflash_train.data.shards import REGEN_MANIFEST, regenerated_shard_path
+    from dflash_train.features.store import MANIFEST, shard_path
+    from dflash_train.shards import REGEN_MANIFEST, regenerated_shard_path
 
     assert PREPARED.marker == METADATA_FILE and REGENERATED.marker == REGEN_MANIFEST and FEATURES.marker == MANIFEST
     assert REGENERATED.owns(regenerated_shard_path(tmp_path, 3).name) and REGENERATED.owns(".part-000003.jsonl.x.tmp")

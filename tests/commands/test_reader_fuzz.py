@@ -23,8 +23,8 @@ import torch
 
 from dflash_train.checkpoint import load_draft
 from dflash_train.cli import main
-from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.prompts.corpora import CorpusSpec
 from dflash_train.training.config import load_config
 from tests.helpers.checkpoints import export_tiny
 from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
@@ -345,7 +345,7 @@ STORE_DAMAGES = [
 @pytest.mark.parametrize("damage", STORE_DAMAGES, ids=[damage.name for damage in STORE_DAMAGES])
 def test_verify_reads_a_damaged_feature_store(damage: Damage, store: Path, prepared: Path, tmp_path: Path,
                                               capsys: pytest.CaptureFixture[str]) -> None:
-    from dflash_train.data.features import MANIFEST, FeatureStore
+    from dflash_train.features.store import MANIFEST, FeatureStore
 
     damaged = damaged_copy(store, damage, tmp_path)
     before = fingerprint(damaged, prepared)

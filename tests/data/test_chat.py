@@ -16,7 +16,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dflash_train.data.chat import ChatTokenizer, fit_length
-from dflash_train.data.records import BadRecord
+from dflash_train.prompts.records import BadRecord
 from tests.helpers.byte_tokenizer import ANSWER1, ANSWER2, BYTE_IDS, USER1, USER2, byte_tokenizer, two_turns
 from tests.helpers.paths import GOLDEN
 

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 import dflash_train.data.prepare as prepare_module
-import dflash_train.data.regenerate as regenerate_module
+import dflash_train.regeneration.regenerate as regenerate_module
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
 from dflash_train.data.chat import ChatTokenizer
-from dflash_train.data.corpora import CorpusSpec, open_corpus
-from dflash_train.data.prepare import PrepareConfig, iter_messages, prepare
-from dflash_train.data.quality import DataReport
-from dflash_train.data.records import BadRecord, prompt_messages
-from dflash_train.data.regenerate import RegenerateConfig, plan_prompts
-from dflash_train.data.turns import PromptRow
+from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.prompts.corpora import CorpusSpec, open_corpus
+from dflash_train.prompts.messages import iter_messages
+from dflash_train.prompts.records import BadRecord, prompt_messages
+from dflash_train.quality import DataReport
+from dflash_train.regeneration.regenerate import RegenerateConfig, plan_prompts
+from dflash_train.regeneration.turns import PromptRow
 from tests.helpers.tiny_models import CHATML_TEMPLATE, make_tiny_tokenizer
 
 # ChatML that refuses a system prompt starting with "no": the template_rejected drop.

@@ -10,9 +10,9 @@ import torch
 
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
-from dflash_train.data.features import FeatureStore
+from dflash_train.features.store import FeatureStore
+from dflash_train.regeneration.generation import Generator, hf_generate
 from dflash_train.runtime.config import EngineConfig
-from dflash_train.runtime.generation import Generator, hf_generate
 from tests.helpers.paths import REPO
 
 pytestmark = pytest.mark.slow
@@ -67,11 +67,11 @@ def test_openai_backend_against_llama_server(tmp_path: Path) -> None:
 
     import httpx
 
-    from dflash_train.data.backends import OpenAIBackend
     from dflash_train.data.chat import ChatTokenizer
-    from dflash_train.data.corpora import CorpusSpec
-    from dflash_train.data.regenerate import RegenerateConfig, regenerate
     from dflash_train.data.target_tokenizer import load_target_tokenizer
+    from dflash_train.prompts.corpora import CorpusSpec
+    from dflash_train.regeneration.backends import OpenAIBackend
+    from dflash_train.regeneration.regenerate import RegenerateConfig, regenerate
     from dflash_train.target import DEFAULT_TARGET_ALIASES
 
     binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")

@@ -9,9 +9,9 @@ import pytest
 
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
-from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prepared import METADATA_FILE, check_tokenizer, tokenizer_hash
+from dflash_train.prompts.corpora import CorpusSpec
 from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 ANSWER = "paris is the capital of france ."  # 7 words
@@ -61,7 +61,7 @@ def test_load_prepared_errors(tmp_path: Path) -> None:
         load_prepared(tmp_path / "missing")
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / METADATA_FILE).write_text("{")
-    with pytest.raises(ValueError, match="not valid JSON"):
+    with pytest.raises(ValueError, match=r"dflash_data.json is damaged \(.*\); run `dflash-train prepare` again"):
         load_prepared(tmp_path / "bad")
     (tmp_path / "bad" / METADATA_FILE).write_text("{}")
     with pytest.raises(ValueError, match="cannot read the prepared dataset"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
-from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.prompts.corpora import CorpusSpec
 from tests.helpers.tiny_models import make_tiny_target, make_tiny_tokenizer
 
 LONG = "paris is the capital of france and the largest city of the country ."

@@ -11,9 +11,9 @@ import pytest
 from dflash_train.cli import main
 from dflash_train.data import load_prepared
 from dflash_train.data.chat import ChatTokenizer, marked_text
-from dflash_train.data.corpora import CorpusSpec
 from dflash_train.data.prepare import PrepareConfig, prepare, tokenized_rows
-from dflash_train.data.quality import DataReport
+from dflash_train.prompts.corpora import CorpusSpec
+from dflash_train.quality import DataReport
 from tests.helpers.byte_tokenizer import byte_tokenizer, two_turns
 from tests.helpers.sentencepiece_tokenizer import ANSWER1, sentencepiece_tokenizer
 from tests.helpers.tiny_models import make_tiny_target

@@ -46,8 +46,8 @@ def make_draft(**overrides: object) -> DFlashDraftModel:
 @pytest.mark.parametrize(("override", "message"), [
     ({"hidden_size": 32}, "hidden size 32 != target hidden size 64"),
     ({"vocab_size": 300}, "vocabulary 300 != target embedding rows 320"),
-    ({"target_layer_ids": [1, 6]}, r"reads target layers \[6\], but the target has 6 layers"),
-    ({"target_layer_ids": [1, 5]}, r"reads target layers \[5\], but the target has 6 layers \(drafter ids 0\.\.4\)"),
+    ({"target_layer_ids": [1, 6]}, r"Target layer id 6 is out of range for a 6-layer target.*\(the drafter's target_layer_ids\)"),
+    ({"target_layer_ids": [1, 5]}, r"Target layer id 5 is the last layer of a 6-layer target.*use ids in 0\.\.4 \(the drafter's"),
     ({"mask_token_id": 320}, "mask token 320 is outside the target's 320 embedding rows"),
 ])
 def test_mismatched_drafter_is_a_one_line_error(override: dict[str, object], message: str) -> None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.eval.console import lossless_mark
-from dflash_train.eval.prompts import Conversation, PromptSet
 from dflash_train.eval.run import EvalSettings, Evaluator, PassTotals, Request
+from dflash_train.prompts.eval_sets import Conversation, PromptSet
 from dflash_train.runtime.engine import EngineConfig
 from dflash_train.runtime.state import RequestOutput
 from tests.helpers.decoding import make_draft

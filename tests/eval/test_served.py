@@ -12,8 +12,8 @@ from typing import NamedTuple
 
 import pytest
 
+from dflash_train.data.prompt_ids import prompt_ids
 from dflash_train.eval import served
-from dflash_train.eval.chat import prompt_ids
 from tests.helpers.byte_tokenizer import byte_tokenizer
 
 # Completion n (1, 2, 3) adds n + 1 drafts and 3n accepted tokens (n at position 0, n - 1 at position 1) to

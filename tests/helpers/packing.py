@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.features.capture import (
+    capture_features,
+    capture_features_and_final_states,
+    packed_features_and_final_states,
+)
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.objective import ObjectiveOutput
 from dflash_train.target import TargetModel
-from dflash_train.training.packing import chat_layout, packed_features_and_final_states
+from dflash_train.training.packing import chat_layout
 
 LAYERS = [0, 2, 3]
 ROWS = [[14, 21, 9], [30, 17], [11]]  # chat lengths per packed row
@@ -47,11 +52,11 @@ def run(objective: DFlashObjective, draft: DFlashDraftModel, target: TargetModel
         features = batch["features"]
     elif source == "soft":
         if positions is None:
-            features, teacher = target.capture_features_and_final_states(batch["input_ids"], LAYERS)
+            features, teacher = capture_features_and_final_states(target, batch["input_ids"], LAYERS)
         else:
             features, teacher = packed_features_and_final_states(target, batch["input_ids"], positions, LAYERS)
     else:
-        features = target.capture_features(batch["input_ids"], LAYERS, position_ids=positions)
+        features = capture_features(target, batch["input_ids"], LAYERS, position_ids=positions)
     blocks = objective.seeded_blocks(batch, chat_layout(batch), seeds)
     draft.zero_grad()
     out = objective(draft, target.embed_tokens, target.lm_head.weight, batch["input_ids"], batch["loss_mask"],

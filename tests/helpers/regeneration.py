@@ -7,8 +7,8 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from dflash_train.regeneration.generation import hf_generate
 from dflash_train.runtime.config import EngineConfig
-from dflash_train.runtime.generation import hf_generate
 from dflash_train.target import TargetModel
 
 WORDS = ["hello", "who", "are", "you", "the", "capital", "of", "france", "paris", "is", "what", "yes", "no", "brief"]

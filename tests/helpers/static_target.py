@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from dflash_train.features.capture import capture_features
 from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.tiny_models import make_tiny_target
 
@@ -18,7 +19,7 @@ def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_
     ids = torch.randint(10, 200, (2, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = target.model(ids).logits
-    features = target.capture_features(ids, [1, 2])
+    features = capture_features(target, ids, [1, 2])
     target.model.to(device)
     ids = ids.to(device)
     runner = StaticTarget(target, batch_size=3, max_length=32, kernels=kernels, fuse_projections=fuse_projections)

@@ -25,8 +25,8 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BENCHMARKS = sorted(p.stem for p in (REPO / "benchmarks").glob("*.py") if p.stem != "__init__")
 # `python -m MODULE --flag` commands whose parser is checked: every benchmark, and the package's module commands.
 MODULE_COMMANDS = {f"benchmarks.{name}" for name in BENCHMARKS} | {
-    "dflash_train.data.pack", "dflash_train.demo", "dflash_train.eval.curve", "dflash_train.eval.served",
-    "dflash_train.eval.summary", "dflash_train.training.compare"}
+    "dflash_train.prompts.pack", "dflash_train.demo", "recipes.scoring.curve", "dflash_train.eval.served",
+    "recipes.scoring.summary", "recipes.scoring.compare"}
 CONSOLE_SCRIPTS = {"dflash-train", ".venv/bin/dflash-train", "dflash_train.cli"}  # the last after -m
 TRAIN_MODULE = "dflash_train.train"
 OVERRIDE = re.compile(r"^([a-z_]+)\.([a-z_0-9]+)=")
@@ -117,7 +117,7 @@ def test_the_docs_show_commands_of_every_kind() -> None:
     shown = shown_invocations()
     assert {command for _, command, _ in shown} >= {"train", "eval", "export", "prepare", "regenerate", "extract",
                                                     "benchmarks.decode", "benchmarks.decode_batch",
-                                                    "dflash_train.data.pack", "dflash_train.eval.summary"}
+                                                    "dflash_train.prompts.pack", "recipes.scoring.summary"}
     assert sum(1 for _, command, words in shown if command == "train" and any(OVERRIDE.match(w) for w in words)) > 3
 
 
@@ -157,4 +157,4 @@ def test_the_flags_come_from_the_commands_own_parsers(monkeypatch: pytest.Monkey
     assert {"--draft", "--num-prompts"} <= command_flags("eval", monkeypatch)
     assert "--draft" not in command_flags("export", monkeypatch)
     assert {"--variants", "--section"} <= command_flags("benchmarks.decode", monkeypatch)
-    assert "--interleave" in command_flags("dflash_train.data.pack", monkeypatch)
+    assert "--interleave" in command_flags("dflash_train.prompts.pack", monkeypatch)

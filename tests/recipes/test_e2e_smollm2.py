@@ -85,9 +85,9 @@ def test_export_passes_check_and_holds_the_trained_weights_in_bf16(demo: DemoRes
 
 def test_exported_drafter_decodes_as_the_target_alone_in_the_reference_loop(demo: DemoResult) -> None:
     """Independent of the eval's loop: the plain verify loop with the export vs Hugging Face greedy `generate`."""
-    from dflash_train.eval.chat import prompt_ids
-    from dflash_train.eval.prompts import load_prompt_set
-    from dflash_train.inference import generate_greedy
+    from dflash_train.data.prompt_ids import prompt_ids
+    from dflash_train.prompts.eval_sets import load_prompt_set
+    from dflash_train.runtime.reference_loop import generate_greedy
     from dflash_train.target import load_target
 
     target = load_target(TARGET, dtype=torch.float32)

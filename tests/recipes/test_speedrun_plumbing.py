@@ -72,7 +72,7 @@ def test_curve_points_are_evaluated_on_their_own_prompts_without_the_lossless_pa
     for args in evals:
         assert args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
         assert args[args.index("--target-cache") + 1] == str(tmp_path / "run" / "eval" / "target-cache")
-    assert calls[-1].startswith("-m dflash_train.eval.curve")
+    assert calls[-1].startswith("-m recipes.scoring.curve")
 
 
 def test_the_main_eval_keeps_its_prompts_and_the_lossless_pass(tmp_path: pathlib.Path) -> None:
@@ -169,11 +169,11 @@ def test_self_prompts_are_written_once_and_packed_as_a_source_of_the_mix(tmp_pat
     assert args[args.index("--num-prompts") + 1] == "300" and args[args.index("--out") + 1] == written
     assert args[args.index("--decode-rows") + 1] == "96"  # as many rows in flight as regeneration
     assert args[-2:] == ["--top-p", "0.95"]
-    pack = [c.split() for c in calls if "dflash_train.data.pack" in c][0]
+    pack = [c.split() for c in calls if "dflash_train.prompts.pack" in c][0]
     assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == ["sharegpt=10", f"{written}=300"]
     (tmp_path / "run" / "self_prompts.jsonl").write_text("")  # an earlier call's: not written again
     again = run_stage("prompts", tmp_path, SELF_PROMPTS="300", MIX="sharegpt=10")
-    assert not [c for c in again if "self-prompt" in c] and [c for c in again if "dflash_train.data.pack" in c]
+    assert not [c for c in again if "self-prompt" in c] and [c for c in again if "dflash_train.prompts.pack" in c]
     assert not [c for c in run_stage("prompts", tmp_path, SELF_PROMPTS="0", MIX="sharegpt=10") if "self-prompt" in c]
     (tmp_path / "run" / "prompts.jsonl").unlink(missing_ok=True)
     (tmp_path / "run" / "self_prompts.jsonl").unlink()
@@ -257,7 +257,7 @@ def test_self_math_prompts_ask_for_worked_solutions_and_join_the_mix_under_their
     assert (flags["num-prompts"], flags["label"], flags["out"]) == ("50", "math", written)
     assert flags["opening"] == "Here is a math word problem for you to solve:"
     assert flags["request"] == "Solve it step by step, then give the final answer in \\boxed{}."
-    pack = [c.split() for c in calls if "dflash_train.data.pack" in c][0]
+    pack = [c.split() for c in calls if "dflash_train.prompts.pack" in c][0]
     assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == ["sharegpt=10", f"{written}=50"]
     assert not [c for c in run_stage("prompts", tmp_path, SELF_PROMPTS="0", MIX="sharegpt=10") if "self-prompt" in c]
 
@@ -403,12 +403,12 @@ def test_every_default_data_ablation_is_a_valid_prepare_call(tmp_path: pathlib.P
 def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
     (tmp_path / "run").mkdir()
     (tmp_path / "run" / "times.tsv").write_text("train\t540\n")
-    summary = [c.split() for c in run_stage("summary", tmp_path) if "dflash_train.eval.summary" in c]
-    assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run"), "--goal", "humaneval=4.5",
+    summary = [c.split() for c in run_stage("summary", tmp_path) if "recipes.scoring.summary" in c]
+    assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run"), "--goal", "humaneval=4.5",
                         "--goal", "mt-bench=4.0", "--goal", "math-synthetic=5.5", "--goal", "speedup=2.0",
                         "--goal", "chats=150000", "--goal", "minutes=25"]]
-    summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "dflash_train.eval.summary" in c]
-    assert summary == [["-m", "dflash_train.eval.summary", str(tmp_path / "run")]]
+    summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "recipes.scoring.summary" in c]
+    assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run")]]
 
 
 def test_the_summary_sums_a_stage_run_in_parts(tmp_path: pathlib.Path) -> None:
@@ -471,7 +471,7 @@ def test_the_ablation_table_is_kept_beside_its_plot(tmp_path: pathlib.Path) -> N
     prints each call's arguments to stdout here, so the file holds the compare call's)."""
     shim = SHIM.replace("exit 0", 'echo "$*"\nexit 0')
     calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="")
-    compare = next(c for c in calls if "dflash_train.training.compare" in c)
+    compare = next(c for c in calls if "recipes.scoring.compare" in c)
     assert (tmp_path / "run" / "ablations.md").read_text().strip() == compare
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash_train.inference import generate_greedy
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.reference_loop import generate_greedy
 from dflash_train.target import TargetModel
 from tests.helpers.decoding import make_draft, own_greedy, prompts
 from tests.helpers.tiny_models import make_tiny_target

@@ -30,11 +30,11 @@ import torch.nn.functional as F
 
 from dflash_train.cli import main
 from dflash_train.eval.console import lossless_mark
-from dflash_train.eval.prompts import Conversation, PromptSet
 from dflash_train.eval.run import EvalSettings, Evaluator
 from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.kernels.static_attention import bounds_from_positions, static_attention_triton
 from dflash_train.models import DFlashDraftModel
+from dflash_train.prompts.eval_sets import Conversation, PromptSet
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.features.capture import capture_features
 from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.static_target import check_prefill_and_verify
 from tests.helpers.tiny_models import make_tiny_target
@@ -82,7 +83,7 @@ def test_deferred_residuals_change_no_output_and_reach_the_last_layer() -> None:
     ids = torch.randint(10, 200, (2, 12), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         reference = target.model(ids).logits
-    expected_features = target.capture_features(ids, [0, 3])
+    expected_features = capture_features(target, ids, [0, 3])
     outputs = {}
     for defer in (True, False):
         runner = StaticTarget(target, batch_size=2, max_length=16, defer_residual=defer)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dflash_train.features.capture import capture_features
 from dflash_train.objective import build_blocks, dense_mask
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import TargetModel
@@ -36,7 +37,7 @@ class RecordingEngine(DecodeEngine):
 def training_predictions(model: TargetModel, draft, sequence: torch.Tensor, anchor: int):  # type: ignore[no-untyped-def]
     """Slot 1..B-1 logits of the training forward for one block at `anchor` over the full sequence."""
     block = draft.config.block_size
-    features = model.capture_features(sequence, draft.config.target_layer_ids)
+    features = capture_features(model, sequence, draft.config.target_layer_ids)
     anchors, valid = torch.tensor([[anchor]]), torch.tensor([[True]])
     blocks = build_blocks(sequence, torch.ones_like(sequence, dtype=torch.bool), anchors, valid, block,
                           draft.config.mask_token_id)
@@ -101,7 +102,7 @@ def test_teacher_forced_accuracy_and_the_acceptance_it_implies(target: TargetMod
     sequence = torch.tensor([prompt + answer])
     loss_mask = torch.zeros_like(sequence, dtype=torch.bool)
     loss_mask[:, len(prompt):] = True
-    features = target.capture_features(sequence, draft.config.target_layer_ids)
+    features = capture_features(target, sequence, draft.config.target_layer_ids)
     objective = DFlashObjective(block_size=block, mask_token_id=draft.config.mask_token_id, num_anchors=16,
                                 loss_decay_gamma=4.0)
     optimizer = torch.optim.AdamW(draft.parameters(), lr=3e-3)

@@ -11,8 +11,8 @@ import datasets
 import pytest
 import torch
 
-from dflash_train.data.extract import ExtractConfig, extract
-from dflash_train.data.features import FeatureStore
+from dflash_train.features.extract import ExtractConfig, extract
+from dflash_train.features.store import FeatureStore
 from dflash_train.target import (
     TargetModel,
     is_legacy_fingerprint,
@@ -21,7 +21,7 @@ from dflash_train.target import (
     target_fingerprint,
     target_identity,
 )
-from dflash_train.training import checkpointing as ckpt
+from dflash_train.training import resume as ckpt
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
 from tests.helpers.training import save_tiny_prepared, save_tiny_target

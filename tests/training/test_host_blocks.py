@@ -113,7 +113,7 @@ def test_a_step_copies_its_metrics_to_the_host_once(assets: dict[str, pathlib.Pa
 def test_compile_target_compiles_the_target_layers_for_online_features(assets: dict[str, pathlib.Path],
                                                                        tmp_path: pathlib.Path) -> None:
     """training.compile_target hands the target's decoder layers to torch.compile (their forward only); off by
-    default. The features it then computes are those of the eager target (tests/target/test_model.py)."""
+    default. The features it then computes are those of the eager target (tests/features/test_capture.py)."""
     plain = Trainer(load_config(None, overrides(assets, tmp_path / "plain", **PACKED)))
     assert not any(hasattr(layer.forward, "_torchdynamo_orig_callable") for layer in plain.target.decoder_layers)
     compiled = Trainer(load_config(None, overrides(assets, tmp_path / "compiled", **{

@@ -9,8 +9,8 @@ import pathlib
 import pytest
 import torch
 
-from dflash_train.target.graphed import GraphedFeatures
-from dflash_train.target.varlen import VARLEN
+from dflash_train.features.graphed import GraphedFeatures
+from dflash_train.features.varlen import VARLEN
 from dflash_train.training.config import load_config
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
@@ -95,7 +95,7 @@ def test_a_failing_flex_target_falls_back_to_sdpa(assets: dict[str, pathlib.Path
     settings = {**PACKED, "data.validation_fraction": 0.3}
     expected = Trainer(load_config(None, overrides(assets, tmp_path / "sdpa", **{
         **settings, "training.target_attention": "sdpa"}))).validate()
-    monkeypatch.setattr("dflash_train.target.attention.FLEX", "no_such_attention")
+    monkeypatch.setattr("dflash_train.features.packed_attention.FLEX", "no_such_attention")
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "flex", **{
         **settings, "training.target_attention": "flex"})))
     assert trainer.features.attention == "no_such_attention"

@@ -1,0 +1,160 @@
+"""Variable-length attention for the target's forward over packed training rows, without compilation.
+
+A packed row holds whole chats one after another, each with position ids from 0. Each chat attends causally
+to itself only. Flex attention computes that from a block mask, but its kernel is compiled on the first step
+(about 50 s on an H200 in the 839ee3b speedrun, of a 12-minute budget); SDPA builds a dense [b, 1, S, S] mask
+and computes every score of the row. Here the chats are cut out of the flattened rows by their cumulative
+lengths and attended by PyTorch's FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`):
+only each chat's own causal triangle is computed, and nothing is compiled.
+
+Use: `attention_implementation(model, VARLEN)` (target/attention.py) around the forward, inside
+`packed_sequences(...)`, which holds the chats' boundaries for every layer of that forward; they are computed
+once on the host from the position ids (no device sync) and copied to the device. Hugging Face builds no mask
+for an attention implementation it has no mask function for. Off CUDA, or where PyTorch lacks the varlen
+kernel, each chat goes through SDPA on its own: the same arithmetic, slower, and the reference of the tests.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+VARLEN = "dflash_varlen"
+_current = threading.local()
+
+
+@dataclass(frozen=True)
+class PackedSequences:
+    """Boundaries of the chats in the flattened rows: cu_lengths [n + 1] int32 (on the attention's device),
+    bounds (the same on the host, for the per-chat fallback) and the longest chat."""
+
+    cu_lengths: torch.Tensor
+    bounds: tuple[int, ...]
+    longest: int
+
+
+def sequence_bounds(position_ids: torch.Tensor) -> tuple[int, ...]:
+    """Cumulative chat boundaries of host position ids [b, S] flattened row after row: a chat starts at
+    position 0 and at every row's start, and the last boundary is b·S."""
+    rows, length = position_ids.shape
+    starts = position_ids.reshape(-1) == 0
+    starts[::length] = True
+    return (*starts.nonzero().flatten().tolist(), rows * length)
+
+
+@contextmanager
+def packed_sequences(position_ids: torch.Tensor, device: torch.device) -> Iterator[PackedSequences]:
+    """Within: the varlen attention of every layer reads these chats' boundaries. `position_ids` [b, S] on the
+    host, as the batch was built (reading them from the device would wait for it)."""
+    bounds = sequence_bounds(position_ids.cpu())
+    longest = max(end - start for start, end in zip(bounds, bounds[1:], strict=False))
+    cu = torch.tensor(bounds, dtype=torch.int32).pin_memory() if device.type == "cuda" else torch.tensor(
+        bounds, dtype=torch.int32)
+    sequences = PackedSequences(cu.to(device, non_blocking=True), bounds, longest)
+    with use_sequences(sequences):
+        yield sequences
+
+
+@contextmanager
+def use_sequences(sequences: PackedSequences) -> Iterator[PackedSequences]:
+    """Within: the varlen attention of every layer reads `sequences` (features/graphed.py passes boundaries it
+    keeps in a fixed device buffer, for CUDA graphs to read at every replay)."""
+    previous = getattr(_current, "sequences", None)
+    _current.sequences = sequences
+    try:
+        yield sequences
+    finally:
+        _current.sequences = previous
+
+
+# Outside any compiled graph (training.compile_target compiles the decoder layers around it): the chats'
+# boundaries change every step, and a graph guarding on them would be compiled again for each new set.
+@torch.compiler.disable
+def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+                     **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Hugging Face's attention-function contract: query [b, H, S, D], key/value [b, H_kv, S, D] ->
+    ([b, S, H, D], None), each chat of `packed_sequences` attending causally to itself."""
+    sequences: PackedSequences | None = getattr(_current, "sequences", None)
+    if sequences is None:
+        raise RuntimeError(f"the {VARLEN} attention runs inside dflash_train.features.varlen.packed_sequences(...)")
+    if dropout:
+        raise ValueError(f"the {VARLEN} attention has no dropout: run the target in eval mode")
+    rows, heads, length, dim = query.shape
+    scale = dim ** -0.5 if scaling is None else scaling
+    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]  # [T, h, D]
+    kernel = _kernel(query.device, scale, dim, query.dtype)
+    out = kernel(*flat, sequences, scale) if kernel else _per_sequence(*flat, sequences, scale)
+    return out.view(rows, length, heads, dim), None
+
+
+def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequences: PackedSequences,
+                  scale: float) -> torch.Tensor:
+    """Each chat through SDPA on its own ([T, h, D] -> [T, H, D]): the fallback, and the tests' reference."""
+    out = torch.empty_like(query)
+    groups = query.shape[1] // key.shape[1]
+    for start, end in zip(sequences.bounds, sequences.bounds[1:], strict=False):
+        if end == start:  # an empty chat: the unused capacity of features/graphed.py's boundaries
+            continue
+        q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, n, D]
+        k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+    return out
+
+
+def _kernel(device: torch.device, scale: float, dim: int,
+            dtype: torch.dtype = torch.bfloat16) -> Callable[..., torch.Tensor] | None:
+    """PyTorch's varlen kernel as `(q, k, v, sequences, scale) -> out`, or None where it cannot run this call
+    (off CUDA, not bf16/fp16, a PyTorch without it, or a scale its signature cannot take)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    found = _varlen_kernel()
+    if found is None:
+        return None
+    varlen_attn, parameters = found
+    if "scale" not in parameters and abs(scale - dim ** -0.5) > 1e-12 * scale:
+        return None  # an older kernel fixes the scale at 1/sqrt(D)
+
+    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequences: PackedSequences,
+             scale: float) -> torch.Tensor:
+        extra: dict[str, Any] = {"scale": scale} if "scale" in parameters else {}
+        if "window_size" in parameters:
+            extra["window_size"] = (-1, 0)  # causal
+        else:
+            extra["is_causal"] = True
+        if query.shape[1] != key.shape[1]:
+            if "enable_gqa" in parameters:
+                extra["enable_gqa"] = True
+            else:
+                groups = query.shape[1] // key.shape[1]
+                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+        cu, longest = sequences.cu_lengths, sequences.longest
+        return varlen_attn(query, key, value, cu, cu, longest, longest, **extra)
+
+    return call
+
+
+@functools.cache
+def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
+    """PyTorch's varlen kernel and its parameter names, looked up once (every layer of every forward asks)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def register() -> None:
+    """Make `VARLEN` an attention implementation Hugging Face models accept (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, varlen_attention)

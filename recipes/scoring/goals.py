@@ -1,0 +1,121 @@
+"""A recipe run's goals, checked against what it measured: one "goals:" line and `summary_goals.json`.
+
+    python -m recipes.scoring.summary OUT --goal mt-bench=4.0 --goal speedup=2.0 --goal chats=150000 --goal minutes=25
+
+A goal is `KEY=VALUE`. Three keys are reserved; every other key names an eval set:
+- `DATASET=TAU`: τ of the headline run (batch 1, bf16) on that set, at least TAU;
+- `speedup=X`: its decode speedup over the target alone, at least X on every set it was measured on;
+- `chats=N`: the chats training kept (`prepared/dflash_data.json`), at least N;
+- `minutes=M`: the stages' wall time (`times.tsv`; the extra curve and ablate stages not counted), at most M.
+A goal whose figure the run folder lacks is reported as not measured, not as missed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+EXTRA_STAGES = ("curve", "ablate")  # timed in times.tsv, but not part of a run's own minutes
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    name: str  # "τ mt-bench", "speedup", "chats", "minutes"
+    goal: float
+    value: float | None  # None: not measured in this run folder
+    at_most: bool = False  # the goal is an upper bound (minutes)
+    detail: str = ""  # which set a speedup's lowest value came from
+
+    @property
+    def met(self) -> bool | None:
+        if self.value is None:
+            return None
+        return self.value <= self.goal if self.at_most else self.value >= self.goal
+
+
+def parse_goals(specs: list[str]) -> dict[str, float]:
+    """`["mt-bench=4.0", "chats=150000"]` -> {"mt-bench": 4.0, "chats": 150000.0}; a bad one is a ValueError."""
+    goals = {}
+    for spec in specs:
+        key, sep, value = (part.strip() for part in spec.partition("="))
+        try:
+            number = float(value) if sep and key else None
+        except ValueError:
+            number = None
+        if number is None:
+            raise ValueError(f"goal '{spec}' is not KEY=NUMBER (e.g. mt-bench=4.0, speedup=2, chats=150000, "
+                             "minutes=25)")
+        goals[key] = number
+    return goals
+
+
+def headline_rows(rows: list[dict[str, Any]], run: str) -> list[dict[str, Any]]:
+    """The summary rows the goals are judged on: run `run` at batch 1 in bf16 (the speedrun's own setting)."""
+    return [r for r in rows if r["run"] == run and r["batch"] == 1 and r["dtype"] == "bfloat16"]
+
+
+def kept_chats(run_dir: Path) -> float | None:
+    path = run_dir / "prepared" / "dflash_data.json"
+    return float(json.loads(path.read_text())["counts"]["kept"]) if path.is_file() else None
+
+
+def stage_minutes(run_dir: Path) -> float | None:
+    """The total of `times.tsv` (stage, seconds per line) in minutes, the extra stages left out."""
+    path = run_dir / "times.tsv"
+    if not path.is_file():
+        return None
+    seconds = 0.0
+    for line in path.read_text().splitlines():
+        stage, _, value = line.partition("\t")
+        if stage and stage not in EXTRA_STAGES:
+            seconds += float(value)
+    return seconds / 60
+
+
+def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Path, run: str = "main"
+                ) -> list[GoalCheck]:
+    """Each goal against the run folder's figures, in the order given."""
+    headline = headline_rows(rows, run)
+    checks = []
+    for key, goal in goals.items():
+        if key == "speedup":
+            measured = [(r["speedup"], r["dataset"]) for r in headline if r.get("speedup") is not None]
+            lowest = min(measured) if measured else (None, "")
+            checks.append(GoalCheck("speedup", goal, lowest[0], detail=lowest[1]))
+        elif key == "chats":
+            checks.append(GoalCheck("chats", goal, kept_chats(run_dir)))
+        elif key == "minutes":
+            checks.append(GoalCheck("minutes", goal, stage_minutes(run_dir), at_most=True))
+        else:
+            tau = next((r["tau"] for r in headline if r["dataset"] == key), None)
+            checks.append(GoalCheck(f"τ {key}", goal, tau))
+    return checks
+
+
+def _number(name: str, value: float) -> str:
+    if name == "chats":
+        return f"{value:,.0f}"
+    if name == "speedup":
+        return f"{value:.2f}×"
+    return f"{value:.1f}" if name == "minutes" else f"{value:.2f}"
+
+
+def goals_line(checks: list[GoalCheck]) -> str:
+    """`goals: τ mt-bench 4.13 ≥ 4.00 ✓ · … — 3 of 6 met`."""
+    parts = []
+    for c in checks:
+        goal = _number(c.name, c.goal)
+        if c.met is None:
+            parts.append(f"{c.name} not measured (goal {'≤' if c.at_most else '≥'} {goal})")
+            continue
+        relation = ("≤" if c.met else ">") if c.at_most else ("≥" if c.met else "<")
+        lowest = f" (lowest, {c.detail})" if c.detail else ""
+        parts.append(f"{c.name} {_number(c.name, c.value)}{lowest} {relation} {goal} {'✓' if c.met else '✗'}")
+    met = sum(c.met is True for c in checks)
+    return f"goals: {' · '.join(parts)} — {met} of {len(checks)} met"
+
+
+def write_goals(checks: list[GoalCheck], path: Path) -> None:
+    path.write_text(json.dumps([{**asdict(c), "met": c.met} for c in checks], indent=2, ensure_ascii=False) + "\n")

@@ -1,0 +1,224 @@
+"""One table for a recipe run directory: each eval report with the training run behind it.
+
+    python -m recipes.scoring.summary outputs/smollm2-h200     # prints Markdown, writes summary.json/.md
+
+Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
+trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`. A regeneration's
+`regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
+(summary.json stays a list of eval rows, as its readers expect); the prepared chats (`<run>/prepared/dflash_data.json`)
+a "data:" line (chats kept: the distinct conversations training saw, and why the others were dropped); each
+training run a "training:" line (steps, median step, the cold first step). `--goal KEY=VALUE` checks the run
+against its goals (goals.py): a "goals:" line and `summary_goals.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from dflash_train.eval.console import lossless_mark
+from dflash_train.eval.uncertainty import format_interval
+from recipes.scoring.goals import check_goals, goals_line, parse_goals, write_goals
+
+SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
+REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
+COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ 95% CI", "τ̂ teacher-forced", "lossless", "speedup",
+           "cycle in steps", "steps", "sequences", "train min")
+
+
+def training_state(train_dir: Path) -> dict[str, Any]:
+    states = sorted(train_dir.glob("checkpoints/step-*/trainer_state.json"))
+    return json.loads(states[-1].read_text()) if states else {}
+
+
+def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
+    rows = []
+    for report_path in sorted((run_dir / "eval").glob("*.json")):
+        report = json.loads(report_path.read_text())
+        if "datasets" not in report:
+            continue
+        name = next((report_path.stem.removesuffix(x) for x in SUFFIXES if report_path.stem.endswith(x)),
+                    report_path.stem)
+        state = training_state(run_dir / "train" / name)
+        for dataset, result in report["datasets"].items():
+            rows.append({
+                "run": name, "block": report["settings"]["block_size"],
+                "batch": report["settings"].get("batch_size", 1), "dtype": report["settings"].get("dtype", "—"),
+                "dataset": dataset,
+                "requests": result["requests"], "tau": result["acceptance_length"],
+                "tau_ci95": result.get("acceptance_length_ci95"),
+                "tau_teacher_forced": result.get("teacher_forced_acceptance_length"), "lossless": lossless_mark(result),
+                "speedup": result.get("speedup"), "cycle_in_steps": cycle_in_steps(result), "steps": state.get("step"),
+                "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
+                "histogram": result.get("histogram"), "report": str(report_path),
+                "tau_by_turn": result.get("acceptance_length_by_turn"),
+                "tau_by_category": result.get("acceptance_length_by_category"),
+            })
+    return rows
+
+
+def cycle_in_steps(result: dict[str, Any]) -> float | None:
+    """A draft-and-verify cycle's time in target steps: decoding seconds per cycle over the target alone's
+    seconds per token (speedup = tokens per cycle / this). None where the report has no timings."""
+    keys = ("decode_seconds_with_draft", "cycles", "decode_seconds_target_only", "new_tokens_target_only")
+    if not all(result.get(key) for key in keys):
+        return None
+    cycle = result["decode_seconds_with_draft"] / result["cycles"]
+    return cycle / (result["decode_seconds_target_only"] / result["new_tokens_target_only"])
+
+
+def _minutes(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds / 60, 1)
+
+
+def regeneration_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per regeneration folder with a stats file: answers and answer tokens over every shard, and the rates
+    of the run that wrote the file last (a resumed run's rates count its own shards only)."""
+    figures = {}
+    for name in REGEN_DIRS:
+        path = run_dir / name / "regen_stats.json"
+        if not path.is_file():
+            continue
+        stats = json.loads(path.read_text())
+        figures[name] = {
+            "answers": stats["all_shards"]["rows"], "answer_tokens": stats["all_shards"]["answer_tokens"],
+            "units": stats["all_shards"]["units"], "num_units": stats["num_units"],
+            "tokens_per_second_decoding": stats["answer_tokens_per_second_decoding"],
+            "tokens_per_second_overall": stats["answer_tokens_per_second_overall"],
+        }
+    return figures
+
+
+def regeneration_line(name: str, f: dict[str, Any]) -> str:
+    return (f"regeneration: {name}: {f['answers']:,} answers, {f['answer_tokens']:,} answer tokens "
+            f"({f['units']} of {f['num_units']} units), {f['tokens_per_second_decoding']:,.0f} tokens/s while "
+            f"decoding, {f['tokens_per_second_overall']:,.0f} overall")
+
+
+def report_regeneration(run_dir: Path) -> None:
+    regeneration = regeneration_figures(run_dir)
+    for name, figures in regeneration.items():
+        print(regeneration_line(name, figures))
+    if regeneration:
+        (run_dir / "summary_regeneration.json").write_text(json.dumps(regeneration, indent=2) + "\n")
+
+
+def data_line(run_dir: Path) -> str | None:
+    """The prepared chats of `<run>/prepared`: kept (one per distinct conversation: prepare drops repeats),
+    their tokens, and each reason a row was dropped; None without a prepared dataset."""
+    path = run_dir / "prepared" / "dflash_data.json"
+    if not path.is_file():
+        return None
+    counts = json.loads(path.read_text())["counts"]
+    dropped = ", ".join(f"{reason} {n:,}" for reason, n in sorted(counts.get("dropped", {}).items()))
+    return (f"data: {counts['kept']:,} chats kept of {counts['read']:,} answers, {counts['tokens']:,} tokens "
+            f"({counts['supervised tokens']:,} supervised); dropped: {dropped or 'none'}")
+
+
+def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Per training run under `<run>/train`: steps, minutes, the median logged step and the cold first step
+    (compilation included; runs older than this field have none)."""
+    figures = {}
+    for train_dir in sorted(p for p in (run_dir / "train").glob("*") if p.is_dir()):
+        state = training_state(train_dir)
+        if not state:
+            continue
+        seconds = []
+        metrics = train_dir / "metrics.jsonl"
+        if metrics.is_file():
+            records = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
+            seconds = sorted(r["step_seconds"] for r in records if r.get("split") == "train" and "step_seconds" in r)
+        figures[train_dir.name] = {
+            "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
+            "median_step_seconds": seconds[len(seconds) // 2] if seconds else None,
+            "first_step_seconds": state.get("first_step_seconds"),
+        }
+    return figures
+
+
+def training_line(name: str, f: dict[str, Any]) -> str:
+    def seconds(value: float | None) -> str:
+        return "—" if value is None else f"{value:.3g} s"
+
+    return (f"training: {name}: {f['steps']:,} steps in {f['train_minutes']} min, median step "
+            f"{seconds(f['median_step_seconds'])}, first step {seconds(f['first_step_seconds'])} "
+            "(compilation included)")
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    def cell(value: Any, spec: str = "") -> str:
+        return "—" if value is None else format(value, spec)
+
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for r in rows:
+        lines.append("| " + " | ".join([
+            r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
+            cell(r["tau"], ".2f"), format_interval(r.get("tau_ci95")), cell(r["tau_teacher_forced"], ".2f"),
+            r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""), cell(r["cycle_in_steps"], ".2f"),
+            cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
+        ]) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def breakdown_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """τ by turn (multi-turn sets) and by category (sets whose rows name one), a line per eval row."""
+    lines = []
+    for r in rows:
+        parts = []
+        if r.get("tau_by_turn") and len(r["tau_by_turn"]) > 1:
+            parts.append("by turn " + " / ".join("—" if t is None else f"{t:.2f}" for t in r["tau_by_turn"]))
+        if r.get("tau_by_category"):
+            parts.append("by category " + ", ".join(
+                f"{name} {'—' if t is None else f'{t:.2f}'}" for name, t in r["tau_by_category"].items()))
+        if parts:
+            lines.append(f"τ of {r['run']} ({r['dtype']}, batch {r['batch']}) on {r['dataset']}: " + "; ".join(parts))
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m recipes.scoring.summary",
+                                     description="One table for a recipe run directory: its eval reports with "
+                                                 "the training runs behind them (writes summary.json and .md).")
+    parser.add_argument("run_dir", type=Path, help="the recipe's OUT folder (with eval/ and train/ in it)")
+    parser.add_argument("--goal", action="append", default=[], metavar="KEY=VALUE",
+                        help="a goal to check (repeatable): DATASET=TAU, speedup=X, chats=N or minutes=M "
+                             "(recipes/scoring/goals.py); prints a goals: line and writes summary_goals.json")
+    parser.add_argument("--goal-run", default="main", help="the training run the goals judge (default: main)")
+    args = parser.parse_args(argv)
+    run_dir = args.run_dir
+    try:
+        goals = parse_goals(args.goal)
+    except ValueError as error:
+        print(f"summary: {error}", file=sys.stderr)
+        return 2
+    if not run_dir.is_dir():
+        print(f"summary: {run_dir} is not a folder: give a recipe's OUT folder", file=sys.stderr)
+        return 2
+    report_regeneration(run_dir)  # before the table's checks: a run stopped before eval has its speed too
+    data = data_line(run_dir)
+    if data:
+        print(data)
+    for name, figures in training_figures(run_dir).items():
+        print(training_line(name, figures))
+    rows = summary_rows(run_dir)
+    if not rows:
+        print(f"summary: no eval reports under {run_dir / 'eval'}; run the eval stage first", file=sys.stderr)
+        return 1
+    table = markdown(rows)
+    (run_dir / "summary.json").write_text(json.dumps(rows, indent=2) + "\n")
+    (run_dir / "summary.md").write_text(table)
+    print(table, end="")
+    for line in breakdown_lines(rows):
+        print(line)
+    if goals:
+        checks = check_goals(goals, rows, run_dir, args.goal_run)
+        print(goals_line(checks))
+        write_goals(checks, run_dir / "summary_goals.json")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

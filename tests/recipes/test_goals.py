@@ -1,0 +1,77 @@
+"""A run's goals are judged on its headline setting (batch 1, bf16, the named run) and its own figures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipes.scoring.goals import check_goals, goals_line, parse_goals, stage_minutes
+from recipes.scoring.summary import main, summary_rows
+from tests.helpers.eval_reports import result, write_report
+
+
+def make_run(root: Path) -> Path:
+    """main at batch 1: τ 4.2 (MT-Bench, speedup 2.5), 3.9 (HumanEval, 1.8); the batch-8 and float32 reports and
+    an ablation carry better figures that must not count. 140,000 chats kept; stages 600 + 780 s, plus a curve."""
+    mt, he = result(4.2, True, speedup=2.5), result(3.9, True, speedup=1.8)
+    write_report(root / "eval" / "main-b16.json", 16, {"mt-bench": mt, "humaneval": he})
+    write_report(root / "eval" / "main-b8.json", 16, {"humaneval": result(9.0, True, speedup=9.0)}, batch=8)
+    write_report(root / "eval" / "main-fp32.json", 16, {"humaneval": result(9.0, True)}, dtype="float32")
+    write_report(root / "eval" / "ablation-x-b16.json", 16, {"humaneval": result(9.0, True, speedup=9.0)})
+    (root / "prepared").mkdir()
+    (root / "prepared" / "dflash_data.json").write_text(json.dumps({"counts": {
+        "kept": 140000, "read": 150000, "tokens": 1, "supervised tokens": 1, "dropped": {}}}))
+    (root / "times.tsv").write_text("prompts\t600\ntrain\t780\ncurve\t3000\n")
+    return root
+
+
+def test_goals_use_the_headline_rows_and_the_run_folder(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    goals = parse_goals(["mt-bench=4.0", "humaneval=4.5", "speedup=2", "chats=150000", "minutes=25", "math=5.5"])
+    checks = {c.name: c for c in check_goals(goals, summary_rows(run), run)}
+    assert checks["τ mt-bench"].value == 4.2 and checks["τ mt-bench"].met is True
+    assert checks["τ humaneval"].value == 3.9 and checks["τ humaneval"].met is False  # not the batch-8 9.0
+    assert (checks["speedup"].value, checks["speedup"].detail, checks["speedup"].met) == (1.8, "humaneval", False)
+    assert checks["chats"].value == 140000 and checks["chats"].met is False
+    assert checks["minutes"].value == pytest.approx(23.0) and checks["minutes"].met is True  # the curve left out
+    assert checks["τ math"].value is None and checks["τ math"].met is None  # never evaluated: not measured
+
+
+def test_goals_line_reads_each_goal_and_counts_the_met_ones(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    checks = check_goals(parse_goals(["mt-bench=4", "speedup=2", "minutes=20", "math=5.5"]), summary_rows(run), run)
+    assert goals_line(checks) == ("goals: τ mt-bench 4.20 ≥ 4.00 ✓ · speedup 1.80× (lowest, humaneval) < 2.00× ✗ · "
+                                  "minutes 23.0 > 20.0 ✗ · τ math not measured (goal ≥ 5.50) — 1 of 4 met")
+
+
+def test_another_run_can_be_judged(tmp_path: Path) -> None:
+    run = make_run(tmp_path)
+    checks = check_goals({"humaneval": 4.5}, summary_rows(run), run, run="ablation-x")
+    assert checks[0].value == 9.0 and checks[0].met is True
+
+
+@pytest.mark.parametrize("spec", ["mt-bench", "mt-bench=", "=4", "speedup=fast"])
+def test_a_malformed_goal_is_refused(spec: str) -> None:
+    with pytest.raises(ValueError, match="is not KEY=NUMBER"):
+        parse_goals([spec])
+
+
+def test_missing_times_are_not_measured(tmp_path: Path) -> None:
+    assert stage_minutes(tmp_path) is None
+
+
+def test_summary_prints_the_goals_line_and_writes_its_file(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    run = make_run(tmp_path)
+    assert main([str(run), "--goal", "mt-bench=4.0", "--goal", "chats=150000"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == (
+        "goals: τ mt-bench 4.20 ≥ 4.00 ✓ · chats 140,000 < 150,000 ✗ — 1 of 2 met")
+    written = json.loads((run / "summary_goals.json").read_text())
+    assert [(g["name"], g["met"]) for g in written] == [("τ mt-bench", True), ("chats", False)]
+
+
+def test_summary_refuses_a_bad_goal_in_one_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    assert main([str(make_run(tmp_path)), "--goal", "speedup"]) == 2
+    assert capsys.readouterr().err.strip() == ("summary: goal 'speedup' is not KEY=NUMBER (e.g. mt-bench=4.0, "
+                                               "speedup=2, chats=150000, minutes=25)")

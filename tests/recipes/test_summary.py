@@ -1,0 +1,124 @@
+"""The recipe run summary joins each eval report with the training run it belongs to."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipes.scoring.summary import main, summary_rows
+from tests.helpers.eval_reports import result, write_report
+
+
+def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000300"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"step": 300, "sequences_seen": 4800, "train_seconds": 600}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16,
+                 {"humaneval": {**result(5.5, True), "acceptance_length_ci95": [5.14, 5.86]}})
+    write_report(tmp_path / "eval" / "main-b8.json", 8, {"mt-bench": result(3.2, False, ties=True)})
+    write_report(tmp_path / "eval" / "ablation-x.json", 16, {"humaneval": result(4.0, False, speedup=None)}, batch=8)
+    # Reports with phase times and older ones without them, side by side.
+    write_report(tmp_path / "eval" / "main-fp32.json", 16, {"humaneval": result(5.4, True)}, dtype="float32",
+                 phase_seconds={"load/target": 1.5, "total": 30.0})
+    rows = {(r["run"], r["block"], r["dtype"]): r for r in summary_rows(tmp_path)}
+    assert rows[("main", 16, "bfloat16")]["steps"] == 300 and rows[("main", 16, "bfloat16")]["train_minutes"] == 10.0
+    assert rows[("main", 8, "bfloat16")]["lossless"] == "ties (1)" and rows[("main", 16, "bfloat16")]["lossless"] == "yes"
+    assert rows[("ablation-x", 16, "bfloat16")]["steps"] is None and rows[("ablation-x", 16, "bfloat16")]["lossless"] == "NO (3/4)"
+    assert rows[("main", 16, "float32")]["steps"] == 300  # the float32 report belongs to the run `main`
+    assert main([str(tmp_path)]) == 0
+    table = capsys.readouterr().out
+    assert "| main | 16 | 1 | bfloat16 | humaneval | 4 | 5.50 | 5.14–5.86 | 6.00 | yes | 2.00× | — | 300 | 4800 | 10.0 |" in table
+    assert "| main | 16 | 1 | float32 | humaneval | 4 | 5.40 | — | 5.90 |" in table  # a report without the interval
+    assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
+    assert table.splitlines()[0] == "training: main: 300 steps in 10.0 min, median step —, first step — (compilation included)"
+    assert table.endswith((tmp_path / "summary.md").read_text())  # the table after the training line
+
+
+def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    assert main([str(tmp_path)]) == 1
+    assert "run the eval stage first" in capsys.readouterr().err
+
+
+def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    (tmp_path / "regen").mkdir()
+    tally = {"units": 12, "rows": 49152, "answer_tokens": 9510512, "prompt_tokens": 1, "finish_reasons": {}}
+    (tmp_path / "regen" / "regen_stats.json").write_text(json.dumps({
+        "num_units": 34, "this_run": tally, "all_shards": tally, "decoding_seconds": 108.0, "command_seconds": 166.1,
+        "answer_tokens_per_second_decoding": 88040.0, "answer_tokens_per_second_overall": 57263.3}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == ("regeneration: regen: 49,152 answers, 9,510,512 answer tokens (12 of 34 units), "
+                                   "88,040 tokens/s while decoding, 57,263 overall")
+    assert out.endswith((tmp_path / "summary.md").read_text())  # the table as before
+    assert json.loads((tmp_path / "summary_regeneration.json").read_text())["regen"]["answers"] == 49152
+    assert isinstance(json.loads((tmp_path / "summary.json").read_text()), list)
+
+
+def test_tau_by_turn_and_category_follow_the_table(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    mt_bench = {**result(3.15, True), "acceptance_length_by_turn": [2.75, 3.56],
+                "acceptance_length_by_category": {"writing": 3.1, "coding": None}}
+    one_turn = {**result(3.75, True), "acceptance_length_by_turn": [3.75], "acceptance_length_by_category": None}
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"mt-bench": mt_bench, "humaneval": one_turn})
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == ("τ of main (bfloat16, batch 1) on mt-bench: by turn 2.75 / 3.56; "
+                         "by category writing 3.10, coding —")
+    assert not [line for line in lines if "on humaneval:" in line]  # one turn, no categories: nothing to add
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert rows[0]["tau_by_turn"] == [2.75, 3.56] and rows[0]["tau_by_category"]["writing"] == 3.1
+
+
+def test_each_training_run_gets_a_line_with_its_median_and_first_step(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """From the last trainer_state (steps, minutes, the cold first step) and metrics.jsonl (the median of the
+    logged train steps, validation records ignored); a run older than the first-step field shows a dash."""
+    for name, first in (("main", 67.812), ("old", None)):
+        state = tmp_path / "train" / name / "checkpoints" / "step-00000040"
+        state.mkdir(parents=True)
+        (state / "trainer_state.json").write_text(json.dumps(
+            {"step": 40, "train_seconds": 90, **({"first_step_seconds": first} if first else {})}))
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": s} for i, s in enumerate((0.2, 0.1, 0.3, 0.15))]
+    records.append({"split": "validation", "step": 40, "loss": 1.0})
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "training: main: 40 steps in 1.5 min, median step 0.2 s, first step 67.8 s (compilation included)"
+    assert lines[1] == "training: old: 40 steps in 1.5 min, median step — s, first step — s (compilation included)".replace(
+        "— s", "—")
+
+
+def test_a_cycle_is_priced_in_target_steps_from_the_reports_timings(tmp_path: Path) -> None:
+    """1.2 ms a cycle against 0.9 ms a target-alone token: a cycle costs 1.33 steps, and the speedup is the
+    tokens per cycle (3.0 here) over that: 2.25x."""
+    timed = {**result(3.0, True, speedup=2.25), "decode_seconds_with_draft": 1.2, "cycles": 1000,
+             "decode_seconds_target_only": 0.9, "new_tokens_target_only": 1000, "new_tokens_with_draft": 3000}
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": timed, "mt-bench": result(3.0, True)})
+    rows = {r["dataset"]: r for r in summary_rows(tmp_path)}
+    assert abs(rows["humaneval"]["cycle_in_steps"] - 4 / 3) < 1e-12 and rows["mt-bench"]["cycle_in_steps"] is None
+    tokens_per_cycle = timed["new_tokens_with_draft"] / timed["cycles"]
+    assert abs(tokens_per_cycle / rows["humaneval"]["cycle_in_steps"] - timed["speedup"]) < 1e-12
+
+
+def test_the_prepared_chats_add_a_data_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    """The ≥ 150k distinct conversations a run trained on are read off one line: kept chats and drops."""
+    (tmp_path / "prepared").mkdir()
+    counts = {"read": 53248, "kept": 51354, "tokens": 15948806, "supervised tokens": 10882099,
+              "dropped": {"too_few_supervised_tokens": 1890, "duplicate_conversation": 4}}
+    (tmp_path / "prepared" / "dflash_data.json").write_text(json.dumps({"format": "dflash-prepared-v1", "counts": counts}))
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "data: 51,354 chats kept of 53,248 answers, 15,948,806 tokens (10,882,099 supervised); "
+        "dropped: duplicate_conversation 4, too_few_supervised_tokens 1,890")
+
+
+def test_a_missing_folder_is_one_line_and_help_is_help(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a folder: give a recipe's OUT folder" in err
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0 and "RUN_DIR" in capsys.readouterr().out.upper()
