@@ -22,6 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+PUBLISHED_FILE_MODE = 0o644  # what a written file gets: the private 0600 of a temporary file must not survive
+
 
 def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     """Call ``write(tmp)`` on a temporary sibling of ``path``, then rename it to ``path``."""
@@ -31,7 +33,7 @@ def write_atomically(path: Path, write: Callable[[Path], None]) -> None:
     tmp = Path(tmp_name)
     try:
         write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp's private 0600 would survive the rename
+        os.chmod(tmp, PUBLISHED_FILE_MODE)  # mkstemp's private 0600 would survive the rename
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)

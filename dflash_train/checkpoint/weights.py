@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from dflash_train.atomic import PUBLISHED_FILE_MODE
 from dflash_train.safetensors_io import open_safetensors
 
 SINGLE_FILE = "model.safetensors"
@@ -85,12 +86,12 @@ def write_tensors(
     shards = _plan_shards(tensors, max_shard_bytes)
     metadata = {"format": "pt"}  # transformers refuses safetensors files without it
     if len(shards) == 1:
-        save_file(_contiguous(tensors, shards[0]), str(directory / SINGLE_FILE), metadata=metadata)
+        _save(_contiguous(tensors, shards[0]), directory / SINGLE_FILE, metadata)
         return [SINGLE_FILE]
     names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     for file, keys in zip(names, shards, strict=True):
-        save_file(_contiguous(tensors, keys), str(directory / file), metadata=metadata)
+        _save(_contiguous(tensors, keys), directory / file, metadata)
         weight_map |= dict.fromkeys(keys, file)
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
@@ -109,6 +110,13 @@ def _plan_shards(tensors: dict[str, torch.Tensor], max_shard_bytes: int) -> list
         shards[-1].append(key)
         size += nbytes
     return shards
+
+
+def _save(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str]) -> None:
+    """One safetensors file, readable by all like the export's other files: safetensors writes through a
+    private (0600) temporary file, whose mode the renamed file would keep."""
+    save_file(tensors, str(path), metadata=metadata)
+    path.chmod(PUBLISHED_FILE_MODE)
 
 
 def _contiguous(tensors: dict[str, torch.Tensor], keys: list[str]) -> dict[str, torch.Tensor]:

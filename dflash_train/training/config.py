@@ -1,6 +1,6 @@
 """The one typed configuration of a training run: YAML recipe + dotted `key=value` overrides.
 
-    cfg = load_config("recipes/smollm2-135m-dflash-b16.yaml", ["training.lr=3e-4", "data.online=true"])
+    cfg = load_config("recipes/smollm2-135m-dflash-b16.yaml", ["training.learning_rate=3e-4", "data.pack_tokens=8192"])
 
 Every field has a type; unknown keys and badly typed values are one-line `ValueError`s.
 """

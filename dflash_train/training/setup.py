@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from collections.abc import Callable
@@ -29,16 +30,7 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
     m = config.model
     if m.init_from:
         draft = _load_init(m.init_from)
-        if m.target_layer_ids is not None:  # a new target: read other layers through the same fc width
-            if len(m.target_layer_ids) != draft.config.num_context_features:
-                raise ValueError(
-                    f"model.target_layer_ids has {len(m.target_layer_ids)} ids but the drafter's fc reads "
-                    f"{draft.config.num_context_features} layers; give {draft.config.num_context_features} ids")
-            draft.config.target_layer_ids = list(m.target_layer_ids)
-            draft.config.num_target_layers = target.num_layers
-        if m.mask_token_id is not None:  # e.g. a new target's tokenizer: the mask embedding is the target's row
-            draft.config.mask_token_id = choose_mask_token(target.tokenizer, target.vocab_size,
-                                                           explicit=m.mask_token_id).id
+        draft.config = refit_config(draft.config, config, target)
         check_draft_fits_target(draft.config, target, m.block_size)
         reinitialize(draft, m.reinit)
     elif m.reinit:
@@ -61,6 +53,27 @@ def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:
     if not any(p.requires_grad for p in draft.parameters()):
         raise ValueError(f"model.freeze={m.freeze} freezes every parameter; nothing would train")
     return draft
+
+
+def refit_config(draft: DFlashConfig, config: TrainConfig, target: TargetModel) -> DFlashConfig:
+    """The `init_from` drafter's config for this run: `model.target_layer_ids` (a new target: other layers
+    read through the same fc width) and `model.mask_token_id` (a new tokenizer's row) put in. A new config,
+    built by the config's own validated constructor, so ids that are repeated, unordered, negative or past
+    the target's last readable layer are refused here, in one line, not at the first capture."""
+    m, changes = config.model, {}
+    settings = [f"model.{key}" for key in ("target_layer_ids", "mask_token_id") if getattr(m, key) is not None]
+    if m.target_layer_ids is not None:
+        if len(m.target_layer_ids) != draft.num_context_features:
+            raise ValueError(
+                f"model.target_layer_ids has {len(m.target_layer_ids)} ids but the drafter's fc reads "
+                f"{draft.num_context_features} layers; give {draft.num_context_features} ids")
+        changes.update(target_layer_ids=list(m.target_layer_ids), num_target_layers=target.num_layers)
+    if m.mask_token_id is not None:
+        changes["mask_token_id"] = choose_mask_token(target.tokenizer, target.vocab_size, explicit=m.mask_token_id).id
+    try:
+        return dataclasses.replace(draft, **changes)
+    except ValueError as error:
+        raise ValueError(f"model.init_from with {' and '.join(settings) or 'its own settings'}: {error}") from None
 
 
 def reinitialize(draft: DFlashDraftModel, prefixes: list[str]) -> None:

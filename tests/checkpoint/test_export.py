@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import pytest
 import torch
 
+from dflash_train.checkpoint.weights import write_tensors
 from dflash_train.runtime.reference_loop import generate_greedy
 from dflash_train.target import TargetModel
 from tests.helpers.checkpoints import export_tiny, load_remote, reference_greedy
@@ -30,6 +33,24 @@ def test_export_directory_is_complete(tmp_path: Path, target: TargetModel) -> No
     card = (out / "README.md").read_text()
     assert card.startswith("---\n") and "- dflash\n- speculative-decoding\n" in card
     assert '"num_speculative_tokens": 3' in card and "--speculative-algorithm DFLASH" in card
+
+
+def test_exported_files_are_readable_by_everyone(tmp_path: Path, target: TargetModel) -> None:
+    """safetensors writes model.safetensors through a private temporary file (0600), whose mode the export
+    kept: a serving process of another user could not read the weights."""
+    umask = os.umask(0o022)
+    try:
+        out = export_tiny(tmp_path, target)
+    finally:
+        os.umask(umask)
+    modes = {path.name: stat.S_IMODE(path.stat().st_mode) for path in out.iterdir()}
+    assert modes == dict.fromkeys(modes, 0o644) and "model.safetensors" in modes
+
+
+def test_sharded_weights_are_readable_by_everyone_too(tmp_path: Path) -> None:
+    write_tensors({"a": torch.zeros(64), "b": torch.ones(64)}, tmp_path, max_shard_bytes=256)
+    assert {stat.S_IMODE(p.stat().st_mode) for p in tmp_path.glob("*.safetensors")} == {0o644}
+    assert len(list(tmp_path.glob("*.safetensors"))) == 2
 
 
 @pytest.mark.parametrize("block_size", [1, 4, 16])

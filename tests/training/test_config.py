@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import pathlib
 import re
 import shlex
@@ -9,11 +10,20 @@ import shlex
 import pytest
 import yaml
 
+from dflash_train.training import config as config_module
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import check_deepspeed_accumulation
 from tests.helpers.paths import REPO
 
 RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+def test_the_module_docstrings_example_loads() -> None:
+    """The usage example named fields that do not exist (`training.lr`, `data.online`)."""
+    call = re.search(r"load_config\((.*)\)", config_module.__doc__ or "")
+    assert call is not None
+    recipe, overrides = ast.literal_eval(f"({call.group(1)})")
+    load_config(str(REPO / recipe), overrides)  # an unknown key would be a ValueError
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=lambda p: p.name)
