@@ -22,13 +22,14 @@ Self-contained: imports only torch and transformers (4.57 and 5.x).
 
 from __future__ import annotations
 
+import copy
 import inspect
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PreTrainedModel, Qwen3Config
-from transformers.cache_utils import DynamicCache
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 # ----------------------------------------------------------------------------------------------
 # Config: DFlash settings live at top level (block_size, num_target_layers) and in dflash_config.
@@ -56,30 +57,23 @@ def dflash_settings(config: Qwen3Config) -> tuple[int, list[int], int]:
     return int(mask), [int(i) for i in layer_ids], int(block_size)
 
 
-def rope_inverse_frequencies(config: Qwen3Config) -> torch.Tensor:
-    """RoPE inverse frequencies [head_dim / 2] (fp32) for rope types default, linear and llama3."""
+def rope_frequencies(config: Qwen3Config) -> tuple[torch.Tensor, float]:
+    """(RoPE inverse frequencies [head_dim / 2] in fp32, the factor cos and sin are scaled by): default RoPE,
+    or transformers' own functions for linear, llama3 and YaRN (whose factor, its attention temperature, is
+    not 1)."""
     params = getattr(config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:  # transformers 5 layout
         theta, scaling = params["rope_theta"], params
     else:  # transformers 4 layout
         theta, scaling = config.rope_theta, getattr(config, "rope_scaling", None) or {}
-    dim = config.head_dim
-    inv_freq = 1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
-        return inv_freq.float()
-    if rope_type == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if rope_type == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * torch.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(mid, blended, out).float()
-    raise ValueError(f"rope type {rope_type!r} is not supported by this drafter (default, linear, llama3)")
+        dim = config.head_dim
+        return (1.0 / (float(theta) ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))).float(), 1.0
+    if rope_type not in ("linear", "llama3", "yarn"):
+        raise ValueError(f"rope type {rope_type!r} is not supported by this drafter (default, linear, llama3, yarn)")
+    inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(factor)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -100,11 +94,12 @@ class DFlashRMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
-    """positions [b, T] -> cos, sin [b, T, head_dim]."""
+def rope_cos_sin(rope: tuple[torch.Tensor, float], positions: torch.Tensor, dtype: torch.dtype):
+    """rope (inverse frequencies, factor), positions [b, T] -> cos, sin [b, T, head_dim]."""
+    inv_freq, factor = rope
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)
     emb = torch.cat([freqs, freqs], dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * factor).to(dtype), (emb.sin() * factor).to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -254,10 +249,10 @@ class DFlashDraftModel(PreTrainedModel):
         if position_ids is None:
             start = cache.get_seq_length()
             position_ids = torch.arange(start, start + c_len + q_len, device=noise_embedding.device)[None].expand(b, -1)
-        inv_freq = rope_inverse_frequencies(self.config)
+        rope = rope_frequencies(self.config)
         context = self.hidden_norm(self.fc(target_hidden.to(dtype)))  # [b, C, H]
-        ctx_cos, ctx_sin = rope_cos_sin(inv_freq, position_ids[:, :c_len], dtype)
-        cos, sin = rope_cos_sin(inv_freq, position_ids[:, c_len:], dtype)
+        ctx_cos, ctx_sin = rope_cos_sin(rope, position_ids[:, :c_len], dtype)
+        cos, sin = rope_cos_sin(rope, position_ids[:, c_len:], dtype)
         h = noise_embedding.to(dtype)
         for index, layer in enumerate(self.layers):
             k, v = layer.self_attn.key_values(context, ctx_cos, ctx_sin)
@@ -307,7 +302,7 @@ class DFlashDraftModel(PreTrainedModel):
                 if token in stop:
                     committed = committed[: index + 1]
                     break
-            verifier.rollback(start + accepted + 1)
+            verifier.rollback(start + accepted + 1, block[:, : accepted + 1], positions[:, : accepted + 1])
             pending, pending_pos = features[:, : accepted + 1], positions[:, : accepted + 1]
             start += accepted + 1
             tokens.extend(committed)
@@ -350,7 +345,8 @@ class _Verifier:
 
     def __init__(self, target: nn.Module, layer_ids: list[int], temperature: float) -> None:
         self.target, self.layer_ids, self.temperature = target, layer_ids, float(temperature)
-        self.cache = DynamicCache()
+        self.cache = None  # the model builds its own cache class on the first run (hybrid models need theirs)
+        self.snapshot = None  # the cache before the last block, where a cache that cannot be cut goes back to
         # transformers >= 5.2x names the cache argument `cache`, older versions `past_key_values`.
         self.cache_arg = "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
         self.embed = target.get_input_embeddings()
@@ -361,8 +357,9 @@ class _Verifier:
 
         Feature k is the output of decoder layer k = hidden_states[k + 1] (ids never reach the last
         layer, whose hidden state is taken after the final norm)."""
-        out = self.target(input_ids=ids, position_ids=positions, use_cache=True, output_hidden_states=True,
-                          **{self.cache_arg: self.cache})
+        if self.cache is not None and not self.crops:
+            self.snapshot = copy.deepcopy(self.cache)
+        out = self._forward(ids, positions, output_hidden_states=True)
         features = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1)
         return out.logits.float(), features
 
@@ -395,8 +392,29 @@ class _Verifier:
             return 0, self.pick(logits[:1])[0]
         return speculative_accept(drafts, q, self.probs(logits))
 
-    def rollback(self, length: int) -> None:
-        """Drop cached positions >= length; a negative `crop` means "remove this many" on every version."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, **kwargs) -> object:
+        out = self.target(input_ids=ids, position_ids=positions, use_cache=True, **{self.cache_arg: self.cache},
+                          **kwargs)
+        self.cache = out.past_key_values
+        return out
+
+    @property
+    def crops(self) -> bool:
+        """Whether every cache layer keeps all past keys and values, so that cutting it is exact (sliding
+        windows, linear attention, convolution and Mamba states cannot be cut back)."""
+        layers = getattr(self.cache, "layers", None)
+        return bool(layers) and hasattr(self.cache, "crop") and all(
+            type(layer).__name__ == "DynamicLayer" for layer in layers)
+
+    def rollback(self, length: int, committed: torch.Tensor, positions: torch.Tensor) -> None:
+        """Keep the cache's first `length` positions, the last block's `committed` tokens [1, a+1] at
+        `positions` included: cut it (a negative `crop` means "remove this many" on every version), or go
+        back to the copy taken before the block and read the committed tokens again."""
         excess = self.cache.get_seq_length() - length
-        if excess > 0:
+        if excess <= 0:
+            return
+        if self.crops:
             self.cache.crop(-excess)
+            return
+        self.cache = self.snapshot
+        self._forward(committed, positions)

@@ -1,5 +1,6 @@
 """Show how a drafter would attach to a target: its shape, the default target layer ids, and the
-mask token that the resolution order picks.
+mask token that the resolution order picks; the target's layer mix (attention, sliding window, linear attention,
+convolution, Mamba; experts), which decode path runs it, and whether packed training rows are exact for it.
 
     dflash-train inspect --target smollm2-135m-instruct
     dflash-train inspect --target Qwen/Qwen3-8B --num-draft-layers 5 --block-size 16
@@ -11,7 +12,9 @@ import argparse
 
 from dflash_train.commands.data_args import add_target_argument, positive_int
 from dflash_train.models import DFlashConfig
+from dflash_train.runtime.static_target import supports
 from dflash_train.target import choose_mask_token, load_target
+from dflash_train.target.architecture import architecture, packing_problem
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,11 +32,16 @@ def run(args: argparse.Namespace) -> int:
         target.config, mask_token_id=choice.id, num_hidden_layers=args.num_draft_layers,
         block_size=args.block_size,
     )
+    arch = architecture(target.config)
     rows = [
         ("target", args.target),
         ("architecture", type(target.model).__name__),
         ("layers / hidden / vocab rows", f"{target.num_layers} / {target.hidden_size} / {target.vocab_size}"),
         ("tied embeddings", str(target.embeddings_tied)),
+        ("decoder layers", arch.summary),
+        ("decode path", "static-cache runtime" if supports(target)
+         else "the model's own forward and caches (exact, slower)"),
+        ("packed training rows", f"refused: {problem}" if (problem := packing_problem(arch)) else "exact"),
         ("target_layer_ids", str(config.target_layer_ids)),
         ("mask token", f"{choice.id} {choice.token!r} (rule: {choice.rule})"),
         ("drafter", f"{config.num_hidden_layers} layers, block {config.block_size}, "

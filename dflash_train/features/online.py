@@ -110,6 +110,18 @@ class OnlineFeatures:
                 features, final = packed_features_and_final_states(self.target, ids, positions, self.layer_ids)
             return features.to(torch.bfloat16), final
 
+    def packing_error(self, vocab_size: int, lengths: tuple[int, int], device: torch.device) -> float:
+        """Relative error of the packed pass's features against each chat's own pass, on two random chats of
+        `lengths` in one row: 0 up to rounding where the attention keeps chats (and windows) apart."""
+        gen = torch.Generator().manual_seed(0)
+        chats = [torch.randint(vocab_size, (1, n), generator=gen) for n in lengths]
+        ids = torch.cat(chats, dim=1).to(device)
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        packed, _ = self._target_features({"input_ids": ids, "position_ids": positions.to(device)}, ids.shape[1],
+                                          self.attention, positions)
+        alone = torch.cat([self.target_pass(chat.to(device), None, None)[0] for chat in chats], dim=1)
+        return float((packed.float() - alone.float()).norm() / alone.float().norm().clamp_min(1e-12))
+
     def _graphed_pass(self, ids: torch.Tensor, positions: torch.Tensor,
                       host_positions: torch.Tensor) -> Features | None:
         """The packed pass replayed from the CUDA graphs, or None after a failure, which turns the graphs off

@@ -81,9 +81,11 @@ def use_sequences(sequences: PackedSequences) -> Iterator[PackedSequences]:
 @torch.compiler.disable
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                     **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """Hugging Face's attention-function contract: query [b, H, S, D], key/value [b, H_kv, S, D] ->
-    ([b, S, H, D], None), each chat of `packed_sequences` attending causally to itself."""
+                     sliding_window: int | None = None, softcap: float | None = None,
+                     s_aux: torch.Tensor | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Hugging Face's attention-function contract: query [b, H, S, D], key [b, H_kv, S, D], value [b, H_kv, S,
+    Dv] -> ([b, S, H, Dv], None), each chat of `packed_sequences` attending causally to itself; a layer's
+    sliding window, logit soft-cap and sink logits (`s_aux` [H]) apply as in the model's own attention."""
     sequences: PackedSequences | None = getattr(_current, "sequences", None)
     if sequences is None:
         raise RuntimeError(f"the {VARLEN} attention runs inside dflash_train.features.varlen.packed_sequences(...)")
@@ -91,30 +93,64 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
         raise ValueError(f"the {VARLEN} attention has no dropout: run the target in eval mode")
     rows, heads, length, dim = query.shape
     scale = dim ** -0.5 if scaling is None else scaling
-    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], dim) for t in (query, key, value)]  # [T, h, D]
-    kernel = _kernel(query.device, scale, dim, query.dtype)
-    out = kernel(*flat, sequences, scale) if kernel else _per_sequence(*flat, sequences, scale)
-    return out.view(rows, length, heads, dim), None
+    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    extras = Extras(sliding_window, softcap, s_aux)
+    kernel = None if extras.softcap or extras.sinks is not None else _kernel(query.device, scale, dim, query.dtype,
+                                                                              extras.window)
+    out = kernel(*flat, sequences, scale) if kernel else _per_sequence(*flat, sequences, scale, extras)
+    return out.view(rows, length, heads, value.shape[-1]), None
+
+
+@dataclass(frozen=True)
+class Extras:
+    """What some layers add to plain causal attention: a window (a query sees keys less than `window` tokens
+    back, transformers' convention), tanh soft-capping of the logits, one learned sink logit per head."""
+
+    window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
 
 
 def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequences: PackedSequences,
-                  scale: float) -> torch.Tensor:
-    """Each chat through SDPA on its own ([T, h, D] -> [T, H, D]): the fallback, and the tests' reference."""
-    out = torch.empty_like(query)
+                  scale: float, extras: Extras = Extras()) -> torch.Tensor:
+    """Each chat on its own ([T, h, D] -> [T, H, Dv]): the fallback, and the tests' reference."""
+    out = query.new_empty(query.shape[0], query.shape[1], value.shape[-1])
     groups = query.shape[1] // key.shape[1]
     for start, end in zip(sequences.bounds, sequences.bounds[1:], strict=False):
         if end == start:  # an empty chat: the unused capacity of features/graphed.py's boundaries
             continue
         q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))  # [h, n, D]
         k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
-        out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
+        if extras == Extras():
+            chat = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        else:
+            chat = _eager(q, k, v, scale, extras)
+        out[start:end] = chat.transpose(0, 1)
     return out
 
 
-def _kernel(device: torch.device, scale: float, dim: int,
-            dtype: torch.dtype = torch.bfloat16) -> Callable[..., torch.Tensor] | None:
+def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, extras: Extras) -> torch.Tensor:
+    """One chat's attention [h, n, D] with a window, soft-cap or sinks, as transformers' eager attention."""
+    logits = (q @ k.transpose(-1, -2)).float() * scale  # [h, n, n]
+    if extras.softcap:
+        logits = torch.tanh(logits / extras.softcap) * extras.softcap
+    n = q.shape[1]
+    query_at, key_at = torch.arange(n, device=q.device)[:, None], torch.arange(n, device=q.device)[None]
+    visible = key_at <= query_at
+    if extras.window:
+        visible = visible & (key_at > query_at - extras.window)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    if extras.sinks is None:
+        return (logits.softmax(-1) @ v.float()).to(v.dtype)
+    sink = extras.sinks.float().reshape(-1, 1, 1).expand(-1, n, 1)  # [h, n, 1]: a logit no value goes with
+    weights = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
+    return (weights @ v.float()).to(v.dtype)
+
+
+def _kernel(device: torch.device, scale: float, dim: int, dtype: torch.dtype = torch.bfloat16,
+            window: int | None = None) -> Callable[..., torch.Tensor] | None:
     """PyTorch's varlen kernel as `(q, k, v, sequences, scale) -> out`, or None where it cannot run this call
-    (off CUDA, not bf16/fp16, a PyTorch without it, or a scale its signature cannot take)."""
+    (off CUDA, not bf16/fp16, a PyTorch without it, a scale or a window its signature cannot take)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
     found = _varlen_kernel()
@@ -123,12 +159,14 @@ def _kernel(device: torch.device, scale: float, dim: int,
     varlen_attn, parameters = found
     if "scale" not in parameters and abs(scale - dim ** -0.5) > 1e-12 * scale:
         return None  # an older kernel fixes the scale at 1/sqrt(D)
+    if window is not None and "window_size" not in parameters:
+        return None
 
     def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequences: PackedSequences,
              scale: float) -> torch.Tensor:
         extra: dict[str, Any] = {"scale": scale} if "scale" in parameters else {}
-        if "window_size" in parameters:
-            extra["window_size"] = (-1, 0)  # causal
+        if "window_size" in parameters:  # (keys back, keys ahead): causal, within the window if any
+            extra["window_size"] = (-1 if window is None else window - 1, 0)
         else:
             extra["is_causal"] = True
         if query.shape[1] != key.shape[1]:

@@ -7,10 +7,21 @@ DFlash-specific ones (`block_size`, `num_target_layers`, `target_layer_ids`, `ma
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_train.features.layer_ids import default_target_layer_ids, validate_drafter_layer_ids
+
+logger = logging.getLogger(__name__)
+
+# Rope types a drafter follows its target in: transformers (the drafter's rotary embedding, the exported remote
+# code) and the serving runtimes that read config.json compute each of them the same way.
+DRAFTER_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+
+
+def rope_type_of(scaling: dict[str, Any] | None) -> str:
+    return str((scaling or {}).get("rope_type", (scaling or {}).get("type", "default")))
 
 
 @dataclass
@@ -76,7 +87,7 @@ class DFlashConfig:
             num_attention_heads=heads,
             num_key_value_heads=getattr(text_config, "num_key_value_heads", None) or heads,
             head_dim=head_dim,
-            intermediate_size=text_config.intermediate_size,
+            intermediate_size=drafter_intermediate_size(text_config),
             vocab_size=text_config.vocab_size,
             num_target_layers=text_config.num_hidden_layers,
             mask_token_id=mask_token_id,
@@ -102,14 +113,36 @@ class DFlashConfig:
         return cls(**values)
 
 
+def drafter_intermediate_size(text_config: Any) -> int:
+    """The drafter's MLP width: the target's dense MLP width where it has one (MoE configs name it too, for
+    their dense layers or as the expert size), else the width of its active experts together."""
+    width = getattr(text_config, "intermediate_size", None)
+    if width:
+        return int(width)
+    expert, active = getattr(text_config, "moe_intermediate_size", None), getattr(text_config, "num_experts_per_tok", None)
+    if expert and active:
+        return int(expert) * int(active)
+    raise ValueError(f"The target config ({getattr(text_config, 'model_type', '?')}) names no MLP width "
+                     "(intermediate_size, or moe_intermediate_size and num_experts_per_tok) to size the "
+                     "drafter's MLP after: add intermediate_size to the target's config.json.")
+
+
 def _rope_settings(text_config: Any) -> tuple[float, dict[str, Any] | None]:
-    """Read rope theta and scaling from either transformers 4.x or 5.x style configs."""
+    """The target's rope theta and scaling (transformers 4.x or 5.x configs), as the drafter will use them."""
     params = getattr(text_config, "rope_parameters", None)
     if isinstance(params, dict) and "rope_theta" in params:
         scaling = {k: v for k, v in params.items() if k != "rope_theta"}
-        if scaling.get("rope_type", "default") == "default":
-            scaling = None
-        return float(params["rope_theta"]), scaling
-    theta = float(getattr(text_config, "rope_theta", 10000.0))
-    scaling = getattr(text_config, "rope_scaling", None)
-    return theta, dict(scaling) if scaling else None
+        theta = float(params["rope_theta"])
+    else:
+        theta = float(getattr(text_config, "rope_theta", 10000.0))
+        scaling = dict(getattr(text_config, "rope_scaling", None) or {})
+    rope_type = rope_type_of(scaling)
+    if rope_type == "default":
+        return theta, None
+    if rope_type not in DRAFTER_ROPE_TYPES:
+        # The drafter's rotation only relates its block to the context it attends to, so it need not be the
+        # target's; a type that serving runtimes compute differently would make served drafts differ.
+        logger.warning("The target's rope type %r is not one a drafter follows (%s): the drafter uses plain RoPE "
+                       "with theta %g instead.", rope_type, ", ".join(DRAFTER_ROPE_TYPES), theta)
+        return theta, None
+    return theta, scaling

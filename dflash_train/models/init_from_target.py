@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.models.config import drafter_intermediate_size
 from dflash_train.models.draft import DFlashDraftModel
 
 # Per-head query/key norms: Qwen3 layers have them, Llama layers do not.
@@ -33,7 +34,7 @@ def _target_shape(target_config: Any) -> dict[str, Any]:
         "hidden_size": text.hidden_size, "num_attention_heads": heads,
         "num_key_value_heads": getattr(text, "num_key_value_heads", None) or heads,
         "head_dim": getattr(text, "head_dim", None) or text.hidden_size // heads,
-        "intermediate_size": text.intermediate_size, "hidden_act": getattr(text, "hidden_act", "silu"),
+        "intermediate_size": drafter_intermediate_size(text), "hidden_act": getattr(text, "hidden_act", "silu"),
     }
 
 

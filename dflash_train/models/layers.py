@@ -7,16 +7,17 @@ attention goes through `attend`, which takes the DFlash mask (dense or flex) ins
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import Qwen3Config
+from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from dflash_train.models.attention import AttentionMask, attend
-from dflash_train.models.config import DFlashConfig
+from dflash_train.models.config import DRAFTER_ROPE_TYPES, DFlashConfig, rope_type_of
 
 
 class RMSNorm(nn.Module):
@@ -32,31 +33,35 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
-def rope_inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies of RoPE for the rope types DFlash targets use (default, linear, llama3)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    rope_type = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+def rope_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None,
+                     max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """(RoPE inverse frequencies [head_dim / 2] in fp32, the factor cos and sin are scaled by).
+
+    The scaled types come from transformers' own rope functions, so the drafter rotates exactly as a
+    Hugging Face model with the same settings does; YaRN's factor (its attention temperature) is not 1."""
+    rope_type = rope_type_of(scaling)
     if rope_type == "default":
-        return inv_freq.float()
-    if rope_type == "linear":
-        return (inv_freq / scaling["factor"]).float()
-    if rope_type == "llama3":
-        # Llama-3.1: keep high frequencies, divide low ones by `factor`, blend in between.
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(mid, blended, out).float()
-    raise ValueError(f"rope type {rope_type!r} is not supported by the drafter; use default, linear or llama3")
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
+        return inv_freq.float(), 1.0
+    if rope_type not in DRAFTER_ROPE_TYPES:
+        raise ValueError(f"rope type {rope_type!r} is not supported by the drafter; use one of "
+                         f"{', '.join(DRAFTER_ROPE_TYPES)}")
+    params = {key: value for key, value in (scaling or {}).items() if key != "type"}
+    params["rope_type"] = rope_type
+    # rope_theta and rope_scaling: the arguments transformers 4.x reads, and 5.x turns into rope_parameters
+    config = Qwen3Config(hidden_size=head_dim, num_attention_heads=1, head_dim=head_dim, rope_theta=theta,
+                         rope_scaling=params, max_position_embeddings=max_position_embeddings)
+    with torch.device("cpu"):  # also when the model is built on the meta device, to be loaded into
+        inv_freq, factor = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    return inv_freq.float(), float(factor)
 
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
-        inv_freq = rope_inverse_frequencies(config.head_dim, config.rope_theta, config.rope_scaling)
+        inv_freq, self.attention_factor = rope_frequencies(config.head_dim, config.rope_theta, config.rope_scaling,
+                                                           config.max_position_embeddings)
+        inv_freq = inv_freq.to(torch.empty(0).device)  # computed on the CPU; kept where the model is being built
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._exact_inv_freq = inv_freq
 
@@ -72,7 +77,7 @@ class RotaryEmbedding(nn.Module):
         """positions [b, T] -> (cos, sin), each [b, T, head_dim]."""
         freqs = positions.float()[..., None] * self.inv_freq.float()
         emb = torch.cat([freqs, freqs], dim=-1)
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        return (emb.cos() * self.attention_factor).to(dtype), (emb.sin() * self.attention_factor).to(dtype)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

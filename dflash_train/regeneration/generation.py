@@ -11,6 +11,7 @@ batch (correct, slower; its sampled draws then depend on the group's first seed)
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -20,8 +21,10 @@ from torch import nn
 from dflash_train.runtime.config import EngineConfig
 from dflash_train.runtime.engine import DecodeEngine, RunStats
 from dflash_train.runtime.state import RequestOutput
-from dflash_train.runtime.static_target import supports
+from dflash_train.runtime.static_target import model_type, supports
 from dflash_train.target import TargetModel
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +44,10 @@ class Generator:
     def __init__(self, target: TargetModel, config: EngineConfig, pad_id: int = 0) -> None:
         self.target, self.config, self.pad_id = target, config, pad_id
         self.engine = DecodeEngine(target, None, config) if supports(target) else None
+        if self.engine is None:
+            logger.warning("The static-cache runtime does not run %r targets: regenerating through Hugging Face "
+                           "generate, one left-padded batch per group (exact, slower; docs/architectures.md).",
+                           model_type(target))
         self.stats = RunStats()
 
     def submit(self, prompts: Sequence[Sequence[int]], seeds: Sequence[int]) -> Callable[[], list[Generated]]:

@@ -59,6 +59,7 @@ from dflash_train.kernels.greedy_verify import (
 )
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
+from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.runtime.loop_stop import LoopDetector
 from dflash_train.runtime.sampling import (
     probabilities,
@@ -71,7 +72,7 @@ from dflash_train.runtime.sampling import (
 )
 from dflash_train.runtime.state import DecodeState, RequestOutput
 from dflash_train.runtime.static_draft import StaticDrafter
-from dflash_train.runtime.static_target import StaticTarget
+from dflash_train.runtime.static_target import StaticTarget, model_type, supports
 from dflash_train.target import TargetModel
 
 logger = logging.getLogger(__name__)
@@ -115,9 +116,25 @@ class _Request:
     on_finish: Callable[[int, RequestOutput], None] | None
 
 
+_announced: set[str] = set()
+
+
+def make_runner(target: TargetModel, config: EngineConfig, kernels: str) -> StaticTarget | HFCacheTarget:
+    """The static runner where it covers the architecture, else the target's own forward and caches (said once
+    per architecture: that path is exact but much slower)."""
+    if supports(target):
+        return StaticTarget(target, config.batch_size, config.max_length, kernels=kernels,
+                            skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused")
+    if model_type(target) not in _announced:
+        _announced.add(model_type(target))
+        logger.warning("The static-cache runtime does not run %r targets: decoding through the model's own forward "
+                       "and caches (exact, slower; docs/architectures.md).", model_type(target))
+    return HFCacheTarget(target, config.batch_size, config.max_length)
+
+
 class DecodeEngine:
     def __init__(self, target: TargetModel, draft: DFlashDraftModel | None, config: EngineConfig,
-                 runner: StaticTarget | None = None, refuse_drafts: bool = False) -> None:
+                 runner: StaticTarget | HFCacheTarget | None = None, refuse_drafts: bool = False) -> None:
         """`draft`: None for the target alone (one token per step). `refuse_drafts`: the target alone through
         the verify pass of a run with `draft` (the exact lossless baseline, module docstring; greedy only):
         the drafter's block size, mask token and feature layers are used, the drafter itself never runs."""
@@ -134,8 +151,7 @@ class DecodeEngine:
         # the drafted run's own call (same arguments, same compiled graph), or the compiler may fuse it apart.
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
-            runner = StaticTarget(target, config.batch_size, config.max_length, kernels=self.kernels,
-                                  skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused")
+            runner = make_runner(target, config, self.kernels)
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
                                      config.draft_attention, fused_products=runner.matmul == "fused",
@@ -155,7 +171,7 @@ class DecodeEngine:
         self.compile_error: str | None = None
         self._flag_ring: list[torch.Tensor] | None = None
         wants_compile = config.compile if config.compile is not None else self.device.type == "cuda"
-        self._compile = bool(wants_compile)
+        self._compile = bool(wants_compile) and getattr(runner, "graphable", True)
         self._compiled_embed: Callable[[torch.Tensor], torch.Tensor] | None = None
         self._requests: dict[int, _Request] = {}
         self._waves: deque[list[int]] = deque()
@@ -264,7 +280,7 @@ class DecodeEngine:
                 raise
             self.compile_error = f"{type(error).__name__}: {error}"
             self._recover_from_compile_error()
-        if self.device.type == "cuda" and self.config.cuda_graphs:
+        if self.device.type == "cuda" and self.config.cuda_graphs and getattr(self.runner, "graphable", True):
             self._capture()
 
     def _recover_from_compile_error(self) -> None:

@@ -101,16 +101,21 @@ def fused_projections(layer: nn.Module) -> dict[str, Any]:
     if cached is None or not _still_views(layer, cached):
         attn, mlp = layer.self_attn, layer.mlp
         qkv, qkv_bias = fuse_linears([attn.q_proj, attn.k_proj, attn.v_proj])
-        gate_up, gate_up_bias = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        gate_up, gate_up_bias = fuse_linears([mlp.gate_proj, mlp.up_proj]) if swiglu_mlp(layer) else (None, None)
         cached = {"qkv": qkv, "qkv_bias": qkv_bias, "gate_up": gate_up, "gate_up_bias": gate_up_bias}
         object.__setattr__(layer, FUSED_ATTRIBUTE, cached)  # a plain attribute: not a parameter or buffer
     return cached
 
 
 def _still_views(layer: nn.Module, cached: dict[str, Any]) -> bool:
-    return (layer.self_attn.q_proj.weight.data_ptr() == cached["qkv"].data_ptr()
-            and layer.mlp.gate_proj.weight.data_ptr() == cached["gate_up"].data_ptr()
+    gate_up_views = cached["gate_up"] is None or layer.mlp.gate_proj.weight.data_ptr() == cached["gate_up"].data_ptr()
+    return (layer.self_attn.q_proj.weight.data_ptr() == cached["qkv"].data_ptr() and gate_up_views
             and layer.self_attn.q_proj.weight.dtype == cached["qkv"].dtype)
+
+
+def swiglu_mlp(layer: nn.Module) -> bool:
+    """Whether the layer's MLP is one gate/up/down SwiGLU (else a mixture of experts, run as the model's own)."""
+    return all(isinstance(getattr(layer.mlp, name, None), nn.Linear) for name in ("gate_proj", "up_proj", "down_proj"))
 
 
 class FusedLayer:
@@ -150,6 +155,9 @@ class FusedLayer:
 
     def _mlp(self, hidden: torch.Tensor, cache: LayerCache) -> torch.Tensor:
         x = self.layer.post_attention_layernorm(hidden)
+        if self.weights["gate_up"] is None:  # experts: the model's own block (router, experts, shared expert)
+            out = self.mlp(x)
+            return out[0] if isinstance(out, tuple) else out
         gate_up = linear(x, self.weights["gate_up"], self.weights["gate_up_bias"], cache.skinny_shapes)
         gate, up = gate_up.chunk(2, dim=-1)
         return project(self.mlp.down_proj, self.mlp.act_fn(gate) * up, cache.skinny_shapes)
@@ -329,6 +337,8 @@ def fusion_supported(layer: nn.Module) -> bool:
     """Whether `skinny_fused` reproduces the layer's norms and MLP: RMSNorms before attention and MLP, and a
     SiLU-gated MLP (transformers' `act_fn` a SiLU; the drafter's MLP, which has none, calls F.silu)."""
     width = layer.self_attn.o_proj.out_features
+    if not isinstance(layer.mlp, DraftMLP) and not swiglu_mlp(layer):
+        return False
     act = getattr(layer.mlp, "act_fn", None)
     silu = isinstance(layer.mlp, DraftMLP) if act is None else (
         act is F.silu or isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation")

@@ -61,7 +61,7 @@ from dflash_train.target.attention import attention_implementation
 
 SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
 ATTENTION_NAME = "dflash_static"
 MEMORY_HEADROOM = 0.9  # share of the free device memory the caches may take
 

@@ -11,11 +11,14 @@ from typing import Any
 import torch
 
 from dflash_train.checkpoint.io import load_draft
+from dflash_train.features import packed_attention
 from dflash_train.features.layer_ids import validate_drafter_layer_ids
+from dflash_train.features.online import OnlineFeatures
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.init_from_target import init_layers_from_target
 from dflash_train.safetensors_io import DamagedFileError
 from dflash_train.target import TargetModel, choose_mask_token, load_target
+from dflash_train.target.architecture import architecture, packing_problem
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.muon import build_muon_with_adamw
 
@@ -24,6 +27,44 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def build_target(config: TrainConfig, device: torch.device) -> TargetModel:
     return load_target(config.model.target, dtype=DTYPES[config.model.target_dtype], device=device)
+
+
+def check_packing_fits_target(config: TrainConfig, target: TargetModel) -> None:
+    """Online features of packed rows are exact only where no target layer carries state from one chat into
+    the next (offline features are extracted chat by chat, and unpacked rows hold one chat each)."""
+    if config.data.pack_tokens is None or config.data.features is not None:
+        return
+    problem = packing_problem(architecture(target.config))
+    if problem:
+        raise ValueError(f"data.pack_tokens packs several chats into one row, but {problem}: unset "
+                         "data.pack_tokens, or extract features offline (`dflash-train extract`) and train on "
+                         "data.features")
+
+
+PACKING_TOLERANCE = 0.02  # relative error of packed against chat-by-chat features: bf16 rounding stays far below
+
+
+def check_packed_features(config: TrainConfig, target: TargetModel, features: OnlineFeatures) -> None:
+    """Two chats in one row through the target's packed pass must give each chat's own features: refuse the run
+    where they don't (an attention that ignores the chats' boundaries or a layer's window, say). The chats are
+    longer than the target's window, so a window that is ignored shows. Flex attention is compiled for the
+    training rows' shape and is not probed with another; the model's own mask code keeps chats apart under it
+    except where the attention has sink logits, whose models build their masks without the chats' positions."""
+    if config.data.pack_tokens is None or config.data.features is not None:
+        return
+    arch = architecture(target.config)
+    if features.attention == packed_attention.FLEX:
+        if arch.attention_sinks:
+            raise ValueError(f"{arch.model_type} targets mix packed chats under flex attention (their attention "
+                             "has sink logits): use training.target_attention=varlen, or unset data.pack_tokens")
+        return
+    window = arch.sliding_window or 32
+    length = max(8, min(window + 16, config.data.pack_tokens // 2))
+    error = features.packing_error(target.vocab_size, (length, length - 5), target.device)
+    if error > PACKING_TOLERANCE:
+        raise ValueError(f"packed rows give this target other features than its chats alone (relative error "
+                         f"{error:.2f} with training.target_attention={config.training.target_attention}): use "
+                         "training.target_attention=varlen, or unset data.pack_tokens")
 
 
 def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:

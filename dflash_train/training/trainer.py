@@ -50,6 +50,8 @@ from dflash_train.training.setup import (
     build_optimizer,
     build_schedule,
     build_target,
+    check_packed_features,
+    check_packing_fits_target,
 )
 from dflash_train.training.source_metrics import SourceTotals, slot_summary, source_line, source_names
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
@@ -112,6 +114,7 @@ class Trainer:
         # The data first: a missing or damaged dataset is said before the target's seconds of loading.
         self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
         self.target = build_target(config, self.accelerator.device)
+        check_packing_fits_target(config, self.target)
         if config.data.prepared is not None:
             check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
         self.train_ids, self.val_ids = split_indices(
@@ -131,6 +134,7 @@ class Trainer:
             self.target, self.draft_config.target_layer_ids,
             packed_target_attention(t.target_attention, self.accelerator.device), t.soft_targets,
             whole_rows=t.compile_target, say=self.accelerator.print)
+        check_packed_features(config, self.target, self.features)
         self._check_offline_features()
         self.model, self.optimizer, self.schedule = self._prepare_draft(draft)
         self._compile_and_capture()

@@ -33,7 +33,7 @@ def test_remote_code_imports_only_torch_and_transformers() -> None:
     source = (export_assets_dir() / "dflash.py").read_text()
     roots = {line.split()[1].split(".")[0] for line in source.splitlines()
              if line.startswith(("import ", "from ")) and not line.startswith("from __future__")}
-    assert roots <= {"inspect", "torch", "transformers"}, roots
+    assert roots <= {"copy", "inspect", "torch", "transformers"}, roots
 
 
 ROPE_SETTINGS = {
@@ -42,6 +42,8 @@ ROPE_SETTINGS = {
     "llama3": {"rope_theta": 500000.0, "rope_scaling": {
         "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 64}},
+    "yarn": {"rope_theta": 1000000.0, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}},
 }
 
 

@@ -1,0 +1,65 @@
+"""`benchmarks/any_target.py` runs end to end on the toy Qwen3-MoE on a CPU (its GPU figures come from the real
+shapes), writes every figure it promises, and counts a decode step's bytes as a hand count of the config does:
+attention, norms, router, only the active experts, one embedding row and the head."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks.any_target import TINY_MOE, main
+
+LAYERS = 2
+FLOAT32 = 4
+
+
+def layer_weights(experts: int) -> int:
+    """Parameters of one toy Qwen3-MoE decoder layer whose experts count `experts` of them."""
+    hidden, heads, kv_heads, head_dim = (TINY_MOE[key] for key in ("hidden_size", "num_attention_heads",
+                                                                  "num_key_value_heads", "head_dim"))
+    width = TINY_MOE["moe_intermediate_size"]
+    attention = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim + 2 * head_dim  # q, o, k, v, q/k norms
+    norms = 2 * hidden
+    router = TINY_MOE["num_experts"] * hidden
+    expert = 3 * hidden * width  # gate, up, down
+    return attention + norms + router + experts * expert
+
+
+def test_any_target_benchmark_on_the_tiny_moe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))  # never the committed results
+    main(["--shape", "tiny-moe", "--layers", str(LAYERS), "--batch", "1", "--batch", "2", "--new-tokens", "3",
+          "--prompt-tokens", "8", "--block-size", "4", "--warmup", "0", "--iters", "2", "--repeats", "1",
+          "--device", "cpu"])
+    result = json.loads((tmp_path / "any_target-tiny-moe.json").read_text())
+    assert result["layers"] == LAYERS and result["published_layers"] == TINY_MOE["num_hidden_layers"]
+    assert result["complete"] and result["skipped"] == []
+    for key in ("device", "date", "commit"):
+        assert result[key]
+
+    hidden, vocab = TINY_MOE["hidden_size"], TINY_MOE["vocab_size"]
+    active = LAYERS * layer_weights(TINY_MOE["num_experts_per_tok"]) + hidden + hidden + vocab * hidden
+    assert result["active_bytes_per_step"] == FLOAT32 * active  # layers, final norm, embedding row, lm_head
+    total = LAYERS * layer_weights(TINY_MOE["num_experts"]) + hidden + 2 * vocab * hidden
+    assert result["weight_bytes"] == FLOAT32 * total
+    assert result["copy_bandwidth"] > 0
+    assert result["floor_ms"] == pytest.approx(result["active_bytes_per_step"] / result["copy_bandwidth"] * 1e3)
+
+    assert set(result["batches"]) == {"1", "2"}
+    for rows, point in result["batches"].items():
+        for key in ("hf_tokens_per_s", "hf_step_ms", "engine_tokens_per_s", "engine_step_ms", "dflash_cycle_ms",
+                    "floor_ms", "engine_step_over_floor", "dflash_cycle_over_engine_step"):
+            assert point[key] > 0, (rows, key)
+        for name in ("hf", "engine", "dflash"):
+            assert f"{name}_peak_bytes" in point  # None on a CPU
+        assert point["engine_runner"] == point["dflash_runner"] == "HFCacheTarget"  # --runner hf, the default
+    # two rows reach more experts than one
+    assert result["batches"]["2"]["bytes_per_step"] > result["batches"]["1"]["bytes_per_step"]
+    assert result["batches"]["1"]["bytes_per_step"] == result["active_bytes_per_step"]
+
+
+def test_budget_skips_the_measurements_left(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    assert main(["--shape", "tiny-moe", "--layers", str(LAYERS), "--budget-s", "0", "--device", "cpu"]) == []
+    assert not (tmp_path / "any_target-tiny-moe.json").exists()

@@ -1,0 +1,33 @@
+"""`inspect` on every architecture users train drafters for: the layer mix, the decode path and whether packed
+rows are exact, in lines of their own, never a traceback."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from dflash_train.cli import main
+from tests.helpers.tiny_models import TINY_EMBEDDING_ROWS, make_tiny_tokenizer
+from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
+
+STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral")
+
+
+@pytest.mark.parametrize("name", TINY_TARGETS)
+def test_inspect_names_the_layer_mix_the_decode_path_and_packing(
+        name: str, tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str]) -> None:
+    build_tiny_target(name, TINY_EMBEDDING_ROWS).save_pretrained(tmp_path)
+    make_tiny_tokenizer().save_pretrained(tmp_path)
+    assert main(["inspect", "--target", str(tmp_path), "--num-draft-layers", "1"]) == 0
+    out = capsys.readouterr().out
+    lines = dict(line.split("  ", 1) for line in out.splitlines() if "  " in line)
+    kinds = lines["decoder layers"].strip()
+    assert kinds[0] in "1234" and any(kind in kinds for kind in ("attention", "conv", "hybrid"))
+    fast = name in STATIC_RUNTIME
+    assert lines["decode path"].strip() == ("static-cache runtime" if fast else
+                                            "the model's own forward and caches (exact, slower)")
+    recurrent = name in TINY_TARGET_FAMILIES["hybrid"]
+    assert lines["packed training rows"].strip().startswith("refused" if recurrent else "exact")
+    if name in TINY_TARGET_FAMILIES["moe"]:
+        assert "MoE 4 experts, 2 active" in kinds

@@ -1,0 +1,137 @@
+"""Decoding on every architecture users train drafters for: the engine over the target's own forward and
+caches (`runtime/hf_target.py`) where the static runner does not reach, against the target's own greedy
+decoding by Hugging Face `generate` and its own hidden states.
+
+Drafts come from the target's greedy continuation with deterministic errors (`OracleEngine`), so cycles accept
+anything from 1 to B tokens and every rollback path (crop, or replay from a copy) is taken."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dflash_train.models import DFlashConfig, DFlashDraftModel
+from dflash_train.runtime import engine as engine_module
+from dflash_train.runtime.engine import DecodeEngine, EngineConfig, make_runner
+from dflash_train.runtime.hf_target import HFCacheTarget
+from dflash_train.runtime.static_target import supports
+from dflash_train.target import TargetModel
+from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
+from tests.runtime.test_engine import OracleEngine
+
+VOCAB = 256
+BLOCK = 6
+NEW_TOKENS = 24
+# Replay: a window or a recurrent state cannot be cut back; the rest keep every key and value.
+REPLAYED = set(TINY_TARGET_FAMILIES["sliding"]) | set(TINY_TARGET_FAMILIES["hybrid"])
+
+
+def tiny(name: str) -> TargetModel:
+    return TargetModel(build_tiny_target(name, VOCAB), None)
+
+
+def make_draft(target: TargetModel, block_size: int) -> DFlashDraftModel:
+    """A random drafter sized after the target (its mask token the last id: the tiny targets have no tokenizer)."""
+    torch.manual_seed(0)
+    config = DFlashConfig.from_target_config(target.config, mask_token_id=VOCAB - 1, num_hidden_layers=2,
+                                             block_size=block_size, target_layer_ids=[1, 2])
+    return DFlashDraftModel(config).eval()
+
+
+def greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
+    """Hugging Face `generate`'s greedy continuation: the model's own loop and cache, nothing of ours."""
+    ids = torch.tensor([prompt])
+    out = target.model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
+                                attention_mask=torch.ones_like(ids))
+    return out[0, len(prompt):].tolist()
+
+
+def prompt_of(length: int, seed: int) -> list[int]:
+    return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("name", TINY_TARGETS)
+def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> None:
+    """Blocks whose first a drafts are right: the runner's argmax at slots 0..a is the greedy continuation and
+    its features there are the model's hidden states, however far the previous block reached past them."""
+    target = tiny(name)
+    prompt = prompt_of(20, 0)
+    tokens = prompt + greedy(target, prompt, 30)
+    full = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+    layer_ids = [1, 2]
+    runner = HFCacheTarget(target, 1, 128)
+    first = runner.forward(torch.tensor([prompt]), torch.arange(20)[None], feature_layer_ids=layer_ids)
+    assert int(first.logits[0, -1].argmax()) == tokens[20]
+    gen, p = torch.Generator().manual_seed(1), 20
+    while p + BLOCK < len(tokens):
+        accepted = int(torch.randint(0, BLOCK, (1,), generator=gen))
+        wrong = torch.randint(3, VOCAB, (BLOCK - 1 - accepted,), generator=gen).tolist()
+        block = tokens[p: p + accepted + 1] + wrong
+        out = runner.forward(torch.tensor([block]), torch.arange(p, p + BLOCK)[None], feature_layer_ids=layer_ids)
+        assert out.logits[0, : accepted + 1].argmax(-1).tolist() == tokens[p + 1: p + accepted + 2]
+        expected = torch.cat([full[i + 1][0, p: p + accepted + 1] for i in layer_ids], dim=-1)
+        torch.testing.assert_close(out.features[0, : accepted + 1], expected, atol=1e-4, rtol=1e-4)
+        p += accepted + 1
+    assert runner.rollback == ("replay" if name in REPLAYED else "crop")
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
+    target = tiny(name)
+    assert not supports(target)
+    batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
+    continuations = [greedy(target, p, NEW_TOKENS + BLOCK) for p in batch]
+    config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=NEW_TOKENS, max_length=64,
+                          kernels="torch")
+    engine = OracleEngine(target, make_draft(target, block_size=BLOCK), config)
+    assert isinstance(engine.runner, HFCacheTarget) and not engine.uses_compile
+    engine.continuation = torch.tensor(continuations)
+    engine.prompt_lengths = torch.tensor([len(p) for p in batch])
+    outputs, _ = engine.generate(batch)
+    for reference, output in zip(continuations, outputs, strict=True):
+        assert output.tokens == reference[:NEW_TOKENS]
+        assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str, batch_size: int) -> None:
+    """Experts through the model's own block inside the static runner's layers (fused attention projections,
+    static caches): its logits match the model's forward, and decoding equals HF `generate`."""
+    target = tiny(name)
+    assert supports(target)
+    batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
+    continuations = [greedy(target, p, NEW_TOKENS + BLOCK) for p in batch]
+    config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=NEW_TOKENS, max_length=64,
+                          kernels="torch")
+    engine = OracleEngine(target, make_draft(target, block_size=BLOCK), config)
+    assert not isinstance(engine.runner, HFCacheTarget)
+    assert engine.runner.compare_with_hf(batch[0])["max_abs_logit_diff"] < 1e-4
+    engine.continuation = torch.tensor(continuations)
+    engine.prompt_lengths = torch.tensor([len(p) for p in batch])
+    outputs, _ = engine.generate(batch)
+    for reference, output in zip(continuations, outputs, strict=True):
+        assert output.tokens == reference[:NEW_TOKENS]
+        assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
+
+
+def test_a_random_drafter_decodes_a_hybrid_target_losslessly() -> None:
+    """The drafter itself proposing (rarely right): the committed tokens are still the target's own."""
+    target = tiny("qwen3_5")
+    prompt = prompt_of(12, 3)
+    config = EngineConfig(batch_size=1, block_size=4, max_new_tokens=16, max_length=64, kernels="torch")
+    (output,), _ = DecodeEngine(target, make_draft(target, block_size=4), config).generate([prompt])
+    assert output.tokens == greedy(target, prompt, 16)
+
+
+def test_the_fallback_is_said_once_per_architecture(caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(engine_module, "_announced", set())
+    target = tiny("glm4_moe")
+    config = EngineConfig(batch_size=1, block_size=4, max_new_tokens=4, max_length=32, kernels="torch")
+    with caplog.at_level("WARNING"):
+        make_runner(target, config, "torch")
+        make_runner(target, config, "torch")
+    said = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
+    assert len(said) == 1 and "'glm4_moe'" in said[0]
