@@ -10,8 +10,9 @@ first position is `p` sees exactly the row's tokens before `p`, whatever the pre
 
 - `crop`: every cache layer holds all past keys and values (full attention, MLA), so the cache is cut at `p`;
 - `replay`: a layer keeps a window or a recurrent state, which cannot be cut back. The row's cache is copied
-  whenever every token it holds is committed (after a prompt, before a block); a forward at `p` restarts
-  from that copy and first re-reads the committed tokens between the copy's length and `p` (at most a block).
+  whenever every token it holds is committed (after a prompt, before a block of several tokens); a forward
+  at `p` that must take tokens back restarts from that copy and first re-reads the committed tokens between
+  the copy's length and `p`.
 
 Rows run one after another, each as a batch of one: no padding reaches the model and each row's cache is the
 model's own, so the path is exact for every architecture and slower than the static runner's batched step.
@@ -88,7 +89,9 @@ class HFCacheTarget:
             row.cache, row.length, row.snapshot, row.snapshot_length, row.tokens = None, 0, None, 0, []
         else:
             self._rewind(row, start)
-        if self.rollback == "replay":  # every token before `start` is committed: the point to come back to
+        if self.rollback == "replay" and tokens.numel() > 1:  # all before `start` is committed: the point to
+            # come back to, should the verify commit fewer of these tokens. One token (a step without a drafter)
+            # is copied for no more: the older copy and the tokens read since serve the rare step taken back.
             row.snapshot, row.snapshot_length, row.tokens = copy.deepcopy(row.cache), start, []
         out = self._run(row, tokens[None], start)
         if start == 0 and self.rollback is None:
@@ -111,6 +114,8 @@ class HFCacheTarget:
         re-read the committed tokens after it (module docstring)."""
         if start > row.length:
             raise ValueError(f"a forward at position {start} needs the row's tokens before it; it holds {row.length}")
+        if start == row.length:  # everything the row read is committed: nothing to undo
+            return
         if self.rollback == "crop":
             rollback(row.cache, start)
             row.length = start

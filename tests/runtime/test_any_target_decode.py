@@ -116,6 +116,17 @@ def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str
         assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
 
 
+@pytest.mark.parametrize("name", ["gemma2", "lfm2"])
+def test_target_alone_with_rows_that_finish_and_refill(name: str) -> None:
+    """One token a step, no copies taken: rows that finish early step in place until refilled, which takes a
+    token back from a cache that cannot be cut."""
+    target = tiny(name)
+    batch = [prompt_of(9, 1), prompt_of(14, 2), prompt_of(6, 3)]
+    config = EngineConfig(batch_size=2, block_size=1, max_new_tokens=12, max_length=64, kernels="torch")
+    outputs, _ = DecodeEngine(target, None, config).generate(batch)
+    assert [output.tokens for output in outputs] == [greedy(target, p, 12) for p in batch]
+
+
 def test_a_random_drafter_decodes_a_hybrid_target_losslessly() -> None:
     """The drafter itself proposing (rarely right): the committed tokens are still the target's own."""
     target = tiny("qwen3_5")
