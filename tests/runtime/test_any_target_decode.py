@@ -75,23 +75,30 @@ def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> Non
     assert runner.rollback == ("replay" if name in REPLAYED else "crop")
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_next", "lfm2"])
-@pytest.mark.parametrize("batch_size", [1, 2])
-def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
-    target = tiny(name)
-    assert not supports(target)
+def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int) -> OracleEngine:
+    """Drafts from the target's own continuation with deterministic errors: every output is HF `generate`'s,
+    through cycles that accept from 1 to B tokens. Returns the engine, for its runner."""
     batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
     continuations = [greedy(target, p, NEW_TOKENS + BLOCK) for p in batch]
     config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=NEW_TOKENS, max_length=64,
                           kernels="torch")
     engine = OracleEngine(target, make_draft(target, block_size=BLOCK), config)
-    assert isinstance(engine.runner, HFCacheTarget) and not engine.uses_compile
     engine.continuation = torch.tensor(continuations)
     engine.prompt_lengths = torch.tensor([len(p) for p in batch])
     outputs, _ = engine.generate(batch)
     for reference, output in zip(continuations, outputs, strict=True):
         assert output.tokens == reference[:NEW_TOKENS]
         assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
+    return engine
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
+    target = tiny(name)
+    assert not supports(target)
+    engine = assert_oracle_decoding_is_lossless(target, batch_size)
+    assert isinstance(engine.runner, HFCacheTarget) and not engine.uses_compile
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
@@ -101,19 +108,9 @@ def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str
     static caches): its logits match the model's forward, and decoding equals HF `generate`."""
     target = tiny(name)
     assert supports(target)
-    batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
-    continuations = [greedy(target, p, NEW_TOKENS + BLOCK) for p in batch]
-    config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=NEW_TOKENS, max_length=64,
-                          kernels="torch")
-    engine = OracleEngine(target, make_draft(target, block_size=BLOCK), config)
+    engine = assert_oracle_decoding_is_lossless(target, batch_size)
     assert not isinstance(engine.runner, HFCacheTarget)
-    assert engine.runner.compare_with_hf(batch[0])["max_abs_logit_diff"] < 1e-4
-    engine.continuation = torch.tensor(continuations)
-    engine.prompt_lengths = torch.tensor([len(p) for p in batch])
-    outputs, _ = engine.generate(batch)
-    for reference, output in zip(continuations, outputs, strict=True):
-        assert output.tokens == reference[:NEW_TOKENS]
-        assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
+    assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("name", ["gemma2", "lfm2"])
