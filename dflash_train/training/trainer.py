@@ -25,6 +25,7 @@ from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.features.online import OnlineFeatures
 from dflash_train.features.packed_attention import packed_target_attention
+from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.models import DFlashDraftModel
 from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
@@ -36,10 +37,8 @@ from dflash_train.training.data import StepPlan, TrainingSamples, collate, split
 from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
 from dflash_train.training.packing import (
     PackedStepPlan,
-    chat_layout,
     chat_stats,
     check_anchors_per_row,
-    collate_packed,
     derive_anchors_per_row,
     pack_rows,
 )

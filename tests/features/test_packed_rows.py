@@ -12,7 +12,7 @@ from dflash_train.features.capture import (
     compute_features,
     packed_features_and_final_states,
 )
-from dflash_train.training.packing import collate_packed
+from dflash_train.features.packed_rows import collate_packed
 from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 
 LAYERS = [0, 2, 3]

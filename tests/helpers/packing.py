@@ -10,11 +10,11 @@ from dflash_train.features.capture import (
     capture_features_and_final_states,
     packed_features_and_final_states,
 )
+from dflash_train.features.packed_rows import chat_layout
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.objective import ObjectiveOutput
 from dflash_train.target import TargetModel
-from dflash_train.training.packing import chat_layout
 
 LAYERS = [0, 2, 3]
 ROWS = [[14, 21, 9], [30, 17], [11]]  # chat lengths per packed row

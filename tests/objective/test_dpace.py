@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train.features.packed_rows import collate_packed
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.blocks import Blocks
 from dflash_train.objective.objective import dpace_block_weights
 from dflash_train.target import TargetModel
 from dflash_train.training.config import load_config
 from dflash_train.training.data import collate
-from dflash_train.training.packing import collate_packed
 from dflash_train.training.trainer import run_training
 from tests.helpers.packing import PACK, chats, drafter, run
 from tests.helpers.paths import CPU_RECIPE

@@ -8,11 +8,11 @@ import dataclasses
 import pytest
 import torch
 
+from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.masks import packed_dense_mask
 from dflash_train.target import TargetModel
 from dflash_train.training.data import collate
-from dflash_train.training.packing import chat_layout, collate_packed
 from tests.helpers.packing import LAYERS, PACK, chats, drafter, run
 from tests.helpers.tiny_models import make_tiny_target
 

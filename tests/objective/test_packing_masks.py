@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch.nn.attention.flex_attention import create_mask, flex_attention
 
+from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.models.attention import attend
 from dflash_train.objective.blocks import (
     IGNORE_INDEX,
@@ -15,7 +16,6 @@ from dflash_train.objective.blocks import (
 )
 from dflash_train.objective.masks import packed_dense_mask, packed_flex_mask, packed_flex_mask_mod
 from dflash_train.training.data import collate
-from dflash_train.training.packing import chat_layout, collate_packed
 
 MASK_ID = 99
 

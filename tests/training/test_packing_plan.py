@@ -12,14 +12,13 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.objective.blocks import anchor_candidates, partition_candidates
 from dflash_train.training.config import load_config
 from dflash_train.training.data import TrainingSamples, epoch_order
 from dflash_train.training.packing import (
     PackedStepPlan,
-    chat_layout,
     chat_stats,
-    collate_packed,
     derive_anchors_per_row,
     flat_chat_stats,
     pack_rows,
