@@ -1,9 +1,9 @@
 """Answers that end in a verbatim loop, cut to two turns of it (`prepare --trim-loops`).
 
-A small target that runs into its token cap often repeats one phrase to the end: of the 839ee3b speedrun's
-86,016 regenerated answers, 18,385 (21 %) stopped at the 512-token cap inside such a loop, and cutting them
-removes 24 % of all answer text. Every repetition costs
-training compute and teaches the drafter nothing the first two do not (copying the period), and it crowds
+A small target that runs into its token cap often repeats one phrase to the end: in a speedrun's regenerated
+answers about a fifth stopped at the 512-token cap inside such a loop, and cutting them removes about a
+quarter of all answer text (docs/results.md, 'Many answers end in a loop'). Every repetition costs training
+compute and teaches the drafter nothing the first two do not (copying the period), and it crowds
 the drafter's supervised positions with the easiest text there is. Only answers the cap stopped (or
 regeneration's --stop-loops ended) are cut: an answer the target ended itself is kept whole. The cut answer stays unfinished (no end-of-turn supervised).
 

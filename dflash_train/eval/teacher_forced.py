@@ -24,7 +24,8 @@ from dflash_train.target import TargetModel
 
 # Blocks never see each other, so any split gives the same predictions; the split bounds the dense mask and the
 # drafter's activations (the cross-entropy chunks its logits itself). One pass covers a 256-token answer: at 64 a
-# pass, the eval's teacher-forced phase took 36 s of 160 SmolLM2 requests on an H200 (839ee3b), mostly launches.
+# pass the eval's teacher-forced phase was slow for SmolLM2, mostly kernel launches (docs/benchmarks.md, 'Figures
+# behind code choices').
 ANCHORS_PER_PASS = 256
 
 

@@ -46,14 +46,15 @@ class ExtractConfig:
     layer_ids: list[int]
     dtype: str = "bf16"  # or "fp8"
     rows_per_shard: int | None = None  # None: about `shard_bytes` per shard (an existing store's own value)
-    # 64k: a 135M target's forward is launch-bound below ~30k tokens (16k ran 24 % slower on an H200)
+    # 64k: a 135M target's forward is launch-bound below ~30k tokens (16k ran markedly slower: docs/benchmarks.md,
+    # 'Figures behind code choices')
     token_budget: int = 65536
     disk_margin: float = 1.02
     write_threads: int = 4  # shard files written at once
     shard_bytes: int = 1 << 29
-    # shards whose rows are micro-batched together: 8 shards of 64 rows ran 93 % of the bare forward's speed
-    # to host memory where 4 ran 86 % (H200, SmolLM2-135M; fewer rows sorted together pad more, and leave
-    # short micro-batches whose forwards are launch-bound)
+    # shards whose rows are micro-batched together: 8 shards of 64 rows ran closer to the bare forward's speed to
+    # host memory than 4 (docs/benchmarks.md, `extract`; fewer rows sorted together pad more, and leave short
+    # micro-batches whose forwards are launch-bound)
     window_shards: int = 8
     # pinned host memory holds up to 2 windows of shards (one computed, the one before it being written)
 

@@ -1,9 +1,9 @@
 """The target's feature pass over packed training rows, replayed from CUDA graphs.
 
-Why: in a packed SmolLM2 step on an H200 the host spent ~44 ms launching the target's pass (28 compiled
-decoder layers, up to the deepest feature layer, with the varlen attention between them) for much less GPU
-work, and the GPU waited on it (docs/benchmarks.md, `train_packing`). A CUDA graph replays the whole pass
-with one launch.
+Why: in a packed SmolLM2 step the host spent a large share of the step launching the target's pass (28
+compiled decoder layers, up to the deepest feature layer, with the varlen attention between them) for much
+less GPU work, and the GPU waited on it (docs/benchmarks.md, 'Where the gaps come from'). A CUDA graph
+replays the whole pass with one launch.
 
 What makes the pass capturable: every step has rows of one shape, but the chats' boundaries change. The
 varlen kernel reads them from a device buffer of fixed capacity (the unused entries repeat the last

@@ -4,8 +4,8 @@
 Why not SDPA for packed rows: a packed training row holds many chats, and Hugging Face keeps each chat to
 itself by building a mask from the per-chat position ids. Under SDPA that mask is a dense [b, 1, S, S]
 tensor and the attention kernel computes every one of the S² scores before masking them: for rows of 8,192
-tokens holding ~17 chats of ~480 tokens, about 17 times the work the chats need (in a packed SmolLM2 step on
-an H200 the target's attention took ~48 ms, d4927e1). Under flex attention the same mask becomes a block
+tokens holding ~17 chats of ~480 tokens, about 17 times the work the chats need (a large share of a packed
+SmolLM2 step: docs/benchmarks.md, 'Figures behind code choices'). Under flex attention the same mask becomes a block
 mask, and tiles that no chat fills are skipped; varlen attention (`features/varlen.py`) attends each chat
 alone with no mask and nothing to compile.
 """

@@ -2,7 +2,7 @@
 
 A packed row holds whole chats one after another, each with position ids from 0. Each chat attends causally
 to itself only. Flex attention computes that from a block mask, but its kernel is compiled on the first step
-(about 50 s on an H200 in the 839ee3b speedrun, of a 12-minute budget); SDPA builds a dense [b, 1, S, S] mask
+(most of a minute of a speedrun's short training budget, docs/results.md); SDPA builds a dense [b, 1, S, S] mask
 and computes every score of the row. Here the chats are cut out of the flattened rows by their cumulative
 lengths and attended by PyTorch's FlashAttention varlen kernel (`torch.nn.attention.varlen.varlen_attn`):
 only each chat's own causal triangle is computed, and nothing is compiled.

@@ -59,7 +59,7 @@ GENERATED_SOURCES: tuple[str, ...] = ("gsm-symbolic", "reasoning-gym-math", "wor
 # The generators of `reasoning-gym-math`: arithmetic and word problems that each take well under a millisecond
 # to make and rarely repeat. Left out: prime_factorization (about a thousand distinct problems in all),
 # simple_equations (sympy makes each in about a millisecond) and basic_arithmetic (a few of its problems take
-# minutes to make: two in the first 40,000 draws at seed 0 took 48 s and 110 s).
+# minutes to make: two in the first 40,000 draws at seed 0).
 GSM_SYMBOLIC_WARNING = ("gsm-symbolic problems are GSM8K test questions with other names and numbers "
                         "(GSM-Symbolic templates): do not evaluate a drafter trained on them on GSM8K")
 # Not gsm_symbolic: its problems are GSM8K's test questions with other names and numbers.

@@ -3,9 +3,9 @@
 The generated math of `reasoning-gym` is mostly symbolic ("Calculate 4,812 / 12", "Simplify 35/63"), while a
 user's math questions, and the project's math eval set, are stories: people, things, prices, rates. A
 drafter trained on the former predicted the target's worked answers to its own held-out math at τ̂ 6.19 but
-the eval's word problems at 2.99 (teacher-forced, 2026-12-02). These 35 templates are narratives over
-everyday quantities, each problem made from its own seed, with its answer; with the ``:steps`` option the
-problem asks for a worked solution (`worked_math.STEPS_REQUEST`).
+the eval's word problems at 2.99 (teacher-forced; docs/results.md, 'The target's own math word problems').
+These 35 templates are narratives over everyday quantities, each problem made from its own seed, with its
+answer; with the ``:steps`` option the problem asks for a worked solution (`worked_math.STEPS_REQUEST`).
 
 None of the templates is one of the eval set's five problem types (`dflash_train.prompts.math_eval_set`: change
 from a payment, sharing with four friends, distance at a speed, weekly pay, a percent discount on boxes),

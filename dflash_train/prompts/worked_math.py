@@ -2,7 +2,7 @@
 
 reasoning-gym's generators phrase most problems for answer checking: "Give only the result as your final
 answer.", "Only reply with the final value.", "Answer with a number." A target asked that answers in a
-few tokens: on the 2026-12-02 speedrun 42 % of its math answers were too short to train on, and the rest
+few tokens: on one speedrun 42 % of its math answers were too short to train on (docs/results.md), and the rest
 taught the drafter a style that math prompts asking for reasoning never see (held-out τ̂ 5.48 on its own
 math, τ 2.75 decoding step-by-step math it never trained on). Here such answer-format sentences are dropped
 and the problem asks for steps and a boxed result instead, so the target writes the kind of solution a

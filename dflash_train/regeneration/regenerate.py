@@ -331,7 +331,7 @@ def run_units(
             tokens = sum(c.completion_tokens for c in completions)
             generated, done = generated + tokens, done + 1
             # A unit in a window of several waits behind the others: its own time runs from the later of its
-            # start and the previous unit's end (since its start alone, the rate read ~3x low on an H200).
+            # start and the previous unit's end (since its start alone, the rate read several times too low).
             now = time.perf_counter()
             if progress:
                 progress(done, len(todo), tokens / max(now - max(started, last_finished), 1e-9))

@@ -1,7 +1,8 @@
 """Rows stuck in a verbatim loop, found on the device after each cycle (regeneration's `--stop-loops`).
 
-A small target that runs into a loop under greedy decoding seldom leaves it: of the 839ee3b speedrun's 86,016
-answers, 18,385 (21 %) ended at the 512-token cap inside one, 24 % of all answer text. Decoding those tails
+A small target that runs into a loop under greedy decoding seldom leaves it: in a speedrun's answers about a
+fifth ended at the 512-token cap inside one, about a quarter of all answer text (docs/results.md, 'Many
+answers end in a loop'). Decoding those tails
 costs regeneration time and yields nothing a training run wants (`prepare --trim-loops` cuts them to two
 copies). With this check a row whose last tokens repeat one span verbatim is finished there, its finish
 reason "loop" (unfinished, like "length"), and its row takes the next prompt.
