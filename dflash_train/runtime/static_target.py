@@ -61,7 +61,7 @@ from dflash_train.target.attention import attention_implementation
 
 SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
 ATTENTION_NAME = "dflash_static"
 MEMORY_HEADROOM = 0.9  # share of the free device memory the caches may take
 
@@ -100,8 +100,24 @@ def static_attention(
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
     q = query.reshape(b, kv_heads, groups * t, d)
     mask = attention_mask[:, :, None].expand(b, 1, groups, t, keys).reshape(b, 1, groups * t, keys)
-    out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, D]
+    sinks = getattr(module, "sinks", None)
+    if sinks is not None:
+        out = _attention_with_sinks(q, key, value, mask, scaling if scaling is not None else d ** -0.5, sinks, t)
+    else:
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, D]
     return out.reshape(b, heads, t, d).transpose(1, 2), None
+
+
+def _attention_with_sinks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                          sinks: torch.Tensor, t: int) -> torch.Tensor:
+    """Attention whose softmax has one more logit per head that no value goes with (gpt-oss's sinks): q [b, kv,
+    g*T, D] grouped as above, sinks [heads] -> [b, kv, g*T, D], as the model's own eager attention computes it."""
+    b, kv_heads, rows, _ = q.shape
+    logits = (q @ key.transpose(-1, -2)).float() * scale  # [b, kv, g*T, S]
+    logits = logits.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().reshape(kv_heads, -1, 1, 1).expand(kv_heads, rows // t, t, 1).reshape(1, kv_heads, rows, 1)
+    weights = torch.cat([logits, sink.expand(b, -1, -1, -1)], dim=-1).softmax(-1)[..., :-1]
+    return weights.to(value.dtype) @ value
 
 
 def _register_attention() -> None:
@@ -211,6 +227,8 @@ class StaticTarget:
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
         self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
+        # sink logits: the split-key kernel has none, so those layers' attention stays on the PyTorch path
+        self.sinks = any(getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers)
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
@@ -266,7 +284,7 @@ class StaticTarget:
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
         """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the
         Triton path one [n, 2, T] int32 bounds tensor per window."""
-        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
+        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]) and not self.sinks:
             return {window: bounds_from_positions(positions, window) for window in dict.fromkeys(self.windows)}
         slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
         masks = {}

@@ -1,5 +1,5 @@
-"""`dflash-train eval` end to end on targets the static runner does not run (experts, sliding windows with
-sinks, latent attention, linear attention): it decodes through the model's own forward and caches, says so
+"""`dflash-train eval` end to end on targets the static runner does not run (experts with a dense first layer,
+sliding windows with soft-capping, latent attention, linear attention): it decodes through the model's own forward and caches, says so
 once, and the drafted output equals the target's own greedy output."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests.helpers.tiny_models import TINY_EMBEDDING_ROWS, make_tiny_tokenizer
 from tests.helpers.tiny_targets import build_tiny_target
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "gpt_oss", "deepseek_v3", "qwen3_5"])
+@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "deepseek_v3", "qwen3_5"])
 def test_eval_is_lossless_and_says_which_path_ran(name: str, tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine, "_announced", set())  # said once per process: forget earlier tests' targets

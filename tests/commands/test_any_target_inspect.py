@@ -11,7 +11,7 @@ from dflash_train.cli import main
 from tests.helpers.tiny_models import TINY_EMBEDDING_ROWS, make_tiny_tokenizer
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
 
-STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral")
+STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss")
 
 
 @pytest.mark.parametrize("name", TINY_TARGETS)

@@ -92,7 +92,7 @@ def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int) -> 
     return engine
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "gpt_oss", "deepseek_v3", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "cohere2", "deepseek_v3", "qwen3_next", "lfm2"])
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
     target = tiny(name)
@@ -101,11 +101,12 @@ def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str,
     assert isinstance(engine.runner, HFCacheTarget) and not engine.uses_compile
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str, batch_size: int) -> None:
     """Experts through the model's own block inside the static runner's layers (fused attention projections,
-    static caches): its logits match the model's forward, and decoding equals HF `generate`."""
+    static caches; gpt-oss's sink logits and alternating windows in its attention): its logits match the
+    model's forward, and decoding equals HF `generate`."""
     target = tiny(name)
     assert supports(target)
     engine = assert_oracle_decoding_is_lossless(target, batch_size)

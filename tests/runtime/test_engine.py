@@ -9,7 +9,9 @@ import torch
 
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.runtime.reference_loop import generate_greedy
+from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
 from tests.helpers.decoding import make_draft, own_greedy, prompts
 from tests.helpers.tiny_models import make_tiny_target
@@ -150,11 +152,13 @@ def test_prompt_longer_than_the_cache_is_a_clear_error(target: TargetModel) -> N
         engine(target, None, 1).generate([[5] * 50])
 
 
-def test_unsupported_architecture_is_a_clear_error(target: TargetModel) -> None:
+def test_an_architecture_the_static_runner_lacks_runs_on_its_own_forward(target: TargetModel) -> None:
+    """The engine takes the model's own forward and caches; the static runner itself refuses in one line."""
     other = make_tiny_target("llama", num_layers=4)
     other.model.config.model_type = "gpt_neox"
+    assert isinstance(engine(other, None, 1).runner, HFCacheTarget)
     with pytest.raises(ValueError, match="static-cache runtime supports"):
-        engine(other, None, 1)
+        StaticTarget(other, 1, 32)
 
 
 @pytest.mark.slow
