@@ -29,16 +29,30 @@ def target_facts(target_config: Any) -> TargetFacts:
         values = dict(target_config.get("text_config") or target_config)
     else:
         text = target_config.get_text_config() if hasattr(target_config, "get_text_config") else target_config
-        values = text.to_dict() if hasattr(text, "to_dict") else vars(text)
+        values = text.to_dict() if hasattr(text, "to_dict") else dict(vars(text))
+        # properties (a hybrid config derives its layer count from its layer pattern) are not in to_dict()
+        values.update({name: getattr(text, name) for name in FACT_NAMES if getattr(text, name, None) is not None})
     try:
         return TargetFacts(
             hidden_size=int(values["hidden_size"]),
             vocab_size=int(values["vocab_size"]),
-            num_layers=int(values["num_hidden_layers"]),
+            num_layers=int(values.get("num_hidden_layers") or _layers_from_pattern(values)),
             max_position_embeddings=values.get("max_position_embeddings"),
         )
     except KeyError as error:
         raise ValueError(f"the target config has no {error}; pass a causal LM's config") from error
+
+
+FACT_NAMES = ("hidden_size", "vocab_size", "num_hidden_layers", "max_position_embeddings")
+LAYER_PATTERNS = ("layers_block_type", "layer_types", "hybrid_override_pattern")  # one entry per decoder layer
+
+
+def _layers_from_pattern(values: dict[str, Any]) -> int:
+    """The layer count of a config.json that names its layers one by one instead (Nemotron-H's pattern)."""
+    for name in LAYER_PATTERNS:
+        if values.get(name):
+            return len(values[name])
+    raise KeyError("num_hidden_layers")
 
 
 def load_target_config(name_or_path: str) -> Any:

@@ -30,6 +30,7 @@ from tests.helpers.tiny_models import (
     tiny_batch,
     write_tiny_gguf,
 )
+from tests.helpers.tiny_targets import tiny_target_config
 
 # ---------------------------------------------------------------------------------------------- tiny models
 
@@ -329,3 +330,13 @@ def test_compiled_decoder_layers_give_the_same_features_from_shared_graphs() -> 
                 torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
             frames.setdefault(layers, []).append(counters["frames"]["total"])
     assert frames[4][0] == frames[4][1] == frames[8][0] == frames[8][1] > 0, frames
+
+
+def test_target_facts_of_a_config_that_counts_its_layers_by_pattern(tmp_path: Path) -> None:
+    """Nemotron-H derives num_hidden_layers from its layer pattern: neither its to_dict() nor its config.json
+    holds the count, which export and check read."""
+    config = tiny_target_config("nemotron_h", vocab_size=320)
+    config.save_pretrained(tmp_path)
+    written = json.loads((tmp_path / "config.json").read_text())
+    assert "num_hidden_layers" not in written
+    assert target_facts(config).num_layers == target_facts(written).num_layers == 4
