@@ -199,7 +199,8 @@ class StaticTarget:
         if not supports(target):
             raise ValueError(
                 f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
-                f"{model_type(target)!r}; use the plain loop `dflash_train.runtime.reference_loop.generate_greedy` for others"
+                f"{model_type(target)!r}; the decode engine runs others through their own forward and caches "
+                f"(`dflash_train.runtime.hf_target.HFCacheTarget`)"
             )
         if kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")

@@ -6,14 +6,20 @@ import torch
 
 from dflash_train.features.capture import capture_features
 from dflash_train.runtime.static_target import StaticTarget
-from tests.helpers.tiny_models import make_tiny_target
+from dflash_train.target import TargetModel
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
+from tests.helpers.tiny_targets import build_tiny_target
 
 
 def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_projections: bool = True) -> None:
     """The runner against the model's own forward: prefill of some rows, then a verify block per row at
     different positions (a sliding window for mistral). Run with kernels="torch" by the runtime's tests and
-    with kernels="triton" by the kernel's tests (interpreted on CPU)."""
-    target = make_tiny_target(arch, num_layers=4, seed=1)
+    with kernels="triton" by the kernel's tests (interpreted on CPU). `arch` beyond the tokenizer-backed four:
+    a target of `tests/helpers/tiny_targets.py` (experts, sinks)."""
+    if arch in TINY_ARCHS:
+        target = make_tiny_target(arch, num_layers=4, seed=1)
+    else:
+        target = TargetModel(build_tiny_target(arch, 320, seed=1), None)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
     ids = torch.randint(10, 200, (2, 14), generator=torch.Generator().manual_seed(0))

@@ -149,7 +149,7 @@ def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
 
 
 @kernels_here
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss"])
 def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None:
     """The target runner with kernels="triton" (prefill of some rows, then a verify block per row at
     different positions; a sliding window for mistral) against the model's own forward."""

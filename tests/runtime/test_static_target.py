@@ -13,7 +13,7 @@ from tests.helpers.tiny_models import make_tiny_target
 
 
 @pytest.mark.parametrize("fuse_projections", [True, False])
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral", "gpt_oss"])
 def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: bool) -> None:
     check_prefill_and_verify(arch, kernels="torch", fuse_projections=fuse_projections)
 
