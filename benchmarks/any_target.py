@@ -60,6 +60,7 @@ from benchmarks.decode_timing import default_dtype
 from dflash_train.features.layer_ids import default_target_layer_ids
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.target import TargetModel
 
@@ -87,6 +88,7 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any], bool]] = {
     "tiny-moe": (Qwen3MoeConfig, TINY_MOE, True)}
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
 MEASUREMENTS = ("hf", "engine", "dflash")
+BASELINES = ("engine_model_experts", "dflash_model_experts")  # `--experts-baseline`
 
 
 def say(message: str) -> None:
@@ -171,7 +173,9 @@ def random_prompts(rows: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def measure_hf(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-    """Hugging Face `generate`, greedy: the whole call for N new tokens, and the step from N against 1."""
+    """Hugging Face `generate`, greedy: the whole call for N new tokens, and the step from N against 1; with the
+    experts the model was loaded with (an engine before may have switched them to the decode kernel)."""
+    use_decode_experts(target.model, enabled=False)
     ids = torch.tensor(prompts, device=target.device)
     mask = torch.ones_like(ids)
 
@@ -191,11 +195,12 @@ def measure_hf(target: TargetModel, prompts: list[list[int]], args: argparse.Nam
 
 
 def engine_for(target: TargetModel, draft: DFlashDraftModel | None, rows: int,
-               args: argparse.Namespace) -> DecodeEngine:
-    """The engine on `HFCacheTarget` (`--runner hf`), or on the runner the engine picks itself (`auto`)."""
+               args: argparse.Namespace, experts: str = "kernel") -> DecodeEngine:
+    """The engine on `HFCacheTarget` (`--runner hf`), or on the runner the engine picks itself (`auto`);
+    `experts`: `EngineConfig.experts`."""
     block = args.block_size if draft is not None else 1
     config = EngineConfig(batch_size=rows, block_size=block, max_new_tokens=args.new_tokens,
-                          max_length=args.prompt_tokens + args.new_tokens + 2 * args.block_size)
+                          max_length=args.prompt_tokens + args.new_tokens + 2 * args.block_size, experts=experts)
     runner = HFCacheTarget(target, rows, config.max_length) if args.runner == "hf" else None
     engine = DecodeEngine(target, draft, config, runner=runner)
     engine.prepare()  # warm-up cycles (Triton kernels compile there): outside every timing
@@ -208,10 +213,11 @@ def step_ms(engine: DecodeEngine, prompts: list[list[int]], args: argparse.Names
     return median(time_calls(engine.step, engine.device, args.warmup, args.iters))
 
 
-def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace,
+                   experts: str = "kernel") -> dict[str, Any]:
     """Our loop without a drafter on `HFCacheTarget`: one step's time, then (prefill and steps warm) `generate`'s
     tokens/s."""
-    engine = engine_for(target, None, len(prompts), args)
+    engine = engine_for(target, None, len(prompts), args, experts)
     result: dict[str, Any] = {"engine_runner": type(engine.runner).__name__,
                               "engine_step_ms": step_ms(engine, prompts, args)}
     outputs, stats = engine.generate(prompts)
@@ -237,18 +243,33 @@ def random_drafter(target: TargetModel, block_size: int) -> DFlashDraftModel:
     return draft.to(target.device).eval()
 
 
-def measure_dflash(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+def measure_dflash(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace,
+                   experts: str = "kernel") -> dict[str, Any]:
     """One DFlash cycle of every row with a random drafter (draft, verify, accept, drafter context)."""
     draft = random_drafter(target, args.block_size)
-    engine = engine_for(target, draft, len(prompts), args)
+    engine = engine_for(target, draft, len(prompts), args, experts)
     result = {"dflash_runner": type(engine.runner).__name__, "dflash_cycle_ms": step_ms(engine, prompts, args),
               "draft_bytes": sum(p.numel() * p.element_size() for p in draft.parameters())}
     del engine, draft
     return result
 
 
+def with_model_experts(measure: Callable[..., dict[str, Any]], name: str) -> Callable[..., dict[str, Any]]:
+    """`measure` with the experts the model was loaded with in place of the decode kernel (`--experts-baseline`),
+    its keys renamed `<name>_...`: the kernel's baseline, measured in the same run."""
+    prefix = measure.__name__.removeprefix("measure_")
+
+    def measured(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
+        result = measure(target, prompts, args, experts="model")
+        return {key.replace(prefix, name, 1): value for key, value in result.items()}
+
+    return measured
+
+
 MEASURE: dict[str, Callable[[TargetModel, list[list[int]], argparse.Namespace], dict[str, Any]]] = {
-    "hf": measure_hf, "engine": measure_engine, "dflash": measure_dflash}
+    "hf": measure_hf, "engine": measure_engine, "dflash": measure_dflash,
+    "engine_model_experts": with_model_experts(measure_engine, "engine_model_experts"),
+    "dflash_model_experts": with_model_experts(measure_dflash, "dflash_model_experts")}
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -303,7 +324,7 @@ def measure_batch(target: TargetModel, rows: int, header: dict[str, Any], run: R
     point["bytes_per_step"] = bytes_per_step(counts, target.config, rows)
     point["floor_ms"] = point["bytes_per_step"] / header["copy_bandwidth"] * 1e3
     prompts = random_prompts(rows, args.prompt_tokens, target.config.vocab_size)
-    for name in MEASUREMENTS:
+    for name in MEASUREMENTS + (BASELINES if args.experts_baseline else ()):
         if not run.allows(f"{header['shape']} batch {rows} {name}"):
             continue
         say(f"{header['shape']} batch {rows}: {name} ... ({run.elapsed():.0f} s into the run)")
@@ -353,7 +374,10 @@ TABLE_HEADER = "| shape | layers | batch | loop | tokens/s | ms/step | floor ms 
 # (label, tokens/s key, ms key, measurement); {runner}: the engine's target runner
 LOOPS = (("HF generate", "hf_tokens_per_s", "hf_step_ms", "hf"),
          ("engine on {runner}, target only", "engine_tokens_per_s", "engine_step_ms", "engine"),
-         ("DFlash cycle on {runner} (random drafter)", None, "dflash_cycle_ms", "dflash"))
+         ("DFlash cycle on {runner} (random drafter)", None, "dflash_cycle_ms", "dflash"),
+         ("engine on {runner}, model's experts", "engine_model_experts_tokens_per_s", "engine_model_experts_step_ms",
+          "engine_model_experts"),
+         ("DFlash cycle on {runner}, model's experts", None, "dflash_model_experts_cycle_ms", "dflash_model_experts"))
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -384,6 +408,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--runner", choices=("hf", "auto"), default="hf",
                         help="the engine's target runner: hf, HFCacheTarget (default); auto, the engine's own pick "
                              "(the static runner where it covers the architecture)")
+    parser.add_argument("--experts-baseline", action="store_true",
+                        help="also measure the engine and the cycle with the model's own experts implementation "
+                             "instead of the decode-experts kernel (same run)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed engine steps before the timed ones")
     parser.add_argument("--iters", type=int, default=10, help="timed engine steps (median)")
     parser.add_argument("--repeats", type=int, default=2, help="timed `generate` calls of each length (median)")

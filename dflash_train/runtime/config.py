@@ -62,6 +62,10 @@ class EngineConfig:
     # layer's RMSNorms, SwiGLU and residual adds folded in (kernels/skinny_fused.py) and the attention prologue
     # in the q/k/v product (kernels/qkv_rope_cache.py), target and drafter (slower than "auto": opt-in).
     matmul: Literal["auto", "torch", "skinny", "fused"] = "auto"
+    # With kernels "triton", a MoE target's experts on steps of few tokens: "kernel", the decode-experts kernel
+    # (kernels/decode_experts.py: each chosen expert's weights read once, no sort or gather); "model", the
+    # implementation the model was loaded with (transformers' grouped products; the benchmark's ablation).
+    experts: Literal["kernel", "model"] = "kernel"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.

@@ -59,6 +59,7 @@ from dflash_train.kernels.greedy_verify import (
 )
 from dflash_train.models import DFlashDraftModel
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
+from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.runtime.loop_stop import LoopDetector
 from dflash_train.runtime.sampling import (
@@ -124,11 +125,14 @@ def make_runner(target: TargetModel, config: EngineConfig, kernels: str) -> Stat
     per architecture: that path is exact but much slower)."""
     if supports(target):
         return StaticTarget(target, config.batch_size, config.max_length, kernels=kernels,
-                            skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused")
+                            skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused",
+                            decode_experts=config.experts == "kernel")
     if model_type(target) not in _announced:
         _announced.add(model_type(target))
         logger.warning("The static-cache runtime does not run %r targets: decoding through the model's own forward "
                        "and caches (exact, slower; docs/architectures.md).", model_type(target))
+    # Its own forward too runs a MoE target's experts on the decode kernel where the static runner would.
+    use_decode_experts(target.model, enabled=kernels == "triton" and config.experts == "kernel")
     return HFCacheTarget(target, config.batch_size, config.max_length)
 
 

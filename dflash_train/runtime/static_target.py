@@ -55,6 +55,7 @@ from dflash_train.kernels.static_attention import (
     static_attention_triton,
 )
 from dflash_train.runtime.config import check_compile_scope
+from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
 from dflash_train.target import TargetModel
 from dflash_train.target.attention import attention_implementation
@@ -178,7 +179,7 @@ class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
                  skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False,
-                 carry_norm_stats: bool = False) -> None:
+                 carry_norm_stats: bool = False, decode_experts: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
@@ -189,6 +190,8 @@ class StaticTarget:
         into the products (`FusedLayer._fused_call`; residuals are then not deferred);
         `carry_norm_stats`: with `skinny_fusion`, each norm reads its rows' sums of squares as the product before
         it left them, in place of its own pass over x (`FusedLayer.carried`; experimental, opt-in);
+        `decode_experts`: with "triton", a MoE target's experts on steps of few tokens run on the
+        decode-experts kernel (`runtime/experts.py`), else on the implementation the model was loaded with;
         `defer_residual`: with fused projections, each layer's last residual add is done by the next layer
         (or the output) with its RMSNorm (`FusedLayer.deferred`): one kernel fewer per layer when layers
         are compiled one at a time;
@@ -209,7 +212,9 @@ class StaticTarget:
         self.layers = target.decoder_layers
         attn = self.layers[0].self_attn
         kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.kernels, self.heads, self.kv_heads = kernels, attn.q_proj.out_features // attn.head_dim, kv_heads
+        self.heads, self.kv_heads = attn.q_proj.out_features // attn.head_dim, kv_heads
+        self.decode_experts = decode_experts
+        self.kernels = kernels  # a property: also switches a MoE target's experts to the decode kernel
         self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
         self.skinny_matmul = {True: "all", False: "off"}.get(skinny_matmul, skinny_matmul)  # type: ignore[call-overload]
         if self.skinny_matmul not in SKINNY_MATMULS:
@@ -236,6 +241,17 @@ class StaticTarget:
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
         # Folded into the products' epilogues, the residual adds have nothing left to join.
         self.defer_residual = defer_residual and self.fused is not None and not (self.skinny_matmul == "all" and skinny_fusion)
+
+    @property
+    def kernels(self) -> str:
+        return self._kernels
+
+    @kernels.setter
+    def kernels(self, kernels: str) -> None:
+        """"triton" also runs the experts of a MoE target's steps of few tokens on the decode-experts kernel
+        (`runtime/experts.py`); "torch" puts back the implementation the model had."""
+        self._kernels = kernels
+        use_decode_experts(self.target.model, enabled=kernels == "triton" and self.decode_experts)
 
     @property
     def attention(self) -> str:

@@ -1,0 +1,91 @@
+"""The decode-experts kernel as one of transformers' experts implementations, for every MoE target whose experts
+module uses transformers' experts interface (Qwen3-MoE, Mixtral, gpt-oss, GLM-4-MoE, DeepSeek-V3, Qwen3.5-MoE,
+Qwen3-Next and others): their router, shared experts and block stay the model's own.
+
+Steps of a few tokens (decode, verify, the regeneration batch) run on `kernels/decode_experts.py`; anything
+else runs on the implementation the model had (the grouped products on CUDA): prefill, training passes that
+need gradients, experts the kernel does not reproduce (no gate, a norm after each expert, experts split
+across devices). Installed by the static runtime when it runs its Triton kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
+
+from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
+from dflash_train.kernels.decode_experts import decode_experts_triton, fits
+
+NAME = "dflash_decode"
+_FALLBACK = "_dflash_fallback_experts"  # the implementation a module had before, for the steps the kernel leaves
+
+
+def experts_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of `model` dispatched through transformers' experts interface (their own `has_gate` flag)."""
+    return [module for module in model.modules() if hasattr(module, "has_gate") and hasattr(module, "down_proj")]
+
+
+def use_decode_experts(model: nn.Module, enabled: bool = True) -> bool:
+    """Switch `model`'s experts to the decode kernel (or back to what they had); whether any module switched."""
+    modules = experts_modules(model)
+    if not modules or not HAS_TRITON or not hasattr(model, "set_experts_implementation"):
+        return False
+    _register()
+    current = model.config._experts_implementation
+    if enabled and current != NAME:
+        for module in modules:
+            setattr(module, _FALLBACK, module.config._experts_implementation)
+        model.set_experts_implementation(NAME)
+    elif not enabled and current == NAME:
+        model.set_experts_implementation(getattr(modules[0], _FALLBACK, "grouped_mm"))
+    return True
+
+
+def decode_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                           top_k_weights: torch.Tensor) -> torch.Tensor:
+    """transformers' experts call: hidden_states [T, H], the router's top-k ids and weights [T, k] -> [T, H]."""
+    if not kernel_takes(module, hidden_states, top_k_index):
+        return _fallback(module, hidden_states, top_k_index, top_k_weights)
+    fused_gate = _default_silu_gate(module)
+    return decode_experts_triton(
+        hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
+        getattr(module, "gate_up_proj_bias", None) if module.has_bias else None,
+        getattr(module, "down_proj_bias", None) if module.has_bias else None,
+        transposed=module.is_transposed, gate=None if fused_gate else module._apply_gate)
+
+
+def kernel_takes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
+    """Whether this call is one the kernel reproduces: a few tokens, no gradient, on a device it runs on."""
+    on_device = hidden_states.is_cuda or (hidden_states.device.type == "cpu" and interpreter_ready())
+    return (on_device and fits(top_k_index.numel()) and module.has_gate
+            and not getattr(module, "has_post_expert_norm", False)
+            and not getattr(module, "_is_expert_parallel", False)
+            and not (torch.is_grad_enabled() and (hidden_states.requires_grad or module.gate_up_proj.requires_grad))
+            and module.gate_up_proj.dtype == hidden_states.dtype == module.down_proj.dtype)
+
+
+def _default_silu_gate(module: nn.Module) -> bool:
+    """Whether the gate is transformers' default SiLU(gate) * up over concatenated halves (fused in the kernel);
+    any other (gpt-oss's clamped, interleaved one) runs as the module's own between the two products."""
+    default = type(module)._apply_gate is _default_apply_gate
+    return default and getattr(module, "is_concatenated", True) and _is_silu(getattr(module, "act_fn", None))
+
+
+def _is_silu(act: Any) -> bool:
+    return isinstance(act, nn.SiLU) or type(act).__name__ in ("SiLUActivation", "SiLU")
+
+
+def _fallback(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+              top_k_weights: torch.Tensor) -> torch.Tensor:
+    name = getattr(module, _FALLBACK, "grouped_mm")
+    if name == "eager" or name not in ALL_EXPERTS_FUNCTIONS:
+        return type(module).forward.__wrapped__(module, hidden_states, top_k_index, top_k_weights)
+    return ALL_EXPERTS_FUNCTIONS[name](module, hidden_states, top_k_index, top_k_weights)
+
+
+def _register() -> None:
+    if NAME not in ALL_EXPERTS_FUNCTIONS:
+        ALL_EXPERTS_FUNCTIONS.register(NAME, decode_experts_forward)
