@@ -12,6 +12,7 @@ label: the loss is the cross-entropy -sum_v q_v log p_v and its gradient softmax
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -71,15 +72,13 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         needs_grad = ctx.needs_input_grad[0]
         row_ce = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         correct = torch.empty_like(labels, dtype=torch.bool)
-        grad_hidden = torch.empty_like(hidden) if needs_grad else None
-        for start in range(0, hidden.shape[0], chunk_rows):
-            rows = slice(start, start + chunk_rows)
+
+        def chunk(rows: slice) -> torch.Tensor | None:
             teacher = None if teacher_hidden is None else teacher_hidden[rows]
-            chunk_grad = _chunk(hidden[rows], head_weight, labels[rows], teacher, fused, needs_grad,
-                                row_ce[rows], correct[rows])
-            if needs_grad:
-                grad_hidden[rows] = chunk_grad.to(hidden.dtype)
-        ctx.save_for_backward(grad_hidden if needs_grad else None)
+            return _chunk(hidden[rows], head_weight, labels[rows], teacher, fused, needs_grad, row_ce[rows],
+                          correct[rows])
+
+        ctx.save_for_backward(rows_gradient(hidden, chunk_rows, needs_grad, chunk))
         ctx.mark_non_differentiable(correct)
         return row_ce, correct
 
@@ -88,10 +87,27 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         ctx: torch.autograd.function.FunctionCtx, grad_ce: torch.Tensor, _grad_correct: torch.Tensor
     ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        # Scaled in fp32 and rounded once into a buffer of the rows' dtype (a bf16 * fp32 product would
-        # otherwise be a whole fp32 [P, H] copy).
-        grad = torch.mul(grad_hidden, grad_ce[:, None], out=torch.empty_like(grad_hidden))
-        return grad, None, None, None, None, None
+        return scale_rows(grad_hidden, grad_ce), None, None, None, None, None
+
+
+def rows_gradient(hidden: torch.Tensor, chunk_rows: int, needs_grad: bool,
+                  chunk: Callable[[slice], torch.Tensor | None]) -> torch.Tensor | None:
+    """The [P, H] gradient of each row's own loss w.r.t. its hidden row, assembled chunk by chunk: `chunk(rows)`
+    computes a chunk's losses (into outputs it owns) and returns that chunk's gradient (None without grad)."""
+    grad_hidden = torch.empty_like(hidden) if needs_grad else None
+    for start in range(0, hidden.shape[0], chunk_rows):
+        rows = slice(start, start + chunk_rows)
+        chunk_grad = chunk(rows)
+        if grad_hidden is not None:
+            grad_hidden[rows] = chunk_grad.to(hidden.dtype)
+    return grad_hidden
+
+
+def scale_rows(grad_hidden: torch.Tensor, grad_rows: torch.Tensor) -> torch.Tensor:
+    """Backward of a per-row loss whose unit gradients were kept: row r times d(loss)/d(loss_r). Scaled in fp32
+    and rounded once into a buffer of the rows' dtype (a bf16 * fp32 product would otherwise be a whole fp32
+    [P, H] copy)."""
+    return torch.mul(grad_hidden, grad_rows[:, None], out=torch.empty_like(grad_hidden))
 
 
 def _chunk(

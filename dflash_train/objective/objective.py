@@ -18,6 +18,7 @@ from dflash_train.objective.blocks import (
     sample_anchors_seeded,
     sample_packed_anchors,
 )
+from dflash_train.objective.distill import Distillation, chunked_distillation_rows
 from dflash_train.objective.loss import chunked_cross_entropy_rows, slot_weights
 from dflash_train.objective.masks import dense_mask, flex_mask, packed_dense_mask, packed_flex_mask
 
@@ -94,7 +95,8 @@ class DFlashObjective:
 
     The loss is each sequence's decay-weighted mean CE over its supervised slots (with D-PACE: its
     D-PACE-weighted CE summed over its blocks, divided by their number), averaged over the sequences of
-    the batch; a sequence is a row, or a chat of a packed row.
+    the batch; a sequence is a row, or a chat of a packed row. With a `distillation`, a row's CE is replaced
+    by its mix with a divergence from the target's distribution (objective/distill.py), weighted the same way.
     """
 
     block_size: int
@@ -108,6 +110,9 @@ class DFlashObjective:
     position_weighting: PositionWeighting = "decay"  # dpace: D-PACE weights from the drafter's own CE
     dpace_alpha: float = 0.5  # D-PACE smoothing: q~ = (1 - alpha)·q + alpha
     flex_tile: int = DEFAULT_FLEX_TILE  # the flex mask's tile (queries and keys); 64 computes fewer masked-out scores
+    # The per-row loss: None, the label's CE (or soft targets'); else mixed with a divergence from the target's
+    # distribution at a temperature (objective/distill.py), which needs `teacher_states`.
+    distillation: Distillation | None = None
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
@@ -161,7 +166,8 @@ class DFlashObjective:
         context_positions: torch.Tensor | None = None,
     ) -> ObjectiveOutput:
         """input_ids/loss_mask [b, S], context_features [b, S, K*H] from the frozen target; teacher_states
-        [b, S, H] (the target's final hidden states) turn the labels into the target's soft distribution;
+        [b, S, H] (the target's final hidden states) turn the labels into the target's soft distribution (or
+        give the distillation its target distribution);
         context_positions [b, S] (packed rows: each chat's own) default to 0..S-1."""
         blocks = blocks or self.make_blocks(input_ids, loss_mask, generator)
         context_len = input_ids.shape[1]
@@ -191,8 +197,9 @@ class DFlashObjective:
         if teacher_states is not None:  # the target predicts token p from its state at p - 1 (row indices)
             batch_row = rows_index // blocks.labels.shape[1]
             teacher = teacher_states[batch_row, blocks.token_index.flatten()[rows_index] - 1]
-        row_ce, correct = chunked_cross_entropy_rows(rows, head_weight, labels, self.chunk_rows, teacher)
-        weighted = row_ce * self.row_weights(row_ce, blocks, rows_index)
+        row_loss, row_ce, correct = self._row_losses(rows, head_weight, labels, teacher)
+        # D-PACE reads the label's CE (its weights are the drafter's probability of the label), whatever the loss.
+        weighted = row_loss * self.row_weights(row_ce, blocks, rows_index)
         loss = weighted.sum()
         zeros = torch.zeros(self.block_size, device=hidden.device)
         slot_correct = zeros.index_add(0, row_slots, correct.float())
@@ -201,6 +208,26 @@ class DFlashObjective:
         per_sequence = self._per_sequence(weighted.detach(), correct, sequence.flatten()[rows_index], row_slots,
                                           num_sequences)
         return ObjectiveOutput(loss, slot_correct, slot_count, int(rows_index.numel()), *per_sequence)
+
+    @property
+    def distils(self) -> bool:
+        """Whether the loss reads the target's distribution through a divergence (a weight of 0 is the CE)."""
+        return self.distillation is not None and self.distillation.weight > 0
+
+    def _row_losses(self, rows: torch.Tensor, head_weight: torch.Tensor, labels: torch.Tensor,
+                    teacher: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(loss [P], the label's CE [P], top-1 hits [P]) of the supervised rows [P, H]; teacher [P, H]: the
+        target's states that predict them (soft targets, or the distillation's target distribution)."""
+        if not self.distils:
+            # Without a distillation the teacher's states are soft targets; a distillation of weight 0 is the
+            # hard labels' CE, whatever states come with it.
+            row_ce, correct = chunked_cross_entropy_rows(rows, head_weight, labels, self.chunk_rows,
+                                                         teacher if self.distillation is None else None)
+            return row_ce, row_ce, correct
+        if teacher is None:
+            raise ValueError(f"the {self.distillation.kind} loss distils the target's distribution: pass "
+                             "teacher_states, the target's final hidden states (online features)")
+        return chunked_distillation_rows(rows, head_weight, labels, teacher, self.distillation, self.chunk_rows)
 
     def _per_sequence(
         self, weighted: torch.Tensor, correct: torch.Tensor, sequence: torch.Tensor, slots: torch.Tensor, n: int

@@ -74,6 +74,12 @@ class TrainingConfig:
     anchors_per_row: int | None = None  # packed rows' anchor capacity; None: from the data's anchors per token
     anchors: Literal["random", "partition"] = "random"  # partition: fixed block grid (ablation)
     soft_targets: bool = False  # distil the target's next-token distribution instead of its token (online)
+    # The per-row loss: ce, the label's cross-entropy (the paper's); kl or tv, (1 - distill_weight) * that CE +
+    # distill_weight * KL(target || drafter) or total variation (1 - the acceptance probability), both models'
+    # distributions at loss_temperature, the sampling temperature to serve at (objective/distill.py). Online.
+    loss: Literal["ce", "kl", "tv"] = "ce"
+    loss_temperature: float = 1.0
+    distill_weight: float = 1.0
     loss_decay_gamma: float | None = None  # None: paper default for the block size
     # decay: exp(-(k-1)/gamma) per slot; dpace: D-PACE weights from the drafter's own per-slot CE (arXiv
     # 2605.18810), smoothed by dpace_alpha; loss_decay_gamma is then unused.
@@ -107,6 +113,12 @@ class TrainingConfig:
     # True: the budget's clock starts after the first steps (compilation), for ablations at equal minutes
     time_budget_excludes_warmup: bool = False
     stop_after_minutes: float | None = None  # save and stop after this long; a re-launch resumes
+
+    @property
+    def reads_target_distribution(self) -> bool:
+        """Whether the loss reads the target's final states (its next-token distribution): soft targets, or a
+        distillation of nonzero weight. The target then runs its whole body every step."""
+        return self.soft_targets or (self.loss != "ce" and self.distill_weight > 0)
 
 
 @dataclass
@@ -152,9 +164,7 @@ class TrainConfig:
         self._validate_layer_init()
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
-        if self.training.soft_targets and self.data.features is not None:
-            raise ValueError("training.soft_targets needs the target's final states, computed online: use "
-                             "data.prepared instead of data.features")
+        self._validate_loss()
         # 0 or less would not be refused later: max_steps=0 falls back to the epochs, a negative count saves an
         # untrained checkpoint as a finished run, and a gamma of 0 turns the loss into NaN.
         if self.training.max_steps is not None and self.training.max_steps < 1:
@@ -176,6 +186,29 @@ class TrainConfig:
                 raise ValueError(f"training.{name} must be > 0 minutes, got {value}")
         self._validate_optimizer()
         return self
+
+    def _validate_loss(self) -> None:
+        t = self.training
+        if t.loss == "ce":
+            for name, default in (("loss_temperature", 1.0), ("distill_weight", 1.0)):
+                if getattr(t, name) != default:
+                    raise ValueError(f"training.{name} applies to training.loss kl or tv only (the loss is ce): "
+                                     f"set training.loss or unset training.{name}")
+        else:
+            if t.soft_targets:
+                raise ValueError(f"training.soft_targets and training.loss={t.loss} both set what the drafter learns "
+                                 "from the target's distribution: unset soft_targets (loss kl at "
+                                 "loss_temperature 1 has its gradient)")
+            if not 0 < t.loss_temperature < float("inf"):
+                raise ValueError(f"training.loss_temperature must be a finite number > 0, got {t.loss_temperature} "
+                                 "(0 is greedy decoding, whose loss is training.loss=ce)")
+            if not 0 <= t.distill_weight <= 1:
+                raise ValueError(f"training.distill_weight must be in [0, 1], got {t.distill_weight} (0: the label's "
+                                 "cross-entropy alone)")
+        if t.reads_target_distribution and self.data.features is not None:
+            what = "training.soft_targets" if t.soft_targets else f"training.loss={t.loss}"
+            raise ValueError(f"{what} needs the target's final states, computed online: use data.prepared instead "
+                             "of data.features")
 
     def _validate_optimizer(self) -> None:
         t = self.training

@@ -27,7 +27,7 @@ from dflash_train.features.online import OnlineFeatures
 from dflash_train.features.packed_attention import packed_target_attention
 from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.models import DFlashDraftModel
-from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, ObjectiveOutput
+from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, Distillation, ObjectiveOutput
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.training import resume as ckpt
 from dflash_train.training.budget import TimeBudget
@@ -131,7 +131,7 @@ class Trainer:
         # The target's attention over packed rows: flex or varlen, or None for SDPA ("auto": flex on CUDA).
         self.features = OnlineFeatures(
             self.target, self.draft_config.target_layer_ids,
-            packed_target_attention(t.target_attention, self.accelerator.device), t.soft_targets,
+            packed_target_attention(t.target_attention, self.accelerator.device), t.reads_target_distribution,
             whole_rows=t.compile_target, say=self.accelerator.print)
         check_packed_features(config, self.target, self.features)
         self._check_offline_features()
@@ -202,6 +202,7 @@ class Trainer:
             partition_anchors=t.anchors == "partition",
             anchors_per_row=self.packed.anchors_per_row if self.packed else None,
             position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha, flex_tile=t.flex_tile,
+            distillation=None if t.loss == "ce" else Distillation(t.loss, t.loss_temperature, t.distill_weight),
         )
 
     def _build_packing(self) -> PackedStepPlan | None:
