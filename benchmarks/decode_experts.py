@@ -32,7 +32,7 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
 from benchmarks.common import graph_us, median, time_calls, write_result
 from dflash_train.kernels import decode_experts as de
-from dflash_train.runtime.experts import decode_experts_forward
+from dflash_train.runtime.experts import decode_experts_forward, kernel_gate
 
 SHAPES: dict[str, tuple[type[torch.nn.Module], Any]] = {
     "qwen3-30b-a3b": (Qwen3MoeExperts, Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
@@ -124,21 +124,30 @@ def batch_invariant(layer: torch.nn.Module, x: torch.Tensor, index: torch.Tensor
     return bool(torch.equal(decode_experts_forward(layer, x, index, weights)[-1:], alone))
 
 
+def product_shapes(layer: torch.nn.Module) -> dict[str, tuple[int, int]]:
+    """The (output width N, reduction K) of the layer's up and down products, as `decode_experts` keys its
+    tilings (the up product's N is the gated width where the kernel folds the gate in)."""
+    hidden, _, _ = sizes(layer)
+    inner = layer.down_proj.shape[1 if layer.is_transposed else 2]
+    folded = kernel_gate(layer) is None or isinstance(kernel_gate(layer), de.ClampedGate)
+    return {"up": (inner if folded else 2 * inner, hidden), "down": (hidden, inner)}
+
+
 def sweep(layers: list[torch.nn.Module], replays: int, run_guard: Callable[[], bool]) -> dict[str, Any]:
-    """Every candidate tiling of the up product, then of the down product (the other at its default), timed
-    at 1 and 16 tokens; ranked by their sum (one tiling serves both: batch invariance)."""
+    """Every candidate tiling of the up product, then of the down product (the other at its best so far), timed
+    at 1 and 16 tokens; ranked by their sum (one tiling serves both: batch invariance). The best of each is
+    left in `de.TILINGS` for the rest of the run."""
     device = layers[0].gate_up_proj.device
     hidden, experts, top_k = sizes(layers[0])
     inputs = {m: (torch.randn(m, hidden, device=device, dtype=torch.bfloat16), *routing(m, experts, top_k, device))
               for m in (1, 16)}
     found: dict[str, Any] = {}
-    defaults = {"up": de.UP_TILING, "down": de.DOWN_TILING}
-    for product in ("up", "down"):
-        timings = []
+    for product, (n, k) in product_shapes(layers[0]).items():
+        key, timings = (product, n, k), []
         for tiling in candidates():
             if not run_guard():
                 break
-            setattr(de, f"{product.upper()}_TILING", tiling)
+            de.TILINGS[key] = tiling
             try:
                 times = [graph_us([lambda layer=layer, m=m: decode_experts_forward(layer, *inputs[m])
                                    for layer in layers], replays) for m in (1, 16)]
@@ -146,13 +155,13 @@ def sweep(layers: list[torch.nn.Module], replays: int, run_guard: Callable[[], b
                 say(f"{product} {tuple(tiling)}: {type(error).__name__}")
                 continue
             timings.append({"tiling": list(tiling), "m1_us": times[0], "m16_us": times[1]})
-        setattr(de, f"{product.upper()}_TILING", defaults[product])
         timings.sort(key=lambda t: t["m1_us"] + t["m16_us"])
-        found[product] = timings[:8]
+        found[product] = {"n": n, "k": k, "best": timings[:8]}
         if timings:
-            best = de.Tiling(*timings[0]["tiling"])
-            defaults[product] = best
-            setattr(de, f"{product.upper()}_TILING", best)
+            de.TILINGS[key] = de.Tiling(*timings[0]["tiling"])
+        else:
+            de.TILINGS.pop(key, None)
+        say(f"{product} {n}x{k}: best {de.tiling_for(product, n, k)}")
     return found
 
 
@@ -191,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
         result: dict[str, Any] = {"shape": name, "layers": LAYERS, "copy_bandwidth": bandwidth, "points": []}
         if args.sweep:
             result["sweep"] = sweep(layers, args.replays, lambda: time.perf_counter() - started < args.budget_s)
-        result["up_tiling"], result["down_tiling"] = list(de.UP_TILING), list(de.DOWN_TILING)
+        result["tilings"] = {product: list(de.tiling_for(product, *shape))
+                             for product, shape in product_shapes(layers[0]).items()}
         for tokens in args.tokens or TOKENS:
             point = time_point(layers, tokens, bandwidth, args.replays)
             say(f"{name} {tokens} tokens: " + ", ".join(f"{k} {v:.2f}" for k, v in point.items()

@@ -13,8 +13,8 @@ ends at once; else it gathers them BLOCK_M at a time (their rank among its exper
 sum) and streams its rows of the expert's weight through the tensor cores against those pairs' rows of x,
 the same product as `skinny_matmul`'s with the gather in its loads. Two launches make a layer's experts:
 
-    up:   h[s] = act(x[token(s)] @ W_gate_up[e(s)]^T + b)     (SiLU-gated in the kernel, or raw for
-                                                              the model's own gate: `gated=False`)
+    up:   h[s] = gate(x[token(s)] @ W_gate_up[e(s)]^T + b)    (SiLU-gated or gpt-oss's clamped gate in
+                                                              the kernel; else raw, for the model's own)
     down: y[s] = (h[s] @ W_down[e(s)]^T + b) * weight[s]      (fp32, per pair)
 
 and a third adds each token's top-k rows of y in slot order. Weights may be stored [E, out, in] or transposed
@@ -30,6 +30,7 @@ the rounded up, rounded (the modules' steps); the routing weight multiplies the 
 """
 
 # Deliberately no postponed annotations (PEP 563): Triton reads the `tl.constexpr` annotations of kernels.
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -54,13 +55,25 @@ class Tiling(NamedTuple):
     num_stages: int = 3
 
 
+GATE_SILU = 1  # SiLU(gate) * up over [gate; up] halves (Qwen3-MoE, Mixtral, DeepSeek-V3, ...)
+GATE_CLAMPED = 2  # gpt-oss's: interleaved gate/up columns, clamped, (up + 1) * gate * sigmoid(alpha * gate)
+
+
+class ClampedGate(NamedTuple):
+    """gpt-oss's gate, folded into the up product: its `alpha` and clamp `limit`."""
+
+    alpha: float
+    limit: float
+
+
 def experts_reference(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                       down_bias: torch.Tensor | None = None, transposed: bool = False,
-                      gate=None) -> torch.Tensor:
+                      gate: ClampedGate | Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """One pair at a time in PyTorch, in the kernels' rounding steps: x [T, H], top_k_index/top_k_weights
     [T, k], gate_up [E, 2I, H] and down [E, H, I] (or [E, H, 2I] and [E, I, H] when `transposed`); `gate`
-    maps the rounded [.., 2I] product to [.., I] (default: SiLU-gated [gate; up] halves). -> [T, H]."""
+    maps the rounded [.., 2I] product to [.., I]: None for SiLU-gated [gate; up] halves, a `ClampedGate`, or
+    any function. -> [T, H]."""
     dtype = x.dtype
     tokens, top_k = top_k_index.shape
     out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
@@ -73,12 +86,19 @@ def experts_reference(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights:
             if gate_up_bias is not None:
                 h = h + gate_up_bias[e].float()
             h = h.to(dtype)
-            h = _silu_gate(h) if gate is None else gate(h).to(dtype)
+            h = (_silu_gate(h) if gate is None else _clamped_gate(h, gate) if isinstance(gate, ClampedGate)
+                 else gate(h).to(dtype))
             y = h.float() @ w_down.float().T
             if down_bias is not None:
                 y = y + down_bias[e].float()
             out[t] += y.to(dtype).float() * top_k_weights[t, slot].float()
     return out.to(dtype)
+
+
+def _clamped_gate(h: torch.Tensor, gate: ClampedGate) -> torch.Tensor:
+    """gpt-oss's gate in its own order of operations, each rounded to h's dtype."""
+    glu, up = h[..., ::2].clamp(max=gate.limit), h[..., 1::2].clamp(-gate.limit, gate.limit)
+    return (up + 1) * (glu * torch.sigmoid(glu * gate.alpha))
 
 
 def _silu_gate(h: torch.Tensor) -> torch.Tensor:
@@ -88,14 +108,15 @@ def _silu_gate(h: torch.Tensor) -> torch.Tensor:
 
 def _experts_kernel(
     x_ptr, ids_ptr, w_ptr, b_ptr, rw_ptr, y_ptr, S, ROWS_PER_X, N, K, stride_xm, stride_we, stride_wn, stride_wk,
-    stride_be, stride_ym,
-    S_PAD: tl.constexpr, GATED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+    stride_be, stride_ym, ALPHA, LIMIT,
+    S_PAD: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr,
 ):
     # Axis 0 is the expert, axis 1 the output tile. Pair s reads row s // ROWS_PER_X of x (its token for the up
     # product, where ROWS_PER_X is top-k; its own row for the down product) and writes row s of y. N is the
-    # output's width: I for a GATED product, whose up rows start at weight row N.
+    # output's width: I for a gated product (GATE > 0), whose output c reads gate row c and up row N + c of
+    # [gate; up] halves (GATE_SILU), or rows 2c and 2c + 1 of interleaved ones (GATE_CLAMPED).
     expert = tl.program_id(0)
     pairs = tl.arange(0, S_PAD)
     hit = (tl.load(ids_ptr + pairs, mask=pairs < S, other=-1) == expert).to(tl.int32)
@@ -111,8 +132,9 @@ def _experts_kernel(
         pair = tl.sum(tl.where(chosen, pairs[None, :], 0), axis=1)
         pair_ok = (first + slots) < count
         x_ptrs = x_ptr + (pair // ROWS_PER_X).to(tl.int64)[None, :] * stride_xm + ks[:, None]  # x^T [BLOCK_K, BLOCK_M]
-        w_ptrs = w_base + cols.to(tl.int64)[:, None] * stride_wn + ks[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
-        u_ptrs = w_ptrs + N * stride_wn  # the up rows (GATED)
+        gate_rows = cols.to(tl.int64) * (2 if GATE == 2 else 1)
+        w_ptrs = w_base + gate_rows[:, None] * stride_wn + ks[None, :] * stride_wk  # [BLOCK_N, BLOCK_K]
+        u_ptrs = w_ptrs + (1 if GATE == 2 else N) * stride_wn  # the up rows (GATE > 0)
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
@@ -120,29 +142,35 @@ def _experts_kernel(
             xt = tl.load(x_ptrs, mask=k_ok[:, None] & pair_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
             acc = dot(w, xt, acc, IEEE, UPCAST)
-            if GATED:
+            if GATE > 0:
                 u = tl.load(u_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0)
                 acc_up = dot(u, xt, acc_up, IEEE, UPCAST)
                 u_ptrs += BLOCK_K * stride_wk
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
-        _finish(acc, acc_up, b_ptr + expert.to(tl.int64) * stride_be, rw_ptr, y_ptr, pair, pair_ok, cols, col_ok, N,
-                stride_ym, x_ptr.dtype.element_ty, GATED, HAS_BIAS, WEIGHTED, ROUND_BITS)
+        _finish(acc, acc_up, b_ptr + expert.to(tl.int64) * stride_be, rw_ptr, y_ptr, pair, pair_ok, gate_rows, cols,
+                col_ok, N, stride_ym, ALPHA, LIMIT, x_ptr.dtype.element_ty, GATE, HAS_BIAS, WEIGHTED, ROUND_BITS)
 
 
-def _finish(acc, acc_up, b_ptr, rw_ptr, y_ptr, pair, pair_ok, cols, col_ok, N, stride_ym, out_ty,
-            GATED: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, ROUND_BITS: tl.constexpr):
+def _finish(acc, acc_up, b_ptr, rw_ptr, y_ptr, pair, pair_ok, gate_rows, cols, col_ok, N, stride_ym, ALPHA, LIMIT,
+            out_ty, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr, ROUND_BITS: tl.constexpr):
     """A tile's fp32 sums [BLOCK_N, BLOCK_M] to y: bias, the modules' roundings, the gate or the routing weight.
     ROUND_BITS (interpreted bf16): rounding on the bits first, since the interpreter's casts truncate."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-        if GATED:
-            acc_up += tl.load(b_ptr + N + cols, mask=col_ok, other=0.0).to(tl.float32)[:, None]
-    y = rounded(acc, ROUND_BITS, False).to(out_ty).to(tl.float32)
-    if GATED:
-        silu = rounded(y / (1.0 + tl.exp(-y)), ROUND_BITS, False).to(out_ty).to(tl.float32)
-        up = rounded(acc_up, ROUND_BITS, False).to(out_ty).to(tl.float32)
-        y = rounded(silu * up, ROUND_BITS, False).to(out_ty).to(tl.float32)
+        acc += tl.load(b_ptr + gate_rows, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        if GATE > 0:
+            up_bias = b_ptr + gate_rows + (1 if GATE == 2 else N)
+            acc_up += tl.load(up_bias, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    y = _round(acc, out_ty, ROUND_BITS)
+    if GATE == 1:  # SiLU(gate) * up, each step rounded as the modules round
+        up = _round(acc_up, out_ty, ROUND_BITS)
+        y = _round(_round(y / (1.0 + tl.exp(-y)), out_ty, ROUND_BITS) * up, out_ty, ROUND_BITS)
+    elif GATE == 2:  # gpt-oss: gate clamped above, up both sides, (up + 1) * gate * sigmoid(ALPHA * gate)
+        gate = tl.minimum(y, LIMIT)
+        up = tl.minimum(tl.maximum(_round(acc_up, out_ty, ROUND_BITS), -LIMIT), LIMIT)
+        scaled = _round(gate * ALPHA, out_ty, ROUND_BITS)
+        glu = _round(gate * _round(1.0 / (1.0 + tl.exp(-scaled)), out_ty, ROUND_BITS), out_ty, ROUND_BITS)
+        y = _round(_round(up + 1.0, out_ty, ROUND_BITS) * glu, out_ty, ROUND_BITS)
     if WEIGHTED:  # the routing weight, in fp32: y is the fp32 per-pair output the caller adds up
         y = y * tl.load(rw_ptr + pair, mask=pair_ok, other=0.0).to(tl.float32)[None, :]
     out_mask = pair_ok[None, :] & col_ok[:, None]
@@ -150,8 +178,14 @@ def _finish(acc, acc_up, b_ptr, rw_ptr, y_ptr, pair, pair_ok, cols, col_ok, N, s
              mask=out_mask)
 
 
-if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
+def _round(x, out_ty, ROUND_BITS: tl.constexpr):
+    """fp32 x rounded to the output's dtype and back (on the bits first where the interpreter truncates)."""
+    return rounded(x, ROUND_BITS, False).to(out_ty).to(tl.float32)
+
+
+if HAS_TRITON:  # device functions, resolved when a kernel calling them compiles
     _finish = triton.jit(_finish)
+    _round = triton.jit(_round)
 
 
 def _top_k_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexpr, ROUND_BITS: tl.constexpr):
@@ -167,10 +201,10 @@ def _top_k_sum_kernel(y_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK: tl.constexp
 
 
 def _launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, routing: torch.Tensor,
-            rows_per_x: int, n: int, k: int, transposed: bool, gated: bool, has_bias: bool, weighted: bool,
-            tiling: Tiling) -> torch.Tensor:
+            rows_per_x: int, n: int, k: int, transposed: bool, gate: int, has_bias: bool, weighted: bool,
+            tiling: Tiling, alpha: float = 0.0, limit: float = 0.0) -> torch.Tensor:
     """y [S, n] (fp32 when `weighted`, else x's dtype) for the S pairs of `ids` over `weight` [E, n or 2n, k]
-    ([E, k, ...] when `transposed`)."""
+    ([E, k, ...] when `transposed`); `gate`: 0 none, GATE_SILU or GATE_CLAMPED (with `alpha`, `limit`)."""
     pairs = ids.shape[0]
     y = torch.empty((pairs, n), device=x.device, dtype=torch.float32 if weighted else x.dtype)
     stride_wn, stride_wk = (weight.stride(2), weight.stride(1)) if transposed else (weight.stride(1), weight.stride(2))
@@ -180,8 +214,8 @@ def _launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torc
     grid = (weight.shape[0], -(-n // tiling.block_n))
     kernel[grid](
         x, ids, weight, bias, routing, y, pairs, rows_per_x, n, k, x.stride(0), weight.stride(0), stride_wn,
-        stride_wk, bias.stride(0) if has_bias else 0, y.stride(0),
-        S_PAD=max(BLOCK_M, next_power_of_2(pairs)), GATED=gated, HAS_BIAS=has_bias, WEIGHTED=weighted,
+        stride_wk, bias.stride(0) if has_bias else 0, y.stride(0), alpha, limit,
+        S_PAD=max(BLOCK_M, next_power_of_2(pairs)), GATE=gate, HAS_BIAS=has_bias, WEIGHTED=weighted,
         BLOCK_M=BLOCK_M, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, IEEE=x.dtype == torch.float32,
         UPCAST=interpreting() and x.dtype != torch.float32,
         ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, num_warps=tiling.num_warps,
@@ -192,17 +226,19 @@ def _launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torc
 
 @triton_op("dflash_train::decode_experts_up", mutates_args=())
 def _up_op(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, top_k: int,
-           transposed: bool, gated: bool, has_bias: bool) -> torch.Tensor:
+           transposed: bool, gate: int, alpha: float, limit: float, has_bias: bool) -> torch.Tensor:
     rows_in, width = (weight.shape[1], weight.shape[2]) if transposed else (weight.shape[2], weight.shape[1])
-    n = width // 2 if gated else width
-    return _launch(x, ids, weight, bias, ids, top_k, n, rows_in, transposed, gated, has_bias, False, UP_TILING)
+    n = width // 2 if gate else width
+    return _launch(x, ids, weight, bias, ids, top_k, n, rows_in, transposed, gate, has_bias, False,
+                   tiling_for("up", n, rows_in), alpha, limit)
 
 
 @triton_op("dflash_train::decode_experts_down", mutates_args=())
 def _down_op(h: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, routing: torch.Tensor,
              top_k: int, transposed: bool, has_bias: bool) -> torch.Tensor:
     k, n = (weight.shape[1], weight.shape[2]) if transposed else (weight.shape[2], weight.shape[1])
-    per_pair = _launch(h, ids, weight, bias, routing, 1, n, k, transposed, False, has_bias, True, DOWN_TILING)
+    per_pair = _launch(h, ids, weight, bias, routing, 1, n, k, transposed, 0, has_bias, True,
+                       tiling_for("down", n, k))
     out = torch.empty((ids.shape[0] // top_k, n), device=h.device, dtype=h.dtype)
     kernel = jit(_top_k_sum_kernel)
     if not interpreting():
@@ -213,8 +249,14 @@ def _down_op(h: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: tor
     return out
 
 
-UP_TILING = Tiling()
-DOWN_TILING = Tiling()
+DEFAULT_TILING = Tiling()
+# (product, output width N, reduction K) -> tiling, swept on an H200 by `python -m benchmarks.decode_experts
+# --sweep` (docs/benchmarks.md, `decode_experts`); other shapes take DEFAULT_TILING.
+TILINGS: dict[tuple[str, int, int], Tiling] = {}
+
+
+def tiling_for(product: str, n: int, k: int) -> Tiling:
+    return TILINGS.get((product, n, k), DEFAULT_TILING)
 
 
 def fits(pairs: int) -> bool:
@@ -224,19 +266,22 @@ def fits(pairs: int) -> bool:
 def decode_experts_triton(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                           gate_up: torch.Tensor, down: torch.Tensor, gate_up_bias: torch.Tensor | None = None,
                           down_bias: torch.Tensor | None = None, transposed: bool = False,
-                          gate=None) -> torch.Tensor:
-    """`experts_reference`'s contract in three launches (and `gate`, the model's own, between them when given),
-    for at most `MAX_PAIRS` pairs; custom ops, so torch.compile keeps them in its graph and CUDA graphs
-    capture them."""
+                          gate: ClampedGate | Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """`experts_reference`'s contract in three launches, for at most `MAX_PAIRS` pairs; `gate`: None for
+    SiLU-gated halves and a `ClampedGate`, both folded into the up product, or any function of the raw
+    [.., 2I] product (the model's own, run between the launches). Custom ops, so torch.compile keeps them in its
+    graph and CUDA graphs capture them."""
     tokens, top_k = top_k_index.shape
     assert fits(tokens * top_k), f"{tokens * top_k} pairs: the kernel takes 1..{MAX_PAIRS} (use grouped_mm)"
     assert gate_up.dtype == x.dtype == down.dtype, "expert weights must be in x's dtype"
     ids = top_k_index.reshape(-1).to(torch.int32)
     x = x.contiguous()
-    h = _up_op(x, ids, gate_up, gate_up_bias if gate_up_bias is not None else gate_up, top_k, transposed,
-               gate is None, gate_up_bias is not None)
-    if gate is not None:
-        h = gate(h).to(x.dtype).contiguous()
+    mode = GATE_SILU if gate is None else GATE_CLAMPED if isinstance(gate, ClampedGate) else 0
+    alpha, limit = (float(gate.alpha), float(gate.limit)) if isinstance(gate, ClampedGate) else (0.0, 0.0)
+    h = _up_op(x, ids, gate_up, gate_up_bias if gate_up_bias is not None else gate_up, top_k, transposed, mode,
+               alpha, limit, gate_up_bias is not None)
+    if mode == 0:
+        h = gate(h).to(x.dtype).contiguous()  # type: ignore[operator]
     routing = top_k_weights.reshape(-1).contiguous()
     return _down_op(h, ids, down, down_bias if down_bias is not None else down, routing, top_k, transposed,
                     down_bias is not None)

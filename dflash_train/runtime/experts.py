@@ -10,6 +10,7 @@ across devices). Installed by the static runtime when it runs its Triton kernels
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -17,7 +18,7 @@ from torch import nn
 from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, _default_apply_gate
 
 from dflash_train.kernels._triton import HAS_TRITON, interpreter_ready
-from dflash_train.kernels.decode_experts import decode_experts_triton, fits
+from dflash_train.kernels.decode_experts import ClampedGate, decode_experts_triton, fits
 
 NAME = "dflash_decode"
 _FALLBACK = "_dflash_fallback_experts"  # the implementation a module had before, for the steps the kernel leaves
@@ -49,12 +50,11 @@ def decode_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
     """transformers' experts call: hidden_states [T, H], the router's top-k ids and weights [T, k] -> [T, H]."""
     if not kernel_takes(module, hidden_states, top_k_index):
         return _fallback(module, hidden_states, top_k_index, top_k_weights)
-    fused_gate = _default_silu_gate(module)
     return decode_experts_triton(
         hidden_states, top_k_index, top_k_weights, module.gate_up_proj, module.down_proj,
         getattr(module, "gate_up_proj_bias", None) if module.has_bias else None,
         getattr(module, "down_proj_bias", None) if module.has_bias else None,
-        transposed=module.is_transposed, gate=None if fused_gate else module._apply_gate)
+        transposed=module.is_transposed, gate=kernel_gate(module))
 
 
 def kernel_takes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
@@ -67,11 +67,17 @@ def kernel_takes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: to
             and module.gate_up_proj.dtype == hidden_states.dtype == module.down_proj.dtype)
 
 
-def _default_silu_gate(module: nn.Module) -> bool:
-    """Whether the gate is transformers' default SiLU(gate) * up over concatenated halves (fused in the kernel);
-    any other (gpt-oss's clamped, interleaved one) runs as the module's own between the two products."""
-    default = type(module)._apply_gate is _default_apply_gate
-    return default and getattr(module, "is_concatenated", True) and _is_silu(getattr(module, "act_fn", None))
+def kernel_gate(module: nn.Module) -> ClampedGate | Callable[[torch.Tensor], torch.Tensor] | None:
+    """The gate as the kernel takes it: None for transformers' default SiLU(gate) * up over concatenated
+    halves and a `ClampedGate` for gpt-oss's (both folded into the up product); any other gate is the module's
+    own, run between the two products."""
+    gate = type(module)._apply_gate
+    if gate is _default_apply_gate and getattr(module, "is_concatenated", True) and _is_silu(
+            getattr(module, "act_fn", None)):
+        return None
+    if gate.__qualname__ == "GptOssExperts._apply_gate" and not getattr(module, "is_concatenated", True):
+        return ClampedGate(float(module.alpha), float(module.limit))
+    return module._apply_gate
 
 
 def _is_silu(act: Any) -> bool:

@@ -1,6 +1,7 @@
 """The decode-experts kernel against a plain per-pair PyTorch loop (its reference, itself checked against
 transformers' own experts modules in fp32), in the layouts MoE models store: [gate; up] halves with SiLU
-(Qwen3-MoE, Mixtral) and transposed, biased, interleaved with the model's own gate (gpt-oss); experts hit by
+(Qwen3-MoE, Mixtral), transposed, biased and interleaved with gpt-oss's clamped gate (both gates folded into
+the kernel), and a gate the kernel leaves to the model; experts hit by
 more pairs than one tile holds; a token's output the same bitwise whatever else the step holds.
 
 On CPU the kernels run under TRITON_INTERPRET=1; when this process imported triton without it, the file
@@ -15,16 +16,15 @@ from transformers import GptOssConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from dflash_train.kernels.decode_experts import decode_experts_triton, experts_reference
+from dflash_train.kernels.decode_experts import ClampedGate, decode_experts_triton, experts_reference
 from tests.helpers.kernels import DEVICE, kernels_here, randn, under_interpreter
 
 test_under_interpreter = under_interpreter(__file__)
 
 
-def clamped_gate(h: torch.Tensor) -> torch.Tensor:
-    """gpt-oss's gate over interleaved gate/up columns (written out here, not imported)."""
-    gate, up = h[..., ::2].clamp(max=7.0), h[..., 1::2].clamp(-7.0, 7.0)
-    return (up + 1) * gate * torch.sigmoid(gate * 1.702)
+def own_gate(h: torch.Tensor) -> torch.Tensor:
+    """A gate the kernel does not fold in (GELU of interleaved gate columns times up): run between launches."""
+    return torch.nn.functional.gelu(h[..., ::2]) * h[..., 1::2]
 
 
 def routing(tokens: int, top_k: int, experts: int, gen: torch.Generator,
@@ -60,15 +60,15 @@ CASES = [  # tokens, top_k, experts, hidden, inner, crowd
 
 @kernels_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["silu_halves", "gpt_oss"])
+@pytest.mark.parametrize("layout", ["silu_halves", "gpt_oss", "own_gate"])
 @pytest.mark.parametrize(("tokens", "top_k", "experts", "hidden", "inner", "crowd"), CASES)
 def test_kernel_matches_the_reference(dtype: torch.dtype, layout: str, tokens: int, top_k: int, experts: int,
                                       hidden: int, inner: int, crowd: int | None) -> None:
     gen = torch.Generator().manual_seed(tokens * 31 + hidden)
-    transposed = layout == "gpt_oss"
+    transposed = layout != "silu_halves"
     up, down, up_bias, down_bias = weights_for(experts, hidden, inner, dtype, gen, transposed)
     biases = (up_bias, down_bias) if transposed else (None, None)
-    gate = clamped_gate if transposed else None
+    gate = {"silu_halves": None, "gpt_oss": ClampedGate(1.702, 1.5), "own_gate": own_gate}[layout]
     x = randn(tokens, hidden, dtype=dtype, gen=gen)
     index, weights = routing(tokens, top_k, experts, gen, crowd)
     got = decode_experts_triton(*(t.to(DEVICE) for t in (x, index, weights, up, down)),
@@ -111,10 +111,11 @@ def test_the_reference_is_the_modules() -> None:
         for param in module.parameters():
             param.data = randn(*param.shape, dtype=torch.float32, gen=gen) / 4
         module.config._experts_implementation = "eager"
+    oss.limit = 0.3  # small enough that the clamps act on these values
     with torch.no_grad():
         torch.testing.assert_close(experts_reference(x, index, weights, qwen.gate_up_proj, qwen.down_proj),
                                    qwen(x, index, weights), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
             experts_reference(x, index, weights, oss.gate_up_proj, oss.down_proj, oss.gate_up_proj_bias,
-                              oss.down_proj_bias, transposed=True, gate=oss._apply_gate),
+                              oss.down_proj_bias, transposed=True, gate=ClampedGate(oss.alpha, oss.limit)),
             oss(x, index, weights), atol=1e-5, rtol=1e-5)

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from dflash_train.kernels.decode_experts import MAX_PAIRS
+from dflash_train.kernels.decode_experts import MAX_PAIRS, ClampedGate
 from dflash_train.runtime import experts
-from dflash_train.runtime.experts import NAME, use_decode_experts
+from dflash_train.runtime.experts import NAME, experts_modules, kernel_gate, use_decode_experts
 from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, build_tiny_target
 
@@ -70,3 +70,11 @@ def test_steps_of_many_tokens_and_gradients_keep_the_models_experts(monkeypatch:
     embeds = model.get_input_embeddings()(long[:, :3]).detach().requires_grad_()
     model(inputs_embeds=embeds).logits.sum().backward()  # a pass that needs gradients
     assert calls == [] and embeds.grad is not None
+
+
+@pytest.mark.parametrize(("model_type", "folded"), [("qwen3_moe", None), ("mixtral", None), ("deepseek_v3", None),
+                                                    ("gpt_oss", ClampedGate)])
+def test_known_gates_are_folded_into_the_kernel(model_type: str, folded: type | None) -> None:
+    model = build_tiny_target(model_type, VOCAB)
+    gates = {type(gate) if gate is not None else None for gate in map(kernel_gate, experts_modules(model))}
+    assert gates == {folded}
