@@ -166,7 +166,7 @@ def sweep(layers: list[torch.nn.Module], replays: int, run_guard: Callable[[], b
 
 
 def candidates() -> list[de.Tiling]:
-    return [de.Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4, 8), (2, 3, 4))
+    return [de.Tiling(n, k, w, s) for n, k, w, s in itertools.product((16, 32, 64), (64, 128, 256), (4,), (2, 3, 4))
             if s * (n * 2 + de.BLOCK_M) * k * 2 <= 200 * 1024]
 
 
