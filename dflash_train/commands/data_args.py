@@ -168,6 +168,25 @@ def temperature(text: str) -> float:
     return value
 
 
+def temperature_list(text: str) -> list[float]:
+    """One sampling temperature or a comma list of them (`0,0.7,1`), each as `temperature` takes it, for
+    argparse: none empty, none twice (0 and 0.0 are one temperature)."""
+    parts = [part.strip() for part in text.split(",")]
+    if not all(parts):
+        raise argparse.ArgumentTypeError(f"takes a number >= 0 (0: greedy) or a comma list of them, not {text!r}: "
+                                         "an item is empty")
+    values = []
+    for part in parts:
+        value = _number(part)
+        if not 0.0 <= value < float("inf"):
+            raise argparse.ArgumentTypeError(f"takes a number >= 0 (0: greedy) or a comma list of them, not {part!r}"
+                                             + (f" (in {text!r})" if len(parts) > 1 else ""))
+        if value in values:
+            raise argparse.ArgumentTypeError(f"lists temperature {value:g} twice ({text!r}); give each once")
+        values.append(value)
+    return values
+
+
 def sampling_temperature(text: str) -> float:
     """`temperature` where greedy decoding makes no sense: > 0, finite."""
     value = _number(text)

@@ -6,13 +6,16 @@ decoding reproduces the target's own output on every prompt, token for token in 
     dflash-train eval --target Qwen/Qwen3-8B --draft z-lab/Qwen3-8B-DFlash-b16 --dataset humaneval \\
         --block-size 16 --device cuda --dtype bfloat16 --batch-size 4
     dflash-train eval --target smollm2-135m-instruct --draft random --dataset prompts.jsonl --device cpu
+    dflash-train eval --target smollm2-135m-instruct --draft runs/smollm2/final --dataset mt-bench \
+        --temperature 0,0.7,1 --out eval/temperatures.json
 
 Both the target alone and target + drafter run through the same fast loop (static caches, decisions on
 the device, CUDA graphs and Triton kernels on GPU). The speedup is measured against the target alone
 decoding one token per step; the lossless check compares against a third pass, the target alone through
 the drafter run's own verify pass with every draft refused, which makes it exact in bf16 too
 (`dflash_train.eval.run`). `--draft random` builds an untrained drafter: τ near 1, useful to check the loop
-and the lossless property. Writes the JSON report, a PNG next to it, and a summary table.
+and the lossless property. Writes the JSON report, a PNG next to it, and a summary table. A comma list of
+temperatures decodes the same prompts with the same seed at each, into one report (`dflash_train.eval.sweep`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dflash_train.commands.data_args import (
     device_arg,
     parse_device,
     positive_int,
-    temperature,
+    temperature_list,
 )
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
@@ -40,10 +43,11 @@ from dflash_train.eval.console import print_summary, progress_bars
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.report import build_report, is_eval_report, write_outputs
 from dflash_train.eval.run import MAX_AUTOTUNE, EvalSettings, Evaluator
+from dflash_train.eval.sweep import SweepRun
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.models.layers import RotaryEmbedding
 from dflash_train.outputs import check_output_file
-from dflash_train.prompts.eval_sets import load_prompt_set
+from dflash_train.prompts.eval_sets import PromptSet, load_prompt_set
 from dflash_train.runtime.config import (
     COMPILE_SCOPE_HELP,
     COMPILE_SCOPES,
@@ -73,7 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=None, help="default: the drafter's block size")
     parser.add_argument("--max-new-tokens", type=positive_int, default=256)
     parser.add_argument("--num-prompts", type=positive_int, default=None, help="K conversations of each set, spread evenly over it (MT-Bench: every category)")
-    parser.add_argument("--temperature", type=temperature, default=0.0, help="0: greedy (lossless check)")
+    parser.add_argument("--temperature", dest="temperatures", type=temperature_list, default=[0.0],
+                        help="0: greedy (lossless check); a comma list (0,0.7,1) decodes the same prompts with the same "
+                             "seed at each, into one report with τ and speedup against temperature")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
     parser.add_argument("--device", type=device_arg, default=None, help="default: cuda if available, else cpu")
@@ -117,9 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _validate(args: argparse.Namespace) -> None:
-    # Counts and sizes are checked while the arguments are read (positive_int).
-    if args.temperature < 0:
-        raise ValueError("--temperature must be >= 0")
+    # Counts, sizes and temperatures are checked while the arguments are read (positive_int, temperature_list).
     if args.max_autotune and args.no_compile:
         raise ValueError("--max-autotune tunes what torch.compile builds: drop --no-compile or --max-autotune")
     if args.compile_scope is not None and args.no_compile:
@@ -182,12 +186,14 @@ def _load_draft(args: argparse.Namespace, checkpoint: DraftCheckpoint | None, ta
     return draft.eval()
 
 
-def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: int,
-                    batch_size: int) -> EngineConfig:
-    """The runtime's settings for every engine (block size and the caches' length are set by the evaluator)."""
+def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: int, batch_size: int,
+                    temperature: float | None = None) -> EngineConfig:
+    """The runtime's settings for every engine (block size and the caches' length are set by the evaluator; the
+    temperature by a sweep, from the lowest of --temperature by default)."""
+    temperature = min(args.temperatures) if temperature is None else temperature
     stops = () if args.ignore_eos else tuple(stop_token_ids(target.tokenizer, target.model.generation_config))
     return EngineConfig(batch_size=batch_size, block_size=block_size, max_new_tokens=args.max_new_tokens,
-                        temperature=args.temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
+                        temperature=temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
                         compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer",
                         draft_attention=args.draft_attention, matmul=args.matmul)
@@ -228,21 +234,32 @@ def run(args: argparse.Namespace) -> int:
     check_compatible(draft, target, block_size)
     # More rows than requests would only compute idle rows every cycle.
     batch_size = min(args.batch_size, max(len(s.conversations) for s in prompt_sets))
-    settings = EvalSettings(_runtime_config(args, target, block_size, batch_size), thinking=args.thinking == "on",
-                            lossless_check=not args.no_lossless_check, target_cache=args.target_cache,
-                            teacher_forced=not args.no_teacher_forced)
-    torch.manual_seed(args.seed)
+    temperatures = sorted(args.temperatures)  # the report's own figures are the lowest temperature's
+    settings = EvalSettings(_runtime_config(args, target, block_size, batch_size, temperatures[0]),
+                            thinking=args.thinking == "on", lossless_check=not args.no_lossless_check,
+                            target_cache=args.target_cache, teacher_forced=not args.no_teacher_forced)
     with progress_bars(enabled=not args.no_progress) as progress:
         evaluator = Evaluator(target, draft, settings, progress, phases)
-        evaluator.reserve(prompt_sets)
-        results: dict[str, Any] = {}
-        for prompt_set in prompt_sets:
-            name = prompt_set.name if prompt_set.name not in results else f"{prompt_set.name}#{len(results)}"
-            results[name] = evaluator.evaluate_set(prompt_set, name)
-    report = build_report(args, target, evaluator, results)
+        runs = [SweepRun(t, _evaluate_sets(evaluator, prompt_sets, t, args.seed, len(temperatures) > 1))
+                for t in temperatures]
+    report = build_report(args, target, evaluator, runs)
     paths = write_outputs(report, Path(args.out), plot=not args.no_plot, phases=phases)
     print_summary(report, [str(p) for p in paths])
     return 0
+
+
+def _evaluate_sets(evaluator: Evaluator, prompt_sets: list[PromptSet], temperature: float, seed: int,
+                   sweep: bool) -> dict[str, Any]:
+    """Every prompt set at `temperature`, each set's results under its report key. Every temperature starts
+    from the same seed; in a sweep, a set's phases and progress lines name the temperature too."""
+    evaluator.use_temperature(temperature)
+    torch.manual_seed(seed)
+    evaluator.reserve(prompt_sets)
+    results: dict[str, Any] = {}
+    for prompt_set in prompt_sets:
+        key = prompt_set.name if prompt_set.name not in results else f"{prompt_set.name}#{len(results)}"
+        results[key] = evaluator.evaluate_set(prompt_set, f"{key}@T={temperature:g}" if sweep else key)
+    return results
 
 
 def main(argv: list[str] | None = None) -> int:

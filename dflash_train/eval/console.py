@@ -67,7 +67,10 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def summary_table(report: dict[str, Any]) -> Table:
-    table = Table(title=f"DFlash eval: {report['target']} + {report['draft']} (block {report['settings']['block_size']})")
+    settings = report["settings"]
+    # A sweep's main table is its lowest temperature's (the report's own figures).
+    at = f", temperature {settings['temperature']:g}" if "temperature_sweep" in report else ""
+    table = Table(title=f"DFlash eval: {report['target']} + {report['draft']} (block {settings['block_size']}{at})")
     table.add_column("dataset", no_wrap=True)
     for column in ("reqs", "τ", "τ 95% CI", "τ/cycle", "τ̂ teacher-forced", "lossless", "tok/s draft", "tok/s target",
                    "speedup"):
@@ -82,6 +85,26 @@ def summary_table(report: dict[str, Any]) -> Table:
     return table
 
 
+def sweep_table(report: dict[str, Any]) -> Table | None:
+    """τ, its interval, its share of the greedy τ and the speedup of every prompt set at every temperature of a
+    sweep; None for a report of one temperature."""
+    sweep = report.get("temperature_sweep")
+    if not sweep:
+        return None
+    table = Table(title="τ against temperature")
+    table.add_column("dataset", no_wrap=True)
+    for column in ("temperature", "τ", "τ 95% CI", "τ / greedy τ", "lossless", "speedup"):
+        table.add_column(column, justify="right", no_wrap=True)
+    for name, summary in sweep["summary"].items():
+        fractions = summary["fraction_of_greedy"] or [None] * len(sweep["temperatures"])
+        for i, temperature in enumerate(sweep["temperatures"]):
+            row = sweep["runs"][i]["datasets"][name]
+            table.add_row(name if i == 0 else "", f"{temperature:g}", _fmt(summary["acceptance_length"][i], ".2f"),
+                          format_interval(summary["acceptance_length_ci95"][i]), _fmt(fractions[i], ".0%"),
+                          lossless_mark(row), _fmt(summary["speedup"][i], ".2f") + "×")
+    return table
+
+
 def wide_console() -> Console:
     """A terminal's own width; 200 columns where output goes to a file or pipe (rich would assume 80 and cut
     table cells short, leaving a job log without its numbers)."""
@@ -92,6 +115,9 @@ def wide_console() -> Console:
 def print_summary(report: dict[str, Any], paths: list[str]) -> None:
     console = wide_console()
     console.print(summary_table(report))
+    sweep = sweep_table(report)
+    if sweep is not None:
+        console.print(sweep)
     for name, row in report["datasets"].items():
         if row.get("skipped"):
             console.print(f"{name}: skipped {row['skipped']}")

@@ -14,6 +14,7 @@ from dflash_train.atomic import write_json_atomically
 from dflash_train.eval.phases import PhaseTimer
 from dflash_train.eval.plot import plot_report
 from dflash_train.eval.run import Evaluator
+from dflash_train.eval.sweep import SWEEP_DEFINITIONS, SweepRun, sweep_section
 from dflash_train.json_files import json_object_or_none
 from dflash_train.target import TargetModel
 
@@ -60,33 +61,41 @@ REPORT_DEFINITIONS: dict[str, str] = {
 
 
 def build_report(args: argparse.Namespace, target: TargetModel, evaluator: Evaluator,
-                 results: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    return {
+                 runs: list[SweepRun]) -> dict[str, Any]:
+    """`runs`: the results at each temperature, lowest first; the report's own figures are the first's, and
+    with more than one, the `temperature_sweep` section holds them all (eval/sweep.py)."""
+    report = {
         "target": args.target,
         "draft": args.draft,
-        "settings": _settings(args, target, evaluator),
+        "settings": _settings(args, target, evaluator, runs[0].temperature),
         "environment": _environment(target, evaluator),
         "runner_check": evaluator.runner_check,
         "definitions": dict(REPORT_DEFINITIONS),
-        "datasets": results,
+        "datasets": runs[0].datasets,
     }
+    if len(runs) > 1:
+        report["settings"]["temperatures"] = [run.temperature for run in runs]
+        report["definitions"].update(SWEEP_DEFINITIONS)
+        report["temperature_sweep"] = sweep_section(runs)
+    return report
 
 
-def _settings(args: argparse.Namespace, target: TargetModel, evaluator: Evaluator) -> dict[str, Any]:
-    """The settings the figures were decoded with."""
+def _settings(args: argparse.Namespace, target: TargetModel, evaluator: Evaluator,
+              temperature: float) -> dict[str, Any]:
+    """The settings the report's own figures were decoded with (those of `temperature`)."""
     settings = evaluator.settings
     return {
         "block_size": settings.block_size,
         "max_new_tokens": settings.max_new_tokens,
         "num_prompts": args.num_prompts,
-        "temperature": settings.temperature,
+        "temperature": temperature,
         "thinking": settings.thinking,
         "thinking_switch_in_template": evaluator.thinking_switch,
         "batch_size": settings.batch_size,
         "stop_token_ids": evaluator.stop_ids,
         "dtype": str(target.dtype).removeprefix("torch."),
         "seed": args.seed,
-        "lossless_check": evaluator.checks_lossless,
+        "lossless_check": settings.lossless_check and temperature == 0,
         "target_cache": str(settings.target_cache) if settings.target_cache is not None else None,
         "teacher_forced": settings.teacher_forced,
     }

@@ -37,6 +37,7 @@ from dflash_train.eval.teacher_forced import TeacherForcedAccuracy
 from dflash_train.models import DFlashDraftModel
 from dflash_train.prompts.eval_sets import PromptSet
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, RunStats
+from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.runtime.state import RequestOutput
 from dflash_train.runtime.static_target import StaticTarget
 from dflash_train.target import TargetModel
@@ -113,11 +114,22 @@ class Evaluator:
         self.stop_ids = list(settings.runtime.stop_token_ids)
         self.context_limit = int(getattr(target.config.get_text_config(), "max_position_embeddings", 1 << 20))
         self.engines: Engines | None = None
+        self._spare_runner: StaticTarget | HFCacheTarget | None = None  # the last engines' runner, for the next
         self.target_cache: TargetPassCache | None = None  # made with the engines: its key names their settings
         self.runner_check: dict[str, float] | None = None
         self.thinking_switch = supports_thinking(target.tokenizer) if target.tokenizer is not None else False
         if settings.thinking and not self.thinking_switch:
             logger.warning("--thinking on has no effect: the target's chat template has no thinking switch")
+
+    def use_temperature(self, temperature: float) -> None:
+        """Decode at `temperature` from the next set on. The engines are built again (a CUDA graph holds its
+        sampling step), around the same target runner and its caches; the runner check is not repeated."""
+        if temperature == self.settings.temperature:
+            return
+        self.settings = replace(self.settings, runtime=replace(self.settings.runtime, temperature=temperature))
+        if self.engines is not None:
+            self._spare_runner = self.engines.target_only.runner
+        self.engines, self.target_cache = None, None
 
     def _engine_config(self, block_size: int, max_length: int) -> EngineConfig:
         return replace(self.settings.runtime, block_size=block_size, max_length=max_length)
@@ -159,7 +171,8 @@ class Evaluator:
     def checks_lossless(self) -> bool:
         return self.settings.temperature == 0 and self.settings.lossless_check
 
-    def _new_engine(self, draft: DFlashDraftModel | None, config: EngineConfig, runner: StaticTarget | None = None,
+    def _new_engine(self, draft: DFlashDraftModel | None, config: EngineConfig,
+                    runner: StaticTarget | HFCacheTarget | None = None,
                     refuse_drafts: bool = False) -> DecodeEngine:
         return DecodeEngine(self.target, draft, config, runner=runner, refuse_drafts=refuse_drafts)
 
@@ -171,7 +184,9 @@ class Evaluator:
         max_length = -(-need // 256) * 256
         drafted_config = self._engine_config(self.settings.block_size, max_length)
         with self.phases.phase("warm_up/build"):  # static caches and buffers
-            baseline = self._new_engine(None, self._engine_config(1, max_length))
+            # The last engines' runner is taken again when its caches are long enough (another temperature).
+            runner, self._spare_runner = self._spare_runner, None
+            baseline = self._new_engine(None, self._engine_config(1, max_length), runner=runner)
             dflash = self._new_engine(self.draft, drafted_config, runner=baseline.runner)
         if self.runner_check is None:
             with self.phases.phase("warm_up/runner_check"):
@@ -222,7 +237,7 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate_set(self, prompt_set: PromptSet, name: str | None = None) -> dict[str, Any]:
-        """`name`: the set's key in the report and its phases' (default: the set's own name)."""
+        """`name`: the set's key in its phases and progress lines (default: the set's own name)."""
         name = name or prompt_set.name
         histories = [list(c.prefix) for c in prompt_set.conversations]
         alive = list(range(len(prompt_set.conversations)))
@@ -238,7 +253,7 @@ class Evaluator:
                 break
             need = max(len(r.ids) for r in requests) + self.settings.max_new_tokens + self.settings.block_size
             engines = self._get_engines(requests[0], need)
-            label = f"{prompt_set.name}{f' turn {turn + 1}' if turn else ''}"
+            label = f"{name}{f' turn {turn + 1}' if turn else ''}"
             alone, stats, was_stored = self._target_only_pass(engines.target_only, requests, label, name)
             totals["target"].add(stats)
             reused += was_stored
