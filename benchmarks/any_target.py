@@ -55,8 +55,9 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3MoeConfig
 
-from benchmarks.common import median, time_calls, write_result
+from benchmarks.common import median, results_directory, time_calls, write_result
 from benchmarks.decode_timing import default_dtype
+from benchmarks.profiling import kernel_profile
 from dflash_train.features.layer_ids import default_target_layer_ids
 from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
@@ -220,6 +221,12 @@ def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse
     engine = engine_for(target, None, len(prompts), args, experts)
     result: dict[str, Any] = {"engine_runner": type(engine.runner).__name__,
                               "engine_step_ms": step_ms(engine, prompts, args)}
+    if args.profile:  # the kernels of a few steps, heaviest first, beside the JSON
+        name = f"any_target-{target.config.model_type}-b{len(prompts)}-{experts}.profile.txt"
+        path = results_directory(engine.device.type != "cuda") / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(kernel_profile(engine.step, engine.device, iters=5) + "\n")
+        result["engine_profile"] = path.name
     outputs, stats = engine.generate(prompts)
     if any(len(output.tokens) != args.new_tokens for output in outputs):
         raise RuntimeError("the engine stopped a row before --new-tokens")
@@ -324,7 +331,7 @@ def measure_batch(target: TargetModel, rows: int, header: dict[str, Any], run: R
     point["bytes_per_step"] = bytes_per_step(counts, target.config, rows)
     point["floor_ms"] = point["bytes_per_step"] / header["copy_bandwidth"] * 1e3
     prompts = random_prompts(rows, args.prompt_tokens, target.config.vocab_size)
-    for name in MEASUREMENTS + (BASELINES if args.experts_baseline else ()):
+    for name in args.measure or MEASUREMENTS + (BASELINES if args.experts_baseline else ()):
         if not run.allows(f"{header['shape']} batch {rows} {name}"):
             continue
         say(f"{header['shape']} batch {rows}: {name} ... ({run.elapsed():.0f} s into the run)")
@@ -411,6 +418,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--experts-baseline", action="store_true",
                         help="also measure the engine and the cycle with the model's own experts implementation "
                              "instead of the decode-experts kernel (same run)")
+    parser.add_argument("--profile", action="store_true",
+                        help="write the kernels of a few engine steps to results/any_target-*.profile.txt")
+    parser.add_argument("--measure", action="append", choices=MEASUREMENTS + BASELINES,
+                        help="measurements to run; repeat (default: all, the baselines with --experts-baseline)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed engine steps before the timed ones")
     parser.add_argument("--iters", type=int, default=10, help="timed engine steps (median)")
     parser.add_argument("--repeats", type=int, default=2, help="timed `generate` calls of each length (median)")
