@@ -1,6 +1,7 @@
-"""Every MoE target of the matrix with its experts switched to the decode kernel (`runtime/experts.py`): the
-model's own forward gives the logits it gives with transformers' eager experts (fp32), the kernel ran for the
-steps of few tokens and left the others to the implementation the model had, and switching back restores it.
+"""Every MoE target of the matrix with its experts switched to the decode kernel and its known routers to the router
+kernel (`runtime/experts.py`): the model's own forward gives the logits it gives with transformers' eager
+experts and its routers' own forwards (fp32), the kernels ran for the steps of few tokens and left the others
+to the implementation the model had, and switching back restores both.
 The static runtime switches a MoE target's experts with its kernels.
 
 On CPU the kernels run under TRITON_INTERPRET=1; when this process imported triton without it, the file
@@ -17,7 +18,7 @@ import torch
 
 from dflash_train.kernels.decode_experts import MAX_PAIRS, ClampedGate
 from dflash_train.runtime import experts
-from dflash_train.runtime.experts import NAME, experts_modules, kernel_gate, use_decode_experts
+from dflash_train.runtime.experts import NAME, ROUTERS, experts_modules, kernel_gate, use_decode_experts
 from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, build_tiny_target
 
@@ -38,6 +39,19 @@ def counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def counting_routers(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Tokens per router-kernel call."""
+    calls: list[int] = []
+    kernel: Callable[..., Any] = experts.moe_router_triton
+
+    def spy(logits: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        calls.append(logits.shape[0])
+        return kernel(logits, *args, **kwargs)
+
+    monkeypatch.setattr(experts, "moe_router_triton", spy)
+    return calls
+
+
 @kernels_here
 @pytest.mark.parametrize("model_type", TINY_TARGET_FAMILIES["moe"])
 def test_the_kernel_gives_the_models_logits(model_type: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -46,14 +60,17 @@ def test_the_kernel_gives_the_models_logits(model_type: str, monkeypatch: pytest
     ids = torch.randint(0, VOCAB, (1, 4), generator=torch.Generator().manual_seed(1)).to(DEVICE)  # in reach for every layout
     with torch.no_grad():
         expected = model(ids).logits
-        calls = counting(monkeypatch)
+        calls, routed = counting(monkeypatch), counting_routers(monkeypatch)
         assert use_decode_experts(model)
         assert model.config._experts_implementation == NAME
         got = model(ids).logits
     assert calls and all(pairs <= MAX_PAIRS for pairs in calls)
+    known_routers = [m for m in model.modules() if type(m).__name__ in ROUTERS]
+    assert len(routed) == len(known_routers)  # each known router chose through the kernel, once
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     use_decode_experts(model, enabled=False)
     assert model.config._experts_implementation == "eager"
+    assert not any("forward" in vars(router) for router in known_routers)  # the classes' own forwards again
 
 
 @kernels_here
