@@ -19,6 +19,11 @@ Scores come from the tensor cores' bf16 dot with fp32 sums; softmax runs in fp32
 running max); probabilities are rounded to the cache's dtype for the P·V product, as flash attention does;
 the output is rounded once. fp32 inputs are multiplied in full fp32 precision.
 
+Sink logits (gpt-oss, `sinks` [heads]): one more logit per query head that joins the softmax's denominator
+with no value behind it, as transformers' eager attention for gpt-oss computes it (softmax over the scores
+and the sink, the sink's column then dropped). A split sees a slice of the keys only, so the sink joins
+where the splits' partial softmaxes are merged: once per query, whichever the cut, and whatever its window.
+
 The next weight (opt-in, `prefetch`): at a decode step the attention reads a few MB of cache while the
 memory bus is otherwise idle, and the product after it (o_proj: 33.5 MB in Qwen3-8B, streamed well below the
 rate the large products reach) waits on its own ramp-up. Given a weight, the split kernel's programs
@@ -58,8 +63,9 @@ def fits(heads: int, kv_heads: int, tokens: int) -> bool:
 
 
 def static_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                               scale: float) -> torch.Tensor:
-    """Brute force in fp32. q [n, heads, T, D]; k/v [n, kv_heads, S, D]; bounds [n, 2, T] -> [n, T, heads, D]."""
+                               scale: float, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Brute force in fp32. q [n, heads, T, D]; k/v [n, kv_heads, S, D]; bounds [n, 2, T]; sinks [heads] or
+    None (a logit per head in the softmax, no value with it) -> [n, T, heads, D]."""
     n, heads, t, _ = q.shape
     groups = heads // k.shape[1]
     slots = torch.arange(k.shape[2], device=q.device)
@@ -69,17 +75,22 @@ def static_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     values = v.float().repeat_interleave(groups, dim=1)
     scores = torch.einsum("nhtd,nhsd->nhts", q.float(), keys) * scale
     scores = scores.masked_fill(~visible[:, None], float("-inf"))
-    out = torch.einsum("nhts,nhsd->nhtd", scores.softmax(dim=-1).nan_to_num(0.0), values)
+    if sinks is None:
+        weights = scores.softmax(dim=-1).nan_to_num(0.0)  # a query that sees nothing: zeros
+    else:
+        sink = sinks.float()[None, :, None, None].expand(n, heads, t, 1)
+        weights = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]
+    out = torch.einsum("nhts,nhsd->nhtd", weights, values)
     return out.transpose(1, 2).to(q.dtype)
 
 
 def _split_kernel(
-    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr, counter_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, bounds_ptr, part_o_ptr, part_lse_ptr, pf_ptr, counter_ptr, sinks_ptr, out_ptr,
     sq_n, sq_h, sq_t, sq_d, sk_n, sk_h, sk_s, sk_d, sv_n, sv_h, sv_s, sv_d,
     kv_heads, keys, split_len, num_splits, scale, pf_numel, pf_chunk,
     T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PREFETCH: tl.constexpr,
-    PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr, MERGE: tl.constexpr,
+    PF_PARTS: tl.constexpr, PF_ELEMENT_BYTES: tl.constexpr, MERGE: tl.constexpr, SINKS: tl.constexpr,
 ):
     # IEEE: fp32 inputs, fp32 products. UPCAST: bf16/fp16 inputs multiplied as fp32 (the interpreter's dot
     # cannot multiply bf16); else the tensor cores' bf16/fp16 dot with fp32 sums, as flash attention.
@@ -155,19 +166,23 @@ def _split_kernel(
         counter = counter_ptr + pid * (ROWS // BLOCK_M) + tl.program_id(2)
         if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == num_splits - 1:
             tl.debug_barrier()  # no thread reads another split's results before the acquire above
-            _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, pid, row, r, r_ok, head, token, d, kv_heads * GROUPS,
-                          num_splits, T, D, ROWS, BLOCK_M, BLOCK_D)
+            _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, row, r, r_ok, head, token, d,
+                          kv_heads * GROUPS, num_splits, T, D, ROWS, BLOCK_M, BLOCK_D, SINKS)
             tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
-def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, pid, row, r, r_ok, head, token, d, heads, num_splits,
-                  T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_D: tl.constexpr):
+def _merge_splits(part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, pid, row, r, r_ok, head, token, d, heads,
+                  num_splits, T: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_D: tl.constexpr, SINKS: tl.constexpr):
     """`_combine_kernel`'s merge for one program's rows, splits summed one after another (loads through L2:
     the other programs' results were written from other multiprocessors)."""
     top = tl.full([BLOCK_M], float("-inf"), tl.float32)
     for sp in range(0, num_splits):
         top = tl.maximum(top, tl.load(part_lse_ptr + (pid * num_splits + sp) * ROWS + r, cache_modifier=".cg"))
+    sink = tl.zeros([BLOCK_M], tl.float32)
+    if SINKS:  # padding rows' heads lie past the last: they read none
+        sink = tl.load(sinks_ptr + head, mask=r_ok, other=0.0).to(tl.float32)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)  # rows no split saw: every weight 0
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -177,6 +192,8 @@ def _merge_splits(part_o_ptr, part_lse_ptr, out_ptr, pid, row, r, r_ok, head, to
         o = tl.load(part_o_ptr + (part * ROWS + r[:, None]) * BLOCK_D + d[None, :], cache_modifier=".cg")
         acc += o * weight[:, None]
         denom += weight
+    if SINKS:  # the sink's share of the denominator, after the splits' as in `_combine_kernel`
+        denom += tl.exp(sink - top)
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     dst = out_ptr + ((row.to(tl.int64) * T + token[:, None]) * heads + head[:, None]) * D + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=r_ok[:, None] & (d[None, :] < D))
@@ -187,9 +204,9 @@ if HAS_TRITON:  # a device function, resolved when a kernel calling it compiles
 
 
 def _combine_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr, kv_heads, num_splits,
+    part_o_ptr, part_lse_ptr, sinks_ptr, out_ptr, kv_heads, num_splits,
     T: tl.constexpr, GROUPS: tl.constexpr, D: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_S: tl.constexpr, SINKS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     r = tl.program_id(1)
@@ -202,9 +219,15 @@ def _combine_kernel(
     parts = pid * num_splits + sp
     lse = tl.load(part_lse_ptr + parts * ROWS + r, mask=sp_ok, other=float("-inf"))
     top = tl.max(lse, axis=0)
-    weight = tl.exp(lse - tl.where(top == float("-inf"), 0.0, top))  # splits that saw nothing weigh 0
+    if SINKS:  # the sink joins the softmax here, once per query: a split sees only part of the keys
+        sink = tl.load(sinks_ptr + head).to(tl.float32)
+        top = tl.maximum(top, sink)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    weight = tl.exp(lse - top)  # splits that saw nothing weigh 0
     o = tl.load(part_o_ptr + (parts[:, None] * ROWS + r) * BLOCK_D + d[None, :], mask=sp_ok[:, None], other=0.0)
     denom = tl.sum(weight, axis=0)
+    if SINKS:  # a logit with no value: in the denominator only
+        denom += tl.exp(sink - top)
     out = tl.sum(o * weight[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
     heads = kv_heads * GROUPS
     dst = out_ptr + ((row.to(tl.int64) * T + token) * heads + head) * D
@@ -271,7 +294,7 @@ def prefetch_chunk(numel: int, element_bytes: int, parts: int) -> int:
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
             prefetch: torch.Tensor | None = None, plan: Plan | None = None,
-            counters: torch.Tensor | None = None) -> torch.Tensor:
+            counters: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     n, heads, t, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     groups = heads // kv_heads
@@ -295,33 +318,38 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Ten
     weight = prefetch if asked else q  # never read without PREFETCH
     parts = 32 * warps  # bulk requests a program: one a thread
     chunk = prefetch_chunk(weight.numel(), weight.element_size(), n * kv_heads * num_splits * parts)
+    sink_logits = q if sinks is None else sinks  # never read without SINKS
     split_kernel[(n * kv_heads, num_splits, rows // block_m)](
-        q, k, v, bounds, part_o, part_lse, weight, counters if merge else bounds, out,
+        q, k, v, bounds, part_o, part_lse, weight, counters if merge else bounds, sink_logits, out,
         *q.stride(), *k.stride(), *v.stride(),
         kv_heads, keys, split_len, num_splits, scale, weight.numel(), chunk,
         T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_M=block_m, BLOCK_N=plan.block_n, BLOCK_D=block_d,
         IEEE=q.dtype == torch.float32, UPCAST=interpreting() and q.dtype != torch.float32, PREFETCH=asked,
-        PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), MERGE=merge, num_warps=warps,
+        PF_PARTS=parts, PF_ELEMENT_BYTES=weight.element_size(), MERGE=merge, SINKS=sinks is not None,
+        num_warps=warps,
     )
     if merge:
         return out
     combine_kernel[(n * kv_heads, groups * t)](
-        part_o, part_lse, out, kv_heads, num_splits,
+        part_o, part_lse, sink_logits, out, kv_heads, num_splits,
         T=t, GROUPS=groups, D=dim, ROWS=rows, BLOCK_D=block_d, BLOCK_S=next_power_of_2(num_splits),
+        SINKS=sinks is not None,
     )
     return out
 
 
 @triton_op("dflash_train::static_attention", mutates_args=())
 def _static_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                         scale: float, prefetch: torch.Tensor | None = None) -> torch.Tensor:
-    return _launch(q, k, v, bounds, scale, prefetch, plan=_plan_for(q, k)._replace(merge_in_split=False))
+                         scale: float, prefetch: torch.Tensor | None = None,
+                         sinks: torch.Tensor | None = None) -> torch.Tensor:
+    return _launch(q, k, v, bounds, scale, prefetch, plan=_plan_for(q, k)._replace(merge_in_split=False),
+                   sinks=sinks)
 
 
 @triton_op("dflash_train::static_attention_merged", mutates_args={"counters"})
 def _static_attention_merged_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
-                                scale: float, counters: torch.Tensor) -> torch.Tensor:
-    return _launch(q, k, v, bounds, scale, plan=_plan_for(q, k), counters=counters)
+                                scale: float, sinks: torch.Tensor | None, counters: torch.Tensor) -> torch.Tensor:
+    return _launch(q, k, v, bounds, scale, plan=_plan_for(q, k), counters=counters, sinks=sinks)
 
 
 def _plan_for(q: torch.Tensor, k: torch.Tensor) -> Plan:
@@ -347,23 +375,33 @@ def counters_for(batch_size: int, kv_heads: int, device: torch.device) -> torch.
 
 def static_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor,
                             scale: float, prefetch: torch.Tensor | None = None,
-                            counters: torch.Tensor | None = None) -> torch.Tensor:
+                            counters: torch.Tensor | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Same contract as `static_attention_reference`; a custom op, so torch.compile keeps it in its graph.
     `prefetch`: a contiguous weight the next kernel reads, asked of L2 meanwhile (module docstring).
     `counters` (`counters_for`): lets a plan that merges in its split kernel run so (one launch, not two);
-    without them, or with a weight to prefetch, the partial results are merged by a second launch."""
+    without them, or with a weight to prefetch, the partial results are merged by a second launch.
+    `sinks`: a sink logit per query head [heads] (fp32 or the model's dtype), or None."""
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
     assert k.shape == v.shape and q.shape[0] == k.shape[0] and q.shape[-1] == k.shape[-1]
     assert prefetch is None or prefetch.is_contiguous(), "the weight to prefetch must be contiguous"
+    _check_sinks(sinks, q.shape[1])
     if counters is not None and prefetch is None and _tuned_to_merge(q, k):
-        return _static_attention_merged_op(q, k, v, bounds.contiguous(), float(scale), counters)
-    return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch)
+        return _static_attention_merged_op(q, k, v, bounds.contiguous(), float(scale), sinks, counters)
+    return _static_attention_op(q, k, v, bounds.contiguous(), float(scale), prefetch, sinks)
+
+
+def _check_sinks(sinks: torch.Tensor | None, heads: int) -> None:
+    """The kernels index the sinks by query head, one element apart."""
+    assert sinks is None or (sinks.shape == (heads,) and sinks.is_contiguous() and sinks.is_floating_point()), (
+        f"sinks: a contiguous float tensor [{heads}] (one logit a query head)")
 
 
 def static_attention_planned(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
-                             plan: Plan, counters: torch.Tensor | None = None) -> torch.Tensor:
+                             plan: Plan, counters: torch.Tensor | None = None,
+                             sinks: torch.Tensor | None = None) -> torch.Tensor:
     """`static_attention_triton` (eager) with the work cut by `plan` instead of `default_plan`: for timing
     other plans (`benchmarks.static_attention`). A plan that merges in its split kernel takes `counters`:
     int32 zeros, one per (row, KV head, query-row tile), left zeroed for the next launch."""
     assert fits(q.shape[1], k.shape[1], q.shape[2]), "too many new tokens for one program: use SDPA"
-    return _launch(q, k, v, bounds.contiguous(), float(scale), plan=plan, counters=counters)
+    _check_sinks(sinks, q.shape[1])
+    return _launch(q, k, v, bounds.contiguous(), float(scale), plan=plan, counters=counters, sinks=sinks)

@@ -13,7 +13,9 @@ itself, with our attention function); the KV cache and the attention are ours:
   head), under a boolean mask built from positions (causal, plus the sliding window where the layer has one).
   With `kernels="triton"`, decode and verify steps (a few new tokens per row) run the split-key kernel of
   `dflash_train.kernels.static_attention` instead, given each query's first and last visible slot; prefill
-  stays on SDPA.
+  stays on SDPA. A layer with sink logits (gpt-oss's `self_attn.sinks`) hands them to the kernel, which
+  folds them into its merge of the splits; off the kernel (prefill, `kernels="torch"`) it runs
+  `_attention_with_sinks`, the PyTorch reference.
 - Attention prologue: with `kernels="triton"` and fused projections, the q/k norms (Qwen3), RoPE and the
   K/V cache write of a layer are one kernel (`dflash_train.kernels.rope_cache`, fed the rotary
   embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
@@ -90,18 +92,19 @@ def static_attention(
 
     An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query); there a
     `prefetch` weight (the fused layers' o_proj, `StaticTarget(prefetch_weights=True)`) is asked of L2 meanwhile,
-    and the fused layers' `counters` let a plan that merges in its split kernel do so."""
+    and the fused layers' `counters` let a plan that merges in its split kernel do so. The module's `sinks`
+    [heads] (gpt-oss), where it has them, join the softmax on either path."""
     b, heads, t, d = query.shape
+    sinks = getattr(module, "sinks", None)
     if attention_mask.dtype != torch.bool:
         scale = scaling if scaling is not None else d ** -0.5
         return static_attention_triton(query, key, value, attention_mask, scale, kwargs.get("prefetch"),
-                                       kwargs.get("counters")), None
+                                       kwargs.get("counters"), sinks=sinks), None
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
     q = query.reshape(b, kv_heads, groups * t, d)
     mask = attention_mask[:, :, None].expand(b, 1, groups, t, keys).reshape(b, 1, groups * t, keys)
-    sinks = getattr(module, "sinks", None)
     if sinks is not None:
         out = _attention_with_sinks(q, key, value, mask, scaling if scaling is not None else d ** -0.5, sinks, t)
     else:
@@ -233,8 +236,6 @@ class StaticTarget:
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
         self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
-        # sink logits: the split-key kernel has none, so those layers' attention stays on the PyTorch path
-        self.sinks = any(getattr(layer.self_attn, "sinks", None) is not None for layer in self.layers)
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
@@ -301,7 +302,7 @@ class StaticTarget:
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
         """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the
         Triton path one [n, 2, T] int32 bounds tensor per window."""
-        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]) and not self.sinks:
+        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
             return {window: bounds_from_positions(positions, window) for window in dict.fromkeys(self.windows)}
         slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
         masks = {}

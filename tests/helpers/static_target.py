@@ -11,15 +11,31 @@ from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 from tests.helpers.tiny_targets import build_tiny_target
 
 
+def tiny_target(arch: str) -> TargetModel:
+    """A target of `tests/helpers/tiny_targets.py`; gpt_oss's with windows of 5 and spread sinks (`spread_sinks`),
+    so that both change what 14 tokens attend to."""
+    overrides = {"sliding_window": 5} if arch == "gpt_oss" else {}
+    target = TargetModel(build_tiny_target(arch, 320, seed=1, **overrides), None)
+    spread_sinks(target)
+    return target
+
+
+def spread_sinks(target: TargetModel) -> None:
+    """Sink logits from -1 to 3 across each layer's heads (initialised near 0, they weigh about as much as one
+    key): a kernel that dropped them, or gave them to the wrong head, changes the logits."""
+    for layer in target.decoder_layers:
+        sinks = getattr(layer.self_attn, "sinks", None)
+        if sinks is not None:
+            with torch.no_grad():
+                sinks.copy_(torch.linspace(-1.0, 3.0, sinks.numel()))
+
+
 def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_projections: bool = True) -> None:
     """The runner against the model's own forward: prefill of some rows, then a verify block per row at
-    different positions (a sliding window for mistral). Run with kernels="torch" by the runtime's tests and
-    with kernels="triton" by the kernel's tests (interpreted on CPU). `arch` beyond the tokenizer-backed four:
-    a target of `tests/helpers/tiny_targets.py` (experts, sinks)."""
-    if arch in TINY_ARCHS:
-        target = make_tiny_target(arch, num_layers=4, seed=1)
-    else:
-        target = TargetModel(build_tiny_target(arch, 320, seed=1), None)
+    different positions (a sliding window for mistral and gpt_oss). Run with kernels="torch" by the runtime's
+    tests and with kernels="triton" by the kernel's tests (interpreted on CPU). `arch` beyond the
+    tokenizer-backed four: a target of `tests/helpers/tiny_targets.py` (experts, sinks)."""
+    target = make_tiny_target(arch, num_layers=4, seed=1) if arch in TINY_ARCHS else tiny_target(arch)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # short enough to matter on 14 tokens
     ids = torch.randint(10, 200, (2, 14), generator=torch.Generator().manual_seed(0))

@@ -7,6 +7,8 @@ re-runs itself in a subprocess that sets it from the start.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -47,6 +49,51 @@ def test_reference_matches_the_sdpa_path() -> None:
         sdpa, _ = static_attention(None, q, k, v, visible[:, None], scaling=0.3)  # type: ignore[arg-type]
         ours = static_attention_reference(q, k, v, bounds_from_positions(positions, window), scale=0.3)
         torch.testing.assert_close(ours, sdpa, atol=1e-5, rtol=1e-5)
+
+
+def hf_sink_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, scale: float,
+                      sinks: torch.Tensor) -> torch.Tensor:
+    """gpt-oss's own eager attention (transformers' `eager_attention_forward`: softmax over the scores and the
+    sink, the sink's column dropped) in fp32, under the additive mask `bounds` stands for: the sinks' semantics
+    taken from the model's code, apart from this repository's. -> [n, T, heads, D]."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
+
+    slots = torch.arange(k.shape[2])
+    lo, hi = bounds[:, 0, :, None].long().cpu(), bounds[:, 1, :, None].long().cpu()
+    mask = torch.zeros(q.shape[0], 1, q.shape[2], k.shape[2]).masked_fill(~((slots >= lo) & (slots <= hi))[:, None],
+                                                                         float("-inf"))
+    module = SimpleNamespace(num_key_value_groups=q.shape[1] // k.shape[1], sinks=sinks.float().cpu(), training=False)
+    out, _ = eager_attention_forward(module, q.float().cpu(), k.float().cpu(), v.float().cpu(), mask, scale)
+    return out
+
+
+def make_sinks(heads: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sink logits from below the test cases' scores to above their largest (the cases' scores spread about 4 on
+    either side of 0), one a head: heads where the sink takes little and heads where it takes most."""
+    return torch.linspace(-3.0, 14.0, heads).to(dtype)
+
+
+@pytest.mark.parametrize("window", [None, 4])
+def test_the_reference_with_sinks_is_gpt_oss_attention_and_the_pytorch_path(window: int | None) -> None:
+    """The brute-force reference with sinks = transformers' gpt-oss eager attention = the static target's
+    PyTorch path with sinks (boolean masks from positions, a module carrying `sinks`)."""
+    q, k, v, positions = make_case(2, 6, 2, 5, 40, 8, torch.float32, seed=0)
+    bounds, sinks = bounds_from_positions(positions, window), make_sinks(6, torch.float32)
+    ours = static_attention_reference(q, k, v, bounds, scale=0.3, sinks=sinks)
+    torch.testing.assert_close(ours, hf_sink_attention(q, k, v, bounds, 0.3, sinks), atol=1e-5, rtol=1e-5)
+    slots = torch.arange(40)
+    visible = (slots >= bounds[:, 0, :, None]) & (slots <= bounds[:, 1, :, None])
+    torch_path, _ = static_attention(SimpleNamespace(sinks=sinks), q, k, v, visible[:, None], scaling=0.3)  # type: ignore[arg-type]
+    torch.testing.assert_close(torch_path, ours, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(ours, static_attention_reference(q, k, v, bounds, scale=0.3), atol=1e-2)
+
+
+def test_sinks_of_another_shape_are_refused() -> None:
+    q, k, v, positions = make_case(1, 4, 2, 1, 20, 8, torch.float32, seed=0)
+    bounds = bounds_from_positions(positions, None)
+    for sinks in (torch.zeros(2), torch.zeros(4, dtype=torch.int32), torch.zeros(8)[::2]):
+        with pytest.raises(AssertionError, match="one logit a query head"):
+            static_attention_triton(q, k, v, bounds, 0.2, sinks=sinks)
 
 
 def test_split_plan_covers_every_key_once() -> None:
@@ -136,6 +183,42 @@ def test_a_plan_cuts_splits_into_whole_tiles() -> None:
 
 
 @kernels_here
+@pytest.mark.parametrize(("dtype", "sink_dtype"), [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                                   (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(("n", "heads", "kv_heads", "tokens", "keys", "window", "plan"), [
+    (2, 8, 2, 1, 200, None, None),  # decode step, 4 query heads per KV head, the default plan's splits
+    (2, 8, 2, 1, 200, 20, (32, 4, 32)),  # the same in a window: most of the 7 splits see nothing
+    (1, 4, 1, 16, 300, None, (512, 4, 64)),  # verify block, all 4 heads on one KV head, one split
+    (2, 6, 2, 5, 300, 100, (64, 4, 64, 16)),  # a window starting mid tile, query rows over 2 programs
+    (2, 6, 2, 5, 300, 100, (64, 4, 64, 16, True)),  # the same merged by the split kernel's last program
+    (1, 4, 2, 3, 150, None, (64, 4, 64, 0, True)),  # merged in one launch, every row in one program
+])
+def test_kernel_with_sinks_matches_gpt_oss_attention(dtype: torch.dtype, sink_dtype: torch.dtype, n: int, heads: int,
+                                                     kv_heads: int, tokens: int, keys: int, window: int | None,
+                                                     plan: tuple[int | bool, ...] | None) -> None:
+    """gpt-oss's sink logits folded into the merge of the splits: transformers' own eager attention, at one
+    split and many, in the combine launch or the split kernel's last program, with and without a sliding
+    window; sinks in fp32 or the model's dtype."""
+    from dflash_train.kernels.static_attention import Plan, static_attention_planned
+
+    q, k, v, positions = make_case(n, heads, kv_heads, tokens, keys, 16, dtype, seed=keys + tokens + heads)
+    bounds, sinks = bounds_from_positions(positions, window), make_sinks(heads, sink_dtype)
+    expected = hf_sink_attention(q, k, v, bounds, 0.25, sinks)
+    args = (q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), bounds.to(DEVICE), 0.25)
+    if plan is None:
+        got = static_attention_triton(*args, sinks=sinks.to(DEVICE))
+    else:
+        counters = torch.zeros(16, dtype=torch.int32, device=DEVICE)
+        got = static_attention_planned(*args, Plan(*plan), counters, sinks=sinks.to(DEVICE))
+        assert not counters.any()
+    assert got.shape == (n, tokens, heads, 16) and got.dtype == dtype
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float().cpu(), expected, atol=tol, rtol=tol)
+    without = static_attention_reference(q, k, v, bounds, 0.25)  # the sinks matter at these logits
+    assert not torch.allclose(got.float().cpu(), without.float(), atol=0.1)
+
+
+@kernels_here
 def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
     """Slots after a query's position hold garbage in the static cache (stale or never written): the
     kernel must not let it in, not even as NaN through a masked product."""
@@ -150,12 +233,22 @@ def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
 
 @kernels_here
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss"])
-def test_static_target_on_the_kernel_matches_the_full_forward(arch: str) -> None:
+def test_static_target_on_the_kernel_matches_the_full_forward(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The target runner with kernels="triton" (prefill of some rows, then a verify block per row at
-    different positions; a sliding window for mistral) against the model's own forward."""
+    different positions; a sliding window for mistral and gpt_oss) against the model's own forward: every
+    attention of the runner on the kernel, gpt_oss's with its sink logits."""
+    from dflash_train.runtime import static_target
     from tests.helpers.static_target import check_prefill_and_verify
 
+    kernel, sinks_given = static_target.static_attention_triton, []
+
+    def recording(*args: object, **kwargs: object) -> torch.Tensor:
+        sinks_given.append(kwargs.get("sinks"))
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(static_target, "static_attention_triton", recording)
     check_prefill_and_verify(arch, kernels="triton", device=DEVICE)
+    assert sinks_given and all((sinks is not None) == (arch == "gpt_oss") for sinks in sinks_given)
 
 
 @kernels_here
@@ -225,10 +318,14 @@ def test_kernels_compile_for_the_gpu(element: str, float_type: str, tokens: int,
                 "part_o_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": f"*{element}"}
     constants = {**shapes, "BLOCK_M": 16, "BLOCK_N": BLOCK_N, "IEEE": element == "fp32", "UPCAST": False, "PREFETCH": False,
                  "PF_PARTS": 128, "PF_ELEMENT_BYTES": 2}
-    split_pointers = {**pointers, "pf_ptr": "*bf16", "counter_ptr": "*i32"}
-    for merge in (False, True):
-        compile_for_h100(_split_kernel, {**constants, "MERGE": merge}, split_pointers, float_type)
-    compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32}, pointers, float_type)
+    # sink logits in the model's dtype or in fp32 (either may be handed over)
+    sink_type = f"*{element}" if float_type == "fp64" else "*fp32"
+    for sinks in (False, True):
+        typed = {**pointers, "sinks_ptr": sink_type}
+        split_pointers = {**typed, "pf_ptr": "*bf16", "counter_ptr": "*i32"}
+        for merge in (False, True):
+            compile_for_h100(_split_kernel, {**constants, "MERGE": merge, "SINKS": sinks}, split_pointers, float_type)
+        compile_for_h100(_combine_kernel, {**shapes, "BLOCK_S": 32, "SINKS": sinks}, typed, float_type)
 
 
 def split_kernel_arguments(prefetch: bool) -> dict[str, object]:
@@ -241,11 +338,11 @@ def split_kernel_arguments(prefetch: bool) -> dict[str, object]:
                 v_ptr=torch.empty(1, 8, 1024, 128, **bf16), bounds_ptr=torch.empty(1, 2, 1, dtype=torch.int32),
                 part_o_ptr=torch.empty(16 * 16 * 128), part_lse_ptr=torch.empty(16 * 16),
                 pf_ptr=torch.empty(4096, 4096, **bf16), counter_ptr=torch.empty(8, dtype=torch.int32),
-                out_ptr=torch.empty(1, 1, 32, 128, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
+                sinks_ptr=torch.empty(32, **bf16), out_ptr=torch.empty(1, 1, 32, 128, **bf16), sq_n=4096, sq_h=128, sq_t=128, sq_d=1, **cache,
                 **{name.replace("sk", "sv"): value for name, value in cache.items()}, kv_heads=8, keys=1024,
                 split_len=64, num_splits=16, scale=0.088, pf_numel=4096 * 4096, pf_chunk=1024, T=1, GROUPS=4, D=128,
                 ROWS=16, BLOCK_M=16, BLOCK_N=BLOCK_N, BLOCK_D=128, IEEE=False, UPCAST=False, PREFETCH=prefetch, PF_PARTS=128,
-                PF_ELEMENT_BYTES=2, MERGE=False)
+                PF_ELEMENT_BYTES=2, MERGE=False, SINKS=False)
 
 
 @pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
@@ -258,9 +355,11 @@ def test_the_next_weight_is_asked_of_l2_before_the_cache_is_read(monkeypatch: py
 
     arguments = split_kernel_arguments(prefetch=True)
     constants = {name: arguments[name] for name in ("T", "GROUPS", "D", "ROWS", "BLOCK_M", "BLOCK_N", "BLOCK_D", "IEEE",
-                                                     "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES", "MERGE")}
+                                                     "UPCAST", "PREFETCH", "PF_PARTS", "PF_ELEMENT_BYTES", "MERGE",
+                                                     "SINKS")}
     pointers = {"q_ptr": "*bf16", "k_ptr": "*bf16", "v_ptr": "*bf16", "bounds_ptr": "*i32", "part_o_ptr": "*fp32",
-                "part_lse_ptr": "*fp32", "pf_ptr": "*bf16", "counter_ptr": "*i32", "out_ptr": "*bf16"}
+                "part_lse_ptr": "*fp32", "pf_ptr": "*bf16", "counter_ptr": "*i32", "sinks_ptr": "*bf16",
+                "out_ptr": "*bf16"}
     ptx = compile_for_h100(_split_kernel, constants, pointers, "fp32")
     assert -1 < ptx.find("cp.async.bulk.prefetch.L2.global") < ptx.find("mma")
     assert "cp.async.bulk.prefetch" not in compile_for_h100(_split_kernel, {**constants, "PREFETCH": False},
@@ -310,3 +409,29 @@ def test_asking_l2_for_a_weight_changes_no_bit_on_the_gpu() -> None:
         bounds = bounds_from_positions(positions, None)
         plain = static_attention_triton(q, k, v, bounds, 128 ** -0.5)
         assert torch.equal(static_attention_triton(q, k, v, bounds, 128 ** -0.5, prefetch=weight), plain)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("tokens", [1, 16])
+@pytest.mark.parametrize("window", [None, 128])
+def test_sinks_on_the_gpu_at_gpt_oss_20b_shapes(tokens: int, window: int | None) -> None:
+    """gpt-oss-20b's attention shape (64 query heads on 8 KV heads of 64, bf16 sinks, the 128-token window and
+    full layers) on the GPU, eager and under torch.compile: transformers' eager attention within bf16's
+    rounding, and the same bits for a query wherever it sits in its block."""
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(2, 8, 1280, 64, generator=gen, **bf16) for _ in range(2))
+    q = torch.randn(2, 64, tokens, 64, generator=gen, **bf16)
+    sinks = (torch.randn(64, generator=gen, device="cuda") * 2).to(torch.bfloat16)
+    positions = torch.tensor([700, 1000], device="cuda")[:, None] + torch.arange(tokens, device="cuda")
+    bounds = bounds_from_positions(positions, window)
+    eager = static_attention_triton(q, k, v, bounds, 0.125, sinks=sinks)
+    torch.testing.assert_close(eager.float().cpu(), hf_sink_attention(q, k, v, bounds, 0.125, sinks), atol=2e-2,
+                               rtol=2e-2)
+    compiled = torch.compile(lambda *args: static_attention_triton(*args, sinks=sinks), dynamic=False)
+    assert torch.equal(compiled(q, k, v, bounds, 0.125), eager)
+    if tokens > 1:  # the last query alone, at the same launch shape: its bits do not depend on the block
+        alone = bounds.clone()
+        alone[:, :, :-1] = bounds[:, :, -1:]
+        assert torch.equal(static_attention_triton(q, k, v, alone, 0.125, sinks=sinks)[:, -1], eager[:, -1])

@@ -14,8 +14,10 @@ from dflash_train.models import DFlashConfig, DFlashDraftModel
 from dflash_train.runtime import engine as engine_module
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig, make_runner
 from dflash_train.runtime.hf_target import HFCacheTarget
-from dflash_train.runtime.static_target import supports
+from dflash_train.runtime.static_target import StaticTarget, supports
 from dflash_train.target import TargetModel
+from tests.helpers.kernels import DEVICE, kernels_here, under_interpreter
+from tests.helpers.static_target import spread_sinks
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
 from tests.runtime.test_engine import OracleEngine
 
@@ -40,7 +42,7 @@ def make_draft(target: TargetModel, block_size: int) -> DFlashDraftModel:
 
 def greedy(target: TargetModel, prompt: list[int], count: int) -> list[int]:
     """Hugging Face `generate`'s greedy continuation: the model's own loop and cache, nothing of ours."""
-    ids = torch.tensor([prompt])
+    ids = torch.tensor([prompt], device=target.device)
     out = target.model.generate(ids, max_new_tokens=count, min_new_tokens=count, do_sample=False,
                                 attention_mask=torch.ones_like(ids))
     return out[0, len(prompt):].tolist()
@@ -75,19 +77,20 @@ def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> Non
     assert runner.rollback == ("replay" if name in REPLAYED else "crop")
 
 
-def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int) -> OracleEngine:
+def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, kernels: str = "torch",
+                                       new_tokens: int = NEW_TOKENS) -> OracleEngine:
     """Drafts from the target's own continuation with deterministic errors: every output is HF `generate`'s,
     through cycles that accept from 1 to B tokens. Returns the engine, for its runner."""
     batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
-    continuations = [greedy(target, p, NEW_TOKENS + BLOCK) for p in batch]
-    config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=NEW_TOKENS, max_length=64,
-                          kernels="torch")
-    engine = OracleEngine(target, make_draft(target, block_size=BLOCK), config)
-    engine.continuation = torch.tensor(continuations)
-    engine.prompt_lengths = torch.tensor([len(p) for p in batch])
+    continuations = [greedy(target, p, new_tokens + BLOCK) for p in batch]
+    config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=new_tokens, max_length=64,
+                          kernels=kernels)
+    engine = OracleEngine(target, make_draft(target, block_size=BLOCK).to(target.device), config)
+    engine.continuation = torch.tensor(continuations, device=target.device)
+    engine.prompt_lengths = torch.tensor([len(p) for p in batch], device=target.device)
     outputs, _ = engine.generate(batch)
     for reference, output in zip(continuations, outputs, strict=True):
-        assert output.tokens == reference[:NEW_TOKENS]
+        assert output.tokens == reference[:new_tokens]
         assert max(output.acceptance_lengths) == BLOCK and min(output.acceptance_lengths) == 1
     return engine
 
@@ -112,6 +115,27 @@ def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str
     engine = assert_oracle_decoding_is_lossless(target, batch_size)
     assert not isinstance(engine.runner, HFCacheTarget)
     assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
+
+
+test_under_interpreter = under_interpreter(f"{__file__}::test_gpt_oss_decodes_losslessly_with_its_sinks_on_the_attention_kernel")
+
+
+@kernels_here
+def test_gpt_oss_decodes_losslessly_with_its_sinks_on_the_attention_kernel() -> None:
+    """gpt-oss's decode and verify attention on the split-key kernel (interpreted on CPU), its sink logits
+    spread so that dropping them shows and its sliding layers' window (8 here) shorter than the prompt:
+    decoding equals HF `generate` through cycles that accept 1 to B tokens, and the runner's logits the
+    model's forward."""
+    target = TargetModel(build_tiny_target("gpt_oss", VOCAB, sliding_window=8), None)
+    spread_sinks(target)
+    target.model.to(DEVICE)
+    engine = assert_oracle_decoding_is_lossless(target, batch_size=1, kernels="triton", new_tokens=12)
+    runner = engine.runner
+    assert isinstance(runner, StaticTarget) and runner.attention == "triton"
+    # the bounds that route a layer's attention to the kernel, for a verify block of every row
+    assert runner._masks(torch.zeros(1, BLOCK, dtype=torch.long, device=DEVICE), 64)[None].dtype == torch.int32
+    assert engine.compile_error is None
+    assert runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("name", ["gemma2", "lfm2"])

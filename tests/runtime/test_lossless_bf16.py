@@ -367,24 +367,26 @@ test_under_interpreter = under_interpreter(f"{__file__}::test_a_query_gets_the_s
 
 @kernels_here
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [None, 37, 100])
-def test_a_query_gets_the_same_bits_whatever_its_block(window: int | None, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(("window", "sinks"), [(None, False), (37, False), (100, False), (None, True), (100, True)])
+def test_a_query_gets_the_same_bits_whatever_its_block(window: int | None, sinks: bool, dtype: torch.dtype) -> None:
     """The split-key kernel on the last query of a block of 8 (position 150; 131 in row 1) while the block's
     other queries sit 0 to 12 slots further back: with a sliding window the block's first visible slot moves
-    with them, mid key tile. The query keeps its place in the block, because the interpreter's matrix
-    products (numpy's) may round a row by where it sits, which the GPU's do not; float32 shows what a bf16
-    output's rounding may hide."""
+    with them, mid key tile; with sink logits (gpt-oss) merged with the splits. The query keeps its place in
+    the block, because the interpreter's matrix products (numpy's) may round a row by where it sits, which
+    the GPU's do not; float32 shows what a bf16 output's rounding may hide."""
     gen = torch.Generator().manual_seed(0)
     n, heads, kv_heads, keys, dim = 2, 4, 2, 256, 16
     queries = torch.randn(n, keys, heads, dim, generator=gen).to(DEVICE, dtype)
     k = (torch.randn(n, kv_heads, keys, dim, generator=gen) * 2).to(DEVICE, dtype)
     v = torch.randn(n, kv_heads, keys, dim, generator=gen).to(DEVICE, dtype)
+    sink_logits = torch.linspace(-1.0, 3.0, heads).to(DEVICE, dtype) if sinks else None
     last = torch.tensor([[150], [131]])
     outputs = {}
     for back in range(0, 13, 2):
         positions = torch.cat([last - BLOCK - back + torch.arange(1, BLOCK), last], dim=1).to(DEVICE)
         q = queries[torch.arange(n, device=DEVICE)[:, None], positions].transpose(1, 2)  # [n, heads, T, D]
-        out = static_attention_triton(q, k, v, bounds_from_positions(positions, window), dim ** -0.5)
+        out = static_attention_triton(q, k, v, bounds_from_positions(positions, window), dim ** -0.5,
+                                      sinks=sink_logits)
         outputs[back] = out[:, -1]
     for back, out in outputs.items():
         assert torch.equal(out, outputs[0]), back

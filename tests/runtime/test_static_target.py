@@ -111,10 +111,10 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
     given: list[torch.Tensor | None] = []
     counted: list[torch.Tensor | None] = []
 
-    def recording(q, k, v, bounds, scale, prefetch=None, counters=None):  # noqa: ANN001, ANN202 (the kernel's)
+    def recording(q, k, v, bounds, scale, prefetch=None, counters=None, sinks=None):  # noqa: ANN001, ANN202 (the kernel's)
         given.append(prefetch)
         counted.append(counters)
-        return static_attention_reference(q, k, v, bounds, scale)
+        return static_attention_reference(q, k, v, bounds, scale, sinks)
 
     monkeypatch.setattr(static_target, "static_attention_triton", recording)
     target = make_tiny_target("qwen3", num_layers=3, seed=2)
@@ -132,3 +132,36 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
     else:
         assert given == [None] * 6
     assert all(c is runner.attention_counters for c in counted)  # one zeroed buffer for every layer
+
+
+def test_gpt_oss_hands_its_sinks_and_windows_to_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kernels="triton", gpt-oss's decode and verify attention goes to the split-key kernel (replaced here
+    by the brute-force reference, which records what it was given) with each layer's own sink logits and its
+    window (sliding, full, sliding, full); the logits stay the model's own."""
+    from dflash_train.kernels.static_attention import static_attention_reference
+    from dflash_train.runtime import static_target
+    from tests.helpers.static_target import tiny_target
+
+    calls: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+
+    def recording(q, k, v, bounds, scale, prefetch=None, counters=None, sinks=None):  # noqa: ANN001, ANN202 (the kernel's)
+        calls.append((sinks, bounds))
+        return static_attention_reference(q, k, v, bounds, scale, sinks)
+
+    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    target = tiny_target("gpt_oss")
+    ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = target.model(ids).logits[0]
+    runner = StaticTarget(target, batch_size=1, max_length=32, kernels="triton")
+    runner.forward(ids[:, :8], torch.arange(8)[None], kv_len=8)  # a prompt this short fits the kernel too
+    out = runner.forward(ids[:, 8:], torch.arange(8, 14)[None])  # a verify block of 6
+    torch.testing.assert_close(out.logits[0], reference[8:], atol=1e-5, rtol=1e-4)
+    layers = target.decoder_layers
+    assert len(calls) == 2 * len(layers)
+    for (sinks, bounds), layer in zip(calls, [*layers, *layers], strict=True):
+        assert sinks is layer.self_attn.sinks
+        window = layer.self_attn.sliding_window
+        assert bounds.dtype == torch.int32 and (window == 5) == bool((bounds[:, 0] > 0).any())
+    # the verify block's third layer (sliding): positions 8..13 see from 4..9 on
+    assert torch.equal(calls[-2][1][0, 0], torch.arange(4, 10, dtype=torch.int32))
