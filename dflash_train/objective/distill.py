@@ -20,8 +20,9 @@ CE (w < 1) or start from a trained drafter.
 
 As in the CE path (objective/loss.py), only supervised rows reach the head, their logits (the drafter's and the
 target's) exist one chunk at a time, each row's gradient w.r.t. its hidden row is computed in the forward pass,
-and the row weights are applied outside. A chunk holds up to five fp32 [rows, V] buffers at once (the two
-logits, the gradient, the target's probabilities and a temporary), so the default chunk has 2/5 of the CE
+and the row weights are applied outside. On CUDA with Triton one kernel per chunk computes loss, CE, top-1 and
+gradient over the logits in their own dtype (kernels/distill_loss.py), in chunks of the CE path's rows. The
+PyTorch path holds up to CHUNK_BUFFERS fp32 [rows, V] buffers at once, so its default chunk has 2/6 of the CE
 path's rows: the same fp32 memory at its peak.
 """
 
@@ -33,11 +34,14 @@ from typing import Literal
 
 import torch
 
+from dflash_train.kernels._triton import HAS_TRITON
+from dflash_train.kernels.distill_loss import KINDS, distill_grad_reference, distill_grad_triton
 from dflash_train.objective.loss import default_chunk_rows, rows_gradient, scale_rows
 
 DistillKind = Literal["kl", "tv"]
-DISTILL_KINDS: tuple[str, ...] = ("kl", "tv")
-CHUNK_BUFFERS = 5  # fp32 [rows, V] buffers a chunk holds at its peak; the CE path's chunk budget counts 2
+# fp32 [rows, V] buffers a chunk of the PyTorch path holds at its peak (the CE path's chunk budget counts 2): the
+# two logits, the working copy of the target's, the CE's softmax, the target's probabilities and a product.
+CHUNK_BUFFERS = 6
 
 
 @dataclass(frozen=True)
@@ -49,54 +53,14 @@ class Distillation:
     weight: float = 1.0
 
     def __post_init__(self) -> None:
-        if self.kind not in DISTILL_KINDS:
-            raise ValueError(f"distillation kind {self.kind!r} is not one of {list(DISTILL_KINDS)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"distillation kind {self.kind!r} is not one of {list(KINDS)}")
         if not 0 < self.temperature < math.inf:
             raise ValueError(f"distillation temperature must be a finite number > 0, got {self.temperature} "
                              "(temperature 0 is greedy decoding: the label's cross-entropy, loss ce)")
         if not 0 <= self.weight <= 1:
             raise ValueError(f"distillation weight must be in [0, 1], got {self.weight} (0: the label's "
                              "cross-entropy alone)")
-
-
-def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
-    """log softmax over the last axis, in place."""
-    return logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
-
-
-def distill_rows(
-    logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, distill: Distillation, needs_grad: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """One chunk: (loss [R], the label's CE [R], top-1 correct [R], d loss / d logits [R, V] or None), all fp32.
-
-    logits (the drafter's) and teacher_logits (the target's) are fp32 [R, V] buffers that this overwrites.
-    """
-    temperature, hard = distill.temperature, 1.0 - distill.weight
-    correct = logits.argmax(dim=-1) == labels
-    lse = torch.logsumexp(logits, dim=-1)
-    label_ce = lse - logits.gather(1, labels[:, None]).squeeze(1)
-    # The CE's part of the gradient, softmax(x) (the label's -1 is added last), before x is tempered in place.
-    grad = logits.sub(lse[:, None]).exp_().mul_(hard) if needs_grad and hard > 0 else None
-    log_p = _log_softmax_(logits.div_(temperature))
-    log_q = _log_softmax_(teacher_logits.div_(temperature))
-    if distill.kind == "kl":
-        q = log_q.exp()
-        divergence = (q * log_q.sub_(log_p)).sum(dim=-1)
-        d_logits = log_p.exp_().sub_(q)  # (p_T - q_T), times 1/T below
-    else:
-        p, q = log_p.exp_(), log_q.exp_()
-        below = p < q
-        share = torch.where(below, p, 0.0).sum(dim=-1, keepdim=True)  # S
-        divergence = 1.0 - torch.minimum(p, q).sum(dim=-1)
-        d_logits = p.mul_(share - below.to(p.dtype))  # p_j * (S - [p_j < q_j]), times 1/T below
-    loss = hard * label_ce + distill.weight * divergence
-    if not needs_grad:
-        return loss, label_ce, correct, None
-    d_logits.mul_(distill.weight / temperature)
-    grad = d_logits if grad is None else grad.add_(d_logits)
-    if hard > 0:
-        grad.scatter_add_(1, labels[:, None], torch.full_like(lse[:, None], -hard))
-    return loss, label_ce, correct, grad
 
 
 class _ChunkedDistillation(torch.autograd.Function):
@@ -111,20 +75,23 @@ class _ChunkedDistillation(torch.autograd.Function):
         teacher_hidden: torch.Tensor,
         distill: Distillation,
         chunk_rows: int,
+        fused: bool,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         # hidden, teacher_hidden [P, H]; head_weight [V, H] (frozen); labels [P].
         needs_grad = ctx.needs_input_grad[0]
         row_loss = torch.empty(hidden.shape[0], device=hidden.device, dtype=torch.float32)
         label_ce = torch.empty_like(row_loss)
         correct = torch.empty_like(labels, dtype=torch.bool)
+        run = distill_grad_triton if fused else distill_grad_reference
 
         def chunk(rows: slice) -> torch.Tensor | None:
-            # Matmuls in the head's dtype, as the CE path: an fp32 head would be a copy of the whole head.
-            logits = (hidden[rows].to(head_weight.dtype) @ head_weight.T).float()  # [chunk, V]
-            teacher = (teacher_hidden[rows].to(head_weight.dtype) @ head_weight.T).float()
-            row_loss[rows], label_ce[rows], correct[rows], grad = distill_rows(
-                logits, teacher, labels[rows], distill, needs_grad)
-            return None if grad is None else grad.to(head_weight.dtype) @ head_weight
+            # Matmuls in the head's dtype, as the CE path: an fp32 head would be a copy of the whole head. The
+            # gradient w.r.t. the logits is written over them.
+            logits = hidden[rows].to(head_weight.dtype) @ head_weight.T  # [chunk, V]
+            teacher = teacher_hidden[rows].to(head_weight.dtype) @ head_weight.T
+            row_loss[rows], label_ce[rows], correct[rows] = run(logits, teacher, labels[rows], distill.kind,
+                                                                distill.temperature, distill.weight, needs_grad)
+            return logits @ head_weight if needs_grad else None
 
         ctx.save_for_backward(rows_gradient(hidden, chunk_rows, needs_grad, chunk))
         ctx.mark_non_differentiable(label_ce, correct)
@@ -133,13 +100,16 @@ class _ChunkedDistillation(torch.autograd.Function):
     @staticmethod
     def backward(  # type: ignore[override]
         ctx: torch.autograd.function.FunctionCtx, grad_loss: torch.Tensor, _ce: torch.Tensor, _correct: torch.Tensor
-    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None, None]:
         (grad_hidden,) = ctx.saved_tensors
-        return scale_rows(grad_hidden, grad_loss), None, None, None, None, None
+        return scale_rows(grad_hidden, grad_loss), None, None, None, None, None, None
 
 
-def distill_chunk_rows(vocab_size: int) -> int:
-    """Rows per chunk that hold the CE path's fp32 bytes at the distillation's peak (CHUNK_BUFFERS buffers)."""
+def distill_chunk_rows(vocab_size: int, fused: bool) -> int:
+    """Rows per chunk: the CE path's on the fused path (two logits in the head's dtype); on the PyTorch path,
+    as many as hold the CE path's fp32 bytes at its peak (CHUNK_BUFFERS buffers)."""
+    if fused:
+        return default_chunk_rows(vocab_size)
     return max(16, default_chunk_rows(vocab_size) * 2 // CHUNK_BUFFERS)
 
 
@@ -150,10 +120,14 @@ def chunked_distillation_rows(
     teacher_hidden: torch.Tensor,
     distill: Distillation,
     chunk_rows: int | None = None,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss [P] fp32, differentiable w.r.t. hidden; the label's CE [P]; top-1 correct [P]) of the supervised
     rows hidden [P, H] against the target's final states teacher_hidden [P, H] (the state that predicts each
-    row's label), through the frozen head_weight [V, H], which gets no gradient. Weight the rows outside."""
-    chunk_rows = chunk_rows or distill_chunk_rows(head_weight.shape[0])
+    row's label), through the frozen head_weight [V, H], which gets no gradient. Weight the rows outside.
+    `fused` (None: on CUDA with triton) runs each chunk through one Triton kernel (kernels/distill_loss.py)."""
+    if fused is None:
+        fused = hidden.is_cuda and HAS_TRITON
+    chunk_rows = chunk_rows or distill_chunk_rows(head_weight.shape[0], fused)
     return _ChunkedDistillation.apply(hidden, head_weight.detach(), labels, teacher_hidden.detach(), distill,
-                                      chunk_rows)
+                                      chunk_rows, fused)

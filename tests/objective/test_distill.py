@@ -99,7 +99,8 @@ def test_towards_temperature_zero_kl_is_the_drafters_margin_below_the_targets_ar
 
 def test_default_chunks_hold_no_more_fp32_than_the_ce_path() -> None:
     for vocab in (32_000, 151_936):
-        assert distill_chunk_rows(vocab) * CHUNK_BUFFERS <= default_chunk_rows(vocab) * 2
+        assert distill_chunk_rows(vocab, fused=False) * CHUNK_BUFFERS <= default_chunk_rows(vocab) * 2
+        assert distill_chunk_rows(vocab, fused=True) == default_chunk_rows(vocab)  # two 16-bit logits, not fp32
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
