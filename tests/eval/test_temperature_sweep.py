@@ -128,3 +128,18 @@ def test_bad_lists_are_one_line_errors_before_anything_loads(value: str, expecte
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dflash-train eval: error: argument --temperature: ")
     assert expected in lines[0]
+
+
+def test_the_target_cache_keeps_one_pass_per_temperature(target: Path, tmp_path: Path) -> None:
+    """A target-alone pass sampled at 0.7 is never read back as the greedy one: the cache's key holds the
+    temperature, and a second sweep reads each temperature's own."""
+    cache = tmp_path / "cache"
+    for name in ("first", "second"):
+        status, _ = run_eval(target, tmp_path / f"{name}.json", "0,0.7", "--no-plot", "--target-cache", str(cache))
+        assert status == 0
+    first, second = (json.loads((tmp_path / f"{name}.json").read_text()) for name in ("first", "second"))
+    for report, reused in ((first, False), (second, True)):
+        for run in report["temperature_sweep"]["runs"]:
+            assert all(row["target_only_reused"] is reused for row in run["datasets"].values())
+    greedy, sampled = (run["datasets"] for run in second["temperature_sweep"]["runs"])
+    assert greedy["humaneval"]["lossless"] is True and sampled["humaneval"]["lossless"] is None

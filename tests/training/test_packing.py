@@ -29,7 +29,9 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
                                      {"training.target_attention": "flex"},
                                      {"training.target_attention": "flex", "training.soft_targets": True},
                                      {"training.target_attention": "varlen"},
-                                     {"training.target_attention": "varlen", "training.soft_targets": True}])
+                                     {"training.target_attention": "varlen", "training.soft_targets": True},
+                                     {"training.loss": "tv", "training.loss_temperature": 0.7,
+                                      "training.distill_weight": 0.5}])
 def test_packed_validation_equals_unpacked(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                            variant: dict[str, object]) -> None:
     """Validation draws each chat's anchors from a fixed seed: before any step, the packed run sees the same
