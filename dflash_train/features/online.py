@@ -21,6 +21,7 @@ from dflash_train.features.capture import (
 )
 from dflash_train.features.graphed import GraphedFeatures
 from dflash_train.features.packed_attention import FLEX
+from dflash_train.features.packing_probe import attention_modules, recorded, relative_errors
 from dflash_train.features.varlen import VARLEN, packed_sequences
 from dflash_train.target.attention import attention_implementation
 
@@ -111,16 +112,24 @@ class OnlineFeatures:
             return features.to(torch.bfloat16), final
 
     def packing_error(self, vocab_size: int, lengths: tuple[int, int], device: torch.device) -> float:
-        """Relative error of the packed pass's features against each chat's own pass, on two random chats of
-        `lengths` in one row: 0 up to rounding where the attention keeps chats (and windows) apart."""
+        """The largest relative error, over the target's attention layers, of a packed row's attention output
+        against each chat's own, on two random chats of `lengths` in one row, every layer fed the inputs it had
+        alone (`features/packing_probe.py`): rounding only where the attention keeps chats and windows apart."""
         gen = torch.Generator().manual_seed(0)
-        chats = [torch.randint(vocab_size, (1, n), generator=gen) for n in lengths]
-        ids = torch.cat(chats, dim=1).to(device)
+        chats = [torch.randint(vocab_size, (1, n), generator=gen).to(device) for n in lengths]
+        modules = attention_modules(self.target.decoder_layers)
+        alone_inputs: dict[int, list[torch.Tensor]] = {}
+        alone_outputs: dict[int, list[torch.Tensor]] = {}
+        with recorded(modules, alone_inputs, alone_outputs):
+            for chat in chats:
+                self.target_pass(chat, None, None)
+        fed = {index: torch.cat(inputs, dim=1) for index, inputs in alone_inputs.items()}
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
-        packed, _ = self._target_features({"input_ids": ids, "position_ids": positions.to(device)}, ids.shape[1],
-                                          self.attention, positions)
-        alone = torch.cat([self.target_pass(chat.to(device), None, None)[0] for chat in chats], dim=1)
-        return float((packed.float() - alone.float()).norm() / alone.float().norm().clamp_min(1e-12))
+        packed_outputs: dict[int, list[torch.Tensor]] = {}
+        chats_apart = packed_sequences(positions, device) if self.attention == VARLEN else nullcontext()
+        with recorded(modules, {}, packed_outputs, replace=fed), chats_apart:
+            self.target_pass(torch.cat(chats, dim=1), positions.to(device), self.attention)
+        return max(relative_errors(packed_outputs, alone_outputs).values(), default=0.0)
 
     def _graphed_pass(self, ids: torch.Tensor, positions: torch.Tensor,
                       host_positions: torch.Tensor) -> Features | None:

@@ -62,9 +62,11 @@ def check_packed_features(config: TrainConfig, target: TargetModel, features: On
     length = max(8, min(window + 16, config.data.pack_tokens // 2))
     error = features.packing_error(target.vocab_size, (length, length - 5), target.device)
     if error > PACKING_TOLERANCE:
-        raise ValueError(f"packed rows give this target other features than its chats alone (relative error "
-                         f"{error:.2f} with training.target_attention={config.training.target_attention}): use "
-                         "training.target_attention=varlen, or unset data.pack_tokens")
+        attention = config.training.target_attention
+        fix = "unset data.pack_tokens" if attention == "varlen" else \
+            "use training.target_attention=varlen, or unset data.pack_tokens"
+        raise ValueError(f"packed rows give this target's attention other outputs than its chats alone (relative "
+                         f"error {error:.2f} with training.target_attention={attention}): {fix}")
 
 
 def build_draft(config: TrainConfig, target: TargetModel) -> DFlashDraftModel:

@@ -5,6 +5,7 @@ wrong features (layers whose state runs on into the next chat; a packed pass tha
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflash_train.features.online import OnlineFeatures
 from dflash_train.features.packed_attention import packed_target_attention
@@ -57,3 +58,28 @@ def test_flex_is_not_probed_but_refused_where_the_attention_has_sinks() -> None:
         check_packed_features(config("training.target_attention=flex"), target, features(target, "flex"))
     qwen = TargetModel(build_tiny_target("qwen3_moe", 256), None)
     check_packed_features(config("training.target_attention=flex"), qwen, features(qwen, "flex"))
+
+
+def test_a_packed_pass_that_ignores_the_window_is_refused_with_varlen(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Varlen with the layers' windows dropped: chats longer than the window see too far back; the probe names
+    the fix that is left (packing off), not the attention already in use."""
+    from dflash_train.features import varlen
+
+    target = TargetModel(build_tiny_target("mistral", 256), None)
+    real = varlen.Extras
+    monkeypatch.setattr(varlen, "Extras", lambda window=None, softcap=None, sinks=None: real(None, softcap, sinks))
+    with pytest.raises(ValueError, match="unset data.pack_tokens") as error:
+        check_packed_features(config("training.target_attention=varlen"), target, features(target, "varlen"))
+    assert "use training.target_attention=varlen" not in str(error.value)
+
+
+def test_the_probe_feeds_each_layer_its_inputs_alone() -> None:
+    """A deep bf16 MoE drifts from rounding alone (an expert chosen otherwise for some token), which the features
+    compared end to end take for a packing error; each attention fed the inputs it had alone stays at rounding."""
+    from dflash_train.features.online import OnlineFeatures as Online
+
+    model = build_tiny_target("gpt_oss", 256, dtype=torch.bfloat16, num_hidden_layers=8)
+    target = TargetModel(model, None)
+    probe = Online(target, [1, 6], packed_target_attention("varlen", target.device), soft_targets=False,
+                   whole_rows=False, say=print)
+    assert probe.packing_error(256, (48, 43), target.device) < 0.02
