@@ -1,5 +1,6 @@
 """The skinny-matmul kernel (`dflash_train.kernels.skinny_matmul`) against cuBLAS at Qwen3-8B's decode
-products (fused qkv, o_proj, gate_up, down, lm_head; `--shape smollm2`: SmolLM2-135M's), at 1 row (a decode step at batch 1) and 16 (a verify
+products (fused qkv, o_proj, gate_up, down, lm_head; `--shape smollm2`: SmolLM2-135M's; `--shape qwen3-30b-a3b`:
+that MoE's attention, router and head products), at 1 row (a decode step at batch 1) and 16 (a verify
 block), bf16, on one GPU:
 
     python -m benchmarks.skinny_matmul                   # the kernel's table against cuBLAS, and the checks
@@ -53,7 +54,11 @@ QWEN3_8B_PRODUCTS = {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (24
 # SmolLM2-135M's: products of a few µs each, where a kernel's latency counts for more than its bandwidth
 SMOLLM2_PRODUCTS = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
                     "lm_head": (49152, 576)}
-SHAPES = {"qwen3-8b": QWEN3_8B_PRODUCTS, "smollm2": SMOLLM2_PRODUCTS}
+# Qwen3-30B-A3B's dense products (its experts run on their own kernel, `decode_experts`): the attention's and
+# the router's, which cuBLAS runs well below the bandwidth at one row (docs/benchmarks.md, `any_target`)
+QWEN3_30B_A3B_PRODUCTS = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048),
+                          "lm_head": (151936, 2048)}
+SHAPES = {"qwen3-8b": QWEN3_8B_PRODUCTS, "smollm2": SMOLLM2_PRODUCTS, "qwen3-30b-a3b": QWEN3_30B_A3B_PRODUCTS}
 ROWS = (1, 16)
 SPLITS = (2, 4, 8)  # K slices tried on each shape's three best whole-K tilings
 L2_BYTES = 60 * 2**20  # the H200's (50 MB on an H100): the copies of a weight together hold 4x this
@@ -167,7 +172,7 @@ def option_costs(name: str, timed: Callable[[str], list[float]]) -> dict[str, di
     keeps its error and the others go on."""
     plain = timed("plain")
     out: dict[str, dict[str, Any]] = {"plain": {f"m{m}_us": t for m, t in zip(ROWS, plain, strict=True)}}
-    for option in FUSED_OPTIONS[name]:
+    for option in FUSED_OPTIONS.get(name, ()):
         try:
             times = timed(option)
         except Exception as error:  # e.g. out of shared memory: a finding, not the end of the run
