@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The speedrun: the best SmolLM2-135M-Instruct drafter one GPU trains from nothing in about 25 minutes,
 # everything included: prompts -> the target regenerates the answers -> tokenised chats -> packed training
-# -> τ and speedup on HumanEval, MT-Bench and a math set -> export and check. One table at the end.
+# -> τ and speedup on HumanEval, MT-Bench and a math set, greedy and sampled -> export and check. One table at
+# the end.
 #
 #   bash recipes/smollm2-135m-speedrun.sh all
 #   bash recipes/smollm2-135m-speedrun.sh prompts|regenerate|prepare|train|eval|summary   # one stage
@@ -52,7 +53,9 @@
 #                   (times.tsv) and EVAL_RESERVE_MINUTES leave, fixed once in $OUT/train_minutes, so a machine that
 #                   regenerates faster trains longer and a slow one still ends in time
 #   EVAL_RESERVE_MINUTES   kept back for the eval stage and training's own loading and first step (default 5: about
-#                   what a speedrun's eval and its training's overrun over two calls took, docs/results.md)
+#                   what a speedrun's eval and its training's overrun over two calls took, docs/results.md, with
+#                   the eval at temperature 0 alone; the EVAL_TEMPERATURES sweep's extra minutes are not in it:
+#                   raise it by those to keep the run inside TOTAL_MINUTES, docs/recipes.md)
 #   TRAIN_MINUTES   wall-time budget of training, its schedule fitted to it, in place of TOTAL_MINUTES's share
 #                   (default: that share)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
@@ -72,10 +75,12 @@
 #                   twice both learning rates, last measured at 250 steps of a much earlier recipe where runs
 #                   now take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
 #                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
-#                   slot decay; empty: the baseline only), each
+#                   slot decay; empty: the baseline only; any training key, e.g. the objective at a temperature:
+#                   "kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5"), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
 #                   ($OUT/ablations.md) and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
-#                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline
+#                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline, at each of
+#                   ABLATION_TEMPERATURES (default EVAL_TEMPERATURES; one table per temperature, the lowest first)
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
 #                   beside the others (default "maxlen512:--max-length 512;noself:--exclude-source self-prompts;
@@ -93,6 +98,10 @@
 #                   float32 check at batch 8 (default 16); BATCH8_PROMPTS for the bf16 eval at batch 8 (τ, speedup
 #                   and the exact check with 8 requests decoded together; default 16, 0: none)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
+#   EVAL_TEMPERATURES   the bf16 batch-1 eval's temperatures, one sweep over the same prompts and seed
+#                   (`eval --temperature`; default 0,0.7,1: τ and speedup as chats are served, and the share of the
+#                   greedy τ each keeps; 0 alone: the shorter eval). 0 must be in it: the run's own figures, its
+#                   goals and the exact check are at 0. The batch-8, float32 and curve evals stay at 0
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once when
 #                   regenerating and self-prompting (1024: faster than 512, docs/benchmarks.md, `regenerate`)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
@@ -131,6 +140,8 @@ ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_r
 ABLATION_DATA=${ABLATION_DATA-maxlen512:--max-length 512;noself:--exclude-source self-prompts;trim_loops:--trim-loops}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
+EVAL_TEMPERATURES=${EVAL_TEMPERATURES:-0,0.7,1}
+ABLATION_TEMPERATURES=${ABLATION_TEMPERATURES:-$EVAL_TEMPERATURES}
 CHECK_EVERY=${CHECK_EVERY:-1000}
 ABLATION_CHECK_EVERY=${ABLATION_CHECK_EVERY:-400}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}
@@ -156,6 +167,13 @@ for goal in $GOALS; do  # checked now, not when the summary reads them at the en
   [[ "$goal" =~ ^[A-Za-z0-9_.-]+=[0-9]+([.][0-9]+)?$ ]] || {
     echo "GOALS entry '$goal' is not KEY=NUMBER (e.g. mt-bench=4.0 speedup=2 chats=150000 minutes=25)" >&2; exit 2; }
 done
+for temperatures in EVAL_TEMPERATURES ABLATION_TEMPERATURES; do  # eval refuses repeats; the form is checked here
+  [[ "${!temperatures}" =~ ^[0-9]+([.][0-9]+)?(,[0-9]+([.][0-9]+)?)*$ ]] || {
+    echo "$temperatures must be a comma list of temperatures (e.g. 0,0.7,1 or 0), not '${!temperatures}'" >&2; exit 2; }
+done
+tr ',' '\n' <<< "$EVAL_TEMPERATURES" | awk '$1 == 0 { found = 1 } END { exit !found }' || {
+  echo "EVAL_TEMPERATURES must include 0 (the run's own figures and its exact check), not '$EVAL_TEMPERATURES'" >&2
+  exit 2; }
 for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES; do
   [[ "${!minutes}" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$minutes must be a number of minutes, not '${!minutes}'" >&2; exit 2; }
 done
@@ -403,6 +421,13 @@ ablate() {
   # The table is kept as $OUT/ablations.md too: a time-limited call's log may keep only its last lines.
   run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \
     | tee "$OUT/ablations.md"
+  (( ABLATION_EVAL_PROMPTS > 0 )) || return 0
+  local temperature
+  for temperature in $(tr ',' '\n' <<< "$ABLATION_TEMPERATURES" | sort -g | tail -n +2); do  # past the lowest
+    printf '\ndecoded τ at temperature %s:\n' "$temperature" | tee -a "$OUT/ablations.md"
+    run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --evals "$OUT/eval" --temperature "$temperature" \
+      | tee -a "$OUT/ablations.md"
+  done
 }
 
 ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main run shows), unless switched off
@@ -411,7 +436,7 @@ ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main 
   [[ -n "$draft" ]] || { echo "$1 has not finished: run the ablate stage again" >&2; return 1; }
   # Runs are compared by decoded τ and by held-out τ̂ from training: the eval's own τ̂ is not needed.
   eval_b16 "$1" "$draft" "$ABLATION_EVAL_PROMPTS" --no-lossless-check --no-teacher-forced \
-    --target-cache "$OUT/eval/target-cache"
+    --target-cache "$OUT/eval/target-cache" --temperature "$ABLATION_TEMPERATURES"
 }
 
 evaluate() {
@@ -425,7 +450,7 @@ evaluate() {
     [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   fi
   mkdir -p "$OUT/eval"
-  eval_b16 main "$draft" "$EVAL_PROMPTS"
+  eval_b16 main "$draft" "$EVAL_PROMPTS" --temperature "$EVAL_TEMPERATURES"
   # The bf16 evals check losslessness exactly; at batch 8 the rows share each verify pass (speedup at batch 8
   # too), and float32 repeats the check at another precision.
   if (( BATCH8_PROMPTS > 0 )) && [[ ! -f "$OUT/eval/main-b8.json" ]]; then

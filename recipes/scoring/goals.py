@@ -8,21 +8,29 @@ A goal is `KEY=VALUE`. Three keys are reserved; every other key names an eval se
 - `chats=N`: the chats training kept (`prepared/dflash_data.json`), at least N;
 - `minutes=M`: the stages' wall time (`times.tsv`; the extra curve and ablate stages not counted), at most M.
 A goal whose figure the run folder lacks is reported as not measured, not as missed.
+
+Apart from these, a headline report of a temperature sweep (`dflash-train eval --temperature 0,0.7,1`) is
+checked against the sampling goals (SAMPLING_GOALS): τ at 0.7 keeps at least 85 % of the greedy τ and τ at 1
+at least 75 %, on every set. They are a separate "sampling goals:" line and `summary_sampling_goals.json`, and
+leave the goals above and their count as they are.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 EXTRA_STAGES = ("curve", "ablate")  # timed in times.tsv, but not part of a run's own minutes
+# (temperature, the least share of the greedy τ it keeps on every set): a drafter worth serving when chats sample
+SAMPLING_GOALS = ((0.7, 0.85), (1.0, 0.75))
 
 
 @dataclass(frozen=True)
 class GoalCheck:
-    name: str  # "τ mt-bench", "speedup", "chats", "minutes"
+    name: str  # "τ mt-bench", "speedup", "chats", "minutes", "τ(T=0.7) / τ(T=0)"
     goal: float
     value: float | None  # None: not measured in this run folder
     at_most: bool = False  # the goal is an upper bound (minutes)
@@ -94,7 +102,25 @@ def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Pa
     return checks
 
 
+def check_sampling_goals(rows: list[dict[str, Any]], run: str = "main") -> list[GoalCheck]:
+    """SAMPLING_GOALS against the headline rows' temperature sweep: each goal's value is the lowest share of the
+    greedy τ over the sets (the set named in `detail`), not measured where the sweep lacks that temperature or
+    0. Empty when the headline report is not a sweep."""
+    swept = [r for r in headline_rows(rows, run) if r.get("temperature_sweep")]
+    if not swept:
+        return []
+    checks = []
+    for temperature, share in SAMPLING_GOALS:
+        shares = [(point["fraction_of_greedy"], r["dataset"]) for r in swept for point in r["temperature_sweep"]
+                  if math.isclose(point["temperature"], temperature) and point["fraction_of_greedy"] is not None]
+        lowest = min(shares) if len(shares) == len(swept) else (None, "")  # every set, or not measured
+        checks.append(GoalCheck(f"τ(T={temperature:g}) / τ(T=0)", share, lowest[0], detail=lowest[1]))
+    return checks
+
+
 def _number(name: str, value: float) -> str:
+    if name.endswith("/ τ(T=0)"):
+        return f"{value:.1%}"
     if name == "chats":
         return f"{value:,.0f}"
     if name == "speedup":
@@ -102,8 +128,8 @@ def _number(name: str, value: float) -> str:
     return f"{value:.1f}" if name == "minutes" else f"{value:.2f}"
 
 
-def goals_line(checks: list[GoalCheck]) -> str:
-    """`goals: τ mt-bench 4.13 ≥ 4.00 ✓ · … — 3 of 6 met`."""
+def goals_line(checks: list[GoalCheck], label: str = "goals") -> str:
+    """`goals: τ mt-bench 4.13 ≥ 4.00 ✓ · … — 3 of 6 met` (`label` in place of "goals")."""
     parts = []
     for c in checks:
         goal = _number(c.name, c.goal)
@@ -114,7 +140,7 @@ def goals_line(checks: list[GoalCheck]) -> str:
         lowest = f" (lowest, {c.detail})" if c.detail else ""
         parts.append(f"{c.name} {_number(c.name, c.value)}{lowest} {relation} {goal} {'✓' if c.met else '✗'}")
     met = sum(c.met is True for c in checks)
-    return f"goals: {' · '.join(parts)} — {met} of {len(checks)} met"
+    return f"{label}: {' · '.join(parts)} — {met} of {len(checks)} met"
 
 
 def write_goals(checks: list[GoalCheck], path: Path) -> None:

@@ -7,8 +7,11 @@ trainer_state.json`; a report named `<name>-b8` belongs to the training run `<na
 `regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
 (summary.json stays a list of eval rows, as its readers expect); the prepared chats (`<run>/prepared/dflash_data.json`)
 a "data:" line (chats kept: the distinct conversations training saw, and why the others were dropped); each
-training run a "training:" line (steps, median step, the cold first step). `--goal KEY=VALUE` checks the run
-against its goals (goals.py): a "goals:" line and `summary_goals.json`.
+training run a "training:" line (steps, median step, the cold first step). A report of a temperature sweep
+(`dflash-train eval --temperature 0,0.7,1`) adds a column per temperature above 0: τ there and its share of
+the greedy τ; the τ column is the sweep's lowest temperature, as the report's own figures are. `--goal
+KEY=VALUE` checks the run against its goals (goals.py): a "goals:" line and `summary_goals.json`, and with a
+sweep a separate "sampling goals:" line and `summary_sampling_goals.json`.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from typing import Any
 
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.uncertainty import format_interval
-from recipes.scoring.goals import check_goals, goals_line, parse_goals, write_goals
+from recipes.scoring.goals import check_goals, check_sampling_goals, goals_line, parse_goals, write_goals
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
@@ -56,8 +59,37 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "histogram": result.get("histogram"), "report": str(report_path),
                 "tau_by_turn": result.get("acceptance_length_by_turn"),
                 "tau_by_category": result.get("acceptance_length_by_category"),
+                "temperature_sweep": temperature_sweep(report, dataset),
             })
     return rows
+
+
+def temperature_sweep(report: dict[str, Any], dataset: str) -> list[dict[str, Any]] | None:
+    """One set's τ, its interval, the speedup and τ's share of the greedy τ at each temperature of the report's
+    sweep, lowest first; None for a report of one temperature."""
+    sweep = report.get("temperature_sweep")
+    if not sweep or dataset not in sweep.get("summary", {}):
+        return None
+    figures, temperatures = sweep["summary"][dataset], sweep["temperatures"]
+    fractions = figures.get("fraction_of_greedy") or [None] * len(temperatures)  # null without 0 in the sweep
+    return [{"temperature": t, "tau": tau, "tau_ci95": ci, "speedup": speedup, "fraction_of_greedy": fraction}
+            for t, tau, ci, speedup, fraction in zip(temperatures, figures["acceptance_length"],
+                                                     figures["acceptance_length_ci95"], figures["speedup"],
+                                                     fractions, strict=True)]
+
+
+def swept_temperatures(rows: list[dict[str, Any]]) -> list[float]:
+    """The temperatures above 0 of every row's sweep, each once, in increasing order: one column each."""
+    return sorted({p["temperature"] for r in rows for p in r.get("temperature_sweep") or [] if p["temperature"] > 0})
+
+
+def tau_at(row: dict[str, Any], temperature: float) -> str:
+    """`3.48 (86%)`: the row's τ at `temperature` and its share of the greedy τ; `—` where not measured."""
+    point = next((p for p in row.get("temperature_sweep") or [] if p["temperature"] == temperature), None)
+    if point is None or point["tau"] is None:
+        return "—"
+    share = point["fraction_of_greedy"]
+    return f"{point['tau']:.2f}" + ("" if share is None else f" ({share:.0%})")
 
 
 def cycle_in_steps(result: dict[str, Any]) -> float | None:
@@ -152,11 +184,15 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     def cell(value: Any, spec: str = "") -> str:
         return "—" if value is None else format(value, spec)
 
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    temperatures = swept_temperatures(rows)  # none without a sweep: the table as it always was
+    at = COLUMNS.index("τ 95% CI") + 1
+    columns = [*COLUMNS[:at], *(f"τ T={t:g} (of greedy)" for t in temperatures), *COLUMNS[at:]]
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     for r in rows:
         lines.append("| " + " | ".join([
             r["run"], str(r["block"]), str(r["batch"]), r["dtype"], r["dataset"], str(r["requests"]),
-            cell(r["tau"], ".2f"), format_interval(r.get("tau_ci95")), cell(r["tau_teacher_forced"], ".2f"),
+            cell(r["tau"], ".2f"), format_interval(r.get("tau_ci95")), *(tau_at(r, t) for t in temperatures),
+            cell(r["tau_teacher_forced"], ".2f"),
             r["lossless"], cell(r["speedup"], ".2f") + ("×" if r["speedup"] else ""), cell(r["cycle_in_steps"], ".2f"),
             cell(r["steps"]), cell(r["sequences"]), cell(r["train_minutes"]),
         ]) + " |")
@@ -217,6 +253,10 @@ def main(argv: list[str] | None = None) -> int:
         checks = check_goals(goals, rows, run_dir, args.goal_run)
         print(goals_line(checks))
         write_goals(checks, run_dir / "summary_goals.json")
+        sampling = check_sampling_goals(rows, args.goal_run)  # none without a sweep: apart from the goals
+        if sampling:
+            print(goals_line(sampling, "sampling goals (apart from the goals above)"))
+            write_goals(sampling, run_dir / "summary_sampling_goals.json")
     return 0
 
 

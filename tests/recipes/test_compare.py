@@ -137,3 +137,57 @@ def test_an_unknown_base_is_a_one_line_error(tmp_path: Path, capsys: pytest.Capt
     assert main([str(run), "--evals", str(tmp_path / "eval"), "--base", "ablation-typo"]) == 2
     assert capsys.readouterr().err.strip() == ("compare: --base ablation-typo is not one of the runs with a "
                                                "validation; give one of ablation-base")
+
+
+def write_sweep_eval(path: Path, temperatures: list[float], per_request: list[list[list]]) -> None:
+    """A sweep's report on one set "mt": its own figures the lowest temperature's, each temperature's requests'
+    τ (per_request[i] at temperatures[i]) in its run."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    runs = [{"temperature": t, "datasets": {"mt": {"acceptance_length": sum(r[2] for r in rows) / len(rows),
+                                                   "acceptance_length_per_request": rows}}}
+            for t, rows in zip(temperatures, per_request, strict=True)]
+    path.write_text(json.dumps({"settings": {"temperature": temperatures[0], "temperatures": temperatures},
+                                "datasets": runs[0]["datasets"], "temperature_sweep": {
+                                    "temperatures": temperatures, "summary": {}, "runs": runs}}))
+
+
+def test_runs_are_compared_at_a_chosen_temperature_of_their_sweeps(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """By default the reports' own figures (the sweep's lowest, 0); `--temperature 1` reads each report's run at
+    1: its τ and the Δτ paired on its requests, the columns naming the temperature."""
+    runs = [write_run(tmp_path / name, [validation(100, 2.0, 3.0)]) for name in ("ablation-base", "ablation-kl07")]
+    evals = tmp_path / "eval"
+    write_sweep_eval(evals / "ablation-base-b16.json", [0.0, 0.7, 1.0],
+                     [[[0, 0, 4.0], [1, 0, 5.0]], [[0, 0, 3.5], [1, 0, 4.5]], [[0, 0, 3.0], [1, 0, 3.5]]])
+    write_sweep_eval(evals / "ablation-kl07-b16.json", [0.0, 0.7, 1.0],
+                     [[[0, 0, 3.75], [1, 0, 4.75]], [[0, 0, 3.75], [1, 0, 4.75]], [[0, 0, 3.5], [1, 0, 4.0]]])
+    assert main([*map(str, runs), "--evals", str(evals)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | step | train min | val loss | val τ̂ | τ mt | Δτ mt (95% CI) |"
+    assert lines[2:] == ["| ablation-base | 100 | — | 3.000 | 2.00 | 4.50 | — |",
+                         "| ablation-kl07 | 100 | — | 3.000 | 2.00 | 4.25 | -0.25 (-0.25…-0.25)* |"]
+    assert main([*map(str, runs), "--evals", str(evals), "--temperature", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "| run | step | train min | val loss | val τ̂ | τ mt T=1 | Δτ mt T=1 (95% CI) |"
+    assert lines[2:] == ["| ablation-base | 100 | — | 3.000 | 2.00 | 3.25 | — |",
+                         "| ablation-kl07 | 100 | — | 3.000 | 2.00 | 3.75 | +0.50 (+0.50…+0.50)* |"]
+
+
+def test_a_temperature_a_report_lacks_is_a_one_line_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A report of one temperature answers for its own (0 when it names none, as reports before the sweep);
+    asked for another, compare names each run whose report lacks it and the temperatures it has."""
+    runs = [write_run(tmp_path / name, [validation(100, 2.0, 3.0)]) for name in ("ablation-base", "ablation-x")]
+    evals = tmp_path / "eval"
+    write_sweep_eval(evals / "ablation-base-b16.json", [0.0, 1.0], [[[0, 0, 4.0], [1, 0, 5.0]], [[0, 0, 3.0], [1, 0, 4.0]]])
+    write_eval(evals / "ablation-x-b16.json", {"mt": [[0, 0, 4.5], [1, 0, 5.5]]})  # no settings, no sweep: at 0
+    assert main([*map(str, runs), "--evals", str(evals), "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.splitlines()[3] == "| ablation-x | 100 | — | 3.000 | 2.00 | 5.00 | +0.50 (+0.50…+0.50)* |"
+    assert main([*map(str, runs), "--evals", str(evals), "--temperature", "0.7"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and captured.err.count("\n") == 1
+    assert captured.err.strip() == (
+        "compare: no eval at temperature 0.7 in the reports of ablation-base at 0, 1; ablation-x at 0: evaluate "
+        "them with --temperature listing 0.7, or give --temperature one they have")
+    assert main([*map(str, runs), "--temperature", "1"]) == 2  # nothing to read it from
+    assert capsys.readouterr().err.strip() == ("compare: --temperature takes a temperature >= 0 and reads the "
+                                               "reports of --evals DIR; give both")

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from recipes.scoring.goals import check_goals, goals_line, parse_goals, stage_minutes
+from recipes.scoring.goals import check_goals, check_sampling_goals, goals_line, parse_goals, stage_minutes
 from recipes.scoring.summary import main, summary_rows
-from tests.helpers.eval_reports import result, write_report
+from tests.helpers.eval_reports import result, sweep_section, write_report
 
 
 def make_run(root: Path) -> Path:
@@ -69,9 +69,58 @@ def test_summary_prints_the_goals_line_and_writes_its_file(tmp_path: Path, capsy
         "goals: τ mt-bench 4.20 ≥ 4.00 ✓ · chats 140,000 < 150,000 ✗ — 1 of 2 met")
     written = json.loads((run / "summary_goals.json").read_text())
     assert [(g["name"], g["met"]) for g in written] == [("τ mt-bench", True), ("chats", False)]
+    assert not (run / "summary_sampling_goals.json").exists()  # no sweep: no sampling goals
 
 
 def test_summary_refuses_a_bad_goal_in_one_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
     assert main([str(make_run(tmp_path)), "--goal", "speedup"]) == 2
     assert capsys.readouterr().err.strip() == ("summary: goal 'speedup' is not KEY=NUMBER (e.g. mt-bench=4.0, "
                                                "speedup=2, chats=150000, minutes=25)")
+
+
+def swept_run(root: Path, temperatures: list[float], mt_bench: list[float], humaneval: list[float]) -> Path:
+    """make_run's folder with main's batch-1 report a sweep (its own figures the lowest temperature's), and a
+    batch-8 sweep that keeps all of its greedy τ, which must not count."""
+    run = make_run(root)
+    sweep = sweep_section(temperatures, {"mt-bench": mt_bench, "humaneval": humaneval})
+    write_report(run / "eval" / "main-b16.json", 16, {"mt-bench": result(mt_bench[0], True, speedup=2.5),
+                                                      "humaneval": result(humaneval[0], True, speedup=1.8)},
+                 temperature_sweep=sweep)
+    write_report(run / "eval" / "main-b8.json", 16, {"humaneval": result(4.0, True)}, batch=8,
+                 temperature_sweep=sweep_section([0.0, 0.7, 1.0], {"humaneval": [4.0, 4.0, 4.0]}))
+    return run
+
+
+def test_sampling_goals_take_the_lowest_share_of_the_greedy_tau_over_the_sets(tmp_path: Path) -> None:
+    """τ(0.7) ≥ 85 % and τ(1) ≥ 75 % of τ(0) on every set: MT-Bench keeps 4.2 → 3.5 (83.3 %) and 3.2 (76.2 %),
+    HumanEval 3.9 → 3.51 (90 %) and 3.12 (80 %); the lowest decides each."""
+    run = swept_run(tmp_path, [0.0, 0.7, 1.0], [4.2, 3.5, 3.2], [3.9, 3.51, 3.12])
+    checks = check_sampling_goals(summary_rows(run))
+    assert [(c.name, c.goal, c.detail, c.met) for c in checks] == [
+        ("τ(T=0.7) / τ(T=0)", 0.85, "mt-bench", False), ("τ(T=1) / τ(T=0)", 0.75, "mt-bench", True)]
+    assert checks[0].value == pytest.approx(3.5 / 4.2) and checks[1].value == pytest.approx(3.2 / 4.2)
+    assert goals_line(checks, "sampling goals") == (
+        "sampling goals: τ(T=0.7) / τ(T=0) 83.3% (lowest, mt-bench) < 85.0% ✗ · "
+        "τ(T=1) / τ(T=0) 76.2% (lowest, mt-bench) ≥ 75.0% ✓ — 1 of 2 met")
+
+
+def test_sampling_goals_are_a_line_apart_that_leaves_the_goals_as_they_were(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    run = swept_run(tmp_path, [0.0, 0.7, 1.0], [4.2, 3.78, 3.36], [4.0, 3.8, 3.4])  # MT-Bench keeps 90 % and 80 %
+    assert main([str(run), "--goal", "mt-bench=4.0", "--goal", "chats=150000"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "goals: τ mt-bench 4.20 ≥ 4.00 ✓ · chats 140,000 < 150,000 ✗ — 1 of 2 met",
+        "sampling goals (apart from the goals above): τ(T=0.7) / τ(T=0) 90.0% (lowest, mt-bench) ≥ 85.0% ✓ · "
+        "τ(T=1) / τ(T=0) 80.0% (lowest, mt-bench) ≥ 75.0% ✓ — 2 of 2 met"]
+    assert [g["name"] for g in json.loads((run / "summary_goals.json").read_text())] == ["τ mt-bench", "chats"]
+    written = json.loads((run / "summary_sampling_goals.json").read_text())
+    assert [(g["name"], g["goal"], g["met"]) for g in written] == [
+        ("τ(T=0.7) / τ(T=0)", 0.85, True), ("τ(T=1) / τ(T=0)", 0.75, True)]
+
+
+def test_a_sweep_without_a_temperature_or_greedy_leaves_its_goal_not_measured(tmp_path: Path) -> None:
+    no_one = check_sampling_goals(summary_rows(swept_run(tmp_path / "a", [0.0, 0.7], [4.0, 3.6], [3.0, 2.7])))
+    assert [(c.name, c.value is None) for c in no_one] == [("τ(T=0.7) / τ(T=0)", False), ("τ(T=1) / τ(T=0)", True)]
+    assert goals_line(no_one).endswith("τ(T=1) / τ(T=0) not measured (goal ≥ 75.0%) — 1 of 2 met")
+    no_greedy = check_sampling_goals(summary_rows(swept_run(tmp_path / "b", [0.7, 1.0], [4.0, 3.6], [3.0, 2.7])))
+    assert all(c.met is None for c in no_greedy)
+    assert check_sampling_goals(summary_rows(make_run(tmp_path / "c"))) == []  # no sweep: no sampling goals

@@ -46,6 +46,10 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     # The batch-8 pass: its 8 rows are cut to the 2 conversations a set has here.
     assert {(row["dataset"], row["batch"]) for row in rows if row["report"].endswith("main-b8.json")} == {
         ("mt-bench", 2), ("humaneval", 2)}
+    # The bf16 batch-1 eval is one sweep over 0, 0.7 and 1; its own figures (the table's τ) are those at 0.
+    swept = [row for row in rows if row["report"].endswith("main-b16.json")]
+    assert swept and all([p["temperature"] for p in row["temperature_sweep"]] == [0.0, 0.7, 1.0] for row in swept)
+    assert all(row["temperature_sweep"] is None for row in rows if not row["report"].endswith("main-b16.json"))
     assert (out / "export" / "config.json").is_file()
     assert "total" in first.stdout
     again = speedrun("all", out)
@@ -60,12 +64,16 @@ def test_speedrun_runs_every_stage_and_skips_finished_ones(tmp_path: pathlib.Pat
     ablate = speedrun("ablate", out, ABLATIONS="anchors4:training.num_anchors=4", ABLATION_MINUTES="0.2",
                       ABLATION_EVAL_PROMPTS="1", ABLATION_DATA="trim_loops:--trim-loops")
     assert ablate.returncode == 0, (ablate.stdout + ablate.stderr)[-4000:]
-    table = [line for line in ablate.stdout.splitlines() if line.startswith("| ablation-")]
+    # The table at the lowest temperature of the sweep (the reports' own figures), then one at 0.7 and one at 1.
+    lowest, *others = ablate.stdout.split("decoded τ at temperature ")
+    assert [other.splitlines()[0] for other in others] == ["0.7:", "1:"]
+    assert all("| τ mt-bench T=1 |" in other for other in others[1:])
+    table = [line for line in lowest.splitlines() if line.startswith("| ablation-")]
     # a data variant too: the same answers prepared with --trim-loops, the baseline recipe on them
     assert [line.split(" | ")[0] for line in table] == ["| ablation-anchors4", "| ablation-base",
                                                        "| ablation-trim_loops"]
     assert (out / "prepared-trim_loops" / "dflash_data.json").is_file()
-    header = next(line for line in ablate.stdout.splitlines() if line.startswith("| run |"))
+    header = next(line for line in lowest.splitlines() if line.startswith("| run |"))
     assert header.endswith("| τ humaneval | τ math-synthetic | τ mt-bench |")  # each run's decoded τ
     assert all(not line.endswith("| — |") for line in table)
     launches = [line for line in ablate.stderr.splitlines() if "dflash_train.cli train" in line]

@@ -191,7 +191,7 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     steps = [("train" if "cli train" in c else "eval" if "cli eval" in c else "compare" if "compare" in c else None, c)
              for c in calls]
     steps = [(kind, c.split()) for kind, c in steps if kind]
-    assert [kind for kind, _ in steps] == ["train", "eval"] * 3 + ["compare"]
+    assert [kind for kind, _ in steps] == ["train", "eval"] * 3 + ["compare"] * 3  # at 0, 0.7 and 1
     outs = [args[args.index("--out") + 1].rsplit("/", 1)[-1] for kind, args in steps if kind == "eval"]
     assert outs == ["ablation-base-b16.json", "ablation-soft-b16.json", "ablation-lr2x-b16.json"]
     assert all(args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
@@ -470,9 +470,14 @@ def test_the_ablation_table_is_kept_beside_its_plot(tmp_path: pathlib.Path) -> N
     """The compare table the ablate stage prints is written to $OUT/ablations.md as well (the stand-in python3
     prints each call's arguments to stdout here, so the file holds the compare call's)."""
     shim = SHIM.replace("exit 0", 'echo "$*"\nexit 0')
-    calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="")
+    calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="", ABLATION_TEMPERATURES="0")
     compare = next(c for c in calls if "recipes.scoring.compare" in c)
     assert (tmp_path / "run" / "ablations.md").read_text().strip() == compare
+    # A sweep's other temperatures follow, each under its own line, after the lowest's table and its plot.
+    calls = run_stage("ablate", tmp_path, shim=shim, ABLATIONS="", ABLATION_DATA="", ABLATION_TEMPERATURES="0,1,0.7")
+    compares = [c for c in calls if "recipes.scoring.compare" in c]
+    assert (tmp_path / "run" / "ablations.md").read_text().strip().split("\n\n") == [
+        compares[0], f"decoded τ at temperature 0.7:\n{compares[1]}", f"decoded τ at temperature 1:\n{compares[2]}"]
 
 
 def test_main_runs_validate_less_often_than_ablations(tmp_path: pathlib.Path) -> None:
@@ -487,3 +492,70 @@ def test_main_runs_validate_less_often_than_ablations(tmp_path: pathlib.Path) ->
         ("training.save_every=400", "training.eval_every=400")}
     assert every(run_stage("train", tmp_path, CHECK_EVERY="250")) == {
         ("training.save_every=250", "training.eval_every=250")}
+
+
+def test_the_main_eval_sweeps_three_temperatures_unless_told_greedy_alone(tmp_path: pathlib.Path) -> None:
+    """The bf16 batch-1 eval decodes the same prompts at 0, 0.7 and 1 in one sweep; EVAL_TEMPERATURES=0 keeps the
+    shorter eval. The batch-8 and float32 checks and the curve's points stay at 0 (no --temperature: its default)."""
+    def temperatures(calls: list[str]) -> list[str | None]:
+        evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
+        return [args[args.index("--temperature") + 1] if "--temperature" in args else None for args in evals]
+
+    calls = run_stage("eval", tmp_path, FINISHED="1")
+    main = [c.split() for c in calls if "dflash_train.cli eval" in c and "main-b16.json" in c]
+    assert len(main) == 1 and main[0][main[0].index("--temperature") + 1] == "0,0.7,1"
+    assert temperatures(calls) == ["0,0.7,1", None, None]  # then batch 8, then float32
+    (tmp_path / "run" / "eval").mkdir(exist_ok=True)
+    for report in ("main-b16.json", "main-b8.json", "main-fp32.json"):
+        (tmp_path / "run" / "eval" / report).unlink(missing_ok=True)
+    assert temperatures(run_stage("eval", tmp_path, FINISHED="1", EVAL_TEMPERATURES="0")) == ["0", None, None]
+    assert temperatures(run_stage("curve", tmp_path, CURVE_MINUTES="5", ABLATION_DATA="")) == [None]
+
+
+def test_a_bad_temperature_list_stops_the_run_before_it_starts(tmp_path: pathlib.Path) -> None:
+    for settings, message in (
+            ({"EVAL_TEMPERATURES": "0.7,1"}, "EVAL_TEMPERATURES must include 0 (the run's own figures and its exact "
+                                             "check), not '0.7,1'"),
+            ({"EVAL_TEMPERATURES": "0,hot"}, "EVAL_TEMPERATURES must be a comma list of temperatures (e.g. 0,0.7,1 "
+                                             "or 0), not '0,hot'"),
+            ({"ABLATION_TEMPERATURES": "0 1"}, "ABLATION_TEMPERATURES must be a comma list of temperatures (e.g. "
+                                               "0,0.7,1 or 0), not '0 1'")):
+        done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prompts"], cwd=REPO,
+                              env={**os.environ, "OUT": str(tmp_path / "run"), **settings},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.strip() == message
+
+
+def test_ablation_evals_sweep_their_temperatures_and_are_compared_at_each(tmp_path: pathlib.Path) -> None:
+    calls = run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="12")
+    evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
+    assert len(evals) == 2 and all(args[args.index("--temperature") + 1] == "0,0.7,1" for args in evals)
+    compares = [c.split() for c in calls if "recipes.scoring.compare" in c]
+    assert [args[args.index("--temperature") + 1] if "--temperature" in args else None for args in compares] == [
+        None, "0.7", "1"]  # the lowest is the reports' own figures
+    assert "--plot" in compares[0] and all("--plot" not in args and "--evals" in args for args in compares[1:])
+    calls = run_stage("ablate", tmp_path, ABLATIONS="", ABLATION_DATA="", EVAL_TEMPERATURES="0,1",
+                      ABLATION_TEMPERATURES="0", ABLATION_EVAL_PROMPTS="12")
+    (base,) = [c.split() for c in calls if "cli eval" in c]
+    assert base[base.index("--temperature") + 1] == "0"  # its own setting, not EVAL_TEMPERATURES
+    assert len([c for c in calls if "recipes.scoring.compare" in c]) == 1
+    calls = run_stage("ablate", tmp_path, ABLATIONS="", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="0")
+    assert len([c for c in calls if "recipes.scoring.compare" in c]) == 1  # no decoded τ: no table per temperature
+
+
+def test_an_ablation_of_the_objective_at_a_temperature_reaches_the_training_config(tmp_path: pathlib.Path) -> None:
+    """ABLATIONS takes the loss keys like any other: the kl07 run trains with the KL at 0.7, half distillation."""
+    from dflash_train.training.config import load_config
+
+    calls = run_stage("ablate", tmp_path, ABLATION_DATA="", ABLATION_EVAL_PROMPTS="0",
+                      ABLATIONS="kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5")
+    trains = {next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1]: args
+              for args in (c.split() for c in calls if "dflash_train.cli train" in c)}
+    assert list(trains) == ["ablation-base", "ablation-kl07"]
+    recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
+    configs = {name: load_config(recipe, [a for a in args[args.index("--config") + 2:] if "=" in a])
+               for name, args in trains.items()}
+    trained = configs["ablation-kl07"].training
+    assert (trained.loss, trained.loss_temperature, trained.distill_weight) == ("kl", 0.7, 0.5)
+    base = configs["ablation-base"].training
+    assert (base.loss, base.loss_temperature, base.distill_weight) == ("ce", 1.0, 1.0)

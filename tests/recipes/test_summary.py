@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from dflash_train.eval import sweep as eval_sweep
 from recipes.scoring.summary import main, summary_rows
-from tests.helpers.eval_reports import result, write_report
+from tests.helpers.eval_reports import result, sweep_section, write_report
 
 
 def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -34,6 +35,7 @@ def test_rows_pair_reports_with_training_state(tmp_path: Path, capsys) -> None: 
     assert "| ablation-x | 16 | 8 | bfloat16 | humaneval |" in table
     assert table.splitlines()[0] == "training: main: 300 steps in 10.0 min, median step —, first step — (compilation included)"
     assert table.endswith((tmp_path / "summary.md").read_text())  # the table after the training line
+    assert "T=" not in table and all(r["temperature_sweep"] is None for r in summary_rows(tmp_path))  # no sweep
 
 
 def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa: ANN001
@@ -122,3 +124,47 @@ def test_a_missing_folder_is_one_line_and_help_is_help(tmp_path: Path, capsys: p
     with pytest.raises(SystemExit) as exited:
         main(["--help"])
     assert exited.value.code == 0 and "RUN_DIR" in capsys.readouterr().out.upper()
+
+
+def test_a_temperature_sweep_adds_tau_and_its_share_of_greedy_at_each_temperature(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The τ column stays the report's own figure, the sweep's lowest temperature; each temperature above 0 of
+    any sweep gets a column of τ there with its share of the greedy τ, and a report of one temperature beside it
+    shows a dash there."""
+    sweep = sweep_section([0.0, 0.7, 1.0], {"humaneval": [4.0, 3.6, 3.2], "mt-bench": [3.2, 2.72, 2.4]})
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(4.0, True), "mt-bench": result(3.2, True)},
+                 temperature_sweep=sweep)
+    write_report(tmp_path / "eval" / "main-fp32.json", 16, {"humaneval": result(3.9, True)}, dtype="float32")
+    assert main([str(tmp_path)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert table[0].startswith("| run | block | batch | dtype | dataset | requests | τ | τ 95% CI | "
+                               "τ T=0.7 (of greedy) | τ T=1 (of greedy) | τ̂ teacher-forced | lossless |")
+    assert table[2].startswith("| main | 16 | 1 | bfloat16 | humaneval | 4 | 4.00 | — | 3.60 (90%) | 3.20 (80%) | 4.50 |")
+    assert table[3].startswith("| main | 16 | 1 | bfloat16 | mt-bench | 4 | 3.20 | — | 2.72 (85%) | 2.40 (75%) | 3.70 |")
+    assert table[4].startswith("| main | 16 | 1 | float32 | humaneval | 4 | 3.90 | — | — | — | 4.40 |")
+    rows = json.loads((tmp_path / "summary.json").read_text())
+    assert [(p["temperature"], p["tau"], p["speedup"]) for p in rows[0]["temperature_sweep"]] == [
+        (0.0, 4.0, 2.0), (0.7, 3.6, 1.8), (1.0, 3.2, 1.6)]
+    assert rows[2]["temperature_sweep"] is None
+
+
+def test_a_sweep_without_greedy_shows_tau_alone(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without 0 in the sweep there is no greedy τ to share: the τ column is the lowest temperature's (0.7) and
+    the column of 1 shows τ only."""
+    sweep = sweep_section([0.7, 1.0], {"humaneval": [3.5, 3.0]})
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(3.5, False)}, temperature_sweep=sweep)
+    assert main([str(tmp_path)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert "| τ T=0.7 (of greedy) | τ T=1 (of greedy) |" in table[0]
+    assert "| 3.50 | — | 3.50 | 3.00 |" in table[2]
+
+
+def test_the_eval_commands_own_sweep_section_is_read(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The layout `dflash-train eval` writes (eval/sweep.py), not only the hand-written one, reaches the table."""
+    runs = [eval_sweep.SweepRun(0.0, {"humaneval": result(4.0, True)}),
+            eval_sweep.SweepRun(1.0, {"humaneval": result(3.0, False)})]
+    write_report(tmp_path / "eval" / "main-b16.json", 16, runs[0].datasets,
+                 temperature_sweep=eval_sweep.sweep_section(runs))
+    assert main([str(tmp_path)]) == 0
+    table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
+    assert "| τ T=1 (of greedy) |" in table[0] and "| 4.00 | — | 3.00 (75%) |" in table[2]
