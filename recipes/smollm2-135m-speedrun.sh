@@ -80,7 +80,7 @@
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
 #                   ($OUT/ablations.md) and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
 #                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline, at each of
-#                   ABLATION_TEMPERATURES (default EVAL_TEMPERATURES; one table per temperature, the lowest first)
+#                   ABLATION_TEMPERATURES (default 0; a list gives one table per temperature, the lowest first)
 #   ABLATION_DATA   the ablate stage's data variants, "name:prepare flags;...": the same answers prepared again
 #                   with those flags (after the stage's own, so they win) into $OUT/prepared-NAME, one run on each
 #                   beside the others (default "maxlen512:--max-length 512;noself:--exclude-source self-prompts;
@@ -99,9 +99,10 @@
 #                   and the exact check with 8 requests decoded together; default 16, 0: none)
 #   EVAL_NEW_TOKENS answer length in the bf16 eval (default 256; half of it in the float32 check)
 #   EVAL_TEMPERATURES   the bf16 batch-1 eval's temperatures, one sweep over the same prompts and seed
-#                   (`eval --temperature`; default 0,0.7,1: τ and speedup as chats are served, and the share of the
-#                   greedy τ each keeps; 0 alone: the shorter eval). 0 must be in it: the run's own figures, its
-#                   goals and the exact check are at 0. The batch-8, float32 and curve evals stay at 0
+#                   (`eval --temperature`; default 0, inside the run's 25 minutes; 0,0.7,1: τ and speedup as chats
+#                   are served too, and the share of the greedy τ each keeps, a longer eval). 0 must be in it: the
+#                   run's own figures, its goals and the exact check are at 0. The batch-8, float32 and curve evals
+#                   stay at 0
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once when
 #                   regenerating and self-prompting (1024: faster than 512, docs/benchmarks.md, `regenerate`)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
@@ -140,8 +141,8 @@ ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_r
 ABLATION_DATA=${ABLATION_DATA-maxlen512:--max-length 512;noself:--exclude-source self-prompts;trim_loops:--trim-loops}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
-EVAL_TEMPERATURES=${EVAL_TEMPERATURES:-0,0.7,1}
-ABLATION_TEMPERATURES=${ABLATION_TEMPERATURES:-$EVAL_TEMPERATURES}
+EVAL_TEMPERATURES=${EVAL_TEMPERATURES:-0}
+ABLATION_TEMPERATURES=${ABLATION_TEMPERATURES:-0}
 CHECK_EVERY=${CHECK_EVERY:-1000}
 ABLATION_CHECK_EVERY=${ABLATION_CHECK_EVERY:-400}
 EVAL_PROMPTS=${EVAL_PROMPTS:-40}

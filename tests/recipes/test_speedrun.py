@@ -17,7 +17,7 @@ from tests.helpers.paths import REPO
 
 TOY = {"MIX": f"{REPO / 'data/prompts/demo_prompts.jsonl'}=8", "SELF_PROMPTS": "0", "MAX_NEW_TOKENS": "48", "MAX_LENGTH": "256",
        "DECODE_ROWS": "4", "TRAIN_MINUTES": "0.3", "EVAL_PROMPTS": "1", "FP32_PROMPTS": "1", "BATCH8_PROMPTS": "2",
-       "EVAL_NEW_TOKENS": "24",
+       "EVAL_NEW_TOKENS": "24", "EVAL_TEMPERATURES": "0,0.7,1", "ABLATION_TEMPERATURES": "0,0.7,1",
        "TRAIN_EXTRA": "training.compile=false training.compile_target=false training.mixed_precision=no "
                       "model.target_dtype=float32 "
                       "data.validation_fraction=0.25 data.max_length=256 data.pack_tokens=512 training.batch_size=1 "

@@ -191,7 +191,7 @@ def test_each_ablation_is_trained_then_evaluated_and_compared_with_its_decoded_t
     steps = [("train" if "cli train" in c else "eval" if "cli eval" in c else "compare" if "compare" in c else None, c)
              for c in calls]
     steps = [(kind, c.split()) for kind, c in steps if kind]
-    assert [kind for kind, _ in steps] == ["train", "eval"] * 3 + ["compare"] * 3  # at 0, 0.7 and 1
+    assert [kind for kind, _ in steps] == ["train", "eval"] * 3 + ["compare"]  # at 0 alone by default
     outs = [args[args.index("--out") + 1].rsplit("/", 1)[-1] for kind, args in steps if kind == "eval"]
     assert outs == ["ablation-base-b16.json", "ablation-soft-b16.json", "ablation-lr2x-b16.json"]
     assert all(args[args.index("--num-prompts") + 1] == "12" and "--no-lossless-check" in args
@@ -494,21 +494,22 @@ def test_main_runs_validate_less_often_than_ablations(tmp_path: pathlib.Path) ->
         ("training.save_every=250", "training.eval_every=250")}
 
 
-def test_the_main_eval_sweeps_three_temperatures_unless_told_greedy_alone(tmp_path: pathlib.Path) -> None:
-    """The bf16 batch-1 eval decodes the same prompts at 0, 0.7 and 1 in one sweep; EVAL_TEMPERATURES=0 keeps the
-    shorter eval. The batch-8 and float32 checks and the curve's points stay at 0 (no --temperature: its default)."""
+def test_the_main_eval_sweeps_the_temperatures_it_is_given(tmp_path: pathlib.Path) -> None:
+    """EVAL_TEMPERATURES=0,0.7,1: the bf16 batch-1 eval decodes the same prompts at each in one sweep; by default
+    it runs at 0 alone (the run's clock). The batch-8 and float32 checks and the curve's points stay at 0 (no
+    --temperature: its default)."""
     def temperatures(calls: list[str]) -> list[str | None]:
         evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
         return [args[args.index("--temperature") + 1] if "--temperature" in args else None for args in evals]
 
-    calls = run_stage("eval", tmp_path, FINISHED="1")
+    calls = run_stage("eval", tmp_path, FINISHED="1", EVAL_TEMPERATURES="0,0.7,1")
     main = [c.split() for c in calls if "dflash_train.cli eval" in c and "main-b16.json" in c]
     assert len(main) == 1 and main[0][main[0].index("--temperature") + 1] == "0,0.7,1"
     assert temperatures(calls) == ["0,0.7,1", None, None]  # then batch 8, then float32
     (tmp_path / "run" / "eval").mkdir(exist_ok=True)
     for report in ("main-b16.json", "main-b8.json", "main-fp32.json"):
         (tmp_path / "run" / "eval" / report).unlink(missing_ok=True)
-    assert temperatures(run_stage("eval", tmp_path, FINISHED="1", EVAL_TEMPERATURES="0")) == ["0", None, None]
+    assert temperatures(run_stage("eval", tmp_path, FINISHED="1")) == ["0", None, None]
     assert temperatures(run_stage("curve", tmp_path, CURVE_MINUTES="5", ABLATION_DATA="")) == [None]
 
 
@@ -527,7 +528,8 @@ def test_a_bad_temperature_list_stops_the_run_before_it_starts(tmp_path: pathlib
 
 
 def test_ablation_evals_sweep_their_temperatures_and_are_compared_at_each(tmp_path: pathlib.Path) -> None:
-    calls = run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="12")
+    calls = run_stage("ablate", tmp_path, ABLATIONS="lr2x:a=1", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="12",
+                      ABLATION_TEMPERATURES="0,0.7,1")
     evals = [c.split() for c in calls if "dflash_train.cli eval" in c]
     assert len(evals) == 2 and all(args[args.index("--temperature") + 1] == "0,0.7,1" for args in evals)
     compares = [c.split() for c in calls if "recipes.scoring.compare" in c]
