@@ -7,9 +7,10 @@ expert, gathers the tokens and unsorts the output around two grouped products bu
 expert: a dozen small kernels per layer whose latency, at decode, is most of the layer's time
 (docs/benchmarks.md, `decode_experts`).
 
-How: one program per (expert, BLOCK_N outputs), over every expert. A program reads the step's expert ids
-(the router's top-k, [S] pairs of token and expert), and finds the pairs routed to its expert: none, and it
-ends at once; else it gathers them BLOCK_M at a time (their rank among its expert's pairs, by a cumulative
+How: one program per (expert, BLOCK_N outputs): over the step's distinct experts for a step of up to
+`COMPACT_PAIRS` pairs, else over every expert. A program reads the step's expert ids (the router's top-k, [S]
+pairs of token and expert), and finds the pairs routed to its expert: none, and it ends at once; else it
+gathers them BLOCK_M at a time (their rank among its expert's pairs, by a cumulative
 sum) and streams its rows of the expert's weight through the tensor cores against those pairs' rows of x,
 the same product as `skinny_matmul`'s with the gather in its loads. Two launches make a layer's experts:
 
@@ -44,6 +45,12 @@ BLOCK_M = 16  # pairs per tile: the smallest dot tile
 # grouped products of transformers have enough rows per expert to be efficient (docs/benchmarks.md,
 # `decode_experts`).
 MAX_PAIRS = 1024
+
+
+# Pairs up to which a launch has one program row per distinct expert of the step rather than per expert: at
+# decode sizes most experts are not reached, and their programs, which only find that out, are most of the
+# launch. Each program then finds its expert among the pairs by an S × S comparison, cheap this small.
+COMPACT_PAIRS = 128
 
 
 class Tiling(NamedTuple):
@@ -109,7 +116,7 @@ def _silu_gate(h: torch.Tensor) -> torch.Tensor:
 def _experts_kernel(
     x_ptr, ids_ptr, w_ptr, b_ptr, rw_ptr, y_ptr, S, ROWS_PER_X, N, K, stride_xm, stride_we, stride_wn, stride_wk,
     stride_be, stride_ym, ALPHA, LIMIT,
-    S_PAD: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
+    S_PAD: tl.constexpr, COMPACT: tl.constexpr, GATE: tl.constexpr, HAS_BIAS: tl.constexpr, WEIGHTED: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IEEE: tl.constexpr,
     UPCAST: tl.constexpr, ROUND_BITS: tl.constexpr,
 ):
@@ -117,9 +124,13 @@ def _experts_kernel(
     # product, where ROWS_PER_X is top-k; its own row for the down product) and writes row s of y. N is the
     # output's width: I for a gated product (GATE > 0), whose output c reads gate row c and up row N + c of
     # [gate; up] halves (GATE_SILU), or rows 2c and 2c + 1 of interleaved ones (GATE_CLAMPED).
-    expert = tl.program_id(0)
     pairs = tl.arange(0, S_PAD)
-    hit = (tl.load(ids_ptr + pairs, mask=pairs < S, other=-1) == expert).to(tl.int32)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < S, other=-1)
+    if COMPACT:  # noqa: SIM108 (a constexpr branch) -- axis 0: the step's distinct experts, then none
+        expert = _distinct_expert(ids, pairs, S, tl.program_id(0))
+    else:  # axis 0 is every expert
+        expert = tl.program_id(0)
+    hit = (ids == expert).to(tl.int32)
     count = tl.sum(hit, axis=0)
     rank = tl.cumsum(hit, axis=0) - 1  # each hit pair's place among this expert's pairs
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -150,6 +161,16 @@ def _experts_kernel(
             w_ptrs += BLOCK_K * stride_wk
         _finish(acc, acc_up, b_ptr + expert.to(tl.int64) * stride_be, rw_ptr, y_ptr, pair, pair_ok, gate_rows, cols,
                 col_ok, N, stride_ym, ALPHA, LIMIT, x_ptr.dtype.element_ty, GATE, HAS_BIAS, WEIGHTED, ROUND_BITS)
+
+
+def _distinct_expert(ids, pairs, S, slot):
+    """The `slot`-th distinct expert id among the step's pairs, in order of first appearance (-2, matching no
+    pair, past their count): a pair is a first appearance when no earlier pair has its id."""
+    earlier_same = (ids[:, None] == ids[None, :]) & (pairs[None, :] < pairs[:, None])  # [S_PAD, S_PAD]
+    first = (tl.sum(earlier_same.to(tl.int32), axis=1) == 0) & (pairs < S)
+    chosen = first & ((tl.cumsum(first.to(tl.int32), axis=0) - 1) == slot)
+    found = tl.sum(chosen.to(tl.int32), axis=0) > 0
+    return tl.where(found, tl.sum(tl.where(chosen, ids, 0), axis=0), -2)
 
 
 def _finish(acc, acc_up, b_ptr, rw_ptr, y_ptr, pair, pair_ok, gate_rows, cols, col_ok, N, stride_ym, ALPHA, LIMIT,
@@ -184,6 +205,7 @@ def _round(x, out_ty, ROUND_BITS: tl.constexpr):
 
 
 if HAS_TRITON:  # device functions, resolved when a kernel calling them compiles
+    _distinct_expert = triton.jit(_distinct_expert)
     _finish = triton.jit(_finish)
     _round = triton.jit(_round)
 
@@ -211,11 +233,12 @@ def _launch(x: torch.Tensor, ids: torch.Tensor, weight: torch.Tensor, bias: torc
     kernel = jit(_experts_kernel, do_not_specialize=("S",))
     if not interpreting():  # traced by torch.compile as part of the graph (interpreted kernels cannot be)
         kernel = wrap_triton(kernel)
-    grid = (weight.shape[0], -(-n // tiling.block_n))
+    compact = pairs <= COMPACT_PAIRS
+    grid = (min(weight.shape[0], pairs) if compact else weight.shape[0], -(-n // tiling.block_n))
     kernel[grid](
         x, ids, weight, bias, routing, y, pairs, rows_per_x, n, k, x.stride(0), weight.stride(0), stride_wn,
         stride_wk, bias.stride(0) if has_bias else 0, y.stride(0), alpha, limit,
-        S_PAD=max(BLOCK_M, next_power_of_2(pairs)), GATE=gate, HAS_BIAS=has_bias, WEIGHTED=weighted,
+        S_PAD=max(BLOCK_M, next_power_of_2(pairs)), COMPACT=compact, GATE=gate, HAS_BIAS=has_bias, WEIGHTED=weighted,
         BLOCK_M=BLOCK_M, BLOCK_N=tiling.block_n, BLOCK_K=tiling.block_k, IEEE=x.dtype == torch.float32,
         UPCAST=interpreting() and x.dtype != torch.float32,
         ROUND_BITS=interpreting() and x.dtype == torch.bfloat16, num_warps=tiling.num_warps,

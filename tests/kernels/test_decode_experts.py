@@ -16,8 +16,9 @@ from transformers import GptOssConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
+from dflash_train.kernels._triton import HAS_TRITON
 from dflash_train.kernels.decode_experts import ClampedGate, decode_experts_triton, experts_reference
-from tests.helpers.kernels import DEVICE, kernels_here, randn, under_interpreter
+from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, randn, under_interpreter
 
 test_under_interpreter = under_interpreter(__file__)
 
@@ -119,3 +120,33 @@ def test_the_reference_is_the_modules() -> None:
             experts_reference(x, index, weights, oss.gate_up_proj, oss.down_proj, oss.gate_up_proj_bias,
                               oss.down_proj_bias, transposed=True, gate=ClampedGate(oss.alpha, oss.limit)),
             oss(x, index, weights), atol=1e-5, rtol=1e-5)
+
+
+@kernels_here
+@pytest.mark.parametrize("crowd", [None, 1])
+def test_a_grid_over_the_steps_experts_gives_the_bits_of_one_over_every_expert(
+        crowd: int | None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to COMPACT_PAIRS pairs, a program row per distinct expert of the step (fewer rows than experts when
+    tokens share them); past it, one per expert: the same bits either way."""
+    from dflash_train.kernels import decode_experts
+
+    gen = torch.Generator().manual_seed(9)
+    up, down, _, _ = (t.to(DEVICE) for t in weights_for(16, 48, 24, torch.bfloat16, gen, False))
+    x = randn(6, 48, dtype=torch.bfloat16, gen=gen).to(DEVICE)
+    index, weights = (t.to(DEVICE) for t in routing(6, 2, 16, gen, crowd))
+    compact = decode_experts_triton(x, index, weights, up, down)
+    monkeypatch.setattr(decode_experts, "COMPACT_PAIRS", 0)
+    assert torch.equal(decode_experts_triton(x, index, weights, up, down), compact)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.parametrize(("compact", "gate"), [(True, 2), (False, 1)])
+def test_the_kernel_compiles_for_an_h100(compact: bool, gate: int) -> None:
+    """sm_90 code without a GPU: the distinct-expert search and both folded gates, with no 16-bit FMA."""
+    from dflash_train.kernels.decode_experts import _experts_kernel
+
+    pointers = {name: "*bf16" for name in ("x_ptr", "w_ptr", "b_ptr", "rw_ptr", "y_ptr")}
+    pointers |= {"ids_ptr": "*i32", "ALPHA": "fp32", "LIMIT": "fp32"}
+    constants = dict(S_PAD=64, COMPACT=compact, GATE=gate, HAS_BIAS=gate == 2, WEIGHTED=False, BLOCK_M=16,
+                     BLOCK_N=64, BLOCK_K=64, IEEE=False, UPCAST=False, ROUND_BITS=False)
+    assert compile_for_h100(_experts_kernel, constants, pointers, "fp32")
