@@ -16,7 +16,7 @@ from transformers import GptOssConfig, Qwen3MoeConfig
 from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-from dflash_train.kernels._triton import HAS_TRITON
+from dflash_train.kernels._triton import HAS_TRITON, interpreting
 from dflash_train.kernels.decode_experts import ClampedGate, decode_experts_triton, experts_reference
 from tests.helpers.kernels import DEVICE, compile_for_h100, kernels_here, randn, under_interpreter
 
@@ -139,7 +139,7 @@ def test_a_grid_over_the_steps_experts_gives_the_bits_of_one_over_every_expert(
     assert torch.equal(decode_experts_triton(x, index, weights, up, down), compact)
 
 
-@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+@pytest.mark.skipif(not HAS_TRITON or interpreting(), reason="needs triton's compiler")
 @pytest.mark.parametrize(("compact", "gate"), [(True, 2), (False, 1)])
 def test_the_kernel_compiles_for_an_h100(compact: bool, gate: int) -> None:
     """sm_90 code without a GPU: the distinct-expert search and both folded gates, with no 16-bit FMA."""
