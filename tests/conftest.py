@@ -15,6 +15,7 @@ test module imports another.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -39,16 +40,29 @@ _INTERPRETED = pytest.StashKey[InterpretedProcess]()  # the session's interprete
 @pytest.fixture(autouse=True, scope="session")
 def _one_thread() -> Iterator[None]:
     # Tiny models gain nothing from intra-op threads, and on a busy 2-core machine OpenMP spin-waits
-    # make them several times slower. Subprocesses started by tests pick their own thread counts.
+    # make them several times slower. Subprocesses started by tests (a benchmark's variants, the CLI, the
+    # training launches) get one thread too: the interpreted kernel tests keep the other core busy for most of
+    # the session. A thread count set for the session (OMP_NUM_THREADS) is kept.
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    yield
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS") or "1")
+        yield
     torch.set_num_threads(threads)
 
 
 def _interpreted_targets(items: list[pytest.Item]) -> list[str]:
     return [getattr(item.function, INTERPRETED_TARGET) for item in items
             if hasattr(getattr(item, "function", None), INTERPRETED_TARGET)]
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The interpreted checks last, each file's other tests in their order: the first check waits for the
+    interpreted process, which would leave the session's own core idle if it came before the other tests."""
+    interpreted = [item for item in items if hasattr(getattr(item, "function", None), INTERPRETED_TARGET)]
+    if interpreted:
+        moved = set(map(id, interpreted))
+        items[:] = [item for item in items if id(item) not in moved] + interpreted
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -16,15 +16,8 @@ from benchmarks import decode
 from benchmarks.decode import main
 from benchmarks.shapes import TINY_LLAMA
 
-
-@pytest.fixture(autouse=True)
-def _short_profiles(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Profiles of 2 calls instead of the script's 10: on a CPU the profiler's bookkeeping of the tiny step's
-    operators took most of these tests' time (20 s), and 2 calls already run every line that 10 do. The
-    arithmetic itself is checked on known intervals in test_decode_profile.py."""
-    profiled_calls, kernel_profile = decode.profiled_calls, decode.kernel_profile
-    monkeypatch.setattr(decode, "profiled_calls", lambda step, device, iters=2: profiled_calls(step, device, iters))
-    monkeypatch.setattr(decode, "kernel_profile", lambda step, device, iters=2: kernel_profile(step, device, iters))
+# Profiles of 2 calls (tests/benchmarks/conftest.py), for every test of the module.
+pytestmark = pytest.mark.usefixtures("short_profiles")
 
 
 def test_decode_benchmark_tiny_cpu(tmp_path: Path) -> None:

@@ -16,6 +16,8 @@ from dflash_train.runtime.static_target import StaticTarget
 from tests.helpers.tiny_models import make_tiny_target
 
 TINY_QWEN3 = ["--tiny", "--device", "cpu", "--section", "qwen3-8b", "--iters", "2", "--warmup", "1"]
+# Profiles of 2 calls (tests/benchmarks/conftest.py), for every test of the module and its module-scoped run.
+pytestmark = pytest.mark.usefixtures("short_profiles")
 
 
 @pytest.mark.parametrize("variant", ["skinny_matmul", "skinny_fused", "skinny_fused_carried", "prefetch_o_proj"])
