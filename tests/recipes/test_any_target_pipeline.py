@@ -1,8 +1,8 @@
 """The README's pipeline, its commands and flags unchanged but for sizes, on a tiny random target of each family
 the package claims to train drafters for: experts on the static-cache runtime (qwen3_moe), sliding windows with
 attention sinks, experts and YaRN through the model's own forward and caches (gpt_oss), latent attention with
-experts (deepseek_v3) and hybrid linear attention (qwen3_5); every other architecture of the matrix in the slow
-tier.
+experts (deepseek_v3) and hybrid linear attention (qwen3_5), and every other architecture of the matrix, all in
+the fast tier (a few seconds each).
 
 For each, in-process, every stage reading what the one before it wrote: `inspect` names the layer mix;
 `regenerate` has the target answer a few chat prompts; `prepare` tokenises the answers; `train` (the CPU recipe)
@@ -51,13 +51,13 @@ LAYER_MIX = {
     "deepseek_v3": ("4 full_attention", "MoE 4 experts, 2 active", "latent attention (MLA)"),
     "qwen3_5": ("3 linear_attention, 1 full_attention",),
 }
-FAST = tuple(LAYER_MIX)  # one target of each family in the fast tier; every other one in the slow tier
+FAMILY_EXAMPLES = tuple(LAYER_MIX)  # one target of each family: these also train on packed rows
 # For these model types transformers loads the tiny word-level tokenizer as its Qwen2 tokenizer class, whose
 # decoder joins words without spaces, so regenerated answers do not tokenise back; their decoding, features and
 # packing are tested on token ids (tests/runtime, tests/training).
 NO_WORD_TOKENIZER = ("qwen2", "qwen3_5_moe")
-CASES = [*FAST, *(pytest.param(name, marks=pytest.mark.slow) for name in TINY_TARGETS
-                  if name not in FAST and name not in NO_WORD_TOKENIZER)]
+CASES = [*FAMILY_EXAMPLES, *(name for name in TINY_TARGETS
+                             if name not in FAMILY_EXAMPLES and name not in NO_WORD_TOKENIZER)]
 
 
 def save_target(path: Path, name: str) -> Path:
@@ -135,7 +135,7 @@ def test_the_readme_pipeline_trains_evaluates_and_exports_a_drafter(
 
     # packed rows, through `python -m dflash_train.train`: gpt-oss's sliding windows and sinks are kept per chat
     # by the varlen attention; linear attention's state would run on into the next chat of a row
-    if name in FAST or name in TINY_TARGET_FAMILIES["hybrid"]:
+    if name in FAMILY_EXAMPLES or name in TINY_TARGET_FAMILIES["hybrid"]:
         check_packed_run(name, target, runs / "prepared", outputs / "packed", capsys)
 
     # eval: the trained drafter's output is the target's own
