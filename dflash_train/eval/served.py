@@ -5,13 +5,15 @@ Each prompt set is sent with the prompts `dflash-train eval` uses (same loaders,
 choice, same chat rendering, sent as token ids so the server sees the very prompt the eval decoded),
 greedy, one request at a time. Later turns (MT-Bench's second) are asked after the served answer to the
 earlier one, as the eval asks them after the target's own answer; greedy speculation is lossless, so the
-served answer is the target's. The counters are read around every request, so both of the eval's
+served answer is the target's. `--temperature 0,0.7,1` measures each set at every temperature in one run, as
+`dflash-train eval --temperature` sweeps: sampled requests carry a seed (`--seed` plus the request's index), so a
+rerun against the same server asks the same draws. The counters are read around every request, so both of the eval's
 figures come out: τ, the mean over requests of each request's 1 + accepted / drafts (as published DFlash
 benchmarks average, `acceptance_length`), and τ per cycle, 1 + accepted / drafts over the whole set
 (`acceptance_length_cycle_weighted`, the figure vLLM's own logs print).
 
     python -m dflash_train.eval.served --url http://127.0.0.1:8000 --tokenizer TARGET_DIR \
-        --dataset mt-bench --dataset humaneval --num-prompts 40 --json served.json
+        --dataset mt-bench --dataset humaneval --num-prompts 40 --temperature 0,0.7,1 --json served.json
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -73,6 +75,7 @@ class Reply:
 @dataclass
 class SetResult:
     dataset: str
+    temperature: float
     requests: int
     drafts: int
     accepted: int
@@ -136,10 +139,13 @@ def served_model(url: str) -> str:
     return str(models[0]["id"])
 
 
-def complete(url: str, model: str, ids: list[int], max_tokens: int, stop_ids: Sequence[int]) -> Reply:
-    """One greedy completion of a prompt given as token ids."""
-    body = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "stop_token_ids": list(stop_ids), "return_token_ids": True}  # both are vLLM/SGLang extensions
+def complete(url: str, model: str, ids: list[int], max_tokens: int, stop_ids: Sequence[int],
+             temperature: float = 0.0, seed: int | None = None) -> Reply:
+    """One completion of a prompt given as token ids: greedy at temperature 0, else sampled with `seed`."""
+    body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
+                            "stop_token_ids": list(stop_ids), "return_token_ids": True}  # vLLM/SGLang extensions
+    if temperature > 0 and seed is not None:
+        body["seed"] = seed
     start = time.perf_counter()
     reply = json.loads(_http(f"{url}/v1/completions", body))
     seconds = time.perf_counter() - start
@@ -158,6 +164,8 @@ class Run:
     tokenizer: PreTrainedTokenizerBase
     max_tokens: int
     stop_ids: list[int]
+    temperature: float = 0.0
+    seed: int = 0
 
 
 def decode_set(run: Run, prompt_set: PromptSet) -> list[dict[str, Any]]:
@@ -172,7 +180,8 @@ def decode_set(run: Run, prompt_set: PromptSet) -> list[dict[str, Any]]:
             messages = histories[index] + [{"role": "user", "content": conversation.turns[turn]}]
             ids = prompt_ids(run.tokenizer, messages, thinking=False)
             before = read_counters(run.url)
-            reply = complete(run.url, run.model, ids, run.max_tokens, run.stop_ids)
+            reply = complete(run.url, run.model, ids, run.max_tokens, run.stop_ids, run.temperature,
+                             run.seed + len(outputs))
             delta = read_counters(run.url).minus(before)  # one request at a time: this request's cycles
             histories[index] = messages + [{"role": "assistant", "content": reply.text}]
             outputs.append({"conversation": index, "turn": turn, "prompt_tokens": len(ids), **asdict(reply),
@@ -190,16 +199,17 @@ def measure_set(run: Run, prompt_set: PromptSet) -> SetResult:
     drafted = [1 + o["accepted"] / o["drafts"] for o in outputs if o["drafts"]]  # as the eval: no cycle, no τ
     per_request = sum(drafted) / len(drafted) if drafted else None
     positions = [delta.per_position[k] / delta.drafts if delta.drafts else 0.0 for k in sorted(delta.per_position)]
-    return SetResult(prompt_set.name, len(outputs), round(delta.drafts), round(delta.accepted), per_request,
+    return SetResult(prompt_set.name, run.temperature, len(outputs), round(delta.drafts), round(delta.accepted), per_request,
                      per_cycle, tokens, seconds, tokens / seconds if seconds else 0.0, positions, outputs)
 
 
 def table(results: Sequence[SetResult]) -> str:
-    lines = ["| set | requests | drafts | accepted | τ | τ/cycle | tokens/s |", "|---|---|---|---|---|---|---|"]
+    lines = ["| set | T | requests | drafts | accepted | τ | τ/cycle | tokens/s |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in results:
         tau, per_cycle = (f"{t:.3f}" if t is not None else "n/a"
                           for t in (r.acceptance_length, r.acceptance_length_cycle_weighted))
-        lines.append(f"| {r.dataset} | {r.requests} | {r.drafts} | {r.accepted} | {tau} | {per_cycle} | "
+        lines.append(f"| {r.dataset} | {r.temperature:g} | {r.requests} | {r.drafts} | {r.accepted} | {tau} | {per_cycle} | "
                      f"{r.tokens_per_s:.1f} |")
     return "\n".join(lines)
 
@@ -224,8 +234,22 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", help="served model name (default: the first of /v1/models)")
     parser.add_argument("--tokenizer", help="target tokenizer directory (default: --model)")
     parser.add_argument("--stop-token-ids", type=int, nargs="*", help="default: the target's EOS ids")
+    parser.add_argument("--temperature", type=temperatures, default=[0.0],
+                        help="one temperature or a comma-separated sweep, e.g. 0,0.7,1 (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the first sampled request (default 0)")
     parser.add_argument("--json", type=Path, help="write the figures and every reply here")
     return parser.parse_args(argv)
+
+
+def temperatures(text: str) -> list[float]:
+    """`--temperature`'s value: distinct temperatures >= 0, in the order given."""
+    try:
+        values = [float(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a temperature or a comma-separated list of them") from None
+    if any(value < 0 for value in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: temperatures must be >= 0 and distinct")
+    return values
 
 
 def foreign_json(path: Path | None) -> bool:
@@ -249,14 +273,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
         run = Run(url, model, tokenizer, args.max_tokens, _stop_ids(tokenizer_dir, tokenizer, args.stop_token_ids))
         read_counters(url)  # fail before decoding anything on a server without the counters
-        results = [measure_set(run, load_prompt_set(name, args.num_prompts))
-                   for name in args.dataset or ["mt-bench", "humaneval"]]
+        sets = [load_prompt_set(name, args.num_prompts) for name in args.dataset or ["mt-bench", "humaneval"]]
+        results = [measure_set(replace(run, temperature=temperature, seed=args.seed), prompt_set)
+                   for temperature in args.temperature for prompt_set in sets]
     except (ServerError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     print(table(results))
     if args.json:
         write_json_atomically(args.json, {"url": url, "model": model, "max_tokens": args.max_tokens,
+                                          "temperatures": args.temperature, "seed": args.seed,
                                           "stop_token_ids": run.stop_ids, "sets": [asdict(r) for r in results]})
     return 0
 

@@ -30,6 +30,7 @@ vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",po
 class FakeServer(BaseHTTPRequestHandler):
     metrics: str | None = "vllm"  # "vllm": the counters; "none": a 404; "plain": a page without them
     prompts: list[list[int]] = []
+    bodies: list[dict] = []  # every completion request's body, in order
 
     def log_message(self, *args: object) -> None:  # keep pytest's output clean
         pass
@@ -56,8 +57,9 @@ class FakeServer(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        assert self.path == "/v1/completions" and body["temperature"] == 0.0
+        assert self.path == "/v1/completions"
         self.prompts.append(body["prompt"])
+        self.bodies.append(body)
         text = f"answer {len(self.prompts)}"
         self._send(200, json.dumps({"choices": [{"text": text, "token_ids": [5, 6, 7]}],
                                     "usage": {"completion_tokens": 3}}))
@@ -70,7 +72,8 @@ class Fake(NamedTuple):
 
 @pytest.fixture
 def server(request: pytest.FixtureRequest) -> Iterator[Fake]:
-    handler = type("Handler", (FakeServer,), {"metrics": getattr(request, "param", "vllm"), "prompts": []})
+    handler = type("Handler", (FakeServer,), {"metrics": getattr(request, "param", "vllm"), "prompts": [],
+                                                  "bodies": []})
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
@@ -102,7 +105,35 @@ def test_tau_per_request_and_per_cycle_from_the_counters(server: Fake, setup: tu
     assert result["acceptance_length_cycle_weighted"] == pytest.approx(3.0)
     assert result["per_position_acceptance"] == pytest.approx([6 / 9, 3 / 9])
     assert result["completion_tokens"] == 9
-    assert "| prompts | 3 | 9 | 18 | 2.917 | 3.000 |" in capsys.readouterr().out
+    assert "| prompts | 0 | 3 | 9 | 18 | 2.917 | 3.000 |" in capsys.readouterr().out
+    assert all(body["temperature"] == 0.0 and "seed" not in body for body in server.handler.bodies)  # greedy
+
+
+def test_a_temperature_sweep_measures_every_set_at_each_with_seeded_draws(
+        server: Fake, setup: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    tok, prompts = setup
+    out = tmp_path / "served.json"
+    assert served.main(["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts), "--json", str(out),
+                        "--temperature", "0,0.7", "--seed", "10"]) == 0
+    report = json.loads(out.read_text())
+    assert report["temperatures"] == [0.0, 0.7] and report["seed"] == 10
+    assert [(r["dataset"], r["temperature"], r["requests"]) for r in report["sets"]] == [
+        ("prompts", 0.0, 3), ("prompts", 0.7, 3)]
+    # The counters of each set's own requests: the fake's 4th to 6th completions at 0.7 (5 + 6 + 7 drafts).
+    assert report["sets"][1]["drafts"] == 18
+    bodies = server.handler.bodies
+    assert [b["temperature"] for b in bodies] == [0.0] * 3 + [0.7] * 3
+    assert ["seed" in b for b in bodies[:3]] == [False] * 3 and [b["seed"] for b in bodies[3:]] == [10, 11, 12]
+    table = capsys.readouterr().out
+    assert "| prompts | 0 | 3 |" in table and "| prompts | 0.7 | 3 |" in table
+
+
+@pytest.mark.parametrize("value", ["hot", "-1", "0,0"])
+def test_a_bad_temperature_is_a_one_line_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        served.main(["--url", "http://127.0.0.1:1", "--temperature", value])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--temperature" in err and "Traceback" not in err
 
 
 def test_a_later_turn_is_asked_after_the_served_answer(server: Fake, setup: tuple[Path, Path]) -> None:
