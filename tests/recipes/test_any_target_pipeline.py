@@ -22,6 +22,7 @@ import torch
 
 from dflash_train.cli import main
 from dflash_train.train import main as train_module_main  # `python -m dflash_train.train`
+from tests.helpers.byte_tokenizer import byte_tokenizer
 from tests.helpers.paths import CPU_RECIPE
 from tests.helpers.tiny_models import TINY_EMBEDDING_ROWS, make_tiny_tokenizer
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
@@ -52,17 +53,17 @@ LAYER_MIX = {
     "qwen3_5": ("3 linear_attention, 1 full_attention",),
 }
 FAMILY_EXAMPLES = tuple(LAYER_MIX)  # one target of each family: these also train on packed rows
-# For these model types transformers loads the tiny word-level tokenizer as its Qwen2 tokenizer class, whose
-# decoder joins words without spaces, so regenerated answers do not tokenise back; their decoding, features and
-# packing are tested on token ids (tests/runtime, tests/training).
-NO_WORD_TOKENIZER = ("qwen2", "qwen3_5_moe")
-CASES = [*FAMILY_EXAMPLES, *(name for name in TINY_TARGETS
-                             if name not in FAMILY_EXAMPLES and name not in NO_WORD_TOKENIZER)]
+# For these model types transformers loads any tokenizer as its own Qwen2-style class, rebuilt from the saved
+# vocabulary and merges: the tiny word-level tokenizer would come back joining words without spaces, so these
+# targets get the byte-level Qwen3 tokenizer (its chat template and special tokens), which that class rebuilds
+# exactly.
+BYTE_LEVEL_TOKENIZER = ("qwen2", "qwen3_5_moe")
+CASES = [*FAMILY_EXAMPLES, *(name for name in TINY_TARGETS if name not in FAMILY_EXAMPLES)]
 
 
 def save_target(path: Path, name: str) -> Path:
-    """The tiny target of `name` with its 320-row vocabulary (the mask token resolves to a row the 256-token
-    tokenizer never uses), embeddings and head scaled up as in tests/helpers/training.py: a peaked head makes
+    """The tiny target of `name` with its 320-row vocabulary (the mask token resolves to a row the tokenizer
+    never uses), embeddings and head scaled up as in tests/helpers/training.py: a peaked head makes
     answers a 1-layer drafter learns in a few steps."""
     model = build_tiny_target(name, TINY_EMBEDDING_ROWS)
     with torch.no_grad():
@@ -71,7 +72,8 @@ def save_target(path: Path, name: str) -> Path:
         if head is not model.get_input_embeddings().weight:
             head.mul_(25.0)
     model.save_pretrained(path)
-    make_tiny_tokenizer().save_pretrained(path)
+    tokenizer = byte_tokenizer("qwen3") if name in BYTE_LEVEL_TOKENIZER else make_tiny_tokenizer()
+    tokenizer.save_pretrained(path)
     return path
 
 
@@ -151,4 +153,6 @@ def test_the_readme_pipeline_trains_evaluates_and_exports_a_drafter(
                  "--eval-report", str(report_path)]) == 0
     assert main(["check", str(export), "--target", str(target)]) == 0
     config = json.loads((export / "config.json").read_text())["dflash_config"]
-    assert config["target_layer_ids"] == [2] and config["mask_token_id"] == 256
+    # The mask token: the first embedding row past the tokenizer's vocabulary (256 words, or 261 byte-level ids).
+    first_unused_row = 261 if name in BYTE_LEVEL_TOKENIZER else 256
+    assert config["target_layer_ids"] == [2] and config["mask_token_id"] == first_unused_row
