@@ -1,9 +1,15 @@
 """The target, run layer by layer over a static KV cache: fixed shapes, per-row positions, no host sync.
 
-Supported layouts: Llama, Mistral, Qwen2, Qwen3 in transformers (embed_tokens -> decoder layers with
-rotary position embeddings -> norm -> lm_head). Each decoder layer runs with its q/k/v projections as one
-matmul and gate/up as another (`fused_layer.py`; `fuse_projections=False` runs the Hugging Face layer
-itself, with our attention function); the KV cache and the attention are ours:
+Supported layouts: the transformers causal LMs of `SUPPORTED_MODEL_TYPES` (embed_tokens -> decoder layers
+with rotary position embeddings -> norm -> lm_head), each with an adapter (`target_adapters.py`) that says what
+its model's forward does around the layers: embedding and logit scales, Gemma's logit soft-cap, Gemma-3's
+rotary embedding per layer type. The Llama family's decoder layers (Llama, Mistral, Qwen2/3, their MoE kin,
+gpt-oss, GLM-4-MoE) run with their q/k/v projections as one matmul and gate/up as another (`fused_layer.py`;
+`fuse_projections=False` runs the Hugging Face layer itself); every other architecture's layers (Phi-3,
+OLMo-2, Granite, SmolLM3, Gemma-2/3, Cohere-2, EXAONE-4: other norms, residual scales, NoPE layers) run as the
+model's own modules, which call our attention function and write our cache. A config whose RoPE frequencies
+follow the step's longest position (dynamic, longrope) is refused: in a batched step a row's RoPE would depend on
+the other rows. The KV cache and the attention are ours:
 
 - Cache: keys/values [b, kv_heads, max_len, D] per layer. A forward writes each token's K/V at the slot
   equal to its position, so rolling back after a rejection costs nothing: the next verify block starts at
@@ -15,7 +21,9 @@ itself, with our attention function); the KV cache and the attention are ours:
   `dflash_train.kernels.static_attention` instead, given each query's first and last visible slot; prefill
   stays on SDPA. A layer with sink logits (gpt-oss's `self_attn.sinks`) hands them to the kernel, which
   folds them into its merge of the splits; off the kernel (prefill, `kernels="torch"`) it runs
-  `_attention_with_sinks`, the PyTorch reference.
+  `_attention_reference`, the PyTorch reference, as does a layer with soft-capped scores (Gemma-2) on every
+  step: the kernel has no cap. Each layer's scale is the one it passes (Gemma's, Granite's multiplier); every
+  other argument a layer passes is refused unless `HANDLED_ELSEWHERE` says where it is honoured.
 - Attention prologue: with `kernels="triton"` and fused projections, the q/k norms (Qwen3), RoPE and the
   K/V cache write of a layer are one kernel (`dflash_train.kernels.rope_cache`, fed the rotary
   embedding's cos/sin); `fuse_prologue=False` keeps the PyTorch path, which stays the reference.
@@ -59,12 +67,13 @@ from dflash_train.kernels.static_attention import (
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
+from dflash_train.runtime.target_adapters import ADAPTERS, TargetAdapter, refusal
 from dflash_train.target import TargetModel
 from dflash_train.target.attention import attention_implementation
 
 SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_moe", "mixtral", "gpt_oss")
+SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 ATTENTION_NAME = "dflash_static"
 MEMORY_HEADROOM = 0.9  # share of the free device memory the caches may take
 
@@ -75,7 +84,13 @@ def model_type(target: TargetModel) -> str:
 
 def supports(target: TargetModel) -> bool:
     """Whether the static-cache runtime can run this target (else: Hugging Face's own loops)."""
-    return model_type(target) in SUPPORTED_MODEL_TYPES
+    return refusal(model_type(target), target.config.get_text_config()) is None
+
+
+# Keyword arguments layers hand the attention function beyond those it reads: each layer's sliding window is in
+# its mask (built per layer as the model's own forward builds its masks), the others describe the call. Any other
+# one is refused rather than ignored (a new transformers whose layers ask for more fails loudly).
+HANDLED_ELSEWHERE = frozenset({"sliding_window", "position_ids", "use_cache", "cache_position"})
 
 
 def static_attention(
@@ -86,6 +101,10 @@ def static_attention(
     attention_mask: torch.Tensor,
     scaling: float | None = None,
     dropout: float = 0.0,
+    softcap: float | None = None,
+    s_aux: torch.Tensor | None = None,
+    prefetch: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """query [b, heads, T, D], key/value [b, kv_heads, S, D], mask [b, 1, T, S] bool -> ([b, T, heads, D], None).
@@ -93,32 +112,58 @@ def static_attention(
     An integer mask is the Triton path's bounds [b, 2, T] (first and last visible slot of each query); there a
     `prefetch` weight (the fused layers' o_proj, `StaticTarget(prefetch_weights=True)`) is asked of L2 meanwhile,
     and the fused layers' `counters` let a plan that merges in its split kernel do so. The module's `sinks`
-    [heads] (gpt-oss), where it has them, join the softmax on either path."""
+    [heads] (gpt-oss; `s_aux` where its own layer passes them), where it has them, join the softmax on either
+    path. `softcap` (Gemma-2) caps the scores
+    with cap * tanh(score / cap) before the mask, as the model's eager attention does; the kernel has no cap, so
+    such a layer takes the PyTorch path, its mask made from the bounds."""
+    _check_arguments(kwargs)
     b, heads, t, d = query.shape
-    sinks = getattr(module, "sinks", None)
+    scale = scaling if scaling is not None else d ** -0.5
+    sinks = s_aux if s_aux is not None else getattr(module, "sinks", None)  # the HF layer's, or the fused one's
     if attention_mask.dtype != torch.bool:
-        scale = scaling if scaling is not None else d ** -0.5
-        return static_attention_triton(query, key, value, attention_mask, scale, kwargs.get("prefetch"),
-                                       kwargs.get("counters"), sinks=sinks), None
+        if softcap is None:
+            return static_attention_triton(query, key, value, attention_mask, scale, prefetch, counters,
+                                           sinks=sinks), None
+        attention_mask = mask_from_bounds(attention_mask, key.shape[2])
     kv_heads, keys = key.shape[1], key.shape[2]
     groups = heads // kv_heads
     # Query head i uses KV head i // groups: fold the group into the query axis instead of repeating K/V.
     q = query.reshape(b, kv_heads, groups * t, d)
     mask = attention_mask[:, :, None].expand(b, 1, groups, t, keys).reshape(b, 1, groups * t, keys)
-    if sinks is not None:
-        out = _attention_with_sinks(q, key, value, mask, scaling if scaling is not None else d ** -0.5, sinks, t)
+    if sinks is not None or softcap is not None:
+        out = _attention_reference(q, key, value, mask, scale, t, sinks=sinks, softcap=softcap)
     else:
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, D]
     return out.reshape(b, heads, t, d).transpose(1, 2), None
 
 
-def _attention_with_sinks(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
-                          sinks: torch.Tensor, t: int) -> torch.Tensor:
-    """Attention whose softmax has one more logit per head that no value goes with (gpt-oss's sinks): q [b, kv,
-    g*T, D] grouped as above, sinks [heads] -> [b, kv, g*T, D], as the model's own eager attention computes it."""
+def _check_arguments(kwargs: dict[str, Any]) -> None:
+    # the handled ones' values are never read: under torch.compile a read would specialise the layer's code on
+    # them (a sliding layer's window, say) and compile it again for each
+    unknown = sorted(name for name in kwargs if name not in HANDLED_ELSEWHERE and kwargs[name] is not None)
+    if unknown:
+        raise ValueError(f"the static runtime's attention does not implement {', '.join(unknown)}")
+
+
+def mask_from_bounds(bounds: torch.Tensor, keys: int) -> torch.Tensor:
+    """The Triton path's bounds [b, 2, T] -> the bool mask [b, 1, T, keys] of the same visible slots."""
+    slots = torch.arange(keys, device=bounds.device)
+    first, last = bounds[:, 0, :, None], bounds[:, 1, :, None]  # [b, T, 1]
+    return ((slots >= first) & (slots <= last))[:, None]
+
+
+def _attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
+                         t: int, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Attention as the models' own eager functions compute it, with what SDPA has not: gpt-oss's sinks (one more
+    logit per head that no value goes with) and Gemma-2's soft-capped scores. q [b, kv, g*T, D] grouped as above,
+    sinks [heads] -> [b, kv, g*T, D]."""
     b, kv_heads, rows, _ = q.shape
     logits = (q @ key.transpose(-1, -2)).float() * scale  # [b, kv, g*T, S]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     logits = logits.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        return logits.softmax(-1).to(value.dtype) @ value
     sink = sinks.float().reshape(kv_heads, -1, 1, 1).expand(kv_heads, rows // t, t, 1).reshape(1, kv_heads, rows, 1)
     weights = torch.cat([logits, sink.expand(b, -1, -1, -1)], dim=-1).softmax(-1)[..., :-1]
     return weights.to(value.dtype) @ value
@@ -164,10 +209,13 @@ class _WriteCache:
         return self.keys[self.row_index, :, : self.kv_len], self.values[self.row_index, :, : self.kv_len]
 
 
+RotaryTables = dict[str | None, tuple[torch.Tensor, torch.Tensor]]  # cos/sin by `StaticTarget.rope_keys`
+
+
 class _Regions(NamedTuple):
     """The forward's parts outside and inside the layer loop, each compiled on its own (compile scope "layer")."""
 
-    embed: Callable[..., tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]]
+    embed: Callable[..., tuple[torch.Tensor, torch.Tensor | None, RotaryTables, dict[int | None, torch.Tensor]]]
     layer: Callable[..., torch.Tensor]
     output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
 
@@ -202,20 +250,22 @@ class StaticTarget:
         asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; off by
         default: at Qwen3-8B's shape it cost the attention more than it saved the products, docs/benchmarks.md,
         'Asking L2 for o_proj's weight')."""
-        if not supports(target):
+        config = target.config.get_text_config()
+        if (why := refusal(model_type(target), config)) is not None:
             raise ValueError(
-                f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not "
-                f"{model_type(target)!r}; the decode engine runs others through their own forward and caches "
-                f"(`dflash_train.runtime.hf_target.HFCacheTarget`)"
+                f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not this "
+                f"{model_type(target)!r} one: {why}; the decode engine runs others through their own forward and "
+                f"caches (`dflash_train.runtime.hf_target.HFCacheTarget`)"
             )
         if kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
         _register_attention()
-        self.target, self.base = target, target.model.get_decoder()
+        self.target, self.base, self.config = target, target.model.get_decoder(), config
+        self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
         self.layers = target.decoder_layers
         attn = self.layers[0].self_attn
-        kv_heads = attn.k_proj.out_features // attn.head_dim
-        self.heads, self.kv_heads = attn.q_proj.out_features // attn.head_dim, kv_heads
+        kv_heads = config.num_key_value_heads
+        self.heads, self.kv_heads = config.num_attention_heads, kv_heads
         self.decode_experts = decode_experts
         self.kernels = kernels  # a property: also switches a MoE target's experts to the decode kernel
         self.fuse_prologue = fuse_prologue  # read at each forward: the engine may switch `kernels` to "torch"
@@ -235,11 +285,15 @@ class StaticTarget:
         self.all_rows = torch.arange(batch_size, device=device)
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
-        self.windows = [_sliding_window(layer, target.config.get_text_config()) for layer in self.layers]
+        self.windows = [_sliding_window(config, index) for index in range(len(self.layers))]
+        # the key of each layer's cos/sin in what `_rotary` returns (Gemma-3: its layer type)
+        self.rope_keys = [config.layer_types[i] if self.adapter.rope_by_layer_type else None
+                          for i in range(len(self.layers))]
         params = inspect.signature(self.layers[0].forward).parameters
         self.cache_arg = "cache" if "cache" in params else "past_key_values"
         self._compiled_forward: dict[tuple[str, tuple[tuple[str, Any], ...]], Callable[..., Any]] = {}
-        self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuse_projections else None
+        fuses = fuse_projections and self.adapter.fused_layers
+        self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuses else None
         # Folded into the products' epilogues, the residual adds have nothing left to join.
         self.defer_residual = defer_residual and self.fused is not None and not (self.skinny_matmul == "all" and skinny_fusion)
 
@@ -373,7 +427,8 @@ class StaticTarget:
         captured: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.fused or self.layers):
             cache = _WriteCache(self, index, row_index, positions, kv_len)
-            h, carry, layer_input = run_layer(layer, h, carry, position_embeddings, masks[self.windows[index]], cache)
+            h, carry, layer_input = run_layer(layer, h, carry, position_embeddings[self.rope_keys[index]],
+                                              masks[self.windows[index]], cache)
             if not self.defer_residual:
                 if index in feature_layer_ids:
                     captured[index] = h
@@ -385,11 +440,13 @@ class StaticTarget:
         return output(h, carry, logit_index, tuple(captured[i] for i in feature_layer_ids))
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> tuple[
-            torch.Tensor, torch.Tensor | None, tuple[torch.Tensor, torch.Tensor], dict[int | None, torch.Tensor]]:
-        """(embeddings [n, T, H], what the first layer is handed beside them (`_forward`: a zero pending
-        residual, the embeddings' sums of squares as one share a row, or None), the rotary embedding's cos/sin,
-        the masks of `_masks`)."""
+            torch.Tensor, torch.Tensor | None, RotaryTables, dict[int | None, torch.Tensor]]:
+        """(embeddings [n, T, H] as the model's forward hands them to its first layer, what that layer is handed
+        beside them (`_forward`: a zero pending residual, the embeddings' sums of squares as one share a row, or
+        None), the rotary embedding's cos/sin (`_rotary`), the masks of `_masks`)."""
         h = self.base.embed_tokens(input_ids)
+        if self.adapter.embedding is not None:
+            h = self.adapter.embedding(h, self.config)
         carry = None
         if self.defer_residual:
             carry = torch.zeros_like(h)
@@ -399,7 +456,14 @@ class StaticTarget:
             down = self.layers[0].mlp.down_proj.weight
             sums = h.float().pow(2).sum(-1).reshape(-1, 1)
             carry = F.pad(sums, (0, stats_width(down.shape[0], down.shape[1]) - 1))
-        return h, carry, self.base.rotary_emb(h, positions), self._masks(positions, kv_len)
+        return h, carry, self._rotary(h, positions), self._masks(positions, kv_len)
+
+    def _rotary(self, h: torch.Tensor, positions: torch.Tensor) -> RotaryTables:
+        """The cos/sin each layer gets from the model's forward, by `rope_keys`: one pair for all layers, or one
+        per layer type where the model has a rotary embedding per type (Gemma-3's local and global)."""
+        if not self.adapter.rope_by_layer_type:
+            return {None: self.base.rotary_emb(h, positions)}
+        return {kind: self.base.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.rope_keys)}
 
     def _layer(self, layer: FusedLayer | nn.Module, h: torch.Tensor, carry: torch.Tensor | None,
                position_embeddings: tuple[torch.Tensor, torch.Tensor], mask: torch.Tensor,
@@ -443,6 +507,8 @@ class StaticTarget:
                                              norm_eps=norm_eps(norm))
         else:
             logits = self.lm_head(norm(h))
+        if self.adapter.logits is not None:  # what the causal LM's forward does to its head's output
+            logits = self.adapter.logits(logits, self.config)
         return logits, torch.cat(captured, dim=-1) if captured else None
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
@@ -478,11 +544,11 @@ def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> 
                          f"{free / 2**30:.1f} GiB are free: lower the batch size or the prompt and answer lengths")
 
 
-def _sliding_window(layer: nn.Module, config: Any) -> int | None:
-    """The layer's sliding window as transformers applies it (per-layer attribute, else Mistral's config)."""
-    attn = layer.self_attn
-    if hasattr(attn, "sliding_window"):
-        return attn.sliding_window
-    if getattr(config, "layer_types", None) is None:
+def _sliding_window(config: Any, index: int) -> int | None:
+    """Layer `index`'s sliding window as the model's forward builds its masks: by the config's layer types where
+    it has them (a "sliding_attention" layer gets the config's window), else the config's window for every layer
+    (Mistral, Phi-3). Not the attention module's attribute: EXAONE-4's full layers keep one they do not use."""
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
         return getattr(config, "sliding_window", None)
-    return None
+    return config.sliding_window if layer_types[index] == "sliding_attention" else None

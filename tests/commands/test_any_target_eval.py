@@ -1,6 +1,7 @@
-"""`dflash-train eval` end to end on targets the static runner does not run (experts with a dense first layer,
-sliding windows with soft-capping, latent attention, linear attention): it decodes through the model's own forward and caches, says so
-once, and the drafted output equals the target's own greedy output."""
+"""`dflash-train eval` end to end on targets the static runner does not run (latent attention, linear attention):
+it decodes through the model's own forward and caches, says so once, and the drafted output equals the target's
+own greedy output; and on two it runs through their adapters (experts with a dense first layer; sliding windows
+with soft-capping as the model's own layers), saying nothing."""
 
 from __future__ import annotations
 
@@ -33,4 +34,7 @@ def test_eval_is_lossless_and_says_which_path_ran(name: str, tmp_path: Path, cap
     row = json.loads(out.read_text())["datasets"]["prompts"]
     assert row["lossless"] is True and row["requests"] == 3 and row["new_tokens_with_draft"] > 0
     said = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
-    assert len(said) == 1 and "model's own forward and caches" in said[0]
+    if name in ("glm4_moe", "gemma2"):  # on the static-cache runtime
+        assert said == []
+    else:
+        assert len(said) == 1 and "model's own forward and caches" in said[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from dflash_train.features.capture import capture_features
@@ -10,12 +12,20 @@ from dflash_train.target import TargetModel
 from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target
 from tests.helpers.tiny_targets import build_tiny_target
 
+SHORT_WINDOWS = {"sliding_window": 5}
+# Caps that change a tiny random gemma2's scores and logits (the published 50 and 30 barely touch them).
+SMALL_SOFT_CAPS = {"attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.5}
+OVERRIDES: dict[str, dict[str, Any]] = {
+    "gpt_oss": SHORT_WINDOWS, "gemma2": SHORT_WINDOWS | SMALL_SOFT_CAPS, "gemma3_text": SHORT_WINDOWS,
+    "cohere2": SHORT_WINDOWS, "exaone4": SHORT_WINDOWS,
+}
+
 
 def tiny_target(arch: str) -> TargetModel:
-    """A target of `tests/helpers/tiny_targets.py`; gpt_oss's with windows of 5 and spread sinks (`spread_sinks`),
-    so that both change what 14 tokens attend to."""
-    overrides = {"sliding_window": 5} if arch == "gpt_oss" else {}
-    target = TargetModel(build_tiny_target(arch, 320, seed=1, **overrides), None)
+    """A target of `tests/helpers/tiny_targets.py`; those with sliding layers with windows of 5, gpt_oss's with
+    spread sinks (`spread_sinks`) and gemma2's with small soft-caps, so that each changes what 14 tokens attend
+    to, or the logits."""
+    target = TargetModel(build_tiny_target(arch, 320, seed=1, **OVERRIDES.get(arch, {})), None)
     spread_sinks(target)
     return target
 
@@ -32,9 +42,10 @@ def spread_sinks(target: TargetModel) -> None:
 
 def check_prefill_and_verify(arch: str, kernels: str, device: str = "cpu", fuse_projections: bool = True) -> None:
     """The runner against the model's own forward: prefill of some rows, then a verify block per row at
-    different positions (a sliding window for mistral and gpt_oss). Run with kernels="torch" by the runtime's
-    tests and with kernels="triton" by the kernel's tests (interpreted on CPU). `arch` beyond the
-    tokenizer-backed four: a target of `tests/helpers/tiny_targets.py` (experts, sinks)."""
+    different positions (sliding windows short enough to matter for mistral and `tiny_target`'s). Run with
+    kernels="torch" by the runtime's tests and with kernels="triton" by the kernel's tests (interpreted on CPU).
+    `arch` beyond the tokenizer-backed four: a target of `tests/helpers/tiny_targets.py` (experts, sinks, the
+    architectures whose own layers the runtime runs)."""
     target = make_tiny_target(arch, num_layers=4, seed=1) if arch in TINY_ARCHS else tiny_target(arch)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # short enough to matter on 14 tokens

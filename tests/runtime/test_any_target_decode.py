@@ -1,6 +1,7 @@
-"""Decoding on every architecture users train drafters for: the engine over the target's own forward and
-caches (`runtime/hf_target.py`) where the static runner does not reach, against the target's own greedy
-decoding by Hugging Face `generate` and its own hidden states.
+"""Decoding on every architecture users train drafters for: the engine on the static-cache runtime
+(`runtime/static_target.py`) where it runs the architecture, over the target's own forward and caches
+(`runtime/hf_target.py`) where it does not, against the target's own greedy decoding by Hugging Face `generate`
+and its own hidden states.
 
 Drafts come from the target's greedy continuation with deterministic errors (`OracleEngine`), so cycles accept
 anything from 1 to B tokens and every rollback path (crop, or replay from a copy) is taken."""
@@ -26,6 +27,12 @@ BLOCK = 6
 NEW_TOKENS = 24
 # Replay: a window or a recurrent state cannot be cut back; the rest keep every key and value.
 REPLAYED = set(TINY_TARGET_FAMILIES["sliding"]) | set(TINY_TARGET_FAMILIES["hybrid"])
+# Attention-only architectures whose layers the static runtime runs as the models' own modules, with what their
+# forwards do around them (`runtime/target_adapters.py`): embedding and logit scales, soft-caps, per-type RoPE.
+OWN_LAYERS_ON_THE_STATIC_RUNTIME = ("phi3", "olmo2", "granite", "smollm3", "gemma2", "gemma3_text", "cohere2",
+                                    "exaone4")
+ON_THE_STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
+                         "glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME)
 
 
 def tiny(name: str) -> TargetModel:
@@ -52,16 +59,14 @@ def prompt_of(length: int, seed: int) -> list[int]:
     return torch.randint(3, VOCAB, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.mark.parametrize("name", TINY_TARGETS)
-def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> None:
+def assert_commits_the_targets_greedy_tokens_and_features(target: TargetModel,
+                                                          runner: StaticTarget | HFCacheTarget) -> None:
     """Blocks whose first a drafts are right: the runner's argmax at slots 0..a is the greedy continuation and
     its features there are the model's hidden states, however far the previous block reached past them."""
-    target = tiny(name)
     prompt = prompt_of(20, 0)
     tokens = prompt + greedy(target, prompt, 30)
     full = target.model(torch.tensor([tokens]), output_hidden_states=True).hidden_states
     layer_ids = [1, 2]
-    runner = HFCacheTarget(target, 1, 128)
     first = runner.forward(torch.tensor([prompt]), torch.arange(20)[None], feature_layer_ids=layer_ids)
     assert int(first.logits[0, -1].argmax()) == tokens[20]
     gen, p = torch.Generator().manual_seed(1), 20
@@ -74,7 +79,24 @@ def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> Non
         expected = torch.cat([full[i + 1][0, p: p + accepted + 1] for i in layer_ids], dim=-1)
         torch.testing.assert_close(out.features[0, : accepted + 1], expected, atol=1e-4, rtol=1e-4)
         p += accepted + 1
+
+
+@pytest.mark.parametrize("name", TINY_TARGETS)
+def test_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> None:
+    """The model's own forward and caches, on every architecture: each rollback (crop, replay) is exact."""
+    target = tiny(name)
+    runner = HFCacheTarget(target, 1, 128)
+    assert_commits_the_targets_greedy_tokens_and_features(target, runner)
     assert runner.rollback == ("replay" if name in REPLAYED else "crop")
+
+
+@pytest.mark.parametrize("name", ON_THE_STATIC_RUNTIME)
+def test_static_runner_commits_the_targets_greedy_tokens_and_features(name: str) -> None:
+    """The same on the static-cache runtime (PyTorch kernels), on every architecture it runs: sliding windows
+    shorter than the sequence, stale slots past the accepted drafts overwritten by the next block."""
+    target = tiny(name)
+    assert supports(target)
+    assert_commits_the_targets_greedy_tokens_and_features(target, StaticTarget(target, 1, 128))
 
 
 def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, kernels: str = "torch",
@@ -95,7 +117,7 @@ def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, ker
     return engine
 
 
-@pytest.mark.parametrize("name", ["glm4_moe", "gemma2", "cohere2", "deepseek_v3", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_next", "lfm2"])
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
     target = tiny(name)
@@ -114,6 +136,18 @@ def test_the_static_runtime_runs_mixture_of_experts_targets_losslessly(name: str
     assert supports(target)
     engine = assert_oracle_decoding_is_lossless(target, batch_size)
     assert not isinstance(engine.runner, HFCacheTarget)
+    assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME])
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_the_static_runtime_runs_attention_only_targets_losslessly(name: str, batch_size: int) -> None:
+    """The engine picks the static runner (`make_runner`) for them; decoding equals HF `generate` through cycles
+    that accept 1 to B tokens, rows at different positions, and the runner's logits match the model's forward."""
+    target = tiny(name)
+    engine = assert_oracle_decoding_is_lossless(target, batch_size)
+    assert isinstance(engine.runner, StaticTarget)
+    assert (engine.runner.fused is not None) == (name == "glm4_moe")  # the Llama family's layer, experts beside
     assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
 
 
@@ -141,11 +175,13 @@ def test_gpt_oss_decodes_losslessly_with_its_sinks_on_the_attention_kernel() -> 
 @pytest.mark.parametrize("name", ["gemma2", "lfm2"])
 def test_target_alone_with_rows_that_finish_and_refill(name: str) -> None:
     """One token a step, no copies taken: rows that finish early step in place until refilled, which takes a
-    token back from a cache that cannot be cut."""
+    token back from a cache that cannot be cut (a sliding window, gemma2's on its own forward here: the engine
+    would take the static runtime for it, or a recurrent state)."""
     target = tiny(name)
     batch = [prompt_of(9, 1), prompt_of(14, 2), prompt_of(6, 3)]
     config = EngineConfig(batch_size=2, block_size=1, max_new_tokens=12, max_length=64, kernels="torch")
-    outputs, _ = DecodeEngine(target, None, config).generate(batch)
+    runner = HFCacheTarget(target, config.batch_size, config.max_length)
+    outputs, _ = DecodeEngine(target, None, config, runner=runner).generate(batch)
     assert [output.tokens for output in outputs] == [greedy(target, p, 12) for p in batch]
 
 
@@ -161,10 +197,26 @@ def test_a_random_drafter_decodes_a_hybrid_target_losslessly() -> None:
 def test_the_fallback_is_said_once_per_architecture(caplog: pytest.LogCaptureFixture,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_module, "_announced", set())
-    target = tiny("glm4_moe")
+    target = tiny("deepseek_v3")
     config = EngineConfig(batch_size=1, block_size=4, max_new_tokens=4, max_length=32, kernels="torch")
     with caplog.at_level("WARNING"):
         make_runner(target, config, "torch")
         make_runner(target, config, "torch")
     said = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
-    assert len(said) == 1 and "'glm4_moe'" in said[0]
+    assert len(said) == 1 and "'deepseek_v3'" in said[0]
+
+
+@pytest.mark.parametrize(("name", "overrides", "why"), [
+    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+     "the step's longest position"),
+    ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional"),
+])
+def test_targets_the_static_runtime_cannot_run_exactly_stay_on_their_own_forward(
+        name: str, overrides: dict[str, object], why: str) -> None:
+    """A rope whose frequencies follow the forward's longest position would give a row of a batched step other
+    positions' RoPE than it has decoded alone; bidirectional attention has no causal decode at all."""
+    target = TargetModel(build_tiny_target(name, VOCAB, **overrides), None)
+    config = EngineConfig(batch_size=1, block_size=4, max_new_tokens=4, max_length=32, kernels="torch")
+    assert not supports(target) and isinstance(make_runner(target, config, "torch"), HFCacheTarget)
+    with pytest.raises(ValueError, match=why):
+        StaticTarget(target, 1, 32)

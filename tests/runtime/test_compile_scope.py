@@ -109,6 +109,21 @@ def test_layers_with_other_windows_share_the_code_too(compiles: CompileCounterWi
     assert compiles.frame_count == REGIONS
 
 
+@pytest.mark.parametrize(("arch", "graphs"), [("gemma3_text", REGIONS), ("cohere2", REGIONS + 1)])
+def test_models_own_layers_compile_one_code_per_layer_type_at_most(
+        compiles: CompileCounterWithBackend, arch: str, graphs: int) -> None:
+    """A model's own layers share one code when their types differ only in what the loop hands them (gemma3_text:
+    the mask, and the cos/sin of its local or global rotary embedding), and get one code per type where their
+    forward branches on it (cohere2: RoPE on sliding layers only), never one per layer."""
+    from tests.helpers.static_target import tiny_target
+
+    target = tiny_target(arch)
+    assert StaticTarget(target, batch_size=1, max_length=8).windows == [5, 5, 5, None]
+    with torch._dynamo.config.patch(error_on_recompile=graphs == REGIONS):
+        assert_same_forwards(target, fuse_projections=True, atol=1e-5)
+    assert compiles.frame_count == graphs
+
+
 def drafter_hidden(target: TargetModel, scope: str | None) -> list[torch.Tensor]:
     """A drafter's context written from random features, then its hidden states for two blocks of 4 at
     per-row positions, compiled in `scope` (None: eager)."""

@@ -18,6 +18,17 @@ def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: 
     check_prefill_and_verify(arch, kernels="torch", fuse_projections=fuse_projections)
 
 
+OWN_LAYERS = ("phi3", "olmo2", "granite", "smollm3", "glm4_moe", "gemma2", "gemma3_text", "cohere2", "exaone4")
+
+
+@pytest.mark.parametrize("arch", OWN_LAYERS)
+def test_prefill_and_verify_match_the_full_forward_on_more_architectures(arch: str) -> None:
+    """The same on the architectures added by their adapters (`runtime/target_adapters.py`): the models' own
+    layers (glm4_moe's fused), embedding and logit scales, soft-caps, Gemma-3's rotary embedding per layer type,
+    windows of 5 on the sliding layers."""
+    check_prefill_and_verify(arch, kernels="torch")
+
+
 def test_sliding_window_is_applied() -> None:
     """The window changes the logits, and the runner follows it (else the test above could pass vacuously)."""
     target = make_tiny_target("mistral", num_layers=2, seed=1)
@@ -165,3 +176,73 @@ def test_gpt_oss_hands_its_sinks_and_windows_to_the_attention_kernel(monkeypatch
         assert bounds.dtype == torch.int32 and (window == 5) == bool((bounds[:, 0] > 0).any())
     # the verify block's third layer (sliding): positions 8..13 see from 4..9 on
     assert torch.equal(calls[-2][1][0, 0], torch.arange(4, 10, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3_text", "cohere2", "exaone4", "granite"])
+def test_own_layers_reach_the_attention_kernel_unless_it_lacks_what_they_ask(arch: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """With kernels="triton", the decode and verify attention of the models' own layers goes to the split-key
+    kernel (replaced here by the brute-force reference, which records what it was given) with each layer's window
+    and scale (Granite's attention multiplier); gemma2's soft-capped scores, which the kernel does not compute, go
+    to the PyTorch path instead. The logits stay the model's own either way."""
+    from dflash_train.kernels.static_attention import static_attention_reference
+    from dflash_train.runtime import static_target
+    from tests.helpers.static_target import tiny_target
+
+    calls: list[tuple[torch.Tensor, float]] = []
+
+    def recording(q, k, v, bounds, scale, prefetch=None, counters=None, sinks=None):  # noqa: ANN001, ANN202 (the kernel's)
+        calls.append((bounds, scale))
+        return static_attention_reference(q, k, v, bounds, scale, sinks)
+
+    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    target = tiny_target(arch)
+    ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = target.model(ids).logits[0]
+    runner = StaticTarget(target, batch_size=1, max_length=32, kernels="triton")
+    runner.forward(ids[:, :8], torch.arange(8)[None], kv_len=8)
+    out = runner.forward(ids[:, 8:], torch.arange(8, 14)[None])  # a verify block of 6
+    torch.testing.assert_close(out.logits[0], reference[8:], atol=1e-5, rtol=1e-4)
+    layers = target.decoder_layers
+    if arch == "gemma2":
+        assert calls == []
+        return
+    assert len(calls) == 2 * len(layers)
+    for (bounds, scale), layer, window in zip(calls, [*layers, *layers], runner.windows * 2, strict=True):
+        assert bounds.dtype == torch.int32 and (window == 5) == bool((bounds[:, 0] > 0).any())
+        assert scale == layer.self_attn.scaling
+    assert runner.windows.count(5) == (0 if arch == "granite" else 3)  # S S S F: the windows were checked
+
+
+def test_the_attention_refuses_what_it_does_not_implement() -> None:
+    """A keyword argument a layer hands the attention that it would otherwise drop is an error, not ignored."""
+    from dflash_train.runtime.static_target import static_attention
+
+    q, kv = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 3, 16)
+    mask = torch.ones(1, 1, 3, 3, dtype=torch.bool).tril()
+    out, _ = static_attention(torch.nn.Module(), q, kv, kv, mask, sliding_window=4096, position_ids=None)
+    assert out.shape == (1, 3, 4, 16)
+    with pytest.raises(ValueError, match="does not implement chunk_size"):
+        static_attention(torch.nn.Module(), q, kv, kv, mask, chunk_size=8)
+
+
+def test_soft_capped_attention_on_bounds_equals_the_mask() -> None:
+    """The Triton path's bounds, for a layer whose scores are soft-capped, become the mask of the same slots: the
+    PyTorch path then gives what it gives with the mask, which is the capped softmax over those slots."""
+    from dflash_train.kernels.static_attention import bounds_from_positions
+    from dflash_train.runtime.static_target import static_attention
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = torch.randn(2, 4, 3, 16, generator=gen), torch.randn(2, 2, 10, 16, generator=gen), torch.randn(
+        2, 2, 10, 16, generator=gen)
+    positions = torch.tensor([[4, 5, 6], [7, 8, 9]])
+    bounds = bounds_from_positions(positions, 3)
+    slots = torch.arange(10)
+    mask = ((slots <= positions[..., None]) & (slots > positions[..., None] - 3))[:, None]
+    on_bounds, _ = static_attention(torch.nn.Module(), q, k, v, bounds, scaling=0.5, softcap=0.3)
+    on_mask, _ = static_attention(torch.nn.Module(), q, k, v, mask, scaling=0.5, softcap=0.3)
+    torch.testing.assert_close(on_bounds, on_mask)
+    scores = 0.3 * torch.tanh(q @ k.repeat_interleave(2, dim=1).transpose(-1, -2) * 0.5 / 0.3)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1)
+    torch.testing.assert_close(on_mask, (weights @ v.repeat_interleave(2, dim=1)).transpose(1, 2))

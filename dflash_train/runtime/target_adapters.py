@@ -1,0 +1,113 @@
+"""What the static-cache runtime does differently for each architecture it runs (`static_target.py`).
+
+The runtime runs every decoder layer as the model's own module, with our attention function and a cache that
+writes at positions, or, for the Llama family's layer, as `FusedLayer` (fused projections, Triton prologue).
+Most of what differs between architectures happens inside their layers (norms after attention, NoPE layers,
+RoPE on some layers only, soft-capped attention scores) and so comes with the module; the rest is done by the
+model's own forward around the layers, and is what an adapter here says:
+
+- `fused_layers`: whether `FusedLayer` computes the layer exactly (pre-attention and pre-MLP RMSNorms, separate
+  q/k/v projections, optional q/k RMSNorms over each head, a SwiGLU MLP or an experts block); else the
+  model's own layer runs;
+- `embedding`: what the model's forward does to the embeddings (Granite's multiplier; Gemma's sqrt(hidden)
+  lives in its embedding module, so it needs nothing here);
+- `logits`: what the causal LM's forward does to the output projection (Gemma's tanh soft-cap, Cohere's scale,
+  Granite's division);
+- `rope_by_layer_type`: the rotary embedding gives one cos/sin per layer type (Gemma-3's local and global).
+
+The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
+`static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+
+Transform = Callable[[torch.Tensor, Any], torch.Tensor]  # (tensor, text config) -> tensor
+
+
+def multiplied_by(field: str, x: torch.Tensor, config: Any) -> torch.Tensor:
+    return x * getattr(config, field)
+
+
+def divided_by(field: str, x: torch.Tensor, config: Any) -> torch.Tensor:
+    return x / getattr(config, field)
+
+
+def soft_capped(field: str, x: torch.Tensor, config: Any) -> torch.Tensor:
+    """cap * tanh(x / cap) in the model's own order of operations; no cap configured: x."""
+    cap = getattr(config, field, None)
+    return x if cap is None else torch.tanh(x / cap) * cap
+
+
+def _runs_any(config: Any) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class TargetAdapter:
+    """One architecture's differences outside its decoder layers (module docstring)."""
+
+    fused_layers: bool = False
+    embedding: Transform | None = None
+    logits: Transform | None = None
+    rope_by_layer_type: bool = False
+    refuse: Callable[[Any], str | None] = _runs_any  # why a config of this type cannot run exactly, or None
+
+
+LLAMA_FAMILY = TargetAdapter(fused_layers=True)
+# The model's own layers: their norms, residual scales, RoPE choices and projections are not FusedLayer's.
+OWN_LAYERS = TargetAdapter()
+
+
+def _bidirectional(config: Any) -> str | None:
+    return "its attention is bidirectional" if getattr(config, "use_bidirectional_attention", False) else None
+
+
+ADAPTERS: dict[str, TargetAdapter] = {
+    "llama": LLAMA_FAMILY,
+    "mistral": LLAMA_FAMILY,
+    "qwen2": LLAMA_FAMILY,
+    "qwen3": LLAMA_FAMILY,
+    "qwen3_moe": LLAMA_FAMILY,
+    "mixtral": LLAMA_FAMILY,
+    "gpt_oss": LLAMA_FAMILY,  # sinks read off the attention module, half-width RoPE by the module's own function
+    "glm4_moe": LLAMA_FAMILY,  # q/k norms per head where configured, partial RoPE by the module's own function
+    "phi3": OWN_LAYERS,  # q/k/v and gate/up are one product each already (qkv_proj, gate_up_proj)
+    "olmo2": OWN_LAYERS,  # norms after attention and MLP, q/k norms over all heads at once
+    "smollm3": OWN_LAYERS,  # NoPE layers: the attention module itself leaves RoPE out
+    "exaone4": OWN_LAYERS,  # norms after attention and MLP; RoPE on sliding layers only
+    "granite": TargetAdapter(embedding=partial(multiplied_by, "embedding_multiplier"),
+                             logits=partial(divided_by, "logits_scaling")),  # residual, attention scales in-layer
+    "cohere2": TargetAdapter(logits=partial(multiplied_by, "logit_scale")),  # parallel block, one LayerNorm
+    "gemma2": TargetAdapter(logits=partial(soft_capped, "final_logit_softcapping")),
+    "gemma3_text": TargetAdapter(logits=partial(soft_capped, "final_logit_softcapping"), rope_by_layer_type=True,
+                                 refuse=_bidirectional),
+}
+
+# Rope types whose frequencies follow the longest position of the forward: in a batched step one row's RoPE
+# would depend on how far the other rows are, unlike the same row decoded alone.
+POSITION_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def refusal(model_type: str, config: Any) -> str | None:
+    """Why the static runtime cannot run this text config exactly, or None."""
+    adapter = ADAPTERS.get(model_type)
+    if adapter is None:
+        return f"it has no adapter for {model_type!r} targets"
+    if any(kind in POSITION_DEPENDENT_ROPE for kind in rope_types(config)):
+        return "its rope's frequencies depend on the step's longest position"
+    return adapter.refuse(config)
+
+
+def rope_types(config: Any) -> list[str]:
+    """The rope types of a config: one, or one per layer type (Gemma-3's `rope_parameters` by layer type)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    if "rope_type" in parameters:
+        return [parameters["rope_type"]]
+    return [p["rope_type"] for p in parameters.values() if isinstance(p, dict) and "rope_type" in p]
