@@ -13,7 +13,9 @@ model's own forward around the layers, and is what an adapter here says:
   lives in its embedding module, so it needs nothing here);
 - `logits`: what the causal LM's forward does to the output projection (Gemma's tanh soft-cap, Cohere's scale,
   Granite's division);
-- `rope_by_layer_type`: the rotary embedding gives one cos/sin per layer type (Gemma-3's local and global).
+- `rope_by_layer_type`: the rotary embedding gives one cos/sin per layer type (Gemma-3's local and global);
+- `refuse`, `min_transformers_major`: configs or transformers versions the adapter does not match, which stay on
+  the model's own forward and caches (`hf_target.py`).
 
 The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
 `static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
@@ -27,6 +29,9 @@ from functools import partial
 from typing import Any
 
 import torch
+import transformers
+
+TRANSFORMERS_MAJOR = int(transformers.__version__.split(".")[0])
 
 Transform = Callable[[torch.Tensor, Any], torch.Tensor]  # (tensor, text config) -> tensor
 
@@ -58,11 +63,18 @@ class TargetAdapter:
     logits: Transform | None = None
     rope_by_layer_type: bool = False
     refuse: Callable[[Any], str | None] = _runs_any  # why a config of this type cannot run exactly, or None
+    # The oldest transformers major version whose modeling code the adapter matches: before 5, Gemma-2 scaled its
+    # embeddings in the model's forward and Gemma-3's layers took a global and a local cos/sin.
+    min_transformers_major: int = 4
 
 
 LLAMA_FAMILY = TargetAdapter(fused_layers=True)
-# The model's own layers: their norms, residual scales, RoPE choices and projections are not FusedLayer's.
-OWN_LAYERS = TargetAdapter()
+
+
+def own_layers(**differences: Any) -> TargetAdapter:
+    """The model's own layers (their norms, residual scales, RoPE choices and projections are not FusedLayer's),
+    as transformers 5 writes them."""
+    return TargetAdapter(min_transformers_major=5, **differences)
 
 
 def _bidirectional(config: Any) -> str | None:
@@ -77,17 +89,18 @@ ADAPTERS: dict[str, TargetAdapter] = {
     "qwen3_moe": LLAMA_FAMILY,
     "mixtral": LLAMA_FAMILY,
     "gpt_oss": LLAMA_FAMILY,  # sinks read off the attention module, half-width RoPE by the module's own function
-    "glm4_moe": LLAMA_FAMILY,  # q/k norms per head where configured, partial RoPE by the module's own function
-    "phi3": OWN_LAYERS,  # q/k/v and gate/up are one product each already (qkv_proj, gate_up_proj)
-    "olmo2": OWN_LAYERS,  # norms after attention and MLP, q/k norms over all heads at once
-    "smollm3": OWN_LAYERS,  # NoPE layers: the attention module itself leaves RoPE out
-    "exaone4": OWN_LAYERS,  # norms after attention and MLP; RoPE on sliding layers only
-    "granite": TargetAdapter(embedding=partial(multiplied_by, "embedding_multiplier"),
-                             logits=partial(divided_by, "logits_scaling")),  # residual, attention scales in-layer
-    "cohere2": TargetAdapter(logits=partial(multiplied_by, "logit_scale")),  # parallel block, one LayerNorm
-    "gemma2": TargetAdapter(logits=partial(soft_capped, "final_logit_softcapping")),
-    "gemma3_text": TargetAdapter(logits=partial(soft_capped, "final_logit_softcapping"), rope_by_layer_type=True,
-                                 refuse=_bidirectional),
+    # q/k norms per head where configured, partial RoPE by the module's own function
+    "glm4_moe": TargetAdapter(fused_layers=True, min_transformers_major=5),
+    "phi3": own_layers(),  # q/k/v and gate/up are one product each already (qkv_proj, gate_up_proj)
+    "olmo2": own_layers(),  # norms after attention and MLP, q/k norms over all heads at once
+    "smollm3": own_layers(),  # NoPE layers: the attention module itself leaves RoPE out
+    "exaone4": own_layers(),  # norms after attention and MLP; RoPE on sliding layers only
+    "granite": own_layers(embedding=partial(multiplied_by, "embedding_multiplier"),
+                          logits=partial(divided_by, "logits_scaling")),  # residual, attention scales in-layer
+    "cohere2": own_layers(logits=partial(multiplied_by, "logit_scale")),  # parallel block, one LayerNorm
+    "gemma2": own_layers(logits=partial(soft_capped, "final_logit_softcapping")),  # capped scores: in-layer
+    "gemma3_text": own_layers(logits=partial(soft_capped, "final_logit_softcapping"), rope_by_layer_type=True,
+                              refuse=_bidirectional),
 }
 
 # Rope types whose frequencies follow the longest position of the forward: in a batched step one row's RoPE
@@ -100,14 +113,16 @@ def refusal(model_type: str, config: Any) -> str | None:
     adapter = ADAPTERS.get(model_type)
     if adapter is None:
         return f"it has no adapter for {model_type!r} targets"
+    if adapter.min_transformers_major > TRANSFORMERS_MAJOR:
+        return f"its adapter follows transformers {adapter.min_transformers_major}'s modeling code"
     if any(kind in POSITION_DEPENDENT_ROPE for kind in rope_types(config)):
         return "its rope's frequencies depend on the step's longest position"
     return adapter.refuse(config)
 
 
 def rope_types(config: Any) -> list[str]:
-    """The rope types of a config: one, or one per layer type (Gemma-3's `rope_parameters` by layer type)."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    if "rope_type" in parameters:
-        return [parameters["rope_type"]]
-    return [p["rope_type"] for p in parameters.values() if isinstance(p, dict) and "rope_type" in p]
+    """The rope types of a config: one, or one per layer type (Gemma-3's `rope_parameters` by layer type);
+    transformers 4 kept them in `rope_scaling`, as "rope_type" or "type"."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    tables = [parameters, *(p for p in parameters.values() if isinstance(p, dict))]
+    return [kind for table in tables if (kind := table.get("rope_type", table.get("type"))) is not None]

@@ -1,8 +1,8 @@
 """The README's pipeline, its commands and flags unchanged but for sizes, on a tiny random target of each family
 the package claims to train drafters for: experts on the static-cache runtime (qwen3_moe), sliding windows with
-attention sinks, experts and YaRN through the model's own forward and caches (gpt_oss), latent attention with
-experts (deepseek_v3) and hybrid linear attention (qwen3_5), and every other architecture of the matrix, all in
-the fast tier (a few seconds each).
+attention sinks, experts and YaRN on it too (gpt_oss), latent attention with experts (deepseek_v3) and hybrid
+linear attention (qwen3_5) through the model's own forward and caches, and every other architecture of the
+matrix, all in the fast tier (a few seconds each).
 
 For each, in-process, every stage reading what the one before it wrote: `inspect` names the layer mix;
 `regenerate` has the target answer a few chat prompts; `prepare` tokenises the answers; `train` (the CPU recipe)

@@ -220,3 +220,12 @@ def test_targets_the_static_runtime_cannot_run_exactly_stay_on_their_own_forward
     assert not supports(target) and isinstance(make_runner(target, config, "torch"), HFCacheTarget)
     with pytest.raises(ValueError, match=why):
         StaticTarget(target, 1, 32)
+
+
+def test_adapters_written_for_transformers_5_refuse_older_modeling_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before transformers 5, Gemma-2 scaled its embeddings in the model's forward and Gemma-3's layers took two
+    cos/sin pairs: the adapters of the models' own layers say which code they follow, and older code falls back."""
+    from dflash_train.runtime import target_adapters
+
+    monkeypatch.setattr(target_adapters, "TRANSFORMERS_MAJOR", 4)
+    assert not supports(tiny("gemma2")) and not supports(tiny("glm4_moe")) and supports(tiny("llama"))
