@@ -41,7 +41,8 @@ from dflash_train.target import TargetModel
 from tests.helpers.decoding import make_draft, own_greedy
 from tests.helpers.kernels import DEVICE, IN_PROCESS, kernels_here, under_interpreter
 from tests.helpers.paths import REPO
-from tests.helpers.tiny_models import make_tiny_target, save_tiny_target_dir
+from tests.helpers.static_target import tiny_target
+from tests.helpers.tiny_models import TINY_ARCHS, make_tiny_target, save_tiny_target_dir
 
 BLOCK, NEW = 8, 40
 
@@ -215,8 +216,9 @@ def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: 
                                                **runner_options: Any) -> None:
     """Row 0 reaches the same 24 positions one token per pass (the baseline) and in uneven strides (a drafted
     run), while the other rows hold other tokens and move differently: the same bits at every position.
-    `runner_options`: the static target's, beside its defaults."""
-    target = make_tiny_target(arch, num_layers=6, seed=1)
+    `runner_options`: the static target's, beside its defaults. `arch` beyond the tokenizer-backed four: a target
+    of `tests/helpers/static_target.tiny_target` (the models' own layers, windows of 5)."""
+    target = make_tiny_target(arch, num_layers=6, seed=1) if arch in TINY_ARCHS else tiny_target(arch)
     if arch == "mistral":
         target.model.config.sliding_window = 5  # windows start mid-block, and mid key tile
     bf16 = bf16_copy(target, device)
@@ -233,7 +235,7 @@ def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: 
         assert torch.equal(logits, results[1][position]), position
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2"])
 def test_rows_depend_on_the_launch_shape_only(arch: str) -> None:
     check_rows_depend_on_the_launch_shape_only(arch, "cpu", "torch", compiled=False)
 
@@ -401,9 +403,10 @@ def needs_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "gemma3_text", "cohere2", "granite"])
 def test_gpu_rows_depend_on_the_launch_shape_only(arch: str) -> None:
-    """Triton attention and fused prologue, the target forward compiled as in the decode cycle."""
+    """Triton attention and fused prologue, the target forward compiled as in the decode cycle; the models' own
+    layers on the attention kernel too, gemma2's soft-capped scores on the PyTorch path."""
     needs_cuda()
     check_rows_depend_on_the_launch_shape_only(arch, "cuda", "triton", compiled=True)
 
@@ -419,12 +422,13 @@ def test_gpu_rows_depend_on_the_launch_shape_only_with_carried_norm_statistics(a
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_gpu_drafted_bf16_output_equals_the_verify_shaped_baseline(arch: str, batch_size: int) -> None:
-    """Triton kernels, torch.compile and CUDA graphs, both engines on one runner as in the evaluation."""
+    """Triton kernels, torch.compile and CUDA graphs, both engines on one runner as in the evaluation; gemma2 and
+    cohere2 with the models' own layers (`tests/helpers/static_target.tiny_target`)."""
     needs_cuda()
-    fp32 = make_tiny_target(arch, num_layers=6, seed=1)
+    fp32 = make_tiny_target(arch, num_layers=6, seed=1) if arch in TINY_ARCHS else tiny_target(arch)
     if arch == "mistral":
         fp32.model.config.sliding_window = 5
     bf16 = bf16_copy(fp32, "cuda")
