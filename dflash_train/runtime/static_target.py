@@ -260,7 +260,7 @@ class StaticTarget:
         if kernels not in ("torch", "triton"):
             raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
         _register_attention()
-        self.target, self.base, self.config = target, target.model.get_decoder(), config
+        self.target, self.base, self.text_config = target, target.model.get_decoder(), config
         self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
         self.layers = target.decoder_layers
         attn = self.layers[0].self_attn
@@ -446,7 +446,7 @@ class StaticTarget:
         None), the rotary embedding's cos/sin (`_rotary`), the masks of `_masks`)."""
         h = self.base.embed_tokens(input_ids)
         if self.adapter.embedding is not None:
-            h = self.adapter.embedding(h, self.config)
+            h = self.adapter.embedding(h, self.text_config)
         carry = None
         if self.defer_residual:
             carry = torch.zeros_like(h)
@@ -508,7 +508,7 @@ class StaticTarget:
         else:
             logits = self.lm_head(norm(h))
         if self.adapter.logits is not None:  # what the causal LM's forward does to its head's output
-            logits = self.adapter.logits(logits, self.config)
+            logits = self.adapter.logits(logits, self.text_config)
         return logits, torch.cat(captured, dim=-1) if captured else None
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
