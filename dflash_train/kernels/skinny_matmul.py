@@ -98,6 +98,9 @@ CONFIGS: dict[tuple[int, int], Config] = {
     # lm_head. Its norm pass (the fused path's NORM) in wide tiles, 4 in flight: far cheaper than in the
     # product's own tiles of 128 (docs/benchmarks.md, 'The norm pass's own tiling').
     (151936, 4096): Config(128, 128, 8, 4, norm_k=1024, norm_stages=4),
+    # Qwen3-30B-A3B's attention products (its experts run on kernels/decode_experts.py), swept on an H100.
+    (5120, 2048): Config(64, 256, 4, 4),  # q/k/v
+    (2048, 4096): Config(16, 512, 2, 4),  # o_proj
 }
 # The GPU architecture CONFIGS was swept on (sm_90: H100, H200). There its shapes run on this kernel by
 # default (`tuned_shapes`); elsewhere, and for other shapes, cuBLAS does unless the kernel is asked for.
