@@ -1,6 +1,7 @@
 """The exported remote code's `spec_generate` on targets whose caches cannot all be cut back (sliding windows,
 sinks, linear attention, convolutions, Mamba) and on experts and latent attention: the target's own greedy
-output, and the same cycles as our engine with the same drafter (so the same drafts)."""
+output, and the same cycles as our engine with the same drafter (so the same drafts), for every architecture
+of the matrix (tests/helpers/tiny_targets.py)."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ from dflash_train.checkpoint import load_draft
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.target import TargetModel
 from tests.helpers.checkpoints import export_tiny, load_remote, reference_greedy
-from tests.helpers.tiny_targets import build_tiny_target
+from tests.helpers.tiny_targets import TINY_TARGETS, build_tiny_target
 
 NEW_TOKENS = 20
 
 
-@pytest.mark.parametrize("name", ["gemma2", "gpt_oss", "qwen3_moe", "deepseek_v3", "qwen3_next", "lfm2"])
+@pytest.mark.parametrize("name", TINY_TARGETS)
 def test_remote_spec_generate_is_lossless_with_our_cycles(name: str, tmp_path: Path) -> None:
     target = TargetModel(build_tiny_target(name, 320), None)
     out = export_tiny(tmp_path, target, block_size=4, target_layer_ids=[1, 2])
