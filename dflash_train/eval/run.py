@@ -210,7 +210,11 @@ class Evaluator:
         allocator; timed apart as warm_up/<name>, since compiling may well take longer than the decoding."""
         with self.phases.phase(f"warm_up/{name}"):
             engine.prepare()
-            engine.generate([first.ids])
+            # A whole first request warms what compiles or is captured per shape (GPU: each prefill length's
+            # graphs, the allocator). An eager CPU engine has nothing of the kind, and decoding the request
+            # there took as long as a tenth of a short eval.
+            if engine.device.type == "cuda" or engine.uses_compile:
+                engine.generate([first.ids])
 
     def _requests(self, prompt_set: PromptSet, histories: list[list[dict[str, str]]], alive: list[int],
                   turn: int) -> tuple[list[Request], int]:

@@ -1,9 +1,10 @@
 """The evaluator's per-dataset summary: divergences from the lossless check's output counted and located,
-and no lossless claim where no check ran."""
+and no lossless claim where no check ran; what its warm-up decodes."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.run import EvalSettings, Evaluator, PassTotals, Request
@@ -50,3 +51,30 @@ def test_no_check_no_claim() -> None:
     row = evaluator(lossless_check=False)._summarise(PromptSet("x", [Conversation(["a"])], "test"), done, totals, 0)
     assert row["lossless"] is None and row["lossless_requests"] is None and row["mismatches"] == []
     assert row["decode_seconds_lossless_check"] is None and lossless_mark(row) == "n/a"
+
+
+class _CountingEngine:
+    """What `_warm_up` reads of an engine, counting the requests it decodes."""
+
+    def __init__(self, device: str, uses_compile: bool) -> None:
+        self.device, self.uses_compile = torch.device(device), uses_compile
+        self.prepared, self.decoded = 0, []
+
+    def prepare(self) -> None:
+        self.prepared += 1
+
+    def generate(self, prompts: list[list[int]]) -> None:
+        self.decoded.extend(prompts)
+
+
+@pytest.mark.parametrize(("device", "uses_compile", "decodes"),
+                         [("cpu", False, False), ("cpu", True, True), ("cuda", False, True)])
+def test_warm_up_decodes_the_first_request_only_where_something_compiles(
+        device: str, uses_compile: bool, decodes: bool) -> None:
+    """An eager CPU engine is prepared and nothing more; a compiled one, or any CUDA engine (its graphs are
+    captured per shape), decodes the first request too."""
+    engine = _CountingEngine(device, uses_compile)
+    first = Request(0, 0, [], [1, 2, 3])
+    evaluator()._warm_up(engine, first, "dflash")  # type: ignore[arg-type]
+    assert engine.prepared == 1
+    assert engine.decoded == ([[1, 2, 3]] if decodes else [])
