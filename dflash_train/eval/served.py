@@ -242,13 +242,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def temperatures(text: str) -> list[float]:
-    """`--temperature`'s value: distinct temperatures >= 0, in the order given."""
+    """`--temperature`'s value: distinct finite temperatures >= 0, in the order given. (`dflash-train eval`
+    parses its own with `commands.data_args.temperature_list`, which this package may not import.)"""
     try:
         values = [float(part) for part in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a temperature or a comma-separated list of them") from None
-    if any(value < 0 for value in values) or len(set(values)) != len(values):
-        raise argparse.ArgumentTypeError(f"{text!r}: temperatures must be >= 0 and distinct")
+    if not all(0.0 <= value < float("inf") for value in values) or len(set(values)) != len(values):
+        raise argparse.ArgumentTypeError(f"{text!r}: temperatures must be finite, >= 0 and distinct")
     return values
 
 

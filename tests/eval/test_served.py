@@ -128,7 +128,7 @@ def test_a_temperature_sweep_measures_every_set_at_each_with_seeded_draws(
     assert "| prompts | 0 | 3 |" in table and "| prompts | 0.7 | 3 |" in table
 
 
-@pytest.mark.parametrize("value", ["hot", "-1", "0,0"])
+@pytest.mark.parametrize("value", ["hot", "-1", "0,0", "inf", "nan"])
 def test_a_bad_temperature_is_a_one_line_usage_error(value: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         served.main(["--url", "http://127.0.0.1:1", "--temperature", value])
