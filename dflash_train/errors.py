@@ -22,6 +22,26 @@ def first_line(error: BaseException) -> str:
     return text.splitlines()[0] if text else type(error).__name__
 
 
+def found_in_chain(error: BaseException, kinds: tuple[type[BaseException], ...]) -> BaseException | None:
+    """The first exception of ``kinds`` in ``error`` or the exceptions it was raised from or while handling
+    (``__cause__``, ``__context__``), or None. Compilers wrap whatever interrupts them (Triton's
+    CompilationError, torch.compile's BackendCompilerFailed), so a Ctrl-C or a signal raised as an exception
+    can reach a command as another error's cause; a suppressed context (``raise ... from None``) still counts,
+    as it is still what happened."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [error]
+    while pending:
+        current = pending.pop()
+        if id(current) in seen:  # chains can loop (an error re-raised while handling its own cause)
+            continue
+        seen.add(id(current))
+        if isinstance(current, kinds):
+            return current
+        # The cause goes on top, so that it is looked at before the context.
+        pending.extend(link for link in (current.__context__, current.__cause__) if link is not None)
+    return None
+
+
 def os_error_message(error: OSError) -> str | None:
     """A file the user named or a folder the command writes that cannot be used (missing, not allowed, a folder
     where a file was expected): one line naming it. None for OS errors without a path (those are bugs)."""

@@ -54,6 +54,7 @@ from dflash_train.commands.data_args import (
 )
 from dflash_train.data.chat import ChatTokenizer
 from dflash_train.data.target_tokenizer import load_target_tokenizer
+from dflash_train.errors import found_in_chain
 from dflash_train.json_files import json_object_or_none
 from dflash_train.outputs import (
     REGENERATED,
@@ -187,12 +188,17 @@ def _raise_stopped(signum: int, frame: FrameType | None) -> None:
 
 def reporting_stops(work: Callable[[], int], out: Path, rank: int, world: int, started: float) -> int:
     """``work()``, or on SIGTERM/Ctrl-C the stopped line and 128 + the signal, the code of a process killed
-    by it (so scripts still see a stop). The handler is this command's only, restored after."""
+    by it (so scripts still see a stop). The handler is this command's only, restored after. A stop that
+    arrived while a compiler ran (Triton, torch.compile) comes wrapped in the compiler's own error; it is
+    a stop all the same, and any other error is raised unchanged."""
     on_main = threading.current_thread() is threading.main_thread()  # signal.signal works there only
     previous = signal.signal(signal.SIGTERM, _raise_stopped) if on_main else None
     try:
         return work()
-    except (KeyboardInterrupt, Stopped) as stop:
+    except (KeyboardInterrupt, Exception) as error:
+        stop = found_in_chain(error, (KeyboardInterrupt, Stopped))
+        if stop is None:
+            raise
         signum = stop.signum if isinstance(stop, Stopped) else int(signal.SIGINT)
         print(stopped_line(latest_stats(out, rank, world, started)), flush=True)
         return 128 + signum

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash_train.commands.regenerate import _claim_out, reporting_stops
+from dflash_train.commands.regenerate import Stopped, _claim_out, reporting_stops
 from dflash_train.data.chat import ChatTokenizer
 from dflash_train.prompts.corpora import CorpusSpec, open_corpus
 from dflash_train.regeneration.regenerate import (
@@ -158,6 +158,69 @@ def test_a_stopped_run_prints_its_totals_and_keeps_its_shards(tmp_path: Path, ca
     assert len(regenerated_files(out)) == 1
     assert open_corpus(CorpusSpec(str(out), allow_unfinished=True)).size == 3
     assert latest_stats(out, 0, 1, started + 1.0) is None  # another command's file is not this one's
+
+
+class CompilationError(Exception):
+    """Stands for a compiler's error (Triton's CompilationError, torch.compile's BackendCompilerFailed), which
+    wraps whatever was raised while it compiled, a signal's Stopped or a Ctrl-C included."""
+
+
+def raise_wrapped(inner: BaseException, how: str) -> None:
+    """Raise ``inner`` wrapped as a compiler wraps it: as the cause (``raise ... from``), as the context (raised
+    while handling it), or two wrappers deep."""
+    try:
+        raise inner
+    except BaseException as caught:
+        if how == "cause":
+            raise CompilationError("at 12:4: compilation failed") from caught
+        if how == "context":
+            raise CompilationError("at 12:4: compilation failed")  # noqa: B904 -- the implicit chain is the case
+        try:
+            raise CompilationError("at 12:4: compilation failed") from caught
+        except CompilationError:
+            raise RuntimeError("backend compiler failed")  # noqa: B904 -- the implicit chain is the case
+
+
+@pytest.mark.parametrize("how", ["cause", "context", "nested"])
+@pytest.mark.parametrize(("stop", "code"), [(lambda: Stopped(int(signal.SIGTERM)), 143), (KeyboardInterrupt, 130)],
+                         ids=["sigterm", "ctrl-c"])
+def test_a_stop_wrapped_by_a_compiler_is_reported_as_a_stop(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], how: str, stop: Callable[[], BaseException], code: int
+) -> None:
+    """A SIGTERM (or Ctrl-C) that arrives while Triton or torch.compile compiles reaches the command inside the
+    compiler's error: the run ends with the stopped line and 128 + the signal, not a traceback."""
+    def work() -> int:
+        raise_wrapped(stop(), how)
+        return 0
+
+    before = signal.getsignal(signal.SIGTERM)
+    assert reporting_stops(work, tmp_path / "out", 0, 1, time.time()) == code
+    assert signal.getsignal(signal.SIGTERM) == before
+    assert capsys.readouterr().out.strip() == (
+        "regenerate: stopped before any shard was written by this run; "
+        "the finished shards are kept — prepare them with --allow-unfinished")
+
+
+def test_an_unrelated_wrapped_error_is_raised_unchanged(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A compiler's error with no stop in its chain is a real failure: it propagates as it was raised, and a
+    chain that loops back on itself is looked through once."""
+    raised: list[BaseException] = []
+
+    def work() -> int:
+        try:
+            raise_wrapped(ValueError("bad block size"), "nested")
+        except RuntimeError as error:
+            wrapper = error.__context__
+            assert wrapper is not None
+            wrapper.__context__ = error  # a cycle: the chain leads back to where it starts
+            raised.append(error)
+            raise
+        return 0
+
+    with pytest.raises(RuntimeError) as caught:
+        reporting_stops(work, tmp_path / "out", 0, 1, time.time())
+    assert caught.value is raised[0]
+    assert capsys.readouterr().out == ""
 
 
 class WindowedBackend:
