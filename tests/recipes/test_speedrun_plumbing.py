@@ -546,18 +546,21 @@ def test_ablation_evals_sweep_their_temperatures_and_are_compared_at_each(tmp_pa
 
 
 def test_an_ablation_of_the_objective_at_a_temperature_reaches_the_training_config(tmp_path: pathlib.Path) -> None:
-    """ABLATIONS takes the loss keys like any other: the kl07 run trains with the KL at 0.7, half distillation."""
+    """ABLATIONS takes the loss keys like any other: the kl07 run trains with the KL at 0.7, half distillation,
+    the ce run (the control of the recipe's KL at 1) with the label's cross-entropy alone."""
     from dflash_train.training.config import load_config
 
     calls = run_stage("ablate", tmp_path, ABLATION_DATA="", ABLATION_EVAL_PROMPTS="0",
-                      ABLATIONS="kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5")
+                      ABLATIONS="kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5;"
+                                "ce:training.loss=ce")
     trains = {next(a for a in args if a.startswith("training.output_dir=")).rsplit("/", 1)[-1]: args
               for args in (c.split() for c in calls if "dflash_train.cli train" in c)}
-    assert list(trains) == ["ablation-base", "ablation-kl07"]
+    assert list(trains) == ["ablation-base", "ablation-kl07", "ablation-ce"]
     recipe = REPO / "recipes/smollm2-135m-dflash-b16-packed.yaml"
     configs = {name: load_config(recipe, [a for a in args[args.index("--config") + 2:] if "=" in a])
                for name, args in trains.items()}
     trained = configs["ablation-kl07"].training
     assert (trained.loss, trained.loss_temperature, trained.distill_weight) == ("kl", 0.7, 0.5)
     base = configs["ablation-base"].training
-    assert (base.loss, base.loss_temperature, base.distill_weight) == ("ce", 1.0, 1.0)
+    assert (base.loss, base.loss_temperature, base.distill_weight) == ("kl", 1.0, 1.0)
+    assert configs["ablation-ce"].training.loss == "ce" and not configs["ablation-ce"].training.reads_target_distribution
