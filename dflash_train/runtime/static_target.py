@@ -67,6 +67,7 @@ from dflash_train.kernels.static_attention import (
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
+from dflash_train.runtime.linear_attention import LinearStates, gated_delta_forward, is_linear_layer
 from dflash_train.runtime.target_adapters import ADAPTERS, TargetAdapter, refusal
 from dflash_train.target import TargetModel
 from dflash_train.target.attention import attention_implementation
@@ -218,6 +219,7 @@ class _Regions(NamedTuple):
     embed: Callable[..., tuple[torch.Tensor, torch.Tensor | None, RotaryTables, dict[int | None, torch.Tensor]]]
     layer: Callable[..., torch.Tensor]
     output: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+    linear_layer: Callable[..., torch.Tensor]
 
 
 @dataclass
@@ -230,7 +232,7 @@ class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
                  skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False,
-                 carry_norm_stats: bool = False, decode_experts: bool = True) -> None:
+                 carry_norm_stats: bool = False, decode_experts: bool = True, step_tokens: int = 16) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
@@ -249,7 +251,9 @@ class StaticTarget:
         `prefetch_weights`: with "triton" and fused projections, the attention kernel of decode and verify steps
         asks L2 for the layer's o_proj weight while it reads the cache (`kernels/static_attention.py`; off by
         default: at Qwen3-8B's shape it cost the attention more than it saved the products, docs/benchmarks.md,
-        'Asking L2 for o_proj's weight')."""
+        'Asking L2 for o_proj's weight');
+        `step_tokens`: the longest step (the verify block) whose tokens a hybrid target's linear-attention
+        states can be taken back through (`linear_attention.py`); longer forwards are prompts, committed whole."""
         config = target.config.get_text_config()
         if (why := refusal(model_type(target), config)) is not None:
             raise ValueError(
@@ -263,7 +267,7 @@ class StaticTarget:
         self.target, self.base, self.text_config = target, target.model.get_decoder(), config
         self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
         self.layers = target.decoder_layers
-        attn = self.layers[0].self_attn
+        attn = next(layer.self_attn for layer in self.layers if hasattr(layer, "self_attn"))
         kv_heads = config.num_key_value_heads
         self.heads, self.kv_heads = config.num_attention_heads, kv_heads
         self.decode_experts = decode_experts
@@ -278,10 +282,17 @@ class StaticTarget:
         self.tuned_shapes = tuned_shapes(target.device)
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
-        _check_memory(2 * len(self.layers) * torch.Size(shape).numel() * dtype.itemsize, device, shape)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]  # [b, kv, max_len, D]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.layers]
-        self.batch_size, self.max_length = batch_size, max_length
+        linear = [is_linear_layer(config, index) for index in range(len(self.layers))]
+        linear_bytes = sum(LinearStates.bytes_for(layer.linear_attn, batch_size, step_tokens, dtype)
+                           for layer, is_linear in zip(self.layers, linear, strict=True) if is_linear)
+        attention_layers = len(self.layers) - sum(linear)
+        _check_memory(2 * attention_layers * torch.Size(shape).numel() * dtype.itemsize + linear_bytes, device, shape)
+        # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
+        self.keys = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
+        self.values = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
+        self.linear_states = [LinearStates(layer.linear_attn, batch_size, step_tokens, device, dtype) if is_linear
+                              else None for layer, is_linear in zip(self.layers, linear, strict=True)]
+        self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
         self.all_rows = torch.arange(batch_size, device=device)
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
@@ -340,7 +351,8 @@ class StaticTarget:
         return {"torch": frozenset(), "tuned": self.tuned_shapes}.get(self.matmul)
 
     def cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        rings = [t for states in self.linear_states if states is not None for t in (states.states, states.inputs)]
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values + rings)
 
     @contextmanager
     def _our_attention(self) -> Iterator[None]:
@@ -410,7 +422,8 @@ class StaticTarget:
         (gather, RoPE tables, masks; final norm, logits) that a graph of its own fuses into a few launches, at a
         compile cost that does not grow with the depth either."""
         if ("layer", options) not in self._compiled_forward:
-            regions = _Regions(*(_compile(part, options) for part in (self._embed, self._layer, self._output)))
+            parts = (self._embed, self._layer, self._output, self._linear_layer)
+            regions = _Regions(*(_compile(part, options) for part in parts))
             self._compiled_forward["layer", options] = functools.partial(self._forward, regions=regions)
         return self._compiled_forward["layer", options]
 
@@ -422,13 +435,20 @@ class StaticTarget:
         for it (`carry`): with deferred residuals, the pending residual (a layer's output is h + pending, which
         the next layer, or the output, forms and returns as its input); with carried norm statistics, the
         shares of h's rows' sums of squares (or None); else None."""
-        embed, run_layer, output = regions or (self._embed, self._layer, self._output)
+        embed, run_layer, output, run_linear = regions or (self._embed, self._layer, self._output, self._linear_layer)
         h, carry, position_embeddings, masks = embed(input_ids, positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
+        rows = self.all_rows if row_index is None else row_index
+        # a linear-attention layer keeps every token's state of a step, or only each row's last of a prompt
+        last = logit_index if logit_index is not None or input_ids.shape[1] <= self.step_tokens else \
+            torch.full_like(rows, input_ids.shape[1] - 1)
         for index, layer in enumerate(self.fused or self.layers):
-            cache = _WriteCache(self, index, row_index, positions, kv_len)
-            h, carry, layer_input = run_layer(layer, h, carry, position_embeddings[self.rope_keys[index]],
-                                              masks[self.windows[index]], cache)
+            if (states := self.linear_states[index]) is not None:
+                h, carry, layer_input = run_linear(layer, h, states.states, states.inputs, rows, positions, last)
+            else:
+                cache = _WriteCache(self, index, row_index, positions, kv_len)
+                h, carry, layer_input = run_layer(layer, h, carry, position_embeddings[self.rope_keys[index]],
+                                                  masks[self.windows[index]], cache)
             if not self.defer_residual:
                 if index in feature_layer_ids:
                     captured[index] = h
@@ -482,6 +502,15 @@ class StaticTarget:
         out = layer(h, attention_mask=mask, position_ids=cache.positions, position_embeddings=position_embeddings,
                     use_cache=True, **{self.cache_arg: cache})
         return (out[0] if isinstance(out, tuple) else out), None, None
+
+    def _linear_layer(self, layer: nn.Module, h: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
+                      rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> tuple[
+                          torch.Tensor, None, None]:
+        """A Gated DeltaNet decoder layer (Qwen3-Next, Qwen3.5): its token mixer on our state rings
+        (`linear_attention.py`), then its MLP or experts, both pre-norm with residuals, as the model's layer."""
+        h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions, last)
+        out = layer.mlp(layer.post_attention_layernorm(h))
+        return h + (out[0] if isinstance(out, tuple) else out), None, None
 
     def _output(self, h: torch.Tensor, carry: torch.Tensor | None, logit_index: torch.Tensor | None,
                 captured: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -17,6 +17,9 @@ model's own forward around the layers, and is what an adapter here says:
 - `refuse`, `min_transformers_major`: configs or transformers versions the adapter does not match, which stay on
   the model's own forward and caches (`hf_target.py`).
 
+Layers of the config's type "linear_attention" (Gated DeltaNet) are run by the runtime itself on its state rings
+(`linear_attention.py`), whatever the adapter.
+
 The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
 `static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
 """
@@ -101,6 +104,11 @@ ADAPTERS: dict[str, TargetAdapter] = {
     "gemma2": own_layers(logits=partial(soft_capped, "final_logit_softcapping")),  # capped scores: in-layer
     "gemma3_text": own_layers(logits=partial(soft_capped, "final_logit_softcapping"), rope_by_layer_type=True,
                               refuse=_bidirectional),
+    # Gated DeltaNet layers on the runtime's state rings (`linear_attention.py`), gated full attention as the
+    # model's own layers; the text models of Qwen3.5 and Qwen3.5-MoE (their configs' text model types)
+    "qwen3_next": own_layers(),
+    "qwen3_5_text": own_layers(),
+    "qwen3_5_moe_text": own_layers(),
 }
 
 # Rope types whose frequencies follow the longest position of the forward: in a batched step one row's RoPE

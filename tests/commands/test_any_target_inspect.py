@@ -12,7 +12,8 @@ from tests.helpers.tiny_models import TINY_EMBEDDING_ROWS, make_tiny_tokenizer
 from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build_tiny_target
 
 STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe",
-                  "phi3", "olmo2", "granite", "smollm3", "gemma2", "gemma3_text", "cohere2", "exaone4")
+                  "phi3", "olmo2", "granite", "smollm3", "gemma2", "gemma3_text", "cohere2", "exaone4",
+                  "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("name", TINY_TARGETS)

@@ -34,7 +34,7 @@ def spread_sinks(target: TargetModel) -> None:
     """Sink logits from -1 to 3 across each layer's heads (initialised near 0, they weigh about as much as one
     key): a kernel that dropped them, or gave them to the wrong head, changes the logits."""
     for layer in target.decoder_layers:
-        sinks = getattr(layer.self_attn, "sinks", None)
+        sinks = getattr(getattr(layer, "self_attn", None), "sinks", None)  # linear-attention layers have none
         if sinks is not None:
             with torch.no_grad():
                 sinks.copy_(torch.linspace(-1.0, 3.0, sinks.numel()))

@@ -49,8 +49,9 @@ def test_batched_rows_and_refills_are_lossless_per_row(target: TargetModel, batc
 
 
 def corrupt(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """Deterministic draft errors at some positions, so acceptance lengths vary from 1 to B."""
-    return torch.where(positions % 7 == 3, (tokens + 1) % 300, tokens)
+    """Deterministic draft errors at some positions, so acceptance lengths vary from 1 to B: another token id,
+    inside any vocabulary the token came from."""
+    return torch.where(positions % 7 == 3, torch.where(tokens > 0, tokens - 1, tokens + 1), tokens)
 
 
 class OracleEngine(DecodeEngine):

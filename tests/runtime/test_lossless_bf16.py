@@ -235,7 +235,7 @@ def check_rows_depend_on_the_launch_shape_only(arch: str, device: str, kernels: 
         assert torch.equal(logits, results[1][position]), position
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2", "qwen3_5"])
 def test_rows_depend_on_the_launch_shape_only(arch: str) -> None:
     check_rows_depend_on_the_launch_shape_only(arch, "cpu", "torch", compiled=False)
 
@@ -403,7 +403,7 @@ def needs_cuda() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "gemma3_text", "cohere2", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "gemma3_text", "cohere2", "granite", "qwen3_5"])
 def test_gpu_rows_depend_on_the_launch_shape_only(arch: str) -> None:
     """Triton attention and fused prologue, the target forward compiled as in the decode cycle; the models' own
     layers on the attention kernel too, gemma2's soft-capped scores on the PyTorch path."""
@@ -422,11 +422,12 @@ def test_gpu_rows_depend_on_the_launch_shape_only_with_carried_norm_statistics(a
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2"])
+@pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2", "qwen3_5", "qwen3_next"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_gpu_drafted_bf16_output_equals_the_verify_shaped_baseline(arch: str, batch_size: int) -> None:
     """Triton kernels, torch.compile and CUDA graphs, both engines on one runner as in the evaluation; gemma2 and
-    cohere2 with the models' own layers (`tests/helpers/static_target.tiny_target`)."""
+    cohere2 with the models' own layers (`tests/helpers/static_target.tiny_target`), Qwen3.5 and Qwen3-Next with
+    their linear-attention layers on the state rings."""
     needs_cuda()
     fp32 = make_tiny_target(arch, num_layers=6, seed=1) if arch in TINY_ARCHS else tiny_target(arch)
     if arch == "mistral":

@@ -18,14 +18,16 @@ def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: 
     check_prefill_and_verify(arch, kernels="torch", fuse_projections=fuse_projections)
 
 
-OWN_LAYERS = ("phi3", "olmo2", "granite", "smollm3", "glm4_moe", "gemma2", "gemma3_text", "cohere2", "exaone4")
+OWN_LAYERS = ("phi3", "olmo2", "granite", "smollm3", "glm4_moe", "gemma2", "gemma3_text", "cohere2", "exaone4",
+              "qwen3_next", "qwen3_5", "qwen3_5_moe")
 
 
 @pytest.mark.parametrize("arch", OWN_LAYERS)
 def test_prefill_and_verify_match_the_full_forward_on_more_architectures(arch: str) -> None:
     """The same on the architectures added by their adapters (`runtime/target_adapters.py`): the models' own
     layers (glm4_moe's fused), embedding and logit scales, soft-caps, Gemma-3's rotary embedding per layer type,
-    windows of 5 on the sliding layers."""
+    windows of 5 on the sliding layers, Gated DeltaNet layers on state rings (a right-padded prompt's padding
+    leaves its row's recurrent and convolution states as the unpadded prompt's)."""
     check_prefill_and_verify(arch, kernels="torch")
 
 

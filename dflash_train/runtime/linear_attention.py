@@ -1,0 +1,150 @@
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on the static runtime: fixed-shape state rings
+that a verify block can be taken back from at no cost, as the KV cache's slots are.
+
+A linear-attention layer keeps no keys and values: it carries a recurrent state S [v_heads, k_dim, v_dim] and
+the last `conv_kernel - 1` inputs of its causal convolution. The engine verifies B tokens and commits a + 1 of
+them, so the next forward must start from the state after the last committed token, which a single running
+state cannot give back. Instead each row keeps, per layer:
+
+- `states` [b, S, v_heads, k_dim, v_dim] (float32, as the model's own recurrence): the state after each of the
+  last S positions, at slot position % S. A forward at p reads slot (p - 1) % S. Stale slots (positions a
+  rejected verify wrote past p - 1) lie within S - 1 positions after it and so never alias it, as long as no
+  forward is longer than S tokens; a longer one (a prompt) is committed whole and keeps only its last state.
+- `inputs` [b, R + 1, conv_dim]: the convolution's inputs at slot position % R, R = S + conv_kernel, the last
+  slot a sink for tokens nothing will read (a prompt's padding, its tokens before the last R). The conv reads
+  positions p - kernel + 1 .. p - 1 from here, zeros before position 0.
+
+Steps of at most S tokens run the recurrence token by token, as the model's own decode step does, keeping every
+intermediate state; prompts run the model's own chunked rule (`torch_chunk_gated_delta_rule` of its modeling
+module) with padding made inert (no decay, no write), so the final state is the state after each row's last
+real token.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEAR_LAYER_TYPE = "linear_attention"  # `config.layer_types` of a Gated DeltaNet layer
+
+
+def is_linear_layer(config: Any, index: int) -> bool:
+    layer_types = getattr(config, "layer_types", None)
+    return layer_types is not None and layer_types[index] == LINEAR_LAYER_TYPE
+
+
+class LinearStates:
+    """One Gated DeltaNet layer's state rings for `batch` cache rows (module docstring)."""
+
+    def __init__(self, module: nn.Module, batch: int, step_tokens: int, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.step_tokens = step_tokens  # S
+        self.kernel = module.conv_kernel_size
+        self.input_slots = step_tokens + self.kernel  # R; slot R is the sink
+        self.states = torch.zeros(batch, step_tokens, module.num_v_heads, module.head_k_dim, module.head_v_dim,
+                                  dtype=torch.float32, device=device)
+        self.inputs = torch.zeros(batch, self.input_slots + 1, module.conv_dim, dtype=dtype, device=device)
+
+    @staticmethod
+    def bytes_for(module: nn.Module, batch: int, step_tokens: int, dtype: torch.dtype) -> int:
+        states = batch * step_tokens * module.num_v_heads * module.head_k_dim * module.head_v_dim * 4
+        inputs = batch * (step_tokens + module.conv_kernel_size + 1) * module.conv_dim * dtype.itemsize
+        return states + inputs
+
+
+def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
+                        rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """The layer's token mixer on x [n, T, H] (after its input norm) for cache rows `rows` [n] at `positions`
+    [n, T] -> [n, T, H], reading and writing `LinearStates.states` and `.inputs` (passed as tensors, so that a
+    compiled layer's code serves every layer). `last` [n]: the index of each row's last real token, for a
+    prompt (committed whole, right-padded); None for a step of at most S tokens, every one kept."""
+    n, t, _ = x.shape
+    step_tokens = states.shape[1]
+    mixed, z, b, a = _projections(module, x)
+    mixed = _convolve(module, mixed, inputs, rows, positions, last)
+    q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(n, t, -1, module.head_k_dim)
+    k = k.reshape(n, t, -1, module.head_k_dim)
+    v = v.reshape(n, t, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+    start = positions[:, 0]
+    previous = states[rows, (start - 1) % step_tokens]  # [n, Hv, dk, dv]
+    previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
+    if last is None:
+        out, each = recurrent_rule(q, k, v, g, beta, previous)
+        states[rows[:, None], positions % step_tokens] = each
+    else:
+        real = torch.arange(t, device=x.device)[None] <= last[:, None]  # [n, T]
+        beta, g = beta * real[..., None], g * real[..., None]  # padding: state passes through unchanged
+        chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule  # the model's own
+        out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=previous, output_final_state=True,
+                                use_qk_l2norm_in_kernel=True)
+        end = positions.gather(1, last[:, None])[:, 0]
+        states[rows, end % step_tokens] = final.to(torch.float32)
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(out.reshape(n, t, -1))
+
+
+def _projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(conv inputs [n, T, conv_dim] as q | k | v, z [n, T, Hv, dv], b and a [n, T, Hv]): Qwen3.5's four
+    products, or Qwen3-Next's two with their per-key-head interleaving undone by the module's own method."""
+    n, t, _ = x.shape
+    if hasattr(module, "in_proj_qkvz"):
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x), module.in_proj_ba(x))
+        mixed = torch.cat([y.reshape(n, t, -1) for y in (q, k, v)], dim=-1)
+        return mixed, z, b, a
+    z = module.in_proj_z(x).reshape(n, t, -1, module.head_v_dim)
+    return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+
+
+def _convolve(module: nn.Module, mixed: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise convolution and its activation over [the row's previous kernel - 1 inputs, mixed],
+    as the model's conv over a zero-padded prompt or its cached decode step computes it; writes mixed's kept
+    tokens into the input ring `inputs` [b, R + 1, conv_dim]."""
+    kernel, slots = module.conv_kernel_size, inputs.shape[1] - 1
+    offsets = torch.arange(1 - kernel, 0, device=mixed.device)
+    before = positions[:, :1] + offsets[None]  # [n, kernel - 1]
+    history = inputs[rows[:, None], before % slots]
+    history = torch.where((before >= 0)[..., None], history, torch.zeros_like(history))
+    keep = torch.ones_like(positions, dtype=torch.bool)
+    if last is not None:  # a prompt: only its real tokens, and of those the last R, reach the ring
+        index = torch.arange(positions.shape[1], device=mixed.device)[None]
+        keep = (index <= last[:, None]) & (index > last[:, None] - slots)
+    inputs[rows[:, None], torch.where(keep, positions % slots, slots)] = mixed
+    weight = module.conv1d.weight  # [C, 1, kernel]
+    full = torch.cat([history, mixed], dim=1).transpose(1, 2).to(weight.dtype)  # [n, C, kernel - 1 + T]
+    out = F.conv1d(full, weight, module.conv1d.bias, groups=full.shape[1])
+    return F.silu(out).to(mixed.dtype).transpose(1, 2)
+
+
+def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                   state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule token by token, as the models' own decode step computes it (L2-normed q and k, q
+    scaled by k_dim^-0.5, float32): q/k [n, T, Hk, dk], v [n, T, Hv, dv], g/beta [n, T, Hv], state
+    [n, Hv, dk, dv] -> (out [n, T, Hv, dv] in v's dtype, the state after each token [n, T, Hv, dk, dv])."""
+    dtype, groups = v.dtype, v.shape[2] // k.shape[2]
+    if groups > 1:  # each q/k head serves `groups` consecutive value heads
+        q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
+    q, k, v, g, beta = (y.transpose(1, 2).float() for y in (q, k, v, g, beta))  # heads first
+    q = _l2norm(q) / q.shape[-1] ** 0.5
+    k = _l2norm(k)
+    outs, each = [], []
+    for i in range(q.shape[2]):
+        state = state * g[:, :, i].exp()[..., None, None]
+        memory = (state * k[:, :, i, :, None]).sum(dim=-2)
+        delta = (v[:, :, i] - memory) * beta[:, :, i, None]
+        state = state + k[:, :, i, :, None] * delta[..., None, :]
+        outs.append((state * q[:, :, i, :, None]).sum(dim=-2))
+        each.append(state)
+    out = torch.stack(outs, dim=2).transpose(1, 2).to(dtype)
+    return out, torch.stack(each, dim=1)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)

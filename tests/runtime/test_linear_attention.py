@@ -1,0 +1,51 @@
+"""The Gated DeltaNet recurrence of the static runtime (`runtime/linear_attention.py`) against the models' own
+decode step, and its state rings' footprint. The rings' rollback is checked end to end against the models' full
+forward in tests/runtime/test_any_target_decode.py and test_static_target.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_5 import modeling_qwen3_5
+
+from dflash_train.runtime.linear_attention import LinearStates, recurrent_rule
+from dflash_train.runtime.static_target import StaticTarget
+from dflash_train.target import TargetModel
+from tests.helpers.tiny_targets import build_tiny_target
+
+
+@pytest.mark.parametrize("k_heads", [2, 4])
+def test_the_recurrence_keeps_each_state_of_the_models_own_decode_steps(k_heads: int) -> None:
+    """Token by token through the model's `torch_recurrent_gated_delta_rule` (one call a token, its final
+    state carried): the same outputs, and our state after each token is the state it carries on. Two key heads
+    for four value heads: each q/k head serves two consecutive value heads."""
+    gen = torch.Generator().manual_seed(0)
+    n, t, v_heads, dk, dv = 2, 5, 4, 8, 6
+    q, k = (torch.randn(n, t, k_heads, dk, generator=gen) for _ in range(2))
+    v = torch.randn(n, t, v_heads, dv, generator=gen)
+    g = -torch.rand(n, t, v_heads, generator=gen)
+    beta = torch.rand(n, t, v_heads, generator=gen)
+    state = torch.randn(n, v_heads, dk, dv, generator=gen)
+    out, each = recurrent_rule(q, k, v, g, beta, state)
+    reference = state
+    for i in range(t):
+        step = slice(i, i + 1)
+        expected, reference = modeling_qwen3_5.torch_recurrent_gated_delta_rule(
+            q[:, step], k[:, step], v[:, step], g=g[:, step], beta=beta[:, step], initial_state=reference,
+            output_final_state=True, use_qk_l2norm_in_kernel=True)
+        torch.testing.assert_close(out[:, step], expected, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(each[:, i], reference, atol=1e-5, rtol=1e-5)
+
+
+def test_the_rings_are_counted_in_the_cache_and_sized_by_the_step() -> None:
+    """Each linear-attention layer keeps S float32 states and S + kernel convolution inputs (plus a sink) per
+    row instead of a KV cache; `cache_bytes` (what eval reports) counts them."""
+    target = TargetModel(build_tiny_target("qwen3_5", 256), None)
+    runner = StaticTarget(target, batch_size=2, max_length=32, step_tokens=6)
+    module = next(layer.linear_attn for layer in target.decoder_layers if hasattr(layer, "linear_attn"))
+    rings = runner.linear_states[0]
+    assert rings is not None and rings.states.shape == (2, 6, module.num_v_heads, module.head_k_dim,
+                                                        module.head_v_dim)
+    assert rings.inputs.shape == (2, 6 + module.conv_kernel_size + 1, module.conv_dim)
+    kv = sum(t.numel() * t.element_size() for t in runner.keys + runner.values)
+    assert runner.cache_bytes() == kv + 3 * LinearStates.bytes_for(module, 2, 6, target.dtype)
