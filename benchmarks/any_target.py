@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3MoeConfig
+from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3MoeConfig, Qwen3NextConfig
 
 from benchmarks.common import median, results_directory, time_calls, write_result
 from benchmarks.decode_timing import default_dtype
@@ -77,16 +77,32 @@ GPT_OSS_20B: dict[str, Any] = dict(
     max_position_embeddings=131072, rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False,
     rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                      "original_max_position_embeddings": 4096, "rope_theta": 150000.0})
+# Gated DeltaNet layers and gated full attention, three to one; 160 GB of weights in bf16, so on one GPU run it
+# with --layers (20 layers, the pattern five times, fit an 80 GB card)
+QWEN3_NEXT_80B_A3B: dict[str, Any] = dict(
+    num_hidden_layers=48, hidden_size=2048, intermediate_size=5120, num_attention_heads=16, num_key_value_heads=2,
+    head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128, linear_value_head_dim=128,
+    linear_num_key_heads=16, linear_num_value_heads=32, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, decoder_sparse_step=1, norm_topk_prob=True,
+    vocab_size=151936, max_position_embeddings=262144, rms_norm_eps=1e-6, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 10_000_000.0, "partial_rotary_factor": 0.25})
 TINY_MOE: dict[str, Any] = dict(
     num_hidden_layers=4, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=128, vocab_size=512,
     max_position_embeddings=4096, norm_topk_prob=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False)
+TINY_HYBRID: dict[str, Any] = QWEN3_NEXT_80B_A3B | dict(
+    num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    vocab_size=512, max_position_embeddings=4096)
 # name -> (config class, published sizes, a toy for CPU checks)
 SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any], bool]] = {
     "qwen3-30b-a3b": (Qwen3MoeConfig, QWEN3_30B_A3B, False),
     "gpt-oss-20b": (GptOssConfig, GPT_OSS_20B, False),
-    "tiny-moe": (Qwen3MoeConfig, TINY_MOE, True)}
+    "qwen3-next-80b-a3b": (Qwen3NextConfig, QWEN3_NEXT_80B_A3B, False),
+    "tiny-moe": (Qwen3MoeConfig, TINY_MOE, True),
+    "tiny-hybrid": (Qwen3NextConfig, TINY_HYBRID, True)}
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
 MEASUREMENTS = ("hf", "engine", "dflash")
 BASELINES = ("engine_model_experts", "dflash_model_experts")  # `--experts-baseline`

@@ -63,3 +63,15 @@ def test_budget_skips_the_measurements_left(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
     assert main(["--shape", "tiny-moe", "--layers", str(LAYERS), "--budget-s", "0", "--device", "cpu"]) == []
     assert not (tmp_path / "any_target-tiny-moe.json").exists()
+
+
+def test_a_hybrid_target_runs_on_the_static_runtime_in_the_benchmark(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """The toy Qwen3-Next (Gated DeltaNet layers and gated attention, experts) with `--runner auto`: the target
+    step and the DFlash cycle run on the static runtime's state rings, the reference on HF `generate`."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    main(["--shape", "tiny-hybrid", "--runner", "auto", "--batch", "1", "--new-tokens", "3", "--prompt-tokens", "8",
+          "--block-size", "4", "--warmup", "0", "--iters", "2", "--repeats", "1", "--device", "cpu"])
+    point = json.loads((tmp_path / "any_target-tiny-hybrid.json").read_text())["batches"]["1"]
+    assert point["engine_runner"] == point["dflash_runner"] == "StaticTarget"
+    assert point["engine_step_ms"] > 0 and point["dflash_cycle_ms"] > 0 and point["hf_tokens_per_s"] > 0
