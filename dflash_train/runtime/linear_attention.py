@@ -15,9 +15,9 @@ state cannot give back. Instead each row keeps, per layer:
   positions p - kernel + 1 .. p - 1 from here, zeros before position 0.
 
 Steps of at most S tokens run the recurrence token by token, as the model's own decode step does, keeping every
-intermediate state; prompts run the model's own chunked rule (`torch_chunk_gated_delta_rule` of its modeling
-module) with padding made inert (no decay, no write), so the final state is the state after each row's last
-real token.
+intermediate state (with kernels="triton", in one launch: `kernels/gated_delta.py`); prompts run the model's
+own chunked rule (`torch_chunk_gated_delta_rule` of its modeling module) with padding made inert (no decay, no
+write), so the final state is the state after each row's last real token.
 """
 
 from __future__ import annotations
@@ -28,6 +28,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_train.kernels.gated_delta import fits as kernel_fits
+from dflash_train.kernels.gated_delta import gated_delta_triton
 
 LINEAR_LAYER_TYPE = "linear_attention"  # `config.layer_types` of a Gated DeltaNet layer
 
@@ -57,11 +60,13 @@ class LinearStates:
 
 
 def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
-                        rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+                        rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
+                        kernels: str = "torch") -> torch.Tensor:
     """The layer's token mixer on x [n, T, H] (after its input norm) for cache rows `rows` [n] at `positions`
     [n, T] -> [n, T, H], reading and writing `LinearStates.states` and `.inputs` (passed as tensors, so that a
     compiled layer's code serves every layer). `last` [n]: the index of each row's last real token, for a
-    prompt (committed whole, right-padded); None for a step of at most S tokens, every one kept."""
+    prompt (committed whole, right-padded); None for a step of at most S tokens, every one kept. `kernels`
+    "triton": a step's recurrence in one launch (`kernels/gated_delta.py`) where it fits."""
     n, t, _ = x.shape
     step_tokens = states.shape[1]
     mixed, z, b, a = _projections(module, x)
@@ -76,7 +81,8 @@ def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor
     previous = states[rows, (start - 1) % step_tokens]  # [n, Hv, dk, dv]
     previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
     if last is None:
-        out, each = recurrent_rule(q, k, v, g, beta, previous)
+        step = gated_delta_triton if kernels == "triton" and kernel_fits(q, v) else recurrent_rule
+        out, each = step(q, k, v, g, beta, previous)
         states[rows[:, None], positions % step_tokens] = each
     else:
         real = torch.arange(t, device=x.device)[None] <= last[:, None]  # [n, T]

@@ -508,7 +508,8 @@ class StaticTarget:
                           torch.Tensor, None, None]:
         """A Gated DeltaNet decoder layer (Qwen3-Next, Qwen3.5): its token mixer on our state rings
         (`linear_attention.py`), then its MLP or experts, both pre-norm with residuals, as the model's layer."""
-        h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions, last)
+        h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions, last,
+                                    self.kernels)
         out = layer.mlp(layer.post_attention_layernorm(h))
         return h + (out[0] if isinstance(out, tuple) else out), None, None
 
