@@ -186,7 +186,9 @@ class Evaluator:
         with self.phases.phase("warm_up/build"):  # static caches and buffers
             # The last engines' runner is taken again when its caches are long enough (another temperature).
             runner, self._spare_runner = self._spare_runner, None
-            baseline = self._new_engine(None, self._engine_config(1, max_length), runner=runner)
+            # its runner is dflash's too: its state rings (hybrid targets) must take back dflash's whole block
+            baseline_config = replace(self._engine_config(1, max_length), runner_step_tokens=self.settings.block_size)
+            baseline = self._new_engine(None, baseline_config, runner=runner)
             dflash = self._new_engine(self.draft, drafted_config, runner=baseline.runner)
         if self.runner_check is None:
             with self.phases.phase("warm_up/runner_check"):

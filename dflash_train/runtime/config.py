@@ -30,6 +30,9 @@ COMPILE_SCOPE_HELP = ("what one torch.compile graph covers: layer (default) comp
 class EngineConfig:
     batch_size: int = 1  # rows decoded at once; a finished row takes the next waiting request
     block_size: int = 16  # tokens verified per cycle with a drafter (1 without one)
+    # The longest step the runner's state rings take back (hybrid targets' linear-attention layers): None, this
+    # engine's block; set it to the drafted block where a target-only engine builds a runner a drafted one shares
+    runner_step_tokens: int | None = None
     max_new_tokens: int = 128
     max_length: int = 2048  # positions held by the static caches: longest prompt + new tokens + block
     temperature: float = 0.0  # 0: greedy

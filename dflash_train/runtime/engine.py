@@ -126,7 +126,8 @@ def make_runner(target: TargetModel, config: EngineConfig, kernels: str) -> Stat
     if supports(target):
         return StaticTarget(target, config.batch_size, config.max_length, kernels=kernels,
                             skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused",
-                            decode_experts=config.experts == "kernel", step_tokens=max(config.block_size, 1))
+                            decode_experts=config.experts == "kernel",
+                            step_tokens=config.runner_step_tokens or max(config.block_size, 1))
     if model_type(target) not in _announced:
         _announced.add(model_type(target))
         logger.warning("The static-cache runtime does not run %r targets: decoding through the model's own forward "
@@ -156,6 +157,10 @@ class DecodeEngine:
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
             runner = make_runner(target, config, self.kernels)
+        if getattr(runner, "step_tokens", self.block_size) < self.block_size:  # a shared runner's state rings
+            raise ValueError(f"the runner's linear-attention states take back steps of {runner.step_tokens} tokens, "
+                             f"this engine verifies blocks of {self.block_size}: build the runner's engine with "
+                             f"EngineConfig(runner_step_tokens={self.block_size})")
         self.runner = runner
         self.drafter = StaticDrafter(draft, config.batch_size, self.block_size, runner.max_length, self.kernels,
                                      config.draft_attention, fused_products=runner.matmul == "fused",

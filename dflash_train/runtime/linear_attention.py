@@ -1,5 +1,5 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) on the static runtime: fixed-shape state rings
-that a verify block can be taken back from at no cost, as the KV cache's slots are.
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) and LFM2's short convolutions on the static runtime:
+fixed-shape state rings that a verify block can be taken back from at no cost, as the KV cache's slots are.
 
 A linear-attention layer keeps no keys and values: it carries a recurrent state S [v_heads, k_dim, v_dim] and
 the last `conv_kernel - 1` inputs of its causal convolution. The engine verifies B tokens and commits a + 1 of
@@ -28,35 +28,62 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers.activations import ACT2FN
 
 from dflash_train.kernels.gated_delta import fits as kernel_fits
 from dflash_train.kernels.gated_delta import gated_delta_triton
 
-LINEAR_LAYER_TYPE = "linear_attention"  # `config.layer_types` of a Gated DeltaNet layer
+# `config.layer_types` of the layers run on state rings: Gated DeltaNet, and LFM2's short convolution (which keeps
+# only its convolution's inputs)
+LINEAR_LAYER_TYPES = ("linear_attention", "conv")
 
 
 def is_linear_layer(config: Any, index: int) -> bool:
     layer_types = getattr(config, "layer_types", None)
-    return layer_types is not None and layer_types[index] == LINEAR_LAYER_TYPE
+    return layer_types is not None and layer_types[index] in LINEAR_LAYER_TYPES
+
+
+def token_mixer(layer: nn.Module) -> nn.Module:
+    """The ring-kept module of a decoder layer: Qwen3-Next's and Qwen3.5's `linear_attn`, LFM2's `conv`."""
+    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.conv
 
 
 class LinearStates:
-    """One Gated DeltaNet layer's state rings for `batch` cache rows (module docstring)."""
+    """One ring-kept layer's state rings for `batch` cache rows (module docstring); a short convolution has no
+    recurrent state (`states` then holds nothing)."""
 
     def __init__(self, module: nn.Module, batch: int, step_tokens: int, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.step_tokens = step_tokens  # S
         self.kernel = module.conv_kernel_size
         self.input_slots = step_tokens + self.kernel  # R; slot R is the sink
-        self.states = torch.zeros(batch, step_tokens, module.num_v_heads, module.head_k_dim, module.head_v_dim,
-                                  dtype=torch.float32, device=device)
-        self.inputs = torch.zeros(batch, self.input_slots + 1, module.conv_dim, dtype=dtype, device=device)
+        self.states = torch.zeros(batch, step_tokens, *_state_shape(module), dtype=torch.float32, device=device)
+        self.inputs = torch.zeros(batch, self.input_slots + 1, _conv_channels(module), dtype=dtype, device=device)
 
     @staticmethod
     def bytes_for(module: nn.Module, batch: int, step_tokens: int, dtype: torch.dtype) -> int:
-        states = batch * step_tokens * module.num_v_heads * module.head_k_dim * module.head_v_dim * 4
-        inputs = batch * (step_tokens + module.conv_kernel_size + 1) * module.conv_dim * dtype.itemsize
+        states = batch * step_tokens * torch.Size(_state_shape(module)).numel() * 4
+        inputs = batch * (step_tokens + module.conv_kernel_size + 1) * _conv_channels(module) * dtype.itemsize
         return states + inputs
+
+
+def _state_shape(module: nn.Module) -> tuple[int, ...]:
+    if not hasattr(module, "num_v_heads"):  # a short convolution
+        return (0,)
+    return module.num_v_heads, module.head_k_dim, module.head_v_dim
+
+
+def _conv_channels(module: nn.Module) -> int:
+    return module.conv_dim if hasattr(module, "conv_dim") else module.conv.in_channels
+
+
+def short_conv_forward(module: nn.Module, x: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,
+                       positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """LFM2's short convolution on x [n, T, H] (after its operator norm), its inputs kept in `inputs` as a Gated
+    DeltaNet layer's are: B * x convolved causally (no activation), gated by C, projected out."""
+    b, c, gated_in = module.in_proj(x).chunk(3, dim=-1)
+    out = _convolve(module.conv, b * gated_in, inputs, rows, positions, last, activation=None)
+    return module.out_proj(c * out)
 
 
 def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
@@ -70,7 +97,7 @@ def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor
     n, t, _ = x.shape
     step_tokens = states.shape[1]
     mixed, z, b, a = _projections(module, x)
-    mixed = _convolve(module, mixed, inputs, rows, positions, last)
+    mixed = _convolve(module.conv1d, mixed, inputs, rows, positions, last, activation=module.activation)
     q, k, v = torch.split(mixed, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
     q = q.reshape(n, t, -1, module.head_k_dim)
     k = k.reshape(n, t, -1, module.head_k_dim)
@@ -108,12 +135,12 @@ def _projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]
     return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
 
 
-def _convolve(module: nn.Module, mixed: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,
-              positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+def _convolve(conv: nn.Conv1d, mixed: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,
+              positions: torch.Tensor, last: torch.Tensor | None, activation: str | None) -> torch.Tensor:
     """The causal depthwise convolution and its activation over [the row's previous kernel - 1 inputs, mixed],
     as the model's conv over a zero-padded prompt or its cached decode step computes it; writes mixed's kept
     tokens into the input ring `inputs` [b, R + 1, conv_dim]."""
-    kernel, slots = module.conv_kernel_size, inputs.shape[1] - 1
+    kernel, slots = conv.kernel_size[0], inputs.shape[1] - 1
     offsets = torch.arange(1 - kernel, 0, device=mixed.device)
     before = positions[:, :1] + offsets[None]  # [n, kernel - 1]
     history = inputs[rows[:, None], before % slots]
@@ -123,10 +150,10 @@ def _convolve(module: nn.Module, mixed: torch.Tensor, inputs: torch.Tensor, rows
         index = torch.arange(positions.shape[1], device=mixed.device)[None]
         keep = (index <= last[:, None]) & (index > last[:, None] - slots)
     inputs[rows[:, None], torch.where(keep, positions % slots, slots)] = mixed
-    weight = module.conv1d.weight  # [C, 1, kernel]
+    weight = conv.weight  # [C, 1, kernel]
     full = torch.cat([history, mixed], dim=1).transpose(1, 2).to(weight.dtype)  # [n, C, kernel - 1 + T]
-    out = F.conv1d(full, weight, module.conv1d.bias, groups=full.shape[1])
-    return F.silu(out).to(mixed.dtype).transpose(1, 2)
+    out = F.conv1d(full, weight, conv.bias, groups=full.shape[1])
+    return (out if activation is None else ACT2FN[activation](out)).to(mixed.dtype).transpose(1, 2)
 
 
 def recurrent_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,

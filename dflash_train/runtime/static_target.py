@@ -67,7 +67,13 @@ from dflash_train.kernels.static_attention import (
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
-from dflash_train.runtime.linear_attention import LinearStates, gated_delta_forward, is_linear_layer
+from dflash_train.runtime.linear_attention import (
+    LinearStates,
+    gated_delta_forward,
+    is_linear_layer,
+    short_conv_forward,
+    token_mixer,
+)
 from dflash_train.runtime.target_adapters import ADAPTERS, TargetAdapter, refusal
 from dflash_train.target import TargetModel
 from dflash_train.target.attention import attention_implementation
@@ -283,14 +289,14 @@ class StaticTarget:
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         linear = [is_linear_layer(config, index) for index in range(len(self.layers))]
-        linear_bytes = sum(LinearStates.bytes_for(layer.linear_attn, batch_size, step_tokens, dtype)
+        linear_bytes = sum(LinearStates.bytes_for(token_mixer(layer), batch_size, step_tokens, dtype)
                            for layer, is_linear in zip(self.layers, linear, strict=True) if is_linear)
         attention_layers = len(self.layers) - sum(linear)
         _check_memory(2 * attention_layers * torch.Size(shape).numel() * dtype.itemsize + linear_bytes, device, shape)
         # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
         self.keys = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
         self.values = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
-        self.linear_states = [LinearStates(layer.linear_attn, batch_size, step_tokens, device, dtype) if is_linear
+        self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
                               else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
         self.all_rows = torch.arange(batch_size, device=device)
@@ -439,9 +445,7 @@ class StaticTarget:
         h, carry, position_embeddings, masks = embed(input_ids, positions, kv_len)
         captured: dict[int, torch.Tensor] = {}
         rows = self.all_rows if row_index is None else row_index
-        # a linear-attention layer keeps every token's state of a step, or only each row's last of a prompt
-        last = logit_index if logit_index is not None or input_ids.shape[1] <= self.step_tokens else \
-            torch.full_like(rows, input_ids.shape[1] - 1)
+        last = self._last_kept(input_ids, positions, rows, logit_index)
         for index, layer in enumerate(self.fused or self.layers):
             if (states := self.linear_states[index]) is not None:
                 h, carry, layer_input = run_linear(layer, h, states.states, states.inputs, rows, positions, last)
@@ -458,6 +462,19 @@ class StaticTarget:
             captured[len(self.layers) - 1] = h = h + carry
             carry = torch.zeros_like(h)
         return output(h, carry, logit_index, tuple(captured[i] for i in feature_layer_ids))
+
+    def _last_kept(self, input_ids: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                   logit_index: torch.Tensor | None) -> torch.Tensor | None:
+        """What a ring-kept layer keeps of this forward (`linear_attention.py`): every token's state for a step
+        of at most `step_tokens` (None), or each row's last real token's for a prompt (`logit_index`, or the
+        last token of a forward from position 0 longer than a step: committed whole)."""
+        t = input_ids.shape[1]
+        if logit_index is not None or t <= self.step_tokens or not any(s is not None for s in self.linear_states):
+            return logit_index
+        if bool((positions[:, 0] != 0).any()):  # a longer step could not be taken back: refused, never wrong
+            raise ValueError(f"a step of {t} tokens after position 0 is longer than the {self.step_tokens} the "
+                             "linear-attention states take back: build the runner with step_tokens >= the block")
+        return torch.full_like(rows, t - 1)
 
     def _embed(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_len: int) -> tuple[
             torch.Tensor, torch.Tensor | None, RotaryTables, dict[int | None, torch.Tensor]]:
@@ -506,12 +523,16 @@ class StaticTarget:
     def _linear_layer(self, layer: nn.Module, h: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
                       rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> tuple[
                           torch.Tensor, None, None]:
-        """A Gated DeltaNet decoder layer (Qwen3-Next, Qwen3.5): its token mixer on our state rings
-        (`linear_attention.py`), then its MLP or experts, both pre-norm with residuals, as the model's layer."""
-        h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions, last,
-                                    self.kernels)
-        out = layer.mlp(layer.post_attention_layernorm(h))
-        return h + (out[0] if isinstance(out, tuple) else out), None, None
+        """A ring-kept decoder layer: its token mixer on our state rings (`linear_attention.py`), then its MLP or
+        experts, both pre-norm with residuals, as the model's layer: Qwen3-Next's and Qwen3.5's Gated DeltaNet
+        layers, or LFM2's short-convolution layers (their norms and MLP under other names)."""
+        if hasattr(layer, "linear_attn"):
+            h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions,
+                                        last, self.kernels)
+            out = layer.mlp(layer.post_attention_layernorm(h))
+            return h + (out[0] if isinstance(out, tuple) else out), None, None
+        h = h + short_conv_forward(layer.conv, layer.operator_norm(h), inputs, rows, positions, last)
+        return h + layer.feed_forward(layer.ffn_norm(h)), None, None
 
     def _output(self, h: torch.Tensor, carry: torch.Tensor | None, logit_index: torch.Tensor | None,
                 captured: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -526,7 +547,7 @@ class StaticTarget:
             shares = None  # the shares are by row of the whole step: the norm takes its own pass
         if pending is not None:
             h = h + pending
-        head, norm = self.target.lm_head, self.base.norm
+        head, norm = self.target.lm_head, getattr(self.base, self.adapter.final_norm)
         if (self.matmul == "fused" and isinstance(head, nn.Linear) and is_rms_norm(norm, h.shape[-1])
                 and norm.weight.dtype == h.dtype and skinny_fits(h.numel() // h.shape[-1])):
             if shares is not None:

@@ -14,11 +14,12 @@ model's own forward around the layers, and is what an adapter here says:
 - `logits`: what the causal LM's forward does to the output projection (Gemma's tanh soft-cap, Cohere's scale,
   Granite's division);
 - `rope_by_layer_type`: the rotary embedding gives one cos/sin per layer type (Gemma-3's local and global);
+- `final_norm`: the name of the norm the model's forward applies after its last layer;
 - `refuse`, `min_transformers_major`: configs or transformers versions the adapter does not match, which stay on
   the model's own forward and caches (`hf_target.py`).
 
-Layers of the config's type "linear_attention" (Gated DeltaNet) are run by the runtime itself on its state rings
-(`linear_attention.py`), whatever the adapter.
+Layers of the config's types "linear_attention" (Gated DeltaNet) and "conv" (LFM2's short convolution) are run by
+the runtime itself on its state rings (`linear_attention.py`), whatever the adapter.
 
 The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
 `static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
@@ -65,6 +66,7 @@ class TargetAdapter:
     embedding: Transform | None = None
     logits: Transform | None = None
     rope_by_layer_type: bool = False
+    final_norm: str = "norm"  # the base model's norm after the last layer (LFM2's is `embedding_norm`)
     refuse: Callable[[Any], str | None] = _runs_any  # why a config of this type cannot run exactly, or None
     # The oldest transformers major version whose modeling code the adapter matches: before 5, Gemma-2 scaled its
     # embeddings in the model's forward and Gemma-3's layers took a global and a local cos/sin.
@@ -109,6 +111,8 @@ ADAPTERS: dict[str, TargetAdapter] = {
     "qwen3_next": own_layers(),
     "qwen3_5_text": own_layers(),
     "qwen3_5_moe_text": own_layers(),
+    # short-convolution layers on the state rings too; attention layers as the model's own
+    "lfm2": own_layers(final_norm="embedding_norm"),
 }
 
 # Rope types whose frequencies follow the longest position of the forward: in a batched step one row's RoPE

@@ -31,10 +31,12 @@ REPLAYED = set(TINY_TARGET_FAMILIES["sliding"]) | set(TINY_TARGET_FAMILIES["hybr
 # forwards do around them (`runtime/target_adapters.py`): embedding and logit scales, soft-caps, per-type RoPE.
 OWN_LAYERS_ON_THE_STATIC_RUNTIME = ("phi3", "olmo2", "granite", "smollm3", "gemma2", "gemma3_text", "cohere2",
                                     "exaone4")
-# Hybrids whose linear-attention layers (Gated DeltaNet) the runtime runs on its state rings (`linear_attention.py`).
+# Hybrids whose linear-attention (Gated DeltaNet) or short-convolution layers the runtime runs on its state rings
+# (`linear_attention.py`).
 GATED_DELTANET = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
+RING_KEPT = (*GATED_DELTANET, "lfm2")
 ON_THE_STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
-                         "glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME, *GATED_DELTANET)
+                         "glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME, *RING_KEPT)
 
 
 def tiny(name: str) -> TargetModel:
@@ -119,7 +121,7 @@ def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, ker
     return engine
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3", "falcon_h1", "lfm2"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "falcon_h1", "nemotron_h"])
 @pytest.mark.parametrize("batch_size", [1, 2])
 def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
     target = tiny(name)
@@ -153,11 +155,11 @@ def test_the_static_runtime_runs_attention_only_targets_losslessly(name: str, ba
     assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
 
 
-@pytest.mark.parametrize("name", GATED_DELTANET)
+@pytest.mark.parametrize("name", RING_KEPT)
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_the_static_runtime_runs_gated_deltanet_hybrids_losslessly(name: str, batch_size: int) -> None:
-    """Qwen3-Next and Qwen3.5 (dense and MoE): linear-attention layers on the runtime's state rings, gated full
-    attention as the models' own layers. Decoding equals HF `generate` through cycles that accept 1 to B tokens
+def test_the_static_runtime_runs_ring_kept_hybrids_losslessly(name: str, batch_size: int) -> None:
+    """Qwen3-Next and Qwen3.5 (dense and MoE), LFM2: linear-attention or short-convolution layers on the runtime's
+    state rings, full attention as the models' own layers. Decoding equals HF `generate` through cycles that accept 1 to B tokens
     (each rejection takes the recurrent and convolution states back), and the logits match the model's forward."""
     target = tiny(name)
     engine = assert_oracle_decoding_is_lossless(target, batch_size)

@@ -49,3 +49,27 @@ def test_the_rings_are_counted_in_the_cache_and_sized_by_the_step() -> None:
     assert rings.inputs.shape == (2, 6 + module.conv_kernel_size + 1, module.conv_dim)
     kv = sum(t.numel() * t.element_size() for t in runner.keys + runner.values)
     assert runner.cache_bytes() == kv + 3 * LinearStates.bytes_for(module, 2, 6, target.dtype)
+
+
+def test_a_step_longer_than_the_rings_is_refused_never_run_wrong() -> None:
+    """A verify of more tokens than the rings keep could not be taken back: the runner refuses it after position 0
+    (from position 0 it is a prompt, committed whole), and an engine refuses a shared runner whose rings are
+    shorter than its block (eval's target-only engine builds the runner its drafted engine shares)."""
+    from dflash_train.runtime.engine import DecodeEngine, EngineConfig
+    from tests.runtime.test_any_target_decode import make_draft
+
+    target = TargetModel(build_tiny_target("qwen3_5", 256), None)
+    runner = StaticTarget(target, batch_size=1, max_length=32, step_tokens=2)
+    ids = torch.arange(3, 8)[None]
+    runner.forward(ids, torch.arange(5)[None])  # a prompt from position 0
+    with pytest.raises(ValueError, match="longer than the 2 the linear-attention states take back"):
+        runner.forward(ids[:, :3], torch.arange(5, 8)[None])
+    shared = DecodeEngine(target, None, EngineConfig(block_size=1, max_length=32, kernels="torch")).runner
+    with pytest.raises(ValueError, match="runner_step_tokens=4"):
+        DecodeEngine(target, make_draft(target, 4), EngineConfig(block_size=4, max_length=32, kernels="torch"),
+                     runner=shared)
+    wide = EngineConfig(block_size=1, max_length=32, kernels="torch", runner_step_tokens=4)
+    shared = DecodeEngine(target, None, wide).runner
+    drafted = DecodeEngine(target, make_draft(target, 4), EngineConfig(block_size=4, max_length=32, kernels="torch"),
+                           runner=shared)
+    assert drafted.runner is shared and shared.step_tokens == 4
