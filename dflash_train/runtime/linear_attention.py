@@ -1,5 +1,6 @@
-"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE) and LFM2's short convolutions on the static runtime:
-fixed-shape state rings that a verify block can be taken back from at no cost, as the KV cache's slots are.
+"""Gated DeltaNet layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE), Mamba-2 layers (Nemotron-H) and LFM2's short
+convolutions on the static runtime: fixed-shape state rings that a verify block can be taken back from at no cost,
+as the KV cache's slots are.
 
 A linear-attention layer keeps no keys and values: it carries a recurrent state S [v_heads, k_dim, v_dim] and
 the last `conv_kernel - 1` inputs of its causal convolution. The engine verifies B tokens and commits a + 1 of
@@ -33,8 +34,8 @@ from transformers.activations import ACT2FN
 from dflash_train.kernels.gated_delta import fits as kernel_fits
 from dflash_train.kernels.gated_delta import gated_delta_triton
 
-# `config.layer_types` of the layers run on state rings: Gated DeltaNet, and LFM2's short convolution (which keeps
-# only its convolution's inputs)
+# `config.layer_types` of the layers run on state rings: Gated DeltaNet and Nemotron-H's Mamba-2 (both
+# "linear_attention"), and LFM2's short convolution (which keeps only its convolution's inputs)
 LINEAR_LAYER_TYPES = ("linear_attention", "conv")
 
 
@@ -44,8 +45,16 @@ def is_linear_layer(config: Any, index: int) -> bool:
 
 
 def token_mixer(layer: nn.Module) -> nn.Module:
-    """The ring-kept module of a decoder layer: Qwen3-Next's and Qwen3.5's `linear_attn`, LFM2's `conv`."""
-    return layer.linear_attn if hasattr(layer, "linear_attn") else layer.conv
+    """The ring-kept module of a decoder layer: Qwen3-Next's and Qwen3.5's `linear_attn`, Nemotron-H's `mixer`,
+    LFM2's `conv`."""
+    for name in ("linear_attn", "mixer", "conv"):
+        if hasattr(layer, name):
+            return getattr(layer, name)
+    raise ValueError(f"{type(layer).__name__} has no linear-attention, Mamba or convolution module")
+
+
+def is_mamba(module: nn.Module) -> bool:
+    return hasattr(module, "ssm_state_size")
 
 
 class LinearStates:
@@ -68,6 +77,8 @@ class LinearStates:
 
 
 def _state_shape(module: nn.Module) -> tuple[int, ...]:
+    if is_mamba(module):
+        return module.num_heads, module.head_dim, module.ssm_state_size
     if not hasattr(module, "num_v_heads"):  # a short convolution
         return (0,)
     return module.num_v_heads, module.head_k_dim, module.head_v_dim
@@ -75,6 +86,62 @@ def _state_shape(module: nn.Module) -> tuple[int, ...]:
 
 def _conv_channels(module: nn.Module) -> int:
     return module.conv_dim if hasattr(module, "conv_dim") else module.conv.in_channels
+
+
+def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
+                   rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """A Mamba-2 mixer (Nemotron-H) on x [n, T, H] (after its block's norm), its rings used as a Gated DeltaNet
+    layer's (`gated_delta_forward`): the gate, the convolved x/B/C and the time step from one product; a step's
+    selective scan token by token as the model's decode step (`mamba2_selective_state_update`) computes it, a
+    prompt's by the model's own chunked scan with padding given a zero time step (no decay, no input); the gated
+    group norm and the output projection."""
+    n, t, _ = x.shape
+    gate, xbc, dt = module.in_proj(x).split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    xbc = _convolve(module.conv1d, xbc, inputs, rows, positions, last, activation=module.activation)
+    groups_width = module.n_groups * module.ssm_state_size
+    hidden, b, c = torch.split(xbc, [module.intermediate_size, groups_width, groups_width], dim=-1)
+    hidden = hidden.reshape(n, t, module.num_heads, module.head_dim)
+    b = b.reshape(n, t, module.n_groups, module.ssm_state_size)
+    c = c.reshape(n, t, module.n_groups, module.ssm_state_size)
+    a = -torch.exp(module.A_log.float())
+    step_tokens, start = states.shape[1], positions[:, 0]
+    previous = states[rows, (start - 1) % step_tokens]  # [n, heads, head_dim, state]
+    previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
+    dt = F.softplus(dt + module.dt_bias.to(dt.dtype))
+    if last is None:
+        out, each = selective_scan_steps(hidden, dt, a, b, c, module.D, previous)
+        out = out.to(x.dtype)  # the model's decode step hands its norm the model's dtype
+        states[rows[:, None], positions % step_tokens] = each
+    else:
+        low, high = module.time_step_limit  # the model's prompt scan clamps; clamped here so padding stays at 0
+        real = torch.arange(t, device=x.device)[None] <= last[:, None]
+        dt = torch.clamp(dt, low, high) * real[..., None]
+        chunk_scan = sys.modules[type(module).__module__].mamba2_chunk_scan  # the model's own
+        out, final = chunk_scan(hidden, dt, a, b, c, chunk_size=module.chunk_size, D=module.D, initial_states=previous,
+                                return_final_states=True)
+        end = positions.gather(1, last[:, None])[:, 0]
+        states[rows, end % step_tokens] = final.to(torch.float32)
+    out = module.norm(out.reshape(n, t, -1), gate)
+    return module.out_proj(out.to(x.dtype))
+
+
+def selective_scan_steps(hidden: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                         d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba-2's selective scan token by token, as the model's decode step computes it: hidden [n, T, heads, P],
+    dt [n, T, heads] (after softplus), a [heads], b/c [n, T, groups, N] (each group serving heads // groups
+    consecutive heads), d [heads], state [n, heads, P, N] float32 -> (out [n, T, heads, P] float32 with the D
+    skip, the state after each token [n, T, heads, P, N])."""
+    heads = hidden.shape[2]
+    b = b.float().repeat_interleave(heads // b.shape[2], dim=2)
+    c = c.float().repeat_interleave(heads // c.shape[2], dim=2)
+    outs, each = [], []
+    for i in range(hidden.shape[1]):
+        x, step = hidden[:, i].float(), dt[:, i].float()  # [n, heads, P], [n, heads]
+        decay = torch.exp(step * a)[..., None, None]
+        state = state * decay + (step[..., None] * b[:, i])[:, :, None, :] * x[..., None]
+        outs.append((state * c[:, i, :, None, :]).sum(-1) + x * d.float()[:, None])
+        each.append(state)
+    return torch.stack(outs, dim=1), torch.stack(each, dim=1)
 
 
 def short_conv_forward(module: nn.Module, x: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,

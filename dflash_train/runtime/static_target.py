@@ -71,6 +71,7 @@ from dflash_train.runtime.linear_attention import (
     LinearStates,
     gated_delta_forward,
     is_linear_layer,
+    mamba2_forward,
     short_conv_forward,
     token_mixer,
 )
@@ -273,7 +274,7 @@ class StaticTarget:
         self.target, self.base, self.text_config = target, target.model.get_decoder(), config
         self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
         self.layers = target.decoder_layers
-        attn = next(layer.self_attn for layer in self.layers if hasattr(layer, "self_attn"))
+        attn = next(module for layer in self.layers if (module := attention_module(layer)) is not None)
         kv_heads = config.num_key_value_heads
         self.heads, self.kv_heads = config.num_attention_heads, kv_heads
         self.decode_experts = decode_experts
@@ -289,13 +290,15 @@ class StaticTarget:
         shape = (batch_size, kv_heads, max_length, attn.head_dim)
         device, dtype = target.device, target.dtype
         linear = [is_linear_layer(config, index) for index in range(len(self.layers))]
+        # a KV cache for each attention layer only (not for linear-attention, Mamba, convolution or MLP blocks)
+        cached = [attention_module(layer) is not None for layer in self.layers]
         linear_bytes = sum(LinearStates.bytes_for(token_mixer(layer), batch_size, step_tokens, dtype)
                            for layer, is_linear in zip(self.layers, linear, strict=True) if is_linear)
-        attention_layers = len(self.layers) - sum(linear)
+        attention_layers = sum(cached)
         _check_memory(2 * attention_layers * torch.Size(shape).numel() * dtype.itemsize + linear_bytes, device, shape)
         # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
-        self.keys = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
-        self.values = [torch.zeros(shape if not is_linear else (0,), dtype=dtype, device=device) for is_linear in linear]
+        self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
+        self.values = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
         self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
                               else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
@@ -481,7 +484,7 @@ class StaticTarget:
         """(embeddings [n, T, H] as the model's forward hands them to its first layer, what that layer is handed
         beside them (`_forward`: a zero pending residual, the embeddings' sums of squares as one share a row, or
         None), the rotary embedding's cos/sin (`_rotary`), the masks of `_masks`)."""
-        h = self.base.embed_tokens(input_ids)
+        h = self.target.model.get_input_embeddings()(input_ids)
         if self.adapter.embedding is not None:
             h = self.adapter.embedding(h, self.text_config)
         carry = None
@@ -498,6 +501,8 @@ class StaticTarget:
     def _rotary(self, h: torch.Tensor, positions: torch.Tensor) -> RotaryTables:
         """The cos/sin each layer gets from the model's forward, by `rope_keys`: one pair for all layers, or one
         per layer type where the model has a rotary embedding per type (Gemma-3's local and global)."""
+        if not hasattr(self.base, "rotary_emb"):  # no position embedding at all (Nemotron-H's attention)
+            return {None: None}
         if not self.adapter.rope_by_layer_type:
             return {None: self.base.rotary_emb(h, positions)}
         return {kind: self.base.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.rope_keys)}
@@ -526,6 +531,9 @@ class StaticTarget:
         """A ring-kept decoder layer: its token mixer on our state rings (`linear_attention.py`), then its MLP or
         experts, both pre-norm with residuals, as the model's layer: Qwen3-Next's and Qwen3.5's Gated DeltaNet
         layers, or LFM2's short-convolution layers (their norms and MLP under other names)."""
+        if hasattr(layer, "mixer"):  # Nemotron-H's Mamba-2 block: its mixer is its whole body
+            x = layer.norm(h.to(layer.norm.weight.dtype))
+            return h + mamba2_forward(layer.mixer, x, states, inputs, rows, positions, last), None, None
         if hasattr(layer, "linear_attn"):
             h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions,
                                         last, self.kernels)
@@ -593,6 +601,14 @@ def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> 
         rows, _, positions, _ = shape
         raise ValueError(f"the KV cache of {rows} rows x {positions} positions needs {needed / 2**30:.1f} GiB, "
                          f"{free / 2**30:.1f} GiB are free: lower the batch size or the prompt and answer lengths")
+
+
+def attention_module(layer: nn.Module) -> nn.Module | None:
+    """A decoder layer's attention module, or None (a Mamba, linear-attention, convolution, MLP or experts block):
+    `self_attn`, or Nemotron-H's `mixer` in its attention blocks."""
+    if hasattr(layer, "self_attn"):
+        return layer.self_attn
+    return layer.mixer if getattr(layer, "block_type", None) == "full_attention" else None
 
 
 def _sliding_window(config: Any, index: int) -> int | None:

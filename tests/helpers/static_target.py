@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -27,7 +28,21 @@ def tiny_target(arch: str) -> TargetModel:
     to, or the logits."""
     target = TargetModel(build_tiny_target(arch, 320, seed=1, **OVERRIDES.get(arch, {})), None)
     spread_sinks(target)
+    long_memory(target)
     return target
+
+
+def long_memory(target: TargetModel) -> None:
+    """Mamba-2 mixers that remember (decay 0.05 a unit time step, time steps near 0.7) and lean on their state
+    (skip 0.1): initialised as the models are (decay 1..heads, skip 1), a tiny mixer's state fades within a token
+    or two and its output is mostly the skip, so a state carried wrongly would change nothing a test sees."""
+    for layer in target.decoder_layers:
+        mixer = getattr(layer, "mixer", None)
+        if mixer is not None and hasattr(mixer, "ssm_state_size"):
+            with torch.no_grad():
+                mixer.A_log.fill_(math.log(0.05))
+                mixer.dt_bias.zero_()
+                mixer.D.fill_(0.1)
 
 
 def spread_sinks(target: TargetModel) -> None:

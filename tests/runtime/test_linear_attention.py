@@ -73,3 +73,28 @@ def test_a_step_longer_than_the_rings_is_refused_never_run_wrong() -> None:
     drafted = DecodeEngine(target, make_draft(target, 4), EngineConfig(block_size=4, max_length=32, kernels="torch"),
                            runner=shared)
     assert drafted.runner is shared and shared.step_tokens == 4
+
+
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "lfm2", "nemotron_h"])
+def test_a_verify_reads_the_state_its_row_carried(arch: str) -> None:
+    """After a prompt, a verify block's logits equal the model's full forward (`check_prefill_and_verify` checks
+    that per architecture); here, that they depend on what the rings carried: the same block after the rings are
+    wiped gives other logits. Without this the check above could pass on tiny targets whose state fades at once
+    (`tests/helpers/static_target.long_memory`)."""
+    from tests.helpers.static_target import tiny_target
+
+    target = tiny_target(arch)
+    runner = StaticTarget(target, batch_size=1, max_length=32, step_tokens=6)
+    ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = target.model(ids).logits[0, 9:14]
+    runner.forward(ids[:, :9], torch.arange(9)[None], logit_index=torch.tensor([8]))
+    carried = runner.forward(ids[:, 9:14], torch.arange(9, 14)[None]).logits[0]
+    torch.testing.assert_close(carried, reference, atol=1e-5, rtol=1e-4)
+    runner.forward(ids[:, :9], torch.arange(9)[None], logit_index=torch.tensor([8]))
+    for rings in runner.linear_states:
+        if rings is not None:
+            rings.states.zero_()
+            rings.inputs.zero_()
+    wiped = runner.forward(ids[:, 9:14], torch.arange(9, 14)[None]).logits[0]
+    assert (wiped - reference).abs().max() > 10 * 1e-5  # well past the tolerance the carried block meets
