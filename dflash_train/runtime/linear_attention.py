@@ -35,8 +35,9 @@ from dflash_train.kernels.gated_delta import fits as kernel_fits
 from dflash_train.kernels.gated_delta import gated_delta_triton
 
 # `config.layer_types` of the layers run on state rings: Gated DeltaNet and Nemotron-H's Mamba-2 (both
-# "linear_attention"), and LFM2's short convolution (which keeps only its convolution's inputs)
-LINEAR_LAYER_TYPES = ("linear_attention", "conv")
+# "linear_attention"), LFM2's short convolution (which keeps only its convolution's inputs), and Falcon-H1's
+# layers, Mamba-2 beside attention ("hybrid")
+LINEAR_LAYER_TYPES = ("linear_attention", "conv", "hybrid")
 
 
 def is_linear_layer(config: Any, index: int) -> bool:
@@ -45,9 +46,9 @@ def is_linear_layer(config: Any, index: int) -> bool:
 
 
 def token_mixer(layer: nn.Module) -> nn.Module:
-    """The ring-kept module of a decoder layer: Qwen3-Next's and Qwen3.5's `linear_attn`, Nemotron-H's `mixer`,
-    LFM2's `conv`."""
-    for name in ("linear_attn", "mixer", "conv"):
+    """The ring-kept module of a decoder layer: Qwen3-Next's and Qwen3.5's `linear_attn`, Falcon-H1's `mamba`,
+    Nemotron-H's `mixer`, LFM2's `conv`."""
+    for name in ("linear_attn", "mamba", "mixer", "conv"):
         if hasattr(layer, name):
             return getattr(layer, name)
     raise ValueError(f"{type(layer).__name__} has no linear-attention, Mamba or convolution module")
@@ -90,13 +91,17 @@ def _conv_channels(module: nn.Module) -> int:
 
 def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
                    rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
-    """A Mamba-2 mixer (Nemotron-H) on x [n, T, H] (after its block's norm), its rings used as a Gated DeltaNet
-    layer's (`gated_delta_forward`): the gate, the convolved x/B/C and the time step from one product; a step's
+    """A Mamba-2 mixer (Nemotron-H, Falcon-H1) on x [n, T, H] (after its block's norm), its rings used as a Gated
+    DeltaNet layer's (`gated_delta_forward`): the gate, the convolved x/B/C and the time step from one product (with
+    Falcon-H1's input multiplier and per-channel multipliers); a step's
     selective scan token by token as the model's decode step (`mamba2_selective_state_update`) computes it, a
     prompt's by the model's own chunked scan with padding given a zero time step (no decay, no input); the gated
-    group norm and the output projection."""
+    group norm (or Falcon-H1's plain SiLU gate where it has no norm) and the output projection."""
     n, t, _ = x.shape
-    gate, xbc, dt = module.in_proj(x).split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
+    projected = module.in_proj(x * getattr(module, "ssm_in_multiplier", 1.0))
+    if hasattr(module, "mup_vector"):
+        projected = projected * module.mup_vector
+    gate, xbc, dt = projected.split([module.intermediate_size, module.conv_dim, module.num_heads], dim=-1)
     xbc = _convolve(module.conv1d, xbc, inputs, rows, positions, last, activation=module.activation)
     groups_width = module.n_groups * module.ssm_state_size
     hidden, b, c = torch.split(xbc, [module.intermediate_size, groups_width, groups_width], dim=-1)
@@ -121,7 +126,8 @@ def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inp
                                 return_final_states=True)
         end = positions.gather(1, last[:, None])[:, 0]
         states[rows, end % step_tokens] = final.to(torch.float32)
-    out = module.norm(out.reshape(n, t, -1), gate)
+    out = out.reshape(n, t, -1)
+    out = module.norm(out, gate) if getattr(module, "mamba_rms_norm", True) else out * F.silu(gate)
     return module.out_proj(out.to(x.dtype))
 
 

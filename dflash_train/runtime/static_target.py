@@ -450,8 +450,13 @@ class StaticTarget:
         rows = self.all_rows if row_index is None else row_index
         last = self._last_kept(input_ids, positions, rows, logit_index)
         for index, layer in enumerate(self.fused or self.layers):
-            if (states := self.linear_states[index]) is not None:
+            if (states := self.linear_states[index]) is not None and self.keys[index].numel() == 0:
                 h, carry, layer_input = run_linear(layer, h, states.states, states.inputs, rows, positions, last)
+            elif states is not None:  # Falcon-H1: Mamba-2 beside attention in one layer
+                cache = _WriteCache(self, index, row_index, positions, kv_len)
+                h, carry, layer_input = run_linear(layer, h, states.states, states.inputs, rows, positions, last,
+                                                   position_embeddings[self.rope_keys[index]],
+                                                   masks[self.windows[index]], cache)
             else:
                 cache = _WriteCache(self, index, row_index, positions, kv_len)
                 h, carry, layer_input = run_layer(layer, h, carry, position_embeddings[self.rope_keys[index]],
@@ -526,11 +531,21 @@ class StaticTarget:
         return (out[0] if isinstance(out, tuple) else out), None, None
 
     def _linear_layer(self, layer: nn.Module, h: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
-                      rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> tuple[
+                      rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
+                      position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      mask: torch.Tensor | None = None, cache: _WriteCache | None = None) -> tuple[
                           torch.Tensor, None, None]:
         """A ring-kept decoder layer: its token mixer on our state rings (`linear_attention.py`), then its MLP or
         experts, both pre-norm with residuals, as the model's layer: Qwen3-Next's and Qwen3.5's Gated DeltaNet
         layers, or LFM2's short-convolution layers (their norms and MLP under other names)."""
+        if hasattr(layer, "mamba"):  # Falcon-H1: Mamba-2 and attention side by side on the same normed input
+            x = layer.input_layernorm(h)
+            ssm = mamba2_forward(layer.mamba, x, states, inputs, rows, positions, last) * layer.ssm_out_multiplier
+            attention, _ = layer.self_attn(hidden_states=x * layer.attention_in_multiplier, attention_mask=mask,
+                                           position_ids=positions, position_embeddings=position_embeddings,
+                                           use_cache=True, **{self.cache_arg: cache})
+            h = h + ssm + attention * layer.attn_out_multiplier
+            return h + layer.feed_forward(layer.pre_ff_layernorm(h)), None, None
         if hasattr(layer, "mixer"):  # Nemotron-H's Mamba-2 block: its mixer is its whole body
             x = layer.norm(h.to(layer.norm.weight.dtype))
             return h + mamba2_forward(layer.mixer, x, states, inputs, rows, positions, last), None, None

@@ -18,8 +18,9 @@ model's own forward around the layers, and is what an adapter here says:
 - `refuse`, `min_transformers_major`: configs or transformers versions the adapter does not match, which stay on
   the model's own forward and caches (`hf_target.py`).
 
-Layers of the config's types "linear_attention" (Gated DeltaNet, Nemotron-H's Mamba-2) and "conv" (LFM2's short
-convolution) are run by the runtime itself on its state rings (`linear_attention.py`), whatever the adapter.
+Layers of the config's types "linear_attention" (Gated DeltaNet, Nemotron-H's Mamba-2), "conv" (LFM2's short
+convolution) and "hybrid" (Falcon-H1's Mamba-2 beside attention) are run by the runtime itself on its state rings
+(`linear_attention.py`), whatever the adapter.
 
 The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
 `static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
@@ -115,6 +116,9 @@ ADAPTERS: dict[str, TargetAdapter] = {
     "lfm2": own_layers(final_norm="embedding_norm"),
     # Mamba-2 blocks on the state rings; attention (no RoPE), MLP and experts blocks as the model's own
     "nemotron_h": own_layers(final_norm="norm_f"),
+    # Mamba-2 beside attention in every layer, the ring-kept mixer and our cache both; µP multipliers in-layer
+    "falcon_h1": own_layers(embedding=partial(multiplied_by, "embedding_multiplier"),
+                            logits=partial(multiplied_by, "lm_head_multiplier"), final_norm="final_layernorm"),
 }
 
 # Rope types whose frequencies follow the longest position of the forward: in a batched step one row's RoPE

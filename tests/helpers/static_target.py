@@ -19,6 +19,10 @@ SMALL_SOFT_CAPS = {"attn_logit_softcapping": 0.05, "final_logit_softcapping": 0.
 OVERRIDES: dict[str, dict[str, Any]] = {
     "gpt_oss": SHORT_WINDOWS, "gemma2": SHORT_WINDOWS | SMALL_SOFT_CAPS, "gemma3_text": SHORT_WINDOWS,
     "cohere2": SHORT_WINDOWS, "exaone4": SHORT_WINDOWS,
+    # every µP multiplier away from 1, so that one the runtime dropped shows, and the Mamba output weighing enough
+    # in the logits that a state carried wrongly shows too
+    "falcon_h1": dict(attention_in_multiplier=0.5, attention_out_multiplier=1.5, ssm_in_multiplier=1.25,
+                      ssm_out_multiplier=4.0, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9, lm_head_multiplier=0.5),
 }
 
 
@@ -34,15 +38,17 @@ def tiny_target(arch: str) -> TargetModel:
 
 def long_memory(target: TargetModel) -> None:
     """Mamba-2 mixers that remember (decay 0.05 a unit time step, time steps near 0.7) and lean on their state
-    (skip 0.1): initialised as the models are (decay 1..heads, skip 1), a tiny mixer's state fades within a token
-    or two and its output is mostly the skip, so a state carried wrongly would change nothing a test sees."""
+    (skip 0.1, inputs four times larger): initialised as the models are (decay 1..heads, skip 1, small inputs), a
+    tiny mixer's state fades within a token or two and its output is mostly the skip, so a state carried wrongly
+    would change nothing a test sees."""
     for layer in target.decoder_layers:
-        mixer = getattr(layer, "mixer", None)
+        mixer = getattr(layer, "mixer", None) or getattr(layer, "mamba", None)  # Nemotron-H's, Falcon-H1's
         if mixer is not None and hasattr(mixer, "ssm_state_size"):
             with torch.no_grad():
                 mixer.A_log.fill_(math.log(0.05))
                 mixer.dt_bias.zero_()
                 mixer.D.fill_(0.1)
+                mixer.in_proj.weight.mul_(4.0)  # B, C and x of a size that makes the state's share of the output show
 
 
 def spread_sinks(target: TargetModel) -> None:

@@ -75,15 +75,19 @@ def test_a_step_longer_than_the_rings_is_refused_never_run_wrong() -> None:
     assert drafted.runner is shared and shared.step_tokens == 4
 
 
-@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5", "lfm2", "nemotron_h"])
-def test_a_verify_reads_the_state_its_row_carried(arch: str) -> None:
+@pytest.mark.parametrize(("arch", "overrides"), [("qwen3_next", {}), ("qwen3_5", {}), ("lfm2", {}),
+                                                ("nemotron_h", {}), ("falcon_h1", {}),
+                                                ("falcon_h1", {"mamba_rms_norm": True})])
+def test_a_verify_reads_the_state_its_row_carried(arch: str, overrides: dict[str, object]) -> None:
     """After a prompt, a verify block's logits equal the model's full forward (`check_prefill_and_verify` checks
     that per architecture); here, that they depend on what the rings carried: the same block after the rings are
     wiped gives other logits. Without this the check above could pass on tiny targets whose state fades at once
-    (`tests/helpers/static_target.long_memory`)."""
-    from tests.helpers.static_target import tiny_target
+    (`tests/helpers/static_target.long_memory`). Falcon-H1 with its multipliers away from 1, with and without
+    the gated norm of its Mamba output."""
+    from tests.helpers.static_target import OVERRIDES, long_memory
 
-    target = tiny_target(arch)
+    target = TargetModel(build_tiny_target(arch, 320, seed=1, **OVERRIDES.get(arch, {}), **overrides), None)
+    long_memory(target)
     runner = StaticTarget(target, batch_size=1, max_length=32, step_tokens=6)
     ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
