@@ -141,8 +141,8 @@ def static_attention(
     if sinks is not None or softcap is not None:
         out = _attention_reference(q, key, value, mask, scale, t, sinks=sinks, softcap=softcap)
     else:
-        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, D]
-    return out.reshape(b, heads, t, d).transpose(1, 2), None
+        out = F.scaled_dot_product_attention(q, key, value, attn_mask=mask, scale=scaling)  # [b, kv, g*T, Dv]
+    return out.reshape(b, heads, t, value.shape[-1]).transpose(1, 2), None
 
 
 def _check_arguments(kwargs: dict[str, Any]) -> None:
@@ -287,7 +287,15 @@ class StaticTarget:
         self.carry_norm_stats = carry_norm_stats
         self.prefetch_weights = prefetch_weights
         self.tuned_shapes = tuned_shapes(target.device)
-        shape = (batch_size, kv_heads, max_length, attn.head_dim)
+        self.same_head_dims = True  # the split-key kernel reads keys and values of one width
+        if not hasattr(attn, "kv_lora_rank"):
+            cache_heads, key_dim, value_dim = kv_heads, attn.head_dim, attn.head_dim
+        else:  # multi-head latent attention (DeepSeek-V3): the layer caches its latent
+            # and its RoPE key part, one head each, and expands them into every head's keys and values itself
+            cache_heads, key_dim, value_dim = 1, attn.kv_lora_rank, attn.qk_rope_head_dim
+            self.same_head_dims = attn.qk_head_dim == attn.v_head_dim
+        shape = (batch_size, cache_heads, max_length, key_dim)
+        value_shape = (batch_size, cache_heads, max_length, value_dim)
         device, dtype = target.device, target.dtype
         linear = [is_linear_layer(config, index) for index in range(len(self.layers))]
         # a KV cache for each attention layer only (not for linear-attention, Mamba, convolution or MLP blocks)
@@ -295,10 +303,11 @@ class StaticTarget:
         linear_bytes = sum(LinearStates.bytes_for(token_mixer(layer), batch_size, step_tokens, dtype)
                            for layer, is_linear in zip(self.layers, linear, strict=True) if is_linear)
         attention_layers = sum(cached)
-        _check_memory(2 * attention_layers * torch.Size(shape).numel() * dtype.itemsize + linear_bytes, device, shape)
+        kv_bytes = attention_layers * (torch.Size(shape).numel() + torch.Size(value_shape).numel()) * dtype.itemsize
+        _check_memory(kv_bytes + linear_bytes, device, shape)
         # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
         self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
-        self.values = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
+        self.values = [torch.zeros(value_shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
         self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
                               else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
@@ -377,7 +386,7 @@ class StaticTarget:
     def _masks(self, positions: torch.Tensor, kv_len: int) -> dict[int | None, torch.Tensor]:
         """One [n, 1, T, kv_len] bool mask per distinct sliding window (None = full causal), or on the
         Triton path one [n, 2, T] int32 bounds tensor per window."""
-        if self.kernels == "triton" and fits(self.heads, self.kv_heads, positions.shape[1]):
+        if self.kernels == "triton" and self.same_head_dims and fits(self.heads, self.kv_heads, positions.shape[1]):
             return {window: bounds_from_positions(positions, window) for window in dict.fromkeys(self.windows)}
         slots, query = self.slots[None, None, :kv_len], positions[:, :, None]
         masks = {}

@@ -117,6 +117,8 @@ ADAPTERS: dict[str, TargetAdapter] = {
     # Mamba-2 blocks on the state rings; attention (no RoPE), MLP and experts blocks as the model's own
     "nemotron_h": own_layers(final_norm="norm_f"),
     # Mamba-2 beside attention in every layer, the ring-kept mixer and our cache both; µP multipliers in-layer
+    # multi-head latent attention: keys and values decompressed by its own layer, cached at their own head dims
+    "deepseek_v3": own_layers(),
     "falcon_h1": own_layers(embedding=partial(multiplied_by, "embedding_multiplier"),
                             logits=partial(multiplied_by, "lm_head_multiplier"), final_norm="final_layernorm"),
 }

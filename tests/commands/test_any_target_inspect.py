@@ -14,7 +14,7 @@ from tests.helpers.tiny_targets import TINY_TARGET_FAMILIES, TINY_TARGETS, build
 STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss", "glm4_moe",
                   "phi3", "olmo2", "granite", "smollm3", "gemma2", "gemma3_text", "cohere2", "exaone4",
                   "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "nemotron_h",
-                  "falcon_h1")
+                  "falcon_h1", "deepseek_v3", "deepseek_v3_yarn")
 
 
 @pytest.mark.parametrize("name", TINY_TARGETS)

@@ -21,6 +21,7 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "cohere2": SHORT_WINDOWS, "exaone4": SHORT_WINDOWS,
     # every µP multiplier away from 1, so that one the runtime dropped shows, and the Mamba output weighing enough
     # in the logits that a state carried wrongly shows too
+    "deepseek_v3": {"v_head_dim": 12},  # values narrower than keys, as DeepSeek-V3's (128 against 192)
     "falcon_h1": dict(attention_in_multiplier=0.5, attention_out_multiplier=1.5, ssm_in_multiplier=1.25,
                       ssm_out_multiplier=4.0, mlp_multipliers=[0.8, 1.2], key_multiplier=0.9, lm_head_multiplier=0.5),
 }

@@ -35,8 +35,13 @@ OWN_LAYERS_ON_THE_STATIC_RUNTIME = ("phi3", "olmo2", "granite", "smollm3", "gemm
 # (`linear_attention.py`).
 GATED_DELTANET = ("qwen3_next", "qwen3_5", "qwen3_5_moe")
 RING_KEPT = (*GATED_DELTANET, "lfm2", "nemotron_h", "falcon_h1")
+# Multi-head latent attention: the layer's compressed latent and RoPE key cached at positions, one head each.
+MLA = ("deepseek_v3", "deepseek_v3_yarn")
 ON_THE_STATIC_RUNTIME = ("llama", "qwen2", "qwen3", "qwen3_yarn", "mistral", "qwen3_moe", "mixtral", "gpt_oss",
-                         "glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME, *RING_KEPT)
+                         "glm4_moe", *OWN_LAYERS_ON_THE_STATIC_RUNTIME, *RING_KEPT, *MLA)
+
+
+DYNAMIC_ROPE = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}  # refused by the static runtime
 
 
 def tiny(name: str) -> TargetModel:
@@ -106,14 +111,16 @@ def test_static_runner_commits_the_targets_greedy_tokens_and_features(name: str)
 
 
 def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, kernels: str = "torch",
-                                       new_tokens: int = NEW_TOKENS) -> OracleEngine:
+                                       new_tokens: int = NEW_TOKENS, own_forward: bool = False) -> OracleEngine:
     """Drafts from the target's own continuation with deterministic errors: every output is HF `generate`'s,
-    through cycles that accept from 1 to B tokens. Returns the engine, for its runner."""
+    through cycles that accept from 1 to B tokens. Returns the engine, for its runner. `own_forward`: on the
+    target's own forward and caches (`HFCacheTarget`) whatever `make_runner` would pick."""
     batch = [prompt_of(9, 1), prompt_of(14, 2)][:batch_size]
     continuations = [greedy(target, p, new_tokens + BLOCK) for p in batch]
     config = EngineConfig(batch_size=batch_size, block_size=BLOCK, max_new_tokens=new_tokens, max_length=64,
                           kernels=kernels)
-    engine = OracleEngine(target, make_draft(target, block_size=BLOCK).to(target.device), config)
+    runner = HFCacheTarget(target, batch_size, config.max_length) if own_forward else None
+    engine = OracleEngine(target, make_draft(target, block_size=BLOCK).to(target.device), config, runner=runner)
     engine.continuation = torch.tensor(continuations, device=target.device)
     engine.prompt_lengths = torch.tensor([len(p) for p in batch], device=target.device)
     outputs, _ = engine.generate(batch)
@@ -123,13 +130,28 @@ def assert_oracle_decoding_is_lossless(target: TargetModel, batch_size: int, ker
     return engine
 
 
-@pytest.mark.parametrize("name", ["deepseek_v3"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_next", "falcon_h1", "lfm2"])
 @pytest.mark.parametrize("batch_size", [1, 2])
-def test_engine_is_lossless_on_targets_the_static_runner_does_not_run(name: str, batch_size: int) -> None:
-    target = tiny(name)
-    assert not supports(target)
-    engine = assert_oracle_decoding_is_lossless(target, batch_size)
+def test_engine_is_lossless_on_the_targets_own_forward(name: str, batch_size: int) -> None:
+    """The path of configs the static runtime refuses (and of transformers 4), on a family of each rollback:
+    cut back (latent attention), replayed (linear attention, Mamba, convolutions)."""
+    engine = assert_oracle_decoding_is_lossless(tiny(name), batch_size, own_forward=True)
     assert isinstance(engine.runner, HFCacheTarget) and not engine.uses_compile
+
+
+@pytest.mark.parametrize("name", MLA)
+@pytest.mark.parametrize("batch_size", [1, 2])
+def test_the_static_runtime_runs_latent_attention_losslessly(name: str, batch_size: int) -> None:
+    """DeepSeek-V3 (and with YaRN): the layer's own MLA on our cache, holding its latent and RoPE key (one head
+    each) at positions, experts as its own block; decoding equals HF `generate`."""
+    target = tiny(name)
+    assert supports(target)
+    engine = assert_oracle_decoding_is_lossless(target, batch_size)
+    assert isinstance(engine.runner, StaticTarget)
+    attention = target.decoder_layers[0].self_attn
+    assert engine.runner.keys[0].shape[1:] == (1, 64, attention.kv_lora_rank)
+    assert engine.runner.values[0].shape[1:] == (1, 64, attention.qk_rope_head_dim)
+    assert engine.runner.compare_with_hf(prompt_of(9, 1))["max_abs_logit_diff"] < 1e-4
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss"])
@@ -219,17 +241,17 @@ def test_a_random_drafter_decodes_a_hybrid_target_losslessly() -> None:
 def test_the_fallback_is_said_once_per_architecture(caplog: pytest.LogCaptureFixture,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(engine_module, "_announced", set())
-    target = tiny("deepseek_v3")
+    target = TargetModel(build_tiny_target("llama", VOCAB, rope_parameters=DYNAMIC_ROPE), None)
     config = EngineConfig(batch_size=1, block_size=4, max_new_tokens=4, max_length=32, kernels="torch")
     with caplog.at_level("WARNING"):
         make_runner(target, config, "torch")
         make_runner(target, config, "torch")
     said = [r.getMessage() for r in caplog.records if "does not run" in r.getMessage()]
-    assert len(said) == 1 and "'deepseek_v3'" in said[0]
+    assert len(said) == 1 and "'llama'" in said[0]
 
 
 @pytest.mark.parametrize(("name", "overrides", "why"), [
-    ("llama", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}},
+    ("llama", {"rope_parameters": DYNAMIC_ROPE},
      "the step's longest position"),
     ("gemma3_text", {"use_bidirectional_attention": True}, "bidirectional"),
 ])

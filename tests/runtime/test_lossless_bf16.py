@@ -423,7 +423,7 @@ def test_gpu_rows_depend_on_the_launch_shape_only_with_carried_norm_statistics(a
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen3", "mistral", "gemma2", "cohere2", "qwen3_5", "qwen3_next", "lfm2",
-                                  "nemotron_h"])
+                                  "nemotron_h", "falcon_h1", "deepseek_v3"])
 @pytest.mark.parametrize("batch_size", [1, 8])
 def test_gpu_drafted_bf16_output_equals_the_verify_shaped_baseline(arch: str, batch_size: int) -> None:
     """Triton kernels, torch.compile and CUDA graphs, both engines on one runner as in the evaluation; gemma2 and

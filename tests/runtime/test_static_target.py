@@ -20,7 +20,7 @@ def test_prefill_and_verify_match_the_full_forward(arch: str, fuse_projections: 
 
 OWN_LAYERS = ("phi3", "olmo2", "granite", "smollm3", "glm4_moe", "gemma2", "gemma3_text", "cohere2", "exaone4",
               "qwen3_next", "qwen3_5", "qwen3_5_moe", "lfm2", "nemotron_h",
-              "falcon_h1")
+              "falcon_h1", "deepseek_v3")
 
 
 @pytest.mark.parametrize("arch", OWN_LAYERS)
