@@ -53,7 +53,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, GptOssConfig, PretrainedConfig, Qwen3MoeConfig, Qwen3NextConfig
+from transformers import (
+    AutoModelForCausalLM,
+    DeepseekV3Config,
+    GptOssConfig,
+    PretrainedConfig,
+    Qwen3MoeConfig,
+    Qwen3NextConfig,
+)
 
 from benchmarks.common import median, results_directory, time_calls, write_result
 from benchmarks.decode_timing import default_dtype
@@ -91,6 +98,15 @@ TINY_MOE: dict[str, Any] = dict(
     num_experts=8, num_experts_per_tok=2, moe_intermediate_size=128, intermediate_size=128, vocab_size=512,
     max_position_embeddings=4096, norm_topk_prob=True,
     rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0}, tie_word_embeddings=False)
+# DeepSeek-V3's architecture (latent attention, shared and routed experts, the first layer dense) at a size one card
+# holds whole: 27 layers, 64 routed experts of which 6 active, 2 shared
+MOONLIGHT_16B_A3B: dict[str, Any] = dict(
+    num_hidden_layers=27, hidden_size=2048, intermediate_size=11264, num_attention_heads=16, num_key_value_heads=16,
+    q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+    n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408, first_k_dense_replace=1,
+    n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
+    max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+    rope_parameters={"rope_type": "default", "rope_theta": 50_000.0})
 TINY_HYBRID: dict[str, Any] = QWEN3_NEXT_80B_A3B | dict(
     num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -101,6 +117,7 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any], bool]] = {
     "qwen3-30b-a3b": (Qwen3MoeConfig, QWEN3_30B_A3B, False),
     "gpt-oss-20b": (GptOssConfig, GPT_OSS_20B, False),
     "qwen3-next-80b-a3b": (Qwen3NextConfig, QWEN3_NEXT_80B_A3B, False),
+    "moonlight-16b-a3b": (DeepseekV3Config, MOONLIGHT_16B_A3B, False),
     "tiny-moe": (Qwen3MoeConfig, TINY_MOE, True),
     "tiny-hybrid": (Qwen3NextConfig, TINY_HYBRID, True)}
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
