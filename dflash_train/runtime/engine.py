@@ -47,7 +47,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -156,7 +156,9 @@ class DecodeEngine:
         # the drafted run's own call (same arguments, same compiled graph), or the compiler may fuse it apart.
         self.layer_ids = list(draft.config.target_layer_ids) if uses_draft else []
         if runner is None or runner.batch_size != config.batch_size or runner.max_length < config.max_length:
-            runner = make_runner(target, config, self.kernels)
+            # the rings keep as many states a row as this engine verifies tokens (one without a drafter)
+            runner = make_runner(target, replace(config, runner_step_tokens=config.runner_step_tokens or self.block_size),
+                                 self.kernels)
         if getattr(runner, "step_tokens", self.block_size) < self.block_size:  # a shared runner's state rings
             raise ValueError(f"the runner's linear-attention states take back steps of {runner.step_tokens} tokens, "
                              f"this engine verifies blocks of {self.block_size}: build the runner's engine with "

@@ -623,8 +623,9 @@ def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> 
     free, _ = torch.cuda.mem_get_info(device)
     if needed > MEMORY_HEADROOM * free:
         rows, _, positions, _ = shape
-        raise ValueError(f"the KV cache of {rows} rows x {positions} positions needs {needed / 2**30:.1f} GiB, "
-                         f"{free / 2**30:.1f} GiB are free: lower the batch size or the prompt and answer lengths")
+        raise ValueError(f"the caches of {rows} rows x {positions} positions (KV cache and linear-attention states) "
+                         f"need {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: lower the batch size or the "
+                         "prompt and answer lengths")
 
 
 def attention_module(layer: nn.Module) -> nn.Module | None:

@@ -73,6 +73,9 @@ def test_a_step_longer_than_the_rings_is_refused_never_run_wrong() -> None:
     drafted = DecodeEngine(target, make_draft(target, 4), EngineConfig(block_size=4, max_length=32, kernels="torch"),
                            runner=shared)
     assert drafted.runner is shared and shared.step_tokens == 4
+    # without a drafter an engine verifies one token a step: its rings keep one state a row, whatever the block
+    alone = DecodeEngine(target, None, EngineConfig(block_size=16, max_length=32, kernels="torch"))
+    assert alone.runner.step_tokens == 1
 
 
 @pytest.mark.parametrize(("arch", "overrides"), [("qwen3_next", {}), ("qwen3_5", {}), ("lfm2", {}),
