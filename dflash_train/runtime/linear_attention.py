@@ -16,9 +16,10 @@ state cannot give back. Instead each row keeps, per layer:
   positions p - kernel + 1 .. p - 1 from here, zeros before position 0.
 
 Steps of at most S tokens run the recurrence token by token, as the model's own decode step does, keeping every
-intermediate state (with kernels="triton", in one launch: `kernels/gated_delta.py`); prompts run the model's
-own chunked rule (`torch_chunk_gated_delta_rule` of its modeling module) with padding made inert (no decay, no
-write), so the final state is the state after each row's last real token.
+intermediate state (with kernels="triton", in one launch: `kernels/gated_delta.py`, and Mamba-2's scan
+`kernels/mamba_scan.py`); prompts run the model's own chunked rule (`torch_chunk_gated_delta_rule` of its
+modeling module) with padding made inert (no decay, no write), so the final state is the state after each row's
+last real token.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ from transformers.activations import ACT2FN
 
 from dflash_train.kernels.gated_delta import fits as kernel_fits
 from dflash_train.kernels.gated_delta import gated_delta_triton
+from dflash_train.kernels.mamba_scan import fits as scan_fits
+from dflash_train.kernels.mamba_scan import mamba_scan_triton
 
 # `config.layer_types` of the layers run on state rings: Gated DeltaNet and Nemotron-H's Mamba-2 (both
 # "linear_attention"), LFM2's short convolution (which keeps only its convolution's inputs), and Falcon-H1's
@@ -90,13 +93,15 @@ def _conv_channels(module: nn.Module) -> int:
 
 
 def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inputs: torch.Tensor,
-                   rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+                   rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor | None,
+                   kernels: str = "torch") -> torch.Tensor:
     """A Mamba-2 mixer (Nemotron-H, Falcon-H1) on x [n, T, H] (after its block's norm), its rings used as a Gated
     DeltaNet layer's (`gated_delta_forward`): the gate, the convolved x/B/C and the time step from one product (with
     Falcon-H1's input multiplier and per-channel multipliers); a step's
     selective scan token by token as the model's decode step (`mamba2_selective_state_update`) computes it, a
     prompt's by the model's own chunked scan with padding given a zero time step (no decay, no input); the gated
-    group norm (or Falcon-H1's plain SiLU gate where it has no norm) and the output projection."""
+    group norm (or Falcon-H1's plain SiLU gate where it has no norm) and the output projection. `kernels`
+    "triton": a step's scan in one launch (`kernels/mamba_scan.py`) where it fits."""
     n, t, _ = x.shape
     projected = module.in_proj(x * getattr(module, "ssm_in_multiplier", 1.0))
     if hasattr(module, "mup_vector"):
@@ -114,7 +119,8 @@ def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inp
     previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
     dt = F.softplus(dt + module.dt_bias.to(dt.dtype))
     if last is None:
-        out, each = selective_scan_steps(hidden, dt, a, b, c, module.D, previous)
+        step = mamba_scan_triton if kernels == "triton" and scan_fits(hidden, b) else selective_scan_steps
+        out, each = step(hidden, dt, a, b, c, module.D, previous)
         out = out.to(x.dtype)  # the model's decode step hands its norm the model's dtype
         states[rows[:, None], positions % step_tokens] = each
     else:

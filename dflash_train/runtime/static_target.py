@@ -549,7 +549,8 @@ class StaticTarget:
         layers, or LFM2's short-convolution layers (their norms and MLP under other names)."""
         if hasattr(layer, "mamba"):  # Falcon-H1: Mamba-2 and attention side by side on the same normed input
             x = layer.input_layernorm(h)
-            ssm = mamba2_forward(layer.mamba, x, states, inputs, rows, positions, last) * layer.ssm_out_multiplier
+            ssm = mamba2_forward(layer.mamba, x, states, inputs, rows, positions, last, self.kernels)
+            ssm = ssm * layer.ssm_out_multiplier
             attention, _ = layer.self_attn(hidden_states=x * layer.attention_in_multiplier, attention_mask=mask,
                                            position_ids=positions, position_embeddings=position_embeddings,
                                            use_cache=True, **{self.cache_arg: cache})
@@ -557,7 +558,7 @@ class StaticTarget:
             return h + layer.feed_forward(layer.pre_ff_layernorm(h)), None, None
         if hasattr(layer, "mixer"):  # Nemotron-H's Mamba-2 block: its mixer is its whole body
             x = layer.norm(h.to(layer.norm.weight.dtype))
-            return h + mamba2_forward(layer.mixer, x, states, inputs, rows, positions, last), None, None
+            return h + mamba2_forward(layer.mixer, x, states, inputs, rows, positions, last, self.kernels), None, None
         if hasattr(layer, "linear_attn"):
             h = h + gated_delta_forward(layer.linear_attn, layer.input_layernorm(h), states, inputs, rows, positions,
                                         last, self.kernels)
