@@ -110,6 +110,8 @@ def decode_router_forward(router: nn.Module, hidden_states: torch.Tensor) -> tup
 
 def kernel_takes(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor) -> bool:
     """Whether this call is one the kernel reproduces: a few tokens, no gradient, on a device it runs on."""
+    if not getattr(module, "has_gate", False) or not hasattr(module, "gate_up_proj"):  # ungated experts (Nemotron-H's
+        return False  # squared ReLU on up alone): the kernel folds a gate into the up product, so they stay the model's
     on_device = hidden_states.is_cuda or (hidden_states.device.type == "cpu" and interpreter_ready())
     pairs, experts = top_k_index.numel(), module.gate_up_proj.shape[0]
     return (on_device and fits(pairs, experts, bool(module.is_transposed)) and module.has_gate

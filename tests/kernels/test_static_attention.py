@@ -232,12 +232,14 @@ def test_kernel_reads_no_slot_past_the_last_visible_one() -> None:
 
 
 @kernels_here
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "mistral", "qwen3_moe", "gpt_oss", "gemma3_text", "qwen3_5",
+                                  "nemotron_h", "falcon_h1"])
 def test_static_target_on_the_kernel_matches_the_full_forward(arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The target runner with kernels="triton" (prefill of some rows, then a verify block per row at
     different positions; a sliding window for mistral, gpt_oss and gemma3_text) against the model's own forward:
     every attention of the runner on the kernel, gpt_oss's with its sink logits, gemma3_text's from its own
-    layers (their scale, local and global rotary embeddings)."""
+    layers (their scale, local and global rotary embeddings); the hybrids' steps on the Gated DeltaNet and
+    Mamba-2 kernels beside it (Nemotron-H's ungated experts left to the model's own code)."""
     from dflash_train.runtime import static_target
     from tests.helpers.static_target import check_prefill_and_verify
 

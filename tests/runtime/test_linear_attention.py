@@ -105,3 +105,14 @@ def test_a_verify_reads_the_state_its_row_carried(arch: str, overrides: dict[str
             rings.inputs.zero_()
     wiped = runner.forward(ids[:, 9:14], torch.arange(9, 14)[None]).logits[0]
     assert (wiped - reference).abs().max() > 10 * 1e-5  # well past the tolerance the carried block meets
+
+
+def test_ungated_experts_stay_on_the_models_own_code() -> None:
+    """Nemotron-H's experts have no gate (squared ReLU on up alone) and no gate_up_proj: the decode-experts
+    kernel, which folds a gate into its up product, must decline them rather than fail on the missing weight."""
+    from dflash_train.runtime.experts import kernel_takes
+
+    target = TargetModel(build_tiny_target("nemotron_h", 256), None)
+    experts = next(module for module in target.model.modules() if type(module).__name__ == "NemotronHExperts")
+    tokens = torch.zeros(2, 64)
+    assert not kernel_takes(experts, tokens, torch.zeros(2, 2, dtype=torch.long))
