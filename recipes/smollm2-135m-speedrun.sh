@@ -89,6 +89,11 @@
 #                   prompts, so the code, math and ShareGPT chats get all the steps, and loops cut to two
 #                   copies; empty: none; maxlen512 and noself both lost on MT-Bench τ, docs/results.md). Their
 #                   held-out τ̂ is on their own version of the held-out chats (same prompts): judge them by decoded τ
+#   ABLATION_REGEN  the ablate stage's answer variants, "name:regenerate flags;...": the same prompts answered again
+#                   with those flags (after the stage's own) for ABLATION_REGEN_MINUTES (default REGEN_MINUTES, so at
+#                   equal target-minutes of data) into $OUT/regen-NAME, prepared into $OUT/prepared-NAME, one run of the
+#                   baseline recipe on each (default empty; e.g. "sampled:--samples-per-prompt 2 --temperature 0.7":
+#                   a sampled answer beside each greedy one, for drafters served at a temperature)
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_DRAFT      a drafter folder (a checkpoint's draft/ or an export) the eval stage evaluates, exports and
 #                   checks in place of the main run's: one trained on another machine and copied here, when the
@@ -139,6 +144,8 @@ CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
 ABLATION_DATA=${ABLATION_DATA-maxlen512:--max-length 512;noself:--exclude-source self-prompts;trim_loops:--trim-loops}
+ABLATION_REGEN=${ABLATION_REGEN:-}
+ABLATION_REGEN_MINUTES=${ABLATION_REGEN_MINUTES:-$REGEN_MINUTES}
 ABLATION_MINUTES=${ABLATION_MINUTES:-3}
 ABLATION_EVAL_PROMPTS=${ABLATION_EVAL_PROMPTS:-20}
 EVAL_TEMPERATURES=${EVAL_TEMPERATURES:-0}
@@ -175,7 +182,7 @@ done
 tr ',' '\n' <<< "$EVAL_TEMPERATURES" | awk '$1 == 0 { found = 1 } END { exit !found }' || {
   echo "EVAL_TEMPERATURES must include 0 (the run's own figures and its exact check), not '$EVAL_TEMPERATURES'" >&2
   exit 2; }
-for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES; do
+for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES ABLATION_REGEN_MINUTES; do
   [[ "${!minutes}" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$minutes must be a number of minutes, not '${!minutes}'" >&2; exit 2; }
 done
 [[ -z "$TRAIN_MINUTES" || "$TRAIN_MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]] || {
@@ -312,9 +319,11 @@ prepare() {
 }
 
 prepare_into() {  # output directory, more prepare flags: the regenerated answers as training chats, once
-  local partial=() sets=(--data "$OUT/regen")
+  # ANSWERS: the regeneration to prepare (default $OUT/regen; an ABLATION_REGEN variant's $OUT/regen-NAME)
+  local answers=${ANSWERS:-$OUT/regen} partial=()
+  local sets=(--data "$answers")
   [[ -f "$1/dflash_data.json" ]] && return 0
-  [[ -f "$OUT/regen.budget-spent" ]] && partial=(--allow-unfinished)
+  [[ -f "$answers.budget-spent" ]] && partial=(--allow-unfinished)
   [[ -z "$CHATS" ]] || sets+=(--data "$OUT/regen-chat")
   # The caller's flags last: a data variant's --max-length overrides MAX_LENGTH.
   run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" --max-length "$MAX_LENGTH" \
@@ -419,6 +428,14 @@ ablate() {
     TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-${entry%%:*}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
     ablation_eval "ablation-${entry%%:*}"
   done
+  IFS=';' read -ra entries <<< "$ABLATION_REGEN"
+  for entry in "${entries[@]}"; do  # answer variants: the baseline recipe on the prompts answered another way
+    # shellcheck disable=SC2086  # the entry's flags are a list
+    regen_variant "${entry%%:*}" ${entry#*:}
+    ANSWERS="$OUT/regen-${entry%%:*}" prepare_into "$OUT/prepared-${entry%%:*}"
+    TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-${entry%%:*}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
+    ablation_eval "ablation-${entry%%:*}"
+  done
   # The table is kept as $OUT/ablations.md too: a time-limited call's log may keep only its last lines.
   run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \
     | tee "$OUT/ablations.md"
@@ -429,6 +446,24 @@ ablate() {
     run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --evals "$OUT/eval" --temperature "$temperature" \
       | tee -a "$OUT/ablations.md"
   done
+}
+
+regen_variant() {  # name, more regenerate flags: the prompts answered again into $OUT/regen-NAME, once, for
+  # ABLATION_REGEN_MINUTES (a call cut short starts its minutes again: keep the variants to calls that hold them)
+  local out="$OUT/regen-$1" loops=() seconds
+  [[ -f "$out.done" || -f "$out.budget-spent" ]] && return 0
+  [[ "$STOP_LOOPS" == 1 ]] && loops=(--stop-loops)
+  seconds=$(awk -v minutes="$ABLATION_REGEN_MINUTES" 'BEGIN { printf "%d", minutes * 60 }')
+  # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
+  on_every_gpu timeout --foreground "${seconds}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
+    --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
+    --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA "${@:2}" --out "$out" || {
+    local code=$?
+    [[ $code == 124 ]] || return $code
+    echo "regeneration of $1 stopped after ABLATION_REGEN_MINUTES=$ABLATION_REGEN_MINUTES: training on its shards" >&2
+    touch "$out.budget-spent"
+  }
+  [[ -f "$out.budget-spent" ]] || touch "$out.done"
 }
 
 ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main run shows), unless switched off

@@ -564,3 +564,34 @@ def test_an_ablation_of_the_objective_at_a_temperature_reaches_the_training_conf
     base = configs["ablation-base"].training
     assert (base.loss, base.loss_temperature, base.distill_weight) == ("kl", 1.0, 1.0)
     assert configs["ablation-ce"].training.loss == "ce" and not configs["ablation-ce"].training.reads_target_distribution
+
+
+def test_answer_variants_are_regenerated_prepared_and_trained_on_at_equal_minutes(tmp_path: pathlib.Path) -> None:
+    """ABLATION_REGEN: the same prompts answered again with other regenerate flags (a sampled answer beside each
+    greedy one), for REGEN_MINUTES unless ABLATION_REGEN_MINUTES says otherwise, into their own folder; prepared
+    from there and trained on by the baseline recipe; a finished variant is not regenerated again."""
+    run, bin_dir = tmp_path / "run", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "timeout").write_text(TIMEOUT_SHIM)
+    (bin_dir / "timeout").chmod(0o755)
+    settings = dict(ABLATIONS="", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="0", REGEN_MINUTES="2.5",
+                    ABLATION_REGEN="sampled:--samples-per-prompt 2 --temperature 0.7")
+    calls = [c.split() for c in run_stage("ablate", tmp_path, **settings)]
+    assert [c for c in calls if c[0] == "timeout"] == [["timeout", "150s"]]  # the base data's minutes
+    regens = [args for args in calls if "regenerate" in args]
+    assert len(regens) == 1 and regens[0][regens[0].index("--out") + 1] == str(run / "regen-sampled")
+    assert regens[0][regens[0].index("--samples-per-prompt") + 1] == "2"
+    assert regens[0][regens[0].index("--data") + 1] == str(run / "prompts.jsonl")
+    prepares = [args for args in calls if "prepare" in args]
+    assert [p[p.index("--data") + 1] for p in prepares] == [str(run / "regen-sampled")]
+    assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-sampled")
+    trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
+    assert [next(a for a in t if a.startswith("training.output_dir=")).rsplit("/", 1)[-1] for t in trains] == [
+        "ablation-base", "ablation-sampled"]
+    assert [a for a in trains[1] if a.startswith("data.prepared=")][-1] == f"data.prepared={run}/prepared-sampled"
+    assert (run / "regen-sampled.done").exists()
+    again = run_stage("ablate", tmp_path, **settings)
+    assert not [c for c in again if " regenerate " in f" {c} "]
+    (run / "regen-sampled.done").unlink()
+    shorter = run_stage("ablate", tmp_path, **settings, ABLATION_REGEN_MINUTES="1")
+    assert [c for c in shorter if c.startswith("timeout")] == ["timeout 60s"]
