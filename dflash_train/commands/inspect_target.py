@@ -12,9 +12,11 @@ import argparse
 
 from dflash_train.commands.data_args import add_target_argument, positive_int
 from dflash_train.models import DFlashConfig
-from dflash_train.runtime.static_target import supports
-from dflash_train.target import choose_mask_token, load_target
+from dflash_train.runtime.static_target import cache_layout, supports
+from dflash_train.target import TargetModel, choose_mask_token, load_target
 from dflash_train.target.architecture import architecture, packing_problem
+
+CACHE_POSITIONS = 4096  # the context `inspect` sizes a row's cache at
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -22,6 +24,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-draft-layers", type=positive_int, default=5)
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--mask-token", default=None, help="explicit mask token id or string")
+
+
+def decode_path(target: TargetModel) -> str:
+    """Which runner decodes this target, and on the static runtime what a row's caches take (the figure to size
+    `--batch-size` by): its KV caches at 4,096 positions and its state rings for a verify block of 16."""
+    if not supports(target):
+        return "the model's own forward and caches (exact, slower)"
+    layout = cache_layout(target)
+    kept = {"KV cache": any(layout.cached), "state rings": any(layout.ring_kept)}
+    per_row = layout.bytes_per_row(target, CACHE_POSITIONS, 16) / 2**20
+    return (f"static-cache runtime ({' and '.join(name for name, used in kept.items() if used)}: "
+            f"{per_row:,.1f} MiB a row at {CACHE_POSITIONS:,} positions)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
         ("layers / hidden / vocab rows", f"{target.num_layers} / {target.hidden_size} / {target.vocab_size}"),
         ("tied embeddings", str(target.embeddings_tied)),
         ("decoder layers", arch.summary),
-        ("decode path", "static-cache runtime" if supports(target)
-         else "the model's own forward and caches (exact, slower)"),
+        ("decode path", decode_path(target)),
         ("packed training rows", f"refused: {problem}" if (problem := packing_problem(arch)) else "exact"),
         ("target_layer_ids", str(config.target_layer_ids)),
         ("mask token", f"{choice.id} {choice.token!r} (rule: {choice.rule})"),

@@ -274,7 +274,6 @@ class StaticTarget:
         self.target, self.base, self.text_config = target, target.model.get_decoder(), config
         self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
         self.layers = target.decoder_layers
-        attn = next(module for layer in self.layers if (module := attention_module(layer)) is not None)
         kv_heads = config.num_key_value_heads
         self.heads, self.kv_heads = config.num_attention_heads, kv_heads
         self.decode_experts = decode_experts
@@ -287,24 +286,13 @@ class StaticTarget:
         self.carry_norm_stats = carry_norm_stats
         self.prefetch_weights = prefetch_weights
         self.tuned_shapes = tuned_shapes(target.device)
-        self.same_head_dims = True  # the split-key kernel reads keys and values of one width
-        if not hasattr(attn, "kv_lora_rank"):
-            cache_heads, key_dim, value_dim = kv_heads, attn.head_dim, attn.head_dim
-        else:  # multi-head latent attention (DeepSeek-V3): the layer caches its latent
-            # and its RoPE key part, one head each, and expands them into every head's keys and values itself
-            cache_heads, key_dim, value_dim = 1, attn.kv_lora_rank, attn.qk_rope_head_dim
-            self.same_head_dims = attn.qk_head_dim == attn.v_head_dim
-        shape = (batch_size, cache_heads, max_length, key_dim)
-        value_shape = (batch_size, cache_heads, max_length, value_dim)
+        layout = cache_layout(target)
+        self.same_head_dims = layout.same_head_dims  # the split-key kernel reads keys and values of one width
+        shape = (batch_size, layout.cache_heads, max_length, layout.key_dim)
+        value_shape = (batch_size, layout.cache_heads, max_length, layout.value_dim)
         device, dtype = target.device, target.dtype
-        linear = [is_linear_layer(config, index) for index in range(len(self.layers))]
-        # a KV cache for each attention layer only (not for linear-attention, Mamba, convolution or MLP blocks)
-        cached = [attention_module(layer) is not None for layer in self.layers]
-        linear_bytes = sum(LinearStates.bytes_for(token_mixer(layer), batch_size, step_tokens, dtype)
-                           for layer, is_linear in zip(self.layers, linear, strict=True) if is_linear)
-        attention_layers = sum(cached)
-        kv_bytes = attention_layers * (torch.Size(shape).numel() + torch.Size(value_shape).numel()) * dtype.itemsize
-        _check_memory(kv_bytes + linear_bytes, device, shape)
+        linear, cached = layout.ring_kept, layout.cached
+        _check_memory(batch_size * layout.bytes_per_row(target, max_length, step_tokens), device, shape)
         # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
         self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
         self.values = [torch.zeros(value_shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
@@ -627,6 +615,39 @@ def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> 
         raise ValueError(f"the caches of {rows} rows x {positions} positions (KV cache and linear-attention states) "
                          f"need {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: lower the batch size or the "
                          "prompt and answer lengths")
+
+
+@dataclass(frozen=True)
+class CacheLayout:
+    """What the runtime keeps per row for a target: a KV cache of `cache_heads` x (`key_dim`, `value_dim`) per
+    position for each layer in `cached`, and state rings (`linear_attention.py`) for each layer in `ring_kept`."""
+
+    cache_heads: int
+    key_dim: int
+    value_dim: int
+    same_head_dims: bool  # of the keys and values the attention reads (MLA expands its cache to other widths)
+    cached: list[bool]
+    ring_kept: list[bool]
+
+    def bytes_per_row(self, target: TargetModel, positions: int, step_tokens: int) -> int:
+        """One row's cache bytes: the KV caches at `positions`, and the rings for steps of `step_tokens`."""
+        kv = sum(self.cached) * self.cache_heads * positions * (self.key_dim + self.value_dim) * target.dtype.itemsize
+        rings = sum(LinearStates.bytes_for(token_mixer(layer), 1, step_tokens, target.dtype)
+                    for layer, kept in zip(target.decoder_layers, self.ring_kept, strict=True) if kept)
+        return kv + rings
+
+
+def cache_layout(target: TargetModel) -> CacheLayout:
+    """The runtime's caches for this target (`CacheLayout`), known from its config and modules alone."""
+    config, layers = target.config.get_text_config(), target.decoder_layers
+    attn = next(module for layer in layers if (module := attention_module(layer)) is not None)
+    cached = [attention_module(layer) is not None for layer in layers]
+    ring_kept = [is_linear_layer(config, index) for index in range(len(layers))]
+    if hasattr(attn, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3): the layer caches its latent
+        # and its RoPE key part, one head each, and expands them into every head's keys and values itself
+        return CacheLayout(1, attn.kv_lora_rank, attn.qk_rope_head_dim, attn.qk_head_dim == attn.v_head_dim,
+                           cached, ring_kept)
+    return CacheLayout(config.num_key_value_heads, attn.head_dim, attn.head_dim, True, cached, ring_kept)
 
 
 def attention_module(layer: nn.Module) -> nn.Module | None:

@@ -28,8 +28,13 @@ def test_inspect_names_the_layer_mix_the_decode_path_and_packing(
     kinds = lines["decoder layers"].strip()
     assert kinds[0] in "1234" and any(kind in kinds for kind in ("attention", "conv", "hybrid"))
     fast = name in STATIC_RUNTIME
-    assert lines["decode path"].strip() == ("static-cache runtime" if fast else
-                                            "the model's own forward and caches (exact, slower)")
+    path = lines["decode path"].strip()
+    if fast:  # what a row keeps, and how much: a KV cache, state rings (hybrids), or both
+        assert path.startswith("static-cache runtime (") and "MiB a row at 4,096 positions" in path
+        assert ("state rings" in path) == (name in TINY_TARGET_FAMILIES["hybrid"])
+        assert "KV cache" in path  # every tiny target has attention layers
+    else:
+        assert path == "the model's own forward and caches (exact, slower)"
     recurrent = name in TINY_TARGET_FAMILIES["hybrid"]
     assert lines["packed training rows"].strip().startswith("refused" if recurrent else "exact")
     if name in TINY_TARGET_FAMILIES["moe"]:

@@ -116,3 +116,14 @@ def test_ungated_experts_stay_on_the_models_own_code() -> None:
     experts = next(module for module in target.model.modules() if type(module).__name__ == "NemotronHExperts")
     tokens = torch.zeros(2, 64)
     assert not kernel_takes(experts, tokens, torch.zeros(2, 2, dtype=torch.long))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_5", "nemotron_h", "falcon_h1", "deepseek_v3", "gpt_oss"])
+def test_the_cache_layout_counts_what_the_runner_allocates(arch: str) -> None:
+    """`inspect` sizes a row's caches from the layout alone (`cache_layout`); the runner's allocated tensors
+    (`cache_bytes`) are the reference: KV caches of attention layers only, MLA's latent, the rings."""
+    from dflash_train.runtime.static_target import cache_layout
+
+    target = TargetModel(build_tiny_target(arch, 256), None)
+    runner = StaticTarget(target, batch_size=2, max_length=32, step_tokens=6)
+    assert runner.cache_bytes() == 2 * cache_layout(target).bytes_per_row(target, 32, 6)
