@@ -273,3 +273,19 @@ def test_adapters_written_for_transformers_5_refuse_older_modeling_code(monkeypa
 
     monkeypatch.setattr(target_adapters, "TRANSFORMERS_MAJOR", 4)
     assert not supports(tiny("gemma2")) and not supports(tiny("glm4_moe")) and supports(tiny("llama"))
+
+
+def test_qwen3_5_as_published_decodes_on_the_static_runtime() -> None:
+    """Qwen3.5 checkpoints are published as image-text models (`Qwen3_5ForConditionalGeneration`): the runtime
+    runs their language model (its multimodal RoPE given text positions, its linear-attention layers on the
+    rings), losslessly, and its logits match the whole model's forward."""
+    from transformers import AutoModelForImageTextToText, Qwen3_5Config
+
+    text = build_tiny_target("qwen3_5", VOCAB).config.to_dict()
+    vision = dict(depth=1, hidden_size=32, num_heads=2, intermediate_size=64, out_hidden_size=64)
+    torch.manual_seed(0)
+    model = AutoModelForImageTextToText.from_config(Qwen3_5Config(text_config=text, vision_config=vision)).eval()
+    target = TargetModel(model, None)
+    engine = assert_oracle_decoding_is_lossless(target, 2)
+    assert isinstance(engine.runner, StaticTarget)
+    assert engine.runner.compare_with_hf(prompt_of(12, 4))["max_abs_logit_diff"] < 1e-4
