@@ -127,3 +127,21 @@ def test_the_cache_layout_counts_what_the_runner_allocates(arch: str) -> None:
     target = TargetModel(build_tiny_target(arch, 256), None)
     runner = StaticTarget(target, batch_size=2, max_length=32, step_tokens=6)
     assert runner.cache_bytes() == 2 * cache_layout(target).bytes_per_row(target, 32, 6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["qwen3_5", "nemotron_h", "falcon_h1", "deepseek_v3"])
+def test_the_compiled_step_equals_the_eager_one(arch: str) -> None:
+    """torch.compile of the runner's layers (compile scope "layer", as the engine compiles its cycle) over the
+    rings, the Mamba-2 blocks and the latent cache: two verify blocks after a prompt give the eager forward's
+    logits, so nothing in these layers breaks the graph into another computation (inductor on CPU here)."""
+    target = TargetModel(build_tiny_target(arch, 256), None)
+    ids = torch.randint(10, 200, (2, 15), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for compiled in (False, True):
+        runner = StaticTarget(target, batch_size=2, max_length=32, step_tokens=6)
+        runner.forward(ids[:, :8], torch.arange(8).expand(2, 8), logit_index=torch.tensor([7, 7]))
+        logits.append([runner.forward(ids[:, start:start + 6], torch.arange(start, start + 6).expand(2, 6),
+                                      compiled=compiled, compile_scope="layer").logits for start in (8, 9)])
+    for eager, compiled in zip(*logits, strict=True):
+        torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-4)
