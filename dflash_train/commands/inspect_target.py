@@ -12,7 +12,8 @@ import argparse
 
 from dflash_train.commands.data_args import add_target_argument, positive_int
 from dflash_train.models import DFlashConfig
-from dflash_train.runtime.static_target import cache_layout, supports
+from dflash_train.runtime.cache_layout import cache_layout
+from dflash_train.runtime.static_target import supports
 from dflash_train.target import TargetModel, choose_mask_token, load_target
 from dflash_train.target.architecture import architecture, packing_problem
 

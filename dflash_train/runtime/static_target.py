@@ -64,13 +64,13 @@ from dflash_train.kernels.static_attention import (
     fits,
     static_attention_triton,
 )
+from dflash_train.runtime.cache_layout import cache_layout, check_memory, sliding_window
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
 from dflash_train.runtime.linear_attention import (
     LinearStates,
     gated_delta_forward,
-    is_linear_layer,
     mamba2_forward,
     short_conv_forward,
     token_mixer,
@@ -83,7 +83,6 @@ SKINNY_MATMULS = ("off", "tuned", "all")  # StaticTarget(skinny_matmul=...)
 
 SUPPORTED_MODEL_TYPES = tuple(ADAPTERS)
 ATTENTION_NAME = "dflash_static"
-MEMORY_HEADROOM = 0.9  # share of the free device memory the caches may take
 
 
 def model_type(target: TargetModel) -> str:
@@ -292,7 +291,7 @@ class StaticTarget:
         value_shape = (batch_size, layout.cache_heads, max_length, layout.value_dim)
         device, dtype = target.device, target.dtype
         linear, cached = layout.ring_kept, layout.cached
-        _check_memory(batch_size * layout.bytes_per_row(target, max_length, step_tokens), device, shape)
+        check_memory(batch_size * layout.bytes_per_row(target, max_length, step_tokens), device, shape)
         # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
         self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
         self.values = [torch.zeros(value_shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
@@ -302,7 +301,7 @@ class StaticTarget:
         self.all_rows = torch.arange(batch_size, device=device)
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
-        self.windows = [_sliding_window(config, index) for index in range(len(self.layers))]
+        self.windows = [sliding_window(config, index) for index in range(len(self.layers))]
         # the key of each layer's cos/sin in what `_rotary` returns (Gemma-3: its layer type)
         self.rope_keys = [config.layer_types[i] if self.adapter.rope_by_layer_type else None
                           for i in range(len(self.layers))]
@@ -603,66 +602,3 @@ class StaticTarget:
 
 def _compile(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
     return torch.compile(fn, dynamic=False, options=dict(options) or None)
-
-
-def _check_memory(needed: int, device: torch.device, shape: tuple[int, ...]) -> None:
-    """A clear error before allocating caches that cannot fit, instead of an out-of-memory traceback."""
-    if device.type != "cuda":
-        return
-    free, _ = torch.cuda.mem_get_info(device)
-    if needed > MEMORY_HEADROOM * free:
-        rows, _, positions, _ = shape
-        raise ValueError(f"the caches of {rows} rows x {positions} positions (KV cache and linear-attention states) "
-                         f"need {needed / 2**30:.1f} GiB, {free / 2**30:.1f} GiB are free: lower the batch size or the "
-                         "prompt and answer lengths")
-
-
-@dataclass(frozen=True)
-class CacheLayout:
-    """What the runtime keeps per row for a target: a KV cache of `cache_heads` x (`key_dim`, `value_dim`) per
-    position for each layer in `cached`, and state rings (`linear_attention.py`) for each layer in `ring_kept`."""
-
-    cache_heads: int
-    key_dim: int
-    value_dim: int
-    same_head_dims: bool  # of the keys and values the attention reads (MLA expands its cache to other widths)
-    cached: list[bool]
-    ring_kept: list[bool]
-
-    def bytes_per_row(self, target: TargetModel, positions: int, step_tokens: int) -> int:
-        """One row's cache bytes: the KV caches at `positions`, and the rings for steps of `step_tokens`."""
-        kv = sum(self.cached) * self.cache_heads * positions * (self.key_dim + self.value_dim) * target.dtype.itemsize
-        rings = sum(LinearStates.bytes_for(token_mixer(layer), 1, step_tokens, target.dtype)
-                    for layer, kept in zip(target.decoder_layers, self.ring_kept, strict=True) if kept)
-        return kv + rings
-
-
-def cache_layout(target: TargetModel) -> CacheLayout:
-    """The runtime's caches for this target (`CacheLayout`), known from its config and modules alone."""
-    config, layers = target.config.get_text_config(), target.decoder_layers
-    attn = next(module for layer in layers if (module := attention_module(layer)) is not None)
-    cached = [attention_module(layer) is not None for layer in layers]
-    ring_kept = [is_linear_layer(config, index) for index in range(len(layers))]
-    if hasattr(attn, "kv_lora_rank"):  # multi-head latent attention (DeepSeek-V3): the layer caches its latent
-        # and its RoPE key part, one head each, and expands them into every head's keys and values itself
-        return CacheLayout(1, attn.kv_lora_rank, attn.qk_rope_head_dim, attn.qk_head_dim == attn.v_head_dim,
-                           cached, ring_kept)
-    return CacheLayout(config.num_key_value_heads, attn.head_dim, attn.head_dim, True, cached, ring_kept)
-
-
-def attention_module(layer: nn.Module) -> nn.Module | None:
-    """A decoder layer's attention module, or None (a Mamba, linear-attention, convolution, MLP or experts block):
-    `self_attn`, or Nemotron-H's `mixer` in its attention blocks."""
-    if hasattr(layer, "self_attn"):
-        return layer.self_attn
-    return layer.mixer if getattr(layer, "block_type", None) == "full_attention" else None
-
-
-def _sliding_window(config: Any, index: int) -> int | None:
-    """Layer `index`'s sliding window as the model's forward builds its masks: by the config's layer types where
-    it has them (a "sliding_attention" layer gets the config's window), else the config's window for every layer
-    (Mistral, Phi-3). Not the attention module's attribute: EXAONE-4's full layers keep one they do not use."""
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is None:
-        return getattr(config, "sliding_window", None)
-    return config.sliding_window if layer_types[index] == "sliding_attention" else None

@@ -122,7 +122,7 @@ def test_ungated_experts_stay_on_the_models_own_code() -> None:
 def test_the_cache_layout_counts_what_the_runner_allocates(arch: str) -> None:
     """`inspect` sizes a row's caches from the layout alone (`cache_layout`); the runner's allocated tensors
     (`cache_bytes`) are the reference: KV caches of attention layers only, MLA's latent, the rings."""
-    from dflash_train.runtime.static_target import cache_layout
+    from dflash_train.runtime.cache_layout import cache_layout
 
     target = TargetModel(build_tiny_target(arch, 256), None)
     runner = StaticTarget(target, batch_size=2, max_length=32, step_tokens=6)
