@@ -115,8 +115,7 @@ def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inp
     c = c.reshape(n, t, module.n_groups, module.ssm_state_size)
     a = -torch.exp(module.A_log.float())
     step_tokens, start = states.shape[1], positions[:, 0]
-    previous = states[rows, (start - 1) % step_tokens]  # [n, heads, head_dim, state]
-    previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
+    previous = carried_state(states, rows, start)
     dt = F.softplus(dt + module.dt_bias.to(dt.dtype))
     if last is None:
         step = mamba_scan_triton if kernels == "triton" and scan_fits(hidden, b) else selective_scan_steps
@@ -130,8 +129,7 @@ def mamba2_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor, inp
         chunk_scan = sys.modules[type(module).__module__].mamba2_chunk_scan  # the model's own
         out, final = chunk_scan(hidden, dt, a, b, c, chunk_size=module.chunk_size, D=module.D, initial_states=previous,
                                 return_final_states=True)
-        end = positions.gather(1, last[:, None])[:, 0]
-        states[rows, end % step_tokens] = final.to(torch.float32)
+        keep_final_state(states, rows, positions, last, final)
     out = out.reshape(n, t, -1)
     out = module.norm(out, gate) if getattr(module, "mamba_rms_norm", True) else out * F.silu(gate)
     return module.out_proj(out.to(x.dtype))
@@ -184,8 +182,7 @@ def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor
     beta = b.sigmoid()
     g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
     start = positions[:, 0]
-    previous = states[rows, (start - 1) % step_tokens]  # [n, Hv, dk, dv]
-    previous = torch.where((start > 0)[:, None, None, None], previous, torch.zeros_like(previous))
+    previous = carried_state(states, rows, start)
     if last is None:
         step = gated_delta_triton if kernels == "triton" and kernel_fits(q, v) else recurrent_rule
         out, each = step(q, k, v, g, beta, previous)
@@ -196,8 +193,7 @@ def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor
         chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule  # the model's own
         out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=previous, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True)
-        end = positions.gather(1, last[:, None])[:, 0]
-        states[rows, end % step_tokens] = final.to(torch.float32)
+        keep_final_state(states, rows, positions, last, final)
     out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
     return module.out_proj(out.reshape(n, t, -1))
 
@@ -212,6 +208,21 @@ def _projections(module: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, ...]
         return mixed, z, b, a
     z = module.in_proj_z(x).reshape(n, t, -1, module.head_v_dim)
     return module.in_proj_qkv(x), z, module.in_proj_b(x), module.in_proj_a(x)
+
+
+def carried_state(states: torch.Tensor, rows: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """The state each row carries into a forward starting at `start` [n]: its ring's slot for start - 1, or zeros
+    for a row starting at position 0."""
+    previous = states[rows, (start - 1) % states.shape[1]]
+    return torch.where((start > 0).reshape(-1, *[1] * (previous.dim() - 1)), previous, torch.zeros_like(previous))
+
+
+def keep_final_state(states: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor, last: torch.Tensor,
+                     final: torch.Tensor) -> None:
+    """A prompt's state after each row's last real token (`last` [n]), at that token's slot: the one state of a
+    prompt a later forward may start from."""
+    end = positions.gather(1, last[:, None])[:, 0]
+    states[rows, end % states.shape[1]] = final.to(torch.float32)
 
 
 def _convolve(conv: nn.Conv1d, mixed: torch.Tensor, inputs: torch.Tensor, rows: torch.Tensor,
