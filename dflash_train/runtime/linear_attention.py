@@ -191,6 +191,9 @@ def gated_delta_forward(module: nn.Module, x: torch.Tensor, states: torch.Tensor
         real = torch.arange(t, device=x.device)[None] <= last[:, None]  # [n, T]
         beta, g = beta * real[..., None], g * real[..., None]  # padding: state passes through unchanged
         chunk_rule = sys.modules[type(module).__module__].torch_chunk_gated_delta_rule  # the model's own
+        groups = v.shape[2] // k.shape[2]
+        if groups > 1:  # the layer's own forward repeats q/k for the value heads before the rule in some versions
+            q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
         out, final = chunk_rule(q, k, v, g=g, beta=beta, initial_state=previous, output_final_state=True,
                                 use_qk_l2norm_in_kernel=True)
         keep_final_state(states, rows, positions, last, final)

@@ -504,6 +504,10 @@ class StaticTarget:
         per layer type where the model has a rotary embedding per type (Gemma-3's local and global)."""
         if not hasattr(self.base, "rotary_emb"):  # no position embedding at all (Nemotron-H's attention)
             return {None: None}
+        if hasattr(self.base.rotary_emb, "mrope_section"):
+            # Qwen3.5's multimodal rotary takes a position per grid axis (all three the text position here); some
+            # transformers versions broadcast a [b, T] tensor to that, others index a third axis that must exist
+            positions = positions[None].expand(3, -1, -1)
         if not self.adapter.rope_by_layer_type:
             return {None: self.base.rotary_emb(h, positions)}
         return {kind: self.base.rotary_emb(h, positions, kind) for kind in dict.fromkeys(self.rope_keys)}

@@ -11,14 +11,15 @@ from dflash_train.target import TargetModel, resolve_mask_token_id
 PROMPT_LENGTHS = (11, 6, 15, 9, 4)
 
 
-def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0, layers: int = 2) -> DFlashDraftModel:
+def make_draft(target: TargetModel, block_size: int = 16, seed: int = 0, layers: int = 2,
+               target_layer_ids: list[int] | None = None) -> DFlashDraftModel:
     torch.manual_seed(seed)
     # a target built without a tokenizer (tests/helpers/static_target.tiny_target) gets the last row: any row
     # works for a random drafter, and the resolver needs a tokenizer to choose one
     mask_id = (target.vocab_size - 1 if target.tokenizer is None
                else resolve_mask_token_id(target.tokenizer, target.vocab_size))
     config = DFlashConfig.from_target_config(target.config, mask_token_id=mask_id, num_hidden_layers=layers,
-                                             block_size=block_size)
+                                             block_size=block_size, target_layer_ids=target_layer_ids)
     return DFlashDraftModel(config).eval()
 
 

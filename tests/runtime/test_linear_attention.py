@@ -107,6 +107,41 @@ def test_a_verify_reads_the_state_its_row_carried(arch: str, overrides: dict[str
     assert (wiped - reference).abs().max() > 10 * 1e-5  # well past the tolerance the carried block meets
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5"])
+def test_the_runner_asks_no_more_of_the_models_code_than_every_transformers_version_gives(
+        arch: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Some transformers versions' chunked delta rule takes q/k with as many heads as v (the layer repeats them
+    first), and Qwen3.5's rotary embedding indexes a grid axis a [b, T] position tensor lacks: with the model's
+    code held to those stricter contracts, a prompt and a verify still equal the model's own forward."""
+    import sys
+
+    target = TargetModel(build_tiny_target(arch, 256, seed=1), None)
+    ids = torch.randint(10, 200, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = target.model(ids).logits[0, 8:12]
+    module = sys.modules[type(target.model).__module__]
+    own_rule = module.torch_chunk_gated_delta_rule
+
+    def equal_heads_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: object) -> object:
+        assert q.shape[2] == k.shape[2] == v.shape[2], "q/k not repeated for the value heads"
+        return own_rule(q, k, v, **kwargs)
+
+    monkeypatch.setattr(module, "torch_chunk_gated_delta_rule", equal_heads_rule)
+    rotary = target.model.model.rotary_emb
+    if hasattr(rotary, "mrope_section"):
+        own_forward = rotary.forward
+
+        def grid_positions_only(x: torch.Tensor, position_ids: torch.Tensor) -> object:
+            assert position_ids.dim() == 3, "positions without their grid axis"
+            return own_forward(x, position_ids)
+
+        monkeypatch.setattr(rotary, "forward", grid_positions_only)
+    runner = StaticTarget(target, batch_size=1, max_length=32, step_tokens=4)
+    runner.forward(ids[:, :8], torch.arange(8)[None], logit_index=torch.tensor([7]))
+    verify = runner.forward(ids[:, 8:12], torch.arange(8, 12)[None]).logits[0]
+    torch.testing.assert_close(verify, reference, atol=1e-5, rtol=1e-4)
+
+
 def test_ungated_experts_stay_on_the_models_own_code() -> None:
     """Nemotron-H's experts have no gate (squared ReLU on up alone) and no gate_up_proj: the decode-experts
     kernel, which folds a gate into its up product, must decline them rather than fail on the missing weight."""
