@@ -92,8 +92,11 @@
 #   ABLATION_REGEN  the ablate stage's answer variants, "name:regenerate flags;...": the same prompts answered again
 #                   with those flags (after the stage's own) for ABLATION_REGEN_MINUTES (default REGEN_MINUTES, so at
 #                   equal target-minutes of data) into $OUT/regen-NAME, prepared into $OUT/prepared-NAME, one run of the
-#                   baseline recipe on each (default empty; e.g. "sampled:--samples-per-prompt 2 --temperature 0.7":
-#                   a sampled answer beside each greedy one, for drafters served at a temperature)
+#                   baseline recipe on each (default empty; e.g. "sampled:--samples-per-prompt 2 --temperature 1.0":
+#                   two sampled answers a prompt instead of the greedy one, for drafters served at a temperature).
+#                   A name ending in + ("mixed+:--temperature 1.0") prepares the variant's answers beside the
+#                   stage's own greedy ones ($OUT/prepared-mixed, run ablation-mixed): a mix that costs the
+#                   variant's minutes on top of REGEN_MINUTES (set ABLATION_REGEN_MINUTES for the share)
 #   REGEN_EXTRA, EVAL_EXTRA   more flags for regenerate and for the bf16 eval (e.g. "--kernels torch")
 #   EVAL_DRAFT      a drafter folder (a checkpoint's draft/ or an export) the eval stage evaluates, exports and
 #                   checks in place of the main run's: one trained on another machine and copied here, when the
@@ -319,11 +322,14 @@ prepare() {
 }
 
 prepare_into() {  # output directory, more prepare flags: the regenerated answers as training chats, once
-  # ANSWERS: the regeneration to prepare (default $OUT/regen; an ABLATION_REGEN variant's $OUT/regen-NAME)
-  local answers=${ANSWERS:-$OUT/regen} partial=()
-  local sets=(--data "$answers")
+  # ANSWERS: the regenerations to prepare (default $OUT/regen; an ABLATION_REGEN variant's $OUT/regen-NAME)
+  # (several, space-separated: prepared together)
+  local answers partial=() sets=()
   [[ -f "$1/dflash_data.json" ]] && return 0
-  [[ -f "$answers.budget-spent" ]] && partial=(--allow-unfinished)
+  for answers in ${ANSWERS:-$OUT/regen}; do
+    sets+=(--data "$answers")
+    [[ -f "$answers.budget-spent" ]] && partial=(--allow-unfinished)
+  done
   [[ -z "$CHATS" ]] || sets+=(--data "$OUT/regen-chat")
   # The caller's flags last: a data variant's --max-length overrides MAX_LENGTH.
   run "${DFLASH[@]}" prepare --target "$TARGET" "${sets[@]}" "${partial[@]}" --max-length "$MAX_LENGTH" \
@@ -429,12 +435,15 @@ ablate() {
     ablation_eval "ablation-${entry%%:*}"
   done
   IFS=';' read -ra entries <<< "$ABLATION_REGEN"
+  local name answers
   for entry in "${entries[@]}"; do  # answer variants: the baseline recipe on the prompts answered another way
+    name=${entry%%:*} answers=
+    [[ "$name" == *+ ]] && name=${name%+} answers="$OUT/regen"  # beside the stage's own answers
     # shellcheck disable=SC2086  # the entry's flags are a list
-    regen_variant "${entry%%:*}" ${entry#*:}
-    ANSWERS="$OUT/regen-${entry%%:*}" prepare_into "$OUT/prepared-${entry%%:*}"
-    TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-${entry%%:*}" train_run "ablation-${entry%%:*}" "$ABLATION_MINUTES"
-    ablation_eval "ablation-${entry%%:*}"
+    regen_variant "$name" ${entry#*:}
+    ANSWERS="$answers $OUT/regen-$name" prepare_into "$OUT/prepared-$name"
+    TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-$name" train_run "ablation-$name" "$ABLATION_MINUTES"
+    ablation_eval "ablation-$name"
   done
   # The table is kept as $OUT/ablations.md too: a time-limited call's log may keep only its last lines.
   run python3 -m recipes.scoring.compare "$OUT"/train/ablation-* --plot "$OUT/ablations.png" --evals "$OUT/eval" \

@@ -567,8 +567,8 @@ def test_an_ablation_of_the_objective_at_a_temperature_reaches_the_training_conf
 
 
 def test_answer_variants_are_regenerated_prepared_and_trained_on_at_equal_minutes(tmp_path: pathlib.Path) -> None:
-    """ABLATION_REGEN: the same prompts answered again with other regenerate flags (a sampled answer beside each
-    greedy one), for REGEN_MINUTES unless ABLATION_REGEN_MINUTES says otherwise, into their own folder; prepared
+    """ABLATION_REGEN: the same prompts answered again with other regenerate flags (two sampled answers instead of
+    the greedy one), for REGEN_MINUTES unless ABLATION_REGEN_MINUTES says otherwise, into their own folder; prepared
     from there and trained on by the baseline recipe; a finished variant is not regenerated again."""
     run, bin_dir = tmp_path / "run", tmp_path / "bin"
     bin_dir.mkdir()
@@ -595,3 +595,25 @@ def test_answer_variants_are_regenerated_prepared_and_trained_on_at_equal_minute
     (run / "regen-sampled.done").unlink()
     shorter = run_stage("ablate", tmp_path, **settings, ABLATION_REGEN_MINUTES="1")
     assert [c for c in shorter if c.startswith("timeout")] == ["timeout 60s"]
+
+
+def test_an_answer_variant_named_with_a_plus_is_prepared_beside_the_greedy_answers(tmp_path: pathlib.Path) -> None:
+    """"mixed+:flags": the variant's answers and the stage's own greedy ones prepared together into
+    prepared-mixed (run ablation-mixed), the variant regenerated for ABLATION_REGEN_MINUTES on top."""
+    run, bin_dir = tmp_path / "run", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "timeout").write_text(TIMEOUT_SHIM)
+    (bin_dir / "timeout").chmod(0o755)
+    calls = [c.split() for c in run_stage("ablate", tmp_path, ABLATIONS="", ABLATION_DATA="", ABLATION_EVAL_PROMPTS="0",
+                                          REGEN_MINUTES="2.5", ABLATION_REGEN_MINUTES="1.25",
+                                          ABLATION_REGEN="mixed+:--temperature 1.0")]
+    assert [c for c in calls if c[0] == "timeout"] == [["timeout", "75s"]]
+    regens = [args for args in calls if "regenerate" in args]
+    assert len(regens) == 1 and regens[0][regens[0].index("--out") + 1] == str(run / "regen-mixed")
+    prepares = [args for args in calls if "prepare" in args]
+    assert [[p[i + 1] for i, a in enumerate(p) if a == "--data"] for p in prepares] == [
+        [str(run / "regen"), str(run / "regen-mixed")]]
+    assert prepares[0][prepares[0].index("--out") + 1] == str(run / "prepared-mixed")
+    trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
+    assert [a for a in trains[1] if a.startswith("data.prepared=")][-1] == f"data.prepared={run}/prepared-mixed"
+    assert any(a.endswith("/ablation-mixed") for a in trains[1])
