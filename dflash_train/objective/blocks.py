@@ -39,6 +39,10 @@ class Blocks:
     num_sequences: int | None = None
     # Flat indices [P] of the query rows with a label, in row-major order; None: found on demand.
     supervised_rows: torch.Tensor | None = None
+    # Static shapes (`padded`): which of supervised_rows are real [P] (False: a padding entry, a copy of the
+    # first index, which weighs nothing), and how many are.
+    real_rows: torch.Tensor | None = None
+    num_real_rows: int | None = None
 
     def supervised_index(self) -> torch.Tensor:
         """[P] flat indices into the [b, N*B] query rows of those with a label. Counting them on a GPU is a host
@@ -49,6 +53,20 @@ class Blocks:
 
     def with_supervised_rows(self) -> Blocks:
         return dataclasses.replace(self, supervised_rows=self.supervised_index())
+
+    def padded(self, rows: int, sequences: int) -> Blocks:
+        """The same blocks with `rows` supervised-row entries and room for `sequences` chats, whatever this
+        batch holds, so that every step has the same shapes (a captured step replays them; objective.py gives
+        the padding entries no weight, no hit and no count)."""
+        index = self.supervised_index()
+        count = index.numel()
+        if count > rows:
+            raise ValueError(f"{count} supervised rows do not fit a capacity of {rows}")
+        filler = index[:1] if count else index.new_zeros(1)
+        real = torch.arange(rows, device=index.device) < count
+        chats = self.num_sequences if self.sequence is None else max(sequences, self.num_sequences or 0)
+        return dataclasses.replace(self, supervised_rows=torch.cat([index, filler.expand(rows - count)]),
+                                   real_rows=real, num_real_rows=count, num_sequences=chats)
 
     def to(self, device: torch.device, non_blocking: bool = False) -> Blocks:
         """The same blocks on `device` (from pinned host memory the copies do not block the host)."""

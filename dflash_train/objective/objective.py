@@ -190,24 +190,30 @@ class DFlashObjective:
         # the device to count its rows (a host sync in the middle of the step), and blocks built on the host
         # bring the indices with them (`Blocks.supervised_rows`).
         rows_index = blocks.supervised_index()  # [P]
+        real = blocks.real_rows  # [P] bool with padding entries (`Blocks.padded`), else None: every row real
         slots = blocks.slots.expand_as(blocks.labels)
         rows = hidden.flatten(0, 1)[rows_index]  # [P, H]: the head never sees unsupervised rows
         labels, row_slots = blocks.labels.flatten()[rows_index], slots.flatten()[rows_index]
+        if real is not None:  # a batch without supervised rows pads with row 0, whose label is ignored: any token
+            labels = labels.clamp_min(0)
         teacher = None
         if teacher_states is not None:  # the target predicts token p from its state at p - 1 (row indices)
             batch_row = rows_index // blocks.labels.shape[1]
             teacher = teacher_states[batch_row, blocks.token_index.flatten()[rows_index] - 1]
+        counted = torch.ones_like(labels, dtype=torch.float32) if real is None else real.float()
         row_loss, row_ce, correct = self._row_losses(rows, head_weight, labels, teacher)
+        correct = correct.float() * counted
         # D-PACE reads the label's CE (its weights are the drafter's probability of the label), whatever the loss.
-        weighted = row_loss * self.row_weights(row_ce, blocks, rows_index)
+        weighted = row_loss * self.row_weights(row_ce, blocks, rows_index, counted)
         loss = weighted.sum()
         zeros = torch.zeros(self.block_size, device=hidden.device)
-        slot_correct = zeros.index_add(0, row_slots, correct.float())
-        slot_count = zeros.index_add(0, row_slots, torch.ones_like(correct, dtype=torch.float32))
+        slot_correct = zeros.index_add(0, row_slots, correct)
+        slot_count = zeros.index_add(0, row_slots, counted)
         sequence, num_sequences = self._sequences(blocks)
-        per_sequence = self._per_sequence(weighted.detach(), correct, sequence.flatten()[rows_index], row_slots,
-                                          num_sequences)
-        return ObjectiveOutput(loss, slot_correct, slot_count, int(rows_index.numel()), *per_sequence)
+        per_sequence = self._per_sequence(weighted.detach(), correct, counted, sequence.flatten()[rows_index],
+                                          row_slots, num_sequences)
+        supervised = int(rows_index.numel()) if blocks.num_real_rows is None else blocks.num_real_rows
+        return ObjectiveOutput(loss, slot_correct, slot_count, supervised, *per_sequence)
 
     @property
     def distils(self) -> bool:
@@ -230,38 +236,45 @@ class DFlashObjective:
         return chunked_distillation_rows(rows, head_weight, labels, teacher, self.distillation, self.chunk_rows)
 
     def _per_sequence(
-        self, weighted: torch.Tensor, correct: torch.Tensor, sequence: torch.Tensor, slots: torch.Tensor, n: int
+        self, weighted: torch.Tensor, correct: torch.Tensor, counted: torch.Tensor, sequence: torch.Tensor,
+        slots: torch.Tensor, n: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each sequence's own loss [n] and its slot hits and counts [n, B], from the supervised rows' weighted
-        CE, top-1 hits, sequences and slots [P]. The row weights divide every sequence's loss by the number of
-        sequences with supervised rows (the loss is their mean), which is multiplied back here."""
+        CE, top-1 hits, counts (0 for padding) sequences and slots [P]. The row weights divide every sequence's
+        loss by the number of sequences with supervised rows (the loss is their mean), multiplied back here."""
         cells = sequence * self.block_size + slots
         zeros = torch.zeros(n * self.block_size, device=weighted.device)
-        hits = zeros.index_add(0, cells, correct.float()).view(n, self.block_size)
-        counts = zeros.index_add(0, cells, torch.ones_like(weighted)).view(n, self.block_size)
+        hits = zeros.index_add(0, cells, correct).view(n, self.block_size)
+        counts = zeros.index_add(0, cells, counted).view(n, self.block_size)
         present = (counts.sum(1) > 0).sum()
         losses = torch.zeros(n, device=weighted.device).index_add(0, sequence, weighted) * present
         return losses, hits, counts
 
-    def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, rows_index: torch.Tensor) -> torch.Tensor:
+    def row_weights(self, row_ce: torch.Tensor, blocks: Blocks, rows_index: torch.Tensor,
+                    counted: torch.Tensor | None = None) -> torch.Tensor:
         """Weights [P] of the supervised rows (flat indices `rows_index` into the query rows; no gradient flows
-        through them): the loss is sum_r w_r·CE_r, a mean over the batch's sequences of each sequence's own loss."""
+        through them): the loss is sum_r w_r·CE_r, a mean over the batch's sequences of each sequence's own loss.
+        `counted` [P]: 0 for padding entries (`Blocks.padded`), which weigh nothing."""
+        counted = torch.ones_like(row_ce) if counted is None else counted
         sequence, num_sequences = self._sequences(blocks)
         row_sequence = sequence.flatten()[rows_index]
         if self.position_weighting == "decay":  # each sequence's decay-weighted mean CE
             decay = slot_weights(self.block_size, self.loss_decay_gamma).to(row_ce.device)
-            return sequence_normalised_weights(decay[rows_index % self.block_size], row_sequence, num_sequences)
+            return sequence_normalised_weights(decay[rows_index % self.block_size] * counted, row_sequence,
+                                               num_sequences)
         # D-PACE: each sequence's sum of w_j·CE_j over its blocks, divided by its number of blocks (not by
         # the sum of the weights, which would cancel the credit the weights give a block).
         b, block = blocks.labels.shape[0], self.block_size
         supervised = blocks.labels != IGNORE_INDEX
-        ce = row_ce.new_zeros(supervised.numel()).index_copy(0, rows_index, row_ce.detach()).view(b, -1, block)
+        # padding entries repeat a real row's index: they write to one slot past the end, which is dropped
+        target = torch.where(counted > 0, rows_index, supervised.numel())
+        ce = row_ce.new_zeros(supervised.numel() + 1).index_copy(0, target, row_ce.detach())[:-1].view(b, -1, block)
         weights = dpace_block_weights(ce, supervised.view(b, -1, block), self.dpace_alpha)
         # Blocks per sequence; a padded anchor (sequence -1 in packed rows) counts for none.
         anchor_sequence = sequence.reshape(b, -1, block)[:, :, 0].clamp_min(0).flatten()
         anchors = torch.zeros(num_sequences, device=row_ce.device).index_add(
             0, anchor_sequence, blocks.valid.flatten().float())
-        return per_sequence_mean(weights.flatten()[rows_index], row_sequence, anchors)
+        return per_sequence_mean(weights.flatten()[rows_index] * counted, row_sequence, anchors)
 
     @staticmethod
     def _sequences(blocks: Blocks) -> tuple[torch.Tensor, int]:
