@@ -67,6 +67,8 @@ VARIANTS: dict[str, list[str]] = {
     "packed-flex-target": [*PACKED, "training.target_attention=flex"],
     # the drafter's flex mask in tiles of 64 tokens instead of 128: fewer masked-out scores computed
     "packed-flex-tile64": [*PACKED, "training.flex_tile=64"],
+    # the drafter's forward, loss and backward replayed from CUDA graphs too (training/step_graph.py)
+    "packed-step-graphs": [*PACKED, "training.step_cuda_graphs=true"],
     # the target's pass launched kernel by kernel from the host instead of replayed from CUDA graphs
     "packed-uncaptured-target": [*PACKED, "training.target_cuda_graphs=false"],
     # the target's decoder layers eager (their forward launches ~50 kernels a layer)

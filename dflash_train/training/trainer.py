@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 from accelerate import Accelerator
+from accelerate.utils import AutocastKwargs
 from torch.profiler import record_function
 
 from dflash_train.checkpoint.io import save_draft
@@ -53,6 +54,7 @@ from dflash_train.training.setup import (
     check_packing_fits_target,
 )
 from dflash_train.training.source_metrics import SourceTotals, slot_summary, source_line, source_names
+from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs, padded_blocks
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
 
 HOST_ONLY = ("chats", "blocks")  # CPU batch entries that stay on the host (or travel on their own)
@@ -138,6 +140,7 @@ class Trainer:
         self.model, self.optimizer, self.schedule = self._prepare_draft(draft)
         self._compile_and_capture()
         self.objective = self._build_objective()
+        self.step_graph = self._build_step_graph()
         self.compat = {
             "target": config.model.target, "target_fingerprint": target_fingerprint(self.target.model),
             "target_layer_ids": self.draft_config.target_layer_ids, "block_size": self.draft_config.block_size,
@@ -155,10 +158,13 @@ class Trainer:
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
+        # Autocast's cache of cast weights cannot outlive a CUDA graph's capture: a captured step casts anew.
+        handlers = [AutocastKwargs(cache_enabled=False)] if t.step_cuda_graphs else []
         return Accelerator(
             mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,
             cpu=not torch.cuda.is_available(),  # several CPU processes then meet over gloo
+            kwargs_handlers=handlers,
         )
 
     def _plan_total_steps(self) -> int:
@@ -204,6 +210,21 @@ class Trainer:
             position_weighting=t.position_weighting, dpace_alpha=t.dpace_alpha, flex_tile=t.flex_tile,
             distillation=None if t.loss == "ce" else Distillation(t.loss, t.loss_temperature, t.distill_weight),
         )
+
+    def _build_step_graph(self) -> GraphedDrafterStep | None:
+        """The drafter's side of a packed step replayed from CUDA graphs (training/step_graph.py), where that
+        applies: packed rows, one CUDA process, no gradient accumulation; elsewhere a note and none."""
+        t = self.config.training
+        if not t.step_cuda_graphs:
+            return None
+        if (self.packed is None or self.accelerator.device.type != "cuda" or self._distributed_type() != "NO"
+                or t.gradient_accumulation_steps != 1):
+            self.accelerator.print("training.step_cuda_graphs applies to packed rows in one CUDA process without "
+                                   "gradient accumulation: the drafter's step runs uncaptured")
+            return None
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        return GraphedDrafterStep(lambda inputs: self._drafter_loss(inputs.batch, inputs.features, inputs.blocks,
+                                                                    inputs.teacher), params, self.accelerator.device)
 
     def _build_packing(self) -> PackedStepPlan | None:
         """The packing plan of a packed run (None unpacked), from every chat's length and anchor count."""
@@ -260,35 +281,72 @@ class Trainer:
         else:
             loaded = [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
         for indices, batch in loaded:
-            batch["blocks"] = self._host_blocks(batch, [anchor_seed(t.seed, step, i) for i in indices])
+            blocks = self._host_blocks(batch, [anchor_seed(t.seed, step, i) for i in indices])
+            # a captured step reads blocks of fixed shapes: padded here, off the step's critical path
+            batch["blocks"] = blocks if self.step_graph is None else self._pinned(padded_blocks(blocks))
         return loaded
 
     def _host_blocks(self, cpu_batch: dict[str, Any], seeds: list[int]) -> Blocks:
         """A CPU batch's blocks, built on the host: each chat's anchors come from a CPU generator seeded by its
         own seed (the same anchors on any device), and the dozen small ops per chat, and the count of the
         supervised rows, never reach the GPU's launch queue or make it wait."""
-        blocks = self.objective.seeded_blocks(cpu_batch, chat_layout(cpu_batch), seeds).with_supervised_rows()
+        return self._pinned(self.objective.seeded_blocks(cpu_batch, chat_layout(cpu_batch), seeds).with_supervised_rows())
+
+    def _pinned(self, blocks: Blocks) -> Blocks:
         return blocks.pin_memory() if self.accelerator.device.type == "cuda" else blocks
 
     def _forward(
         self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None = None
     ) -> tuple[Any, dict[str, float]]:
         """`seeds` place the anchors unless the loader built the blocks already (`cpu_batch["blocks"]`)."""
+        step = self._target_pass(indices, seeds, cpu_batch)
+        with record_function("train/drafter_and_loss"):
+            out = self._drafter_loss(step.batch, step.features, step.blocks.to(self.accelerator.device,
+                                                                               non_blocking=True), step.teacher)
+        return out, self._stats(step)
+
+    def _target_pass(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None) -> StepInputs:
+        """A micro-batch on the device with the target's features; its blocks on the host (and its `share` 1)."""
         cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
-        chats = chat_layout(cpu_batch)
         host_blocks = cpu_batch.get("blocks")
         if host_blocks is None:
             host_blocks = self._host_blocks(cpu_batch, seeds)
         device = self.accelerator.device
         batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items() if k not in HOST_ONLY}
+        chats = chat_layout(cpu_batch)
         with record_function("train/target_features"):
             features, teacher_states = self.features(batch, max(start + n for _, start, n in chats),
                                                      cpu_batch.get("position_ids"))
-        with record_function("train/drafter_and_loss"):
-            out = self._drafter_loss(batch, features, host_blocks.to(device, non_blocking=True), teacher_states)
-        tokens = sum(n for _, _, n in chats)
-        stats = {"tokens": float(tokens), "flops": self._flops(host_blocks, tokens, chats)}
-        return out, stats
+        read = {k: batch[k] for k in ("input_ids", "loss_mask", "position_ids") if k in batch}
+        return StepInputs(read, features, teacher_states, host_blocks, torch.ones((), device=device), chats)
+
+    def _stats(self, step: StepInputs) -> dict[str, float]:
+        tokens = sum(n for _, _, n in step.chats)
+        return {"tokens": float(tokens), "flops": self._flops(step.blocks, tokens, step.chats)}
+
+    def _micro_step(self, indices: list[int], seeds: list[int],
+                    cpu_batch: dict[str, Any] | None) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
+        """One micro-batch's forward and backward: (its output, its tokens and FLOPs, its loss as weighted in
+        the step). From the captured step where there is one; a failure there turns it off for the run."""
+        share = self._loss_share(indices)
+        if self.step_graph is not None:
+            try:
+                step = self._target_pass(indices, seeds, cpu_batch)
+                step.share.fill_(1.0 if share is None else share)
+                with record_function("train/drafter_step_graph"):
+                    out = self.step_graph(step)
+                return out, self._stats(step), out.loss
+            except Exception as error:  # a capture or compiler failure costs speed, not the run
+                self.step_graph = None
+                self.optimizer.zero_grad(set_to_none=True)
+                reason = (str(error).strip().splitlines() or [""])[0][:200]
+                self.accelerator.print(f"CUDA graphs of the drafter's step failed ({type(error).__name__}: {reason}); "
+                                       "it runs uncaptured from now on (training.step_cuda_graphs=false)")
+        out, stats = self._forward(indices, seeds, cpu_batch)
+        loss = out.loss if share is None else out.loss * share
+        with record_function("train/backward"):
+            self.accelerator.backward(loss)
+        return out, stats, loss
 
     def _drafter_loss(self, batch: dict[str, torch.Tensor], features: torch.Tensor, blocks: Blocks,
                       teacher_states: torch.Tensor | None) -> Any:
@@ -324,7 +382,8 @@ class Trainer:
         pairs = visible_pairs([(valid_anchors, 0)], self.objective.block_size)
         # Padded anchor slots run through the drafter too, but that work is waste, not model FLOPs.
         block_rows = len(valid_anchors) * self.objective.block_size
-        return training_step_flops(self.draft_config, tokens, block_rows, blocks.supervised_index().numel(), pairs)
+        supervised = blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
+        return training_step_flops(self.draft_config, tokens, block_rows, supervised, pairs)
 
     def _loss_share(self, indices: list[int]) -> float | None:
         """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is
@@ -348,16 +407,13 @@ class Trainer:
         for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
             with self.accelerator.accumulate(self.model):
-                out, stats = self._forward(indices, seeds, cpu_batch)
-                share = self._loss_share(indices)
-                loss = out.loss if share is None else out.loss * share
-                with record_function("train/backward"):
-                    self.accelerator.backward(loss)
+                out, stats, loss = self._micro_step(indices, seeds, cpu_batch)
                 with record_function("train/optimizer"):
                     if self.accelerator.sync_gradients:
                         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
                     self.optimizer.step()
-                    self.optimizer.zero_grad(set_to_none=True)
+                    if self.step_graph is None:  # captured steps zero the gradients they write, in place
+                        self.optimizer.zero_grad(set_to_none=True)
             part = loss.detach().double() / self.plan.accumulation
             loss_sum = part if loss_sum is None else loss_sum + part
             tokens, flops = tokens + stats["tokens"], flops + stats["flops"]

@@ -86,7 +86,11 @@ def test_step_flops_count_valid_anchors_only() -> None:
     config, block = tiny_config(), 4
     anchors = torch.tensor([[3, 9, 0], [5, 0, 0]])
     valid = torch.tensor([[True, True, False], [True, False, False]])
-    blocks = SimpleNamespace(anchors=anchors, valid=valid, sequence=None, supervised_index=lambda: torch.arange(10))
+    blocks = SimpleNamespace(anchors=anchors, valid=valid, sequence=None, supervised_index=lambda: torch.arange(10),
+                             num_real_rows=None)
     trainer = SimpleNamespace(objective=SimpleNamespace(block_size=block), draft_config=config)
     expected = training_step_flops(config, 40, 3 * block, 10, visible_pairs([([3, 9, 5], 0)], block))
+    assert Trainer._flops(trainer, blocks, 40, []) == expected
+    blocks.num_real_rows = 7  # blocks padded for a captured step: their real rows only
+    expected = training_step_flops(config, 40, 3 * block, 7, visible_pairs([([3, 9, 5], 0)], block))
     assert Trainer._flops(trainer, blocks, 40, []) == expected

@@ -1,0 +1,119 @@
+"""The drafter's step replayed from graphs (`training/step_graph.py`), on the CPU stand-in that replays by
+running the step again on the same buffers: every step's inputs reach the graph through its buffers, padded to
+fixed shapes, and leave the loss, metrics and gradients of the plain step; the trainer's steps on it equal its
+plain steps. The capture itself runs on CUDA only (tests/training/test_step_graph_gpu.py)."""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+import torch
+
+from dflash_train.features.capture import packed_features_and_final_states
+from dflash_train.features.packed_rows import chat_layout, collate_packed
+from dflash_train.objective import DFlashObjective
+from dflash_train.objective.distill import Distillation
+from dflash_train.target import TargetModel
+from dflash_train.training.config import load_config
+from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs
+from dflash_train.training.trainer import Trainer
+from tests.helpers.packing import LAYERS, PACK, chats, drafter
+from tests.helpers.tiny_models import make_tiny_target
+from tests.helpers.training import overrides
+
+PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
+
+
+@pytest.fixture(scope="module")
+def target() -> TargetModel:
+    return make_tiny_target("qwen3", num_layers=5)
+
+
+def step_inputs(target: TargetModel, objective: DFlashObjective, seed: int) -> StepInputs:
+    rows = chats(seed, len(LAYERS) * target.hidden_size)
+    batch = collate_packed(rows, PACK, len(rows))
+    features, teacher = packed_features_and_final_states(target, batch["input_ids"], batch["position_ids"], LAYERS)
+    layout = chat_layout(batch)
+    blocks = objective.seeded_blocks(batch, layout, [31 * seed + i for i in range(len(layout))])
+    read = {k: batch[k] for k in ("input_ids", "loss_mask", "position_ids")}
+    return StepInputs(read, features, teacher, blocks, torch.tensor(0.5), layout)
+
+
+def test_replayed_steps_give_the_plain_steps_loss_metrics_and_gradients(target: TargetModel) -> None:
+    """Three batches of other chats through one graph: each replay reads the new batch from the buffers and
+    writes its gradients into the same `.grad` tensors, zeroed first (no accumulation across steps)."""
+    objective = DFlashObjective(block_size=4, mask_token_id=4, num_anchors=6, mask_kind="dense", anchors_per_row=16,
+                                position_weighting="dpace", distillation=Distillation("kl", 1.0, 1.0))
+    graphed_draft, plain_draft = drafter(target), drafter(target)
+
+    def loss_of(draft: torch.nn.Module, inputs: StepInputs) -> object:
+        return objective(draft, target.embed_tokens, target.lm_head.weight, inputs.batch["input_ids"],
+                         inputs.batch["loss_mask"], inputs.features, blocks=inputs.blocks,
+                         teacher_states=inputs.teacher, context_positions=inputs.batch["position_ids"])
+
+    params = list(graphed_draft.parameters())
+    step = GraphedDrafterStep(lambda inputs: loss_of(graphed_draft, inputs), params, torch.device("cpu"), eager=True)
+    grads = None
+    for seed in range(3):
+        inputs = step_inputs(target, objective, seed)
+        out = step(inputs)
+        plain_draft.zero_grad(set_to_none=True)
+        plain = loss_of(plain_draft, inputs)
+        (plain.loss * 0.5).backward()
+        torch.testing.assert_close(out.loss, plain.loss.detach() * 0.5, rtol=1e-6, atol=1e-7)
+        assert out.num_supervised == plain.num_supervised
+        assert torch.equal(out.slot_correct, plain.slot_correct) and torch.equal(out.slot_count, plain.slot_count)
+        for (name, param), graphed in zip(plain_draft.named_parameters(), params, strict=True):
+            torch.testing.assert_close(graphed.grad, param.grad, rtol=1e-5, atol=1e-8, msg=name)
+        grads = grads or [param.grad for param in params]
+        assert all(g is param.grad for g, param in zip(grads, params, strict=True))
+    assert len(step.graphs) < 3  # the batches share buckets: a graph is replayed, not captured per step
+
+
+def test_a_replay_that_differs_from_the_uncaptured_step_stops_the_graphs(target: TargetModel) -> None:
+    """The first replay of a new graph is checked: a step whose replay gives another loss is refused."""
+    objective = DFlashObjective(block_size=4, mask_token_id=4, num_anchors=6, loss_decay_gamma=3.0, mask_kind="dense",
+                                anchors_per_row=16)
+    draft, calls = drafter(target), []
+
+    def drifting(inputs: StepInputs) -> object:
+        calls.append(1)
+        out = objective(draft, target.embed_tokens, target.lm_head.weight, inputs.batch["input_ids"],
+                        inputs.batch["loss_mask"], inputs.features, blocks=inputs.blocks,
+                        context_positions=inputs.batch["position_ids"])
+        out.loss = out.loss * (1.0 + 0.1 * len(calls))  # each run another loss, as a stale capture would give
+        return out
+
+    step = GraphedDrafterStep(drifting, list(draft.parameters()), torch.device("cpu"), eager=True)
+    with pytest.raises(RuntimeError, match="differ from the uncaptured step"):
+        step(step_inputs(target, objective, 0))
+
+
+def test_the_trainer_on_replayed_steps_trains_as_on_plain_ones(assets: dict[str, pathlib.Path],
+                                                               tmp_path: pathlib.Path) -> None:
+    """Four optimizer steps of the packed trainer with its drafter's step on the stand-in graphs (blocks padded
+    by the loader, gradients never set to None) equal four plain steps: losses and the drafter's weights."""
+    runs = []
+    for name in ("plain", "graphed"):
+        trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **PACKED)))
+        if name == "graphed":
+            params = [p for p in trainer.model.parameters() if p.requires_grad]
+            trainer.step_graph = GraphedDrafterStep(
+                lambda inputs, t=trainer: t._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher),
+                params, trainer.accelerator.device, eager=True)
+        losses = [trainer.train_step()["loss"] for _ in range(4)]
+        runs.append((losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}, trainer))
+    (plain_losses, plain_weights, _), (losses, weights, graphed) = runs
+    assert graphed.step_graph is not None and graphed.step_graph.graphs
+    assert losses == pytest.approx(plain_losses, rel=1e-5)
+    for name, value in plain_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED,
+                                                  **{"training.step_cuda_graphs": True})))
+    assert trainer.step_graph is None
+    assert "training.step_cuda_graphs applies to packed rows in one CUDA process" in capsys.readouterr().out
