@@ -15,7 +15,7 @@ import torch
 from huggingface_hub import constants, snapshot_download
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from safetensors import SafetensorError
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from dflash_train.errors import first_line
@@ -172,7 +172,7 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
     if damaged:  # checked up front: transformers' own error does not name the file
         raise DamagedFileError(*damaged[0], TARGET_ADVICE)
     try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **attention_choice(source))
     except SafetensorError as error:
         raise ValueError(f"Could not load target {source!r}: a weights file is damaged ({first_line(error)}); "
                          f"{TARGET_ADVICE}") from error
@@ -182,6 +182,15 @@ def _load_hf(source: str, dtype: torch.dtype) -> tuple[PreTrainedModel, PreTrain
             f"({', '.join(DEFAULT_TARGET_ALIASES)}), a local model directory, a .gguf file or a reachable Hub id."
         ) from error
     return model, load_tokenizer(source)
+
+
+def attention_choice(source: str) -> dict[str, str]:
+    """The attention a target must load with, where transformers' default would compute another model: soft-capped
+    scores (Gemma-2) are the eager attention's alone, and some transformers versions pick SDPA, which drops the
+    cap. Empty where the default is right."""
+    config = AutoConfig.from_pretrained(source)
+    config = getattr(config, "text_config", None) or config
+    return {"attn_implementation": "eager"} if getattr(config, "attn_logit_softcapping", None) else {}
 
 
 def load_tokenizer(source: str, name: str | None = None) -> PreTrainedTokenizerBase:

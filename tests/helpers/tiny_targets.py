@@ -215,7 +215,11 @@ def build_tiny_target(
 ) -> PreTrainedModel:
     """A seeded random causal LM of ``model_type`` in eval mode (``AutoModelForCausalLM.from_config``)."""
     config = tiny_target_config(model_type, vocab_size=vocab_size, **overrides)
+    # Soft-capped attention scores are the eager attention's alone: some transformers versions would run such a
+    # model on SDPA, which drops the cap, and the model's own forward would no longer be a reference.
+    softcapped = getattr(config, "attn_logit_softcapping", None) is not None
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                                 **({"attn_implementation": "eager"} if softcapped else {}))
     return model.eval()

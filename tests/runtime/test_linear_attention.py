@@ -27,11 +27,13 @@ def test_the_recurrence_keeps_each_state_of_the_models_own_decode_steps(k_heads:
     beta = torch.rand(n, t, v_heads, generator=gen)
     state = torch.randn(n, v_heads, dk, dv, generator=gen)
     out, each = recurrent_rule(q, k, v, g, beta, state)
+    # the rule of some transformers versions takes q/k repeated for the value heads, as the layer repeats them
+    q_model, k_model = (x.repeat_interleave(v_heads // k_heads, dim=2) for x in (q, k))
     reference = state
     for i in range(t):
         step = slice(i, i + 1)
         expected, reference = modeling_qwen3_5.torch_recurrent_gated_delta_rule(
-            q[:, step], k[:, step], v[:, step], g=g[:, step], beta=beta[:, step], initial_state=reference,
+            q_model[:, step], k_model[:, step], v[:, step], g=g[:, step], beta=beta[:, step], initial_state=reference,
             output_final_state=True, use_qk_l2norm_in_kernel=True)
         torch.testing.assert_close(out[:, step], expected, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(each[:, i], reference, atol=1e-5, rtol=1e-5)
