@@ -541,7 +541,7 @@ class Trainer:
                              "sequences_seen": self._sequences_seen(),
                              "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
                              "first_step_seconds": self.first_step_seconds,
-                             "distributed_type": self._distributed_type(),
+                             "distributed_type": self._distributed_type(), "device": device_name(self.accelerator.device),
                              "num_processes": self.accelerator.num_processes, **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
@@ -676,6 +676,8 @@ class Trainer:
                 # The steps of a window ran back to back on the device and were waited for once: each took
                 # the window's mean (a lone step's host time would say nothing of the device's).
                 metrics["step_seconds"] = (time.perf_counter() - window_started) / window_steps
+                if peak:  # model FLOPs over the device's peak rate, logged with every step (the run's summary)
+                    metrics["mfu"] = metrics["flops"] / metrics["step_seconds"] / peak
                 if first and t.compile:  # a slow start explained: how much of it was torch.compile
                     line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
                     if line:
@@ -698,6 +700,11 @@ class Trainer:
             if logger.path.is_file():
                 plot_metrics(logger.path, self.output_dir / "training_curves.png")
         return TrainResult(self.output_dir, final, self.step, metrics, self.total_steps)
+
+
+def device_name(device: torch.device) -> str:
+    """The device a run trained on, as its figures are quoted ("NVIDIA H100 80GB HBM3", or "cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
 
 
 def detached(out: ObjectiveOutput) -> ObjectiveOutput:

@@ -158,25 +158,34 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
         state = training_state(train_dir)
         if not state:
             continue
-        seconds = []
+        records = []
         metrics = train_dir / "metrics.jsonl"
         if metrics.is_file():
-            records = (json.loads(line) for line in metrics.read_text().splitlines() if line.strip())
-            seconds = sorted(r["step_seconds"] for r in records if r.get("split") == "train" and "step_seconds" in r)
+            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+        train = [r for r in records if r.get("split") == "train"]
+        # the first logged step is the cold start (compilation): the run's MFU is that of the steps after it
+        mfu = [r["mfu"] for r in train[1:] if "mfu" in r]
         figures[train_dir.name] = {
             "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
-            "median_step_seconds": seconds[len(seconds) // 2] if seconds else None,
+            "median_step_seconds": _median([r["step_seconds"] for r in train if "step_seconds" in r]),
             "first_step_seconds": state.get("first_step_seconds"),
+            "median_mfu": _median(mfu), "device": state.get("device"),
         }
     return figures
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 def training_line(name: str, f: dict[str, Any]) -> str:
     def seconds(value: float | None) -> str:
         return "—" if value is None else f"{value:.3g} s"
 
-    return (f"training: {name}: {f['steps']:,} steps in {f['train_minutes']} min, median step "
-            f"{seconds(f['median_step_seconds'])}, first step {seconds(f['first_step_seconds'])} "
+    mfu = "" if f.get("median_mfu") is None else f", MFU {100 * f['median_mfu']:.1f} % (median)"
+    device = "" if f.get("device") is None else f" on {f['device']}"
+    return (f"training: {name}: {f['steps']:,} steps in {f['train_minutes']} min{device}, median step "
+            f"{seconds(f['median_step_seconds'])}{mfu}, first step {seconds(f['first_step_seconds'])} "
             "(compilation included)")
 
 

@@ -168,3 +168,21 @@ def test_the_eval_commands_own_sweep_section_is_read(tmp_path: Path, capsys: pyt
     assert main([str(tmp_path)]) == 0
     table = [line for line in capsys.readouterr().out.splitlines() if line.startswith("|")]
     assert "| τ T=1 (of greedy) |" in table[0] and "| 4.00 | — | 3.00 (75%) |" in table[2]
+
+
+def test_a_training_line_names_the_device_and_the_median_mfu_after_the_cold_start(tmp_path: Path,
+                                                                                 capsys) -> None:  # noqa: ANN001
+    """The trainer logs each resolved step's MFU and its checkpoints the device: the line gives the device and
+    the median MFU of the steps after the first logged one (compilation makes that one's MFU meaningless)."""
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000050"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps(
+        {"step": 50, "train_seconds": 60, "first_step_seconds": 20.0, "device": "NVIDIA H100 80GB HBM3"}))
+    mfus = (0.001, 0.14, 0.15, 0.12, 0.16)
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": 0.05, "mfu": m} for i, m in enumerate(mfus)]
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        "training: main: 50 steps in 1.0 min on NVIDIA H100 80GB HBM3, median step 0.05 s, MFU 15.0 % (median), "
+        "first step 20 s (compilation included)")
