@@ -218,9 +218,10 @@ class Trainer:
         if not t.step_cuda_graphs:
             return None
         if (self.packed is None or self.accelerator.device.type != "cuda" or self._distributed_type() != "NO"
-                or t.gradient_accumulation_steps != 1):
+                or t.gradient_accumulation_steps != 1 or t.mixed_precision == "fp16"):
+            # fp16's loss scaling happens in accelerate's backward, which a captured step does not call
             self.accelerator.print("training.step_cuda_graphs applies to packed rows in one CUDA process without "
-                                   "gradient accumulation: the drafter's step runs uncaptured")
+                                   "gradient accumulation or fp16: the drafter's step runs uncaptured")
             return None
         params = [param for param in self.model.parameters() if param.requires_grad]
         return GraphedDrafterStep(lambda inputs: self._drafter_loss(inputs.batch, inputs.features, inputs.blocks,

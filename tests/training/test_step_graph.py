@@ -116,4 +116,4 @@ def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, p
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED,
                                                   **{"training.step_cuda_graphs": True})))
     assert trainer.step_graph is None
-    assert "training.step_cuda_graphs applies to packed rows in one CUDA process" in capsys.readouterr().out
+    assert "training.step_cuda_graphs applies to packed rows in one CUDA process without" in capsys.readouterr().out
