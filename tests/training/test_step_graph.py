@@ -9,6 +9,7 @@ import pathlib
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_train.features.capture import packed_features_and_final_states
 from dflash_train.features.packed_rows import chat_layout, collate_packed
@@ -117,3 +118,47 @@ def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, p
                                                   **{"training.step_cuda_graphs": True})))
     assert trainer.step_graph is None
     assert "training.step_cuda_graphs applies to packed rows in one CUDA process without" in capsys.readouterr().out
+
+
+class SyncingOps(TorchDispatchMode):
+    """Records the ops that would make a GPU wait for the host, which a CUDA graph cannot capture: a count or
+    a value read back (nonzero, masked_select, .item()), a boolean-mask index or index_put, a repeat_interleave
+    whose output size comes from a tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        name = func.overloadpacket.__name__
+        kwargs = kwargs or {}
+        indices = args[1] if name in ("index", "index_put", "index_put_") and len(args) > 1 else []
+        if (name in ("nonzero", "masked_select", "_local_scalar_dense")
+                or any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in indices)
+                or (name == "repeat_interleave" and isinstance(args[0], torch.Tensor) and args[0].dim() == 1
+                    and len(args) == 1 and kwargs.get("output_size") is None)):
+            self.found.append(name)
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("weighting,loss", [("decay", "ce"), ("dpace", "kl")])
+def test_the_captured_step_waits_for_the_host_nowhere(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                      weighting: str, loss: str) -> None:
+    """What a graph captures, the forward, the loss and the backward over the loader's padded blocks, runs no
+    op that reads a value back to the host (CUDA's capture refuses those). Dense attention: the recorder cannot
+    enter flex attention's compiled kernel."""
+    trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED, **{
+        "training.position_weighting": weighting, "training.loss": loss, "training.attention": "dense"})))
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    trainer.step_graph = GraphedDrafterStep(
+        lambda inputs: trainer._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher), params,
+        trainer.accelerator.device, eager=True)
+    indices, cpu_batch = trainer._load_step(0)[0]
+    step = trainer._target_pass(indices, [], cpu_batch)
+    assert step.blocks.real_rows is not None  # padded by the loader
+    buffers = step.on(trainer.accelerator.device)
+    ops = SyncingOps()
+    with ops:
+        trainer.step_graph._forward_backward(buffers)
+    assert not ops.found, ops.found
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params[:3])
