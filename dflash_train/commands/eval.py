@@ -37,6 +37,7 @@ from dflash_train.commands.data_args import (
     positive_int,
     temperature_list,
 )
+from dflash_train.commands.data_args import temperature as scale_arg
 from dflash_train.disk import note_output
 from dflash_train.eval.compat import check_compatible
 from dflash_train.eval.console import print_summary, progress_bars
@@ -80,6 +81,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", dest="temperatures", type=temperature_list, default=[0.0],
                         help="0: greedy (lossless check); a comma list (0,0.7,1) decodes the same prompts with the same "
                              "seed at each, into one report with τ and speedup against temperature")
+    parser.add_argument("--draft-temperature-scale", type=scale_arg, default=1.0, metavar="S",
+                        help="at a temperature T > 0, sample drafts at S*T (0: the drafter's argmax); the output "
+                             "stays the target's at T")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
     parser.add_argument("--device", type=device_arg, default=None, help="default: cuda if available, else cpu")
@@ -196,7 +200,8 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: i
                         temperature=temperature, seed=args.seed, stop_token_ids=stops, kernels=args.kernels,
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
                         compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer",
-                        draft_attention=args.draft_attention, matmul=args.matmul)
+                        draft_attention=args.draft_attention, matmul=args.matmul,
+                        draft_temperature_scale=args.draft_temperature_scale)
 
 
 def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:

@@ -89,6 +89,7 @@ def _settings(args: argparse.Namespace, target: TargetModel, evaluator: Evaluato
         "max_new_tokens": settings.max_new_tokens,
         "num_prompts": args.num_prompts,
         "temperature": temperature,
+        "draft_temperature_scale": getattr(args, "draft_temperature_scale", 1.0),
         "thinking": settings.thinking,
         "thinking_switch_in_template": evaluator.thinking_switch,
         "batch_size": settings.batch_size,

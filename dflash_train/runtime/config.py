@@ -37,6 +37,11 @@ class EngineConfig:
     max_length: int = 2048  # positions held by the static caches: longest prompt + new tokens + block
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0  # nucleus sampling at temperature > 0 (1: the whole distribution)
+    # At temperature T > 0, drafts are sampled at T times this (0: the drafter's argmax, a point mass), and the
+    # rejection test reads that same distribution, so the output stays the target's at T whatever it is. Below 1
+    # a drafter that cannot see which tokens slots before it drew (DFlash drafts a block at once) bets on its
+    # likeliest token (docs/eval.md, 'Sampled decoding').
+    draft_temperature_scale: float = 1.0
     seed: int = 0  # base of the per-request seeds when the caller gives none
     stop_token_ids: tuple[int, ...] = ()
     kernels: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA when installed)
@@ -93,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if not 0.0 <= self.draft_temperature_scale < float("inf"):
+            raise ValueError(f"draft_temperature_scale must be a finite number >= 0, not {self.draft_temperature_scale}")
 
     @property
     def wave_rows(self) -> int:

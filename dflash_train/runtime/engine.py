@@ -204,8 +204,8 @@ class DecodeEngine:
         """Drafts from the drafter's logits [b, B-1, V]: sampled, or greedy (torch.argmax's ties either way).
         The argmax kernel writes them straight into the block's slots 1.. and returns that view, which saves
         the cycle a copy kernel."""
-        if self.config.temperature > 0:
-            return sample(probabilities(logits, self.config.temperature))
+        if self.draft_temperature > 0:
+            return sample(probabilities(logits, self.draft_temperature))
         if self.draft_argmax == "kernel":
             return block_argmax_triton(logits, out=self.state.block[:, 1:])
         return logits.argmax(dim=-1)
@@ -242,7 +242,7 @@ class DecodeEngine:
             token = seeded_sample(logits[:, 0], c.temperature, c.top_p, s.keys, s.n_out)
             return torch.zeros_like(token), token
         return speculative_sample(top_p_filter(logits, c.temperature, c.top_p), draft_logits, s.block[:, 1:],
-                                  c.temperature)
+                                  c.temperature, self.draft_temperature)
 
     def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [b, B-1] for the block in `state.block` at positions [b, B] (the block's own slots 1.. where
@@ -252,9 +252,15 @@ class DecodeEngine:
                                      compile_options=self.config.compile_options,
                                      compile_scope=self.config.compile_scope)  # [b, B, H]
         draft_logits = self.runner.lm_head(hidden[:, 1:].to(self.target.dtype))  # [b, B-1, V]
-        if self.config.temperature > 0:
-            draft_logits = top_p_filter(draft_logits, self.config.temperature, self.config.top_p)
+        if self.draft_temperature > 0:
+            draft_logits = top_p_filter(draft_logits, self.draft_temperature, self.config.top_p)
         return self._pick(draft_logits), draft_logits
+
+    @property
+    def draft_temperature(self) -> float:
+        """The temperature drafts are sampled at: the decode's, scaled (`EngineConfig.draft_temperature_scale`);
+        0 at greedy decoding, and for argmax drafts at any temperature."""
+        return self.config.temperature * self.config.draft_temperature_scale
 
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The target's embeddings of the block's tokens; compiled, a gather of one generated kernel, several

@@ -120,14 +120,20 @@ def speculative_sample(
     draft_logits: torch.Tensor | None,
     drafts: torch.Tensor,
     temperature: float,
+    draft_temperature: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [b, B, V]; draft_logits [b, B-1, V] (None when B == 1); drafts [b, B-1] sampled from
-    them. Returns (a [b]: accepted drafts, token [b]: the token emitted after them)."""
+    them at `draft_temperature` (None: `temperature`; 0: the drafts are their argmax, q a point mass on each).
+    Returns (a [b]: accepted drafts, token [b]: the token emitted after them)."""
     p = probabilities(target_logits, temperature)  # [b, B, V]
     b, width, vocab = p.shape
     if width == 1:
         return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0])
-    q = probabilities(draft_logits, temperature)  # [b, B-1, V]
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if draft_temperature > 0:
+        q = probabilities(draft_logits, draft_temperature)  # [b, B-1, V]
+    else:
+        q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
     p_draft = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # p_{k-1}(d_k), [b, B-1]
     q_draft = q.gather(-1, drafts[..., None])[..., 0]  # q_k(d_k)
     u = torch.rand(p_draft.shape, device=p.device)

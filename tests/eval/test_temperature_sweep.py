@@ -143,3 +143,25 @@ def test_the_target_cache_keeps_one_pass_per_temperature(target: Path, tmp_path:
             assert all(row["target_only_reused"] is reused for row in run["datasets"].values())
     greedy, sampled = (run["datasets"] for run in second["temperature_sweep"]["runs"])
     assert greedy["humaneval"]["lossless"] is True and sampled["humaneval"]["lossless"] is None
+
+
+def test_argmax_drafts_at_a_temperature_reach_the_engine_and_the_report(target: Path, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--draft-temperature-scale 0`: the engines decode with argmax drafts at T = 0.7, and the report says so
+    (their output distribution: tests/runtime/test_sampling.py)."""
+    built = []
+    runtime_config = eval_command._runtime_config
+    monkeypatch.setattr(eval_command, "_runtime_config",
+                        lambda *a, **k: built.append(runtime_config(*a, **k)) or built[-1])
+    status, _ = run_eval(target, tmp_path / "argmax.json", "0.7", "--draft-temperature-scale", "0")
+    report = json.loads((tmp_path / "argmax.json").read_text())
+    assert status == 0 and report["settings"]["draft_temperature_scale"] == 0.0
+    assert built and all(c.draft_temperature_scale == 0.0 and c.temperature == 0.7 for c in built)
+
+
+def test_a_negative_draft_temperature_scale_is_a_one_line_error(tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["eval", "--target", "t", "--draft", "random", "--dataset", "humaneval", "--device", "cpu",
+                 "--out", str(tmp_path / "r.json"), "--draft-temperature-scale=-0.5"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "argument --draft-temperature-scale: takes a number >= 0" in lines[0]

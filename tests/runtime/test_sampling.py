@@ -47,14 +47,16 @@ def exact_joint(target: TargetModel) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def draw(target: TargetModel, with_draft: bool, seed: int) -> tuple[Counter[tuple[int, ...]], Counter[int]]:
-    """Token triples and acceptance lengths of SAMPLES generations."""
+def draw(target: TargetModel, with_draft: bool, seed: int,
+         draft_scale: float = 1.0) -> tuple[Counter[tuple[int, ...]], Counter[int]]:
+    """Token triples and acceptance lengths of SAMPLES generations (drafts sampled at TEMPERATURE * draft_scale)."""
     torch.manual_seed(seed)
     config = DFlashConfig.from_target_config(target.config, mask_token_id=VOCAB - 1, num_hidden_layers=1,
                                              block_size=3)
     draft = DFlashDraftModel(config).eval() if with_draft else None
     engine = DecodeEngine(target, draft, EngineConfig(batch_size=SAMPLES, block_size=3, max_new_tokens=NEW,
-                                                      max_length=16, temperature=TEMPERATURE, kernels="torch"))
+                                                      max_length=16, temperature=TEMPERATURE, kernels="torch",
+                                                      draft_temperature_scale=draft_scale))
     outputs, _ = engine.generate([PROMPT] * SAMPLES)
     return Counter(tuple(o.tokens) for o in outputs), Counter(a for o in outputs for a in o.acceptance_lengths)
 
@@ -95,11 +97,22 @@ def test_speculative_sampling_matches_the_exact_distribution_and_plain_sampling(
     assert homogeneity(drafted, plain, expected) > 1e-3
 
 
+@pytest.mark.parametrize("draft_scale", [0.5, 0.0])
+def test_drafts_sampled_colder_or_taken_greedily_keep_the_exact_distribution(target: TargetModel,
+                                                                              draft_scale: float) -> None:
+    """Drafts sampled at half the temperature, or the drafter's argmax (a point mass): the rejection test reads
+    the distribution they came from, so the output is still the target's at TEMPERATURE."""
+    expected = exact_joint(target)
+    drafted, lengths = draw(target, with_draft=True, seed=3, draft_scale=draft_scale)
+    assert min(lengths[1], lengths[2]) > 100 and lengths[3] > 0  # drafts rejected and accepted
+    assert goodness_of_fit(drafted, expected) > 1e-3
+
+
 def test_a_sampler_that_accepts_every_draft_fails_the_same_test(target: TargetModel,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     def accept_all(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, drafts: torch.Tensor,
-                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        _, bonus = speculative_sample(target_logits, draft_logits, drafts, temperature)
+                   temperature: float, draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        _, bonus = speculative_sample(target_logits, draft_logits, drafts, temperature, draft_temperature)
         return torch.full_like(bonus, drafts.shape[1]), bonus
 
     monkeypatch.setattr(engine_module, "speculative_sample", accept_all)
@@ -121,3 +134,21 @@ def test_speculative_sample_hand_cases() -> None:
     first_accepted = sum(int(a) >= 1 for a, _ in results) / len(results)
     assert 0.07 < first_accepted < 0.13
     assert all(int(t) != 0 for a, t in results if int(a) == 0)
+
+
+def test_a_rejection_test_that_reads_another_draft_distribution_fails_the_same_test(
+        target: TargetModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drafts sampled at half the temperature but tested as if drawn at the full one: no longer the target's
+    distribution, and the goodness-of-fit test says so."""
+    def wrong_q(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, drafts: torch.Tensor,
+                temperature: float, draft_temperature: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        return speculative_sample(target_logits, draft_logits, drafts, temperature)
+
+    monkeypatch.setattr(engine_module, "speculative_sample", wrong_q)
+    assert goodness_of_fit(draw(target, with_draft=True, seed=3, draft_scale=0.5)[0], exact_joint(target)) < 1e-6
+
+
+@pytest.mark.parametrize("scale", [-0.1, float("inf"), float("nan")])
+def test_a_draft_temperature_scale_outside_zero_to_finite_is_refused(scale: float) -> None:
+    with pytest.raises(ValueError, match="draft_temperature_scale must be a finite number >= 0"):
+        EngineConfig(temperature=0.7, draft_temperature_scale=scale)
