@@ -254,12 +254,8 @@ def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse
     engine = engine_for(target, None, len(prompts), args, experts)
     result: dict[str, Any] = {"engine_runner": type(engine.runner).__name__,
                               "engine_step_ms": step_ms(engine, prompts, args)}
-    if args.profile:  # the kernels of a few steps, heaviest first, beside the JSON
-        name = f"any_target-{target.config.model_type}-b{len(prompts)}-{experts}.profile.txt"
-        path = results_directory(engine.device.type != "cuda") / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(kernel_profile(engine.step, engine.device, iters=5) + "\n")
-        result["engine_profile"] = path.name
+    if args.profile:
+        result["engine_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}-{experts}")
     outputs, stats = engine.generate(prompts)
     if any(len(output.tokens) != args.new_tokens for output in outputs):
         raise RuntimeError("the engine stopped a row before --new-tokens")
@@ -267,6 +263,15 @@ def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse
                "engine_decode_tokens_per_s": stats.decode_tokens_per_s}
     del engine
     return result
+
+
+def write_profile(engine: DecodeEngine, name: str) -> str:
+    """The kernels of a few `engine.step`s (a target step, or a DFlash cycle with a drafter), heaviest first,
+    written beside the JSON as any_target-NAME.profile.txt; returns the file's name."""
+    path = results_directory(engine.device.type != "cuda") / f"any_target-{name}.profile.txt"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(kernel_profile(engine.step, engine.device, iters=5) + "\n")
+    return path.name
 
 
 def random_drafter(target: TargetModel, block_size: int) -> DFlashDraftModel:
@@ -290,6 +295,8 @@ def measure_dflash(target: TargetModel, prompts: list[list[int]], args: argparse
     engine = engine_for(target, draft, len(prompts), args, experts)
     result = {"dflash_runner": type(engine.runner).__name__, "dflash_cycle_ms": step_ms(engine, prompts, args),
               "draft_bytes": sum(p.numel() * p.element_size() for p in draft.parameters())}
+    if args.profile:  # where a cycle's time goes: the drafter, the verify's experts, the rest
+        result["dflash_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}-{experts}-cycle")
     del engine, draft
     return result
 
@@ -452,7 +459,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also measure the engine and the cycle with the model's own experts implementation "
                              "instead of the decode-experts kernel (same run)")
     parser.add_argument("--profile", action="store_true",
-                        help="write the kernels of a few engine steps to results/any_target-*.profile.txt")
+                        help="write the kernels of a few engine steps and DFlash cycles to results/any_target-*.profile.txt")
     parser.add_argument("--measure", action="append", choices=MEASUREMENTS + BASELINES,
                         help="measurements to run; repeat (default: all, the baselines with --experts-baseline)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed engine steps before the timed ones")

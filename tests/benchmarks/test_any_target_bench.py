@@ -75,3 +75,14 @@ def test_a_hybrid_target_runs_on_the_static_runtime_in_the_benchmark(tmp_path: P
     point = json.loads((tmp_path / "any_target-tiny-hybrid.json").read_text())["batches"]["1"]
     assert point["engine_runner"] == point["dflash_runner"] == "StaticTarget"
     assert point["engine_step_ms"] > 0 and point["dflash_cycle_ms"] > 0 and point["hf_tokens_per_s"] > 0
+
+
+def test_profile_writes_the_kernels_of_a_step_and_of_a_cycle(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--profile`: a target step's and a DFlash cycle's heaviest operators, each in a file the JSON names."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    main(["--shape", "tiny-moe", "--layers", str(LAYERS), "--batch", "1", "--new-tokens", "3", "--prompt-tokens", "8",
+          "--block-size", "4", "--warmup", "0", "--iters", "2", "--repeats", "1", "--device", "cpu", "--profile"])
+    point = json.loads((tmp_path / "any_target-tiny-moe.json").read_text())["batches"]["1"]
+    for key in ("engine_profile", "dflash_profile"):
+        assert (tmp_path / point[key]).read_text().strip(), key
+    assert point["dflash_profile"].endswith("-cycle.profile.txt")
