@@ -7,7 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 PYTEST_FLAGS ?= -q
 
-.PHONY: install test test-slow test-gpu test-all lint bench bench-multi-gpu demo clean
+# `make test-transformers TRANSFORMERS=5.17.0`: the runtime and pipeline suites against another transformers
+# (installed beside the venv's, with a huggingface_hub it accepts): the model code the static runtime calls
+# changes between versions, and a GPU machine may have another one than CI.
+TRANSFORMERS ?= 5.17.0
+HUB_FOR_TRANSFORMERS ?= huggingface-hub>=1.5,<2
+COMPAT := $(VENV)/compat-$(TRANSFORMERS)
+
+.PHONY: install test test-slow test-gpu test-all test-transformers lint bench bench-multi-gpu demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +41,12 @@ test-slow: install  ## longer CPU tests
 
 test-gpu: install  ## needs a CUDA device
 	$(PY) -m pytest $(PYTEST_FLAGS) -m gpu
+
+test-transformers: install  ## the runtime and pipeline suites on TRANSFORMERS (default 5.17.0)
+	[ -f $(COMPAT)/.installed ] || { $(PY) -m pip install -q --no-deps --target $(COMPAT) \
+		'transformers==$(TRANSFORMERS)' '$(HUB_FOR_TRANSFORMERS)' && touch $(COMPAT)/.installed; }
+	PYTHONPATH=$(COMPAT) $(PY) -m pytest $(PYTEST_FLAGS) tests/runtime tests/target tests/features tests/training \
+		tests/eval tests/checkpoint tests/commands tests/regeneration
 
 test-all: install
 	$(PY) -m pytest $(PYTEST_FLAGS) -m ''
