@@ -11,9 +11,9 @@ tensor the drafter reads has one shape too, except two counts that change with t
 and the chats themselves. `Blocks.padded` pads both (to a bucket of rows, to a multiple of chats), with
 padding that weighs, hits and counts nothing, so that one graph serves every step of the same buckets.
 
-The gradients are the parameters' own `.grad` tensors, made once before the first capture: every graph
-zeroes them first and accumulates into them, so each replay leaves them where the optimizer reads them (which
-must therefore not set them to None). The optimizer step stays outside the graph (a few hundred launches,
+The gradients are the parameters' own `.grad` tensors, made once before the first capture: a graph for a
+step's first micro-batch zeroes them first, one for the others adds to them, so each replay leaves them where
+the optimizer reads them (which must therefore not set them to None). The optimizer step stays outside the graph (a few hundred launches,
 and the learning rate a Python number the schedule changes). A new graph's first replay is checked against
 the uncaptured step on the same inputs, loss and gradients, so a capture that went wrong stops the graphs
 instead of training on wrong gradients.
@@ -105,21 +105,29 @@ class GraphedDrafterStep:
         self.graphs: dict[tuple[object, ...], _Captured] = {}
         self.pool = None if eager else torch.cuda.graph_pool_handle()
 
-    def __call__(self, inputs: StepInputs) -> ObjectiveOutput:
+    def __call__(self, inputs: StepInputs, accumulate: bool = False) -> ObjectiveOutput:
         """The micro-batch's scaled loss and slot metrics (the graph's own tensors, overwritten by the next
-        replay), its gradients in the parameters' `.grad`. `inputs.blocks` on the host (pinned) or the device,
-        padded (`padded_blocks`) or not."""
+        replay), its gradients in the parameters' `.grad`: written there, or added to what earlier micro-batches
+        of the step left (`accumulate`). `inputs.blocks` on the host (pinned) or the device, padded
+        (`padded_blocks`) or not."""
         if inputs.blocks.real_rows is None:  # the trainer pads on the host, in its loader thread
             inputs = dataclasses.replace(inputs, blocks=padded_blocks(inputs.blocks))
         supervised = int(inputs.blocks.num_real_rows or 0)
-        key = inputs.key()
+        key = (*inputs.key(), accumulate)
         captured = self.graphs.get(key)
         if captured is None:
-            captured = self._capture(inputs)
-            self._fill(captured.inputs, inputs)
-            expected = self._uncaptured(captured.inputs)
-            captured.replay()
-            self._check(captured.outputs[0], expected)
+            before = [grad.clone() for grad in self._grads()]
+            try:
+                captured = self._capture(inputs, accumulate)
+                self._fill(captured.inputs, inputs)
+                self._restore(before)
+                expected = self._uncaptured(captured.inputs, accumulate)
+                self._restore(before)
+                captured.replay()
+                self._check(captured.outputs[0], expected)
+            except Exception:
+                self._restore(before)  # what earlier micro-batches of the step left, for the uncaptured step
+                raise
             self.graphs[key] = captured
         else:
             self._fill(captured.inputs, inputs)
@@ -133,8 +141,13 @@ class GraphedDrafterStep:
                 param.grad = torch.zeros_like(param)
         return [param.grad for param in self.params]
 
-    def _forward_backward(self, inputs: StepInputs) -> tuple[Tensor, Tensor, Tensor]:
-        torch._foreach_zero_(self._grads())
+    def _restore(self, grads: list[Tensor]) -> None:
+        """The gradients as they were (captures and checks run the step outside the replay)."""
+        torch._foreach_copy_(self._grads(), grads)
+
+    def _forward_backward(self, inputs: StepInputs, accumulate: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        if not accumulate:
+            torch._foreach_zero_(self._grads())
         out = self.drafter_loss(inputs)
         loss = out.loss * inputs.share
         loss.backward()
@@ -145,35 +158,35 @@ class GraphedDrafterStep:
         for buffer, value in zip(buffers.tensors(), inputs.tensors(), strict=True):
             buffer.copy_(value, non_blocking=True)
 
-    def _capture(self, inputs: StepInputs) -> _Captured:
+    def _capture(self, inputs: StepInputs, accumulate: bool) -> _Captured:
         buffers = inputs.on(self.device)
         if self.eager:
-            return self._eager_stand_in(buffers)
+            return self._eager_stand_in(buffers, accumulate)
         self._grads()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # compilation and autotuning cannot run inside a capture
             for _ in range(2):
-                self._forward_backward(buffers)
+                self._forward_backward(buffers, accumulate)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            outputs = self._forward_backward(buffers)
+            outputs = self._forward_backward(buffers, accumulate)
         return _Captured(graph.replay, buffers, outputs)
 
-    def _eager_stand_in(self, buffers: StepInputs) -> _Captured:
+    def _eager_stand_in(self, buffers: StepInputs, accumulate: bool) -> _Captured:
         """Outputs of its own, overwritten in place by every replay, as a graph's are."""
-        outputs = tuple(t.clone() for t in self._forward_backward(buffers))
+        outputs = tuple(t.clone() for t in self._forward_backward(buffers, accumulate))
 
         def replay() -> None:
-            for kept, new in zip(outputs, self._forward_backward(buffers), strict=True):
+            for kept, new in zip(outputs, self._forward_backward(buffers, accumulate), strict=True):
                 kept.copy_(new)
 
         return _Captured(replay, buffers, outputs)  # type: ignore[arg-type]
 
-    def _uncaptured(self, buffers: StepInputs) -> tuple[Tensor, list[Tensor]]:
+    def _uncaptured(self, buffers: StepInputs, accumulate: bool) -> tuple[Tensor, list[Tensor]]:
         """The step run as usual on a new graph's buffers: its loss and gradients, kept for `_check`."""
-        loss = self._forward_backward(buffers)[0].clone()
+        loss = self._forward_backward(buffers, accumulate)[0].clone()
         return loss, [grad.clone() for grad in self._grads()]
 
     def _check(self, replayed_loss: Tensor, expected: tuple[Tensor, list[Tensor]]) -> None:

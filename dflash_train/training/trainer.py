@@ -213,15 +213,15 @@ class Trainer:
 
     def _build_step_graph(self) -> GraphedDrafterStep | None:
         """The drafter's side of a packed step replayed from CUDA graphs (training/step_graph.py), where that
-        applies: packed rows, one CUDA process, no gradient accumulation; elsewhere a note and none."""
+        applies: packed rows, one CUDA process, bf16 or fp32; elsewhere a note and none."""
         t = self.config.training
         if not t.step_cuda_graphs:
             return None
         if (self.packed is None or self.accelerator.device.type != "cuda" or self._distributed_type() != "NO"
-                or t.gradient_accumulation_steps != 1 or t.mixed_precision == "fp16"):
+                or t.mixed_precision == "fp16"):
             # fp16's loss scaling happens in accelerate's backward, which a captured step does not call
-            self.accelerator.print("training.step_cuda_graphs applies to packed rows in one CUDA process without "
-                                   "gradient accumulation or fp16: the drafter's step runs uncaptured")
+            self.accelerator.print("training.step_cuda_graphs applies to packed rows in one CUDA process, not in "
+                                   "fp16: the drafter's step runs uncaptured")
             return None
         params = [param for param in self.model.parameters() if param.requires_grad]
         return GraphedDrafterStep(lambda inputs: self._drafter_loss(inputs.batch, inputs.features, inputs.blocks,
@@ -325,21 +325,24 @@ class Trainer:
         tokens = sum(n for _, _, n in step.chats)
         return {"tokens": float(tokens), "flops": self._flops(step.blocks, tokens, step.chats)}
 
-    def _micro_step(self, indices: list[int], seeds: list[int],
-                    cpu_batch: dict[str, Any] | None) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
+    def _micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
+                    accumulate: bool = False) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
         """One micro-batch's forward and backward: (its output, its tokens and FLOPs, its loss as weighted in
         the step). From the captured step where there is one; a failure there turns it off for the run."""
         share = self._loss_share(indices)
         if self.step_graph is not None:
             try:
                 step = self._target_pass(indices, seeds, cpu_batch)
-                step.share.fill_(1.0 if share is None else share)
+                # accelerate's backward divides the loss by the accumulation steps: so do the graphs' gradients
+                accumulation = self.accelerator.gradient_accumulation_steps
+                step.share.fill_((1.0 if share is None else share) / accumulation)
                 with record_function("train/drafter_step_graph"):
-                    out = self.step_graph(step)
-                return out, self._stats(step), out.loss
+                    out = self.step_graph(step, accumulate)
+                return out, self._stats(step), out.loss * accumulation
             except Exception as error:  # a capture or compiler failure costs speed, not the run
                 self.step_graph = None
-                self.optimizer.zero_grad(set_to_none=True)
+                if not accumulate:  # the last step's gradients, which captured steps never set to None
+                    self.model.zero_grad(set_to_none=True)
                 reason = (str(error).strip().splitlines() or [""])[0][:200]
                 self.accelerator.print(f"CUDA graphs of the drafter's step failed ({type(error).__name__}: {reason}); "
                                        "it runs uncaptured from now on (training.step_cuda_graphs=false)")
@@ -408,7 +411,7 @@ class Trainer:
         for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
             with self.accelerator.accumulate(self.model):
-                out, stats, loss = self._micro_step(indices, seeds, cpu_batch)
+                out, stats, loss = self._micro_step(indices, seeds, cpu_batch, accumulate=micro > 0)
                 with record_function("train/optimizer"):
                     if self.accelerator.sync_gradients:
                         grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)

@@ -6,6 +6,7 @@ plain steps. The capture itself runs on CUDA only (tests/training/test_step_grap
 from __future__ import annotations
 
 import pathlib
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -15,6 +16,7 @@ from dflash_train.features.capture import packed_features_and_final_states
 from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.distill import Distillation
+from dflash_train.objective.objective import ObjectiveOutput
 from dflash_train.target import TargetModel
 from dflash_train.training.config import load_config
 from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs
@@ -91,25 +93,93 @@ def test_a_replay_that_differs_from_the_uncaptured_step_stops_the_graphs(target:
         step(step_inputs(target, objective, 0))
 
 
-def test_the_trainer_on_replayed_steps_trains_as_on_plain_ones(assets: dict[str, pathlib.Path],
-                                                               tmp_path: pathlib.Path) -> None:
-    """Four optimizer steps of the packed trainer with its drafter's step on the stand-in graphs (blocks padded
-    by the loader, gradients never set to None) equal four plain steps: losses and the drafter's weights."""
+def stand_in_graphs(trainer: Trainer) -> GraphedDrafterStep:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    return GraphedDrafterStep(
+        lambda inputs: trainer._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher),
+        params, trainer.accelerator.device, eager=True)
+
+
+def plain_and_graphed(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path, steps: int, settings: dict[str, object],
+                      graphs: Callable[[Trainer], GraphedDrafterStep] = stand_in_graphs) -> list[tuple[object, ...]]:
+    """(losses, final weights, trainer) of `steps` plain steps, then of as many on `graphs`."""
     runs = []
     for name in ("plain", "graphed"):
-        trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **PACKED)))
+        trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **settings)))
         if name == "graphed":
-            params = [p for p in trainer.model.parameters() if p.requires_grad]
-            trainer.step_graph = GraphedDrafterStep(
-                lambda inputs, t=trainer: t._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher),
-                params, trainer.accelerator.device, eager=True)
-        losses = [trainer.train_step()["loss"] for _ in range(4)]
+            trainer.step_graph = graphs(trainer)
+        losses = [trainer.train_step()["loss"] for _ in range(steps)]
         runs.append((losses, {k: v.clone() for k, v in trainer.model.state_dict().items()}, trainer))
-    (plain_losses, plain_weights, _), (losses, weights, graphed) = runs
-    assert graphed.step_graph is not None and graphed.step_graph.graphs
+    return runs
+
+
+def assert_same_training(runs: list[tuple[object, ...]]) -> None:
+    (plain_losses, plain_weights, _), (losses, weights, _) = runs
     assert losses == pytest.approx(plain_losses, rel=1e-5)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_trainer_on_replayed_steps_trains_as_on_plain_ones(assets: dict[str, pathlib.Path],
+                                                               tmp_path: pathlib.Path, accumulation: int) -> None:
+    """Optimizer steps of the packed trainer with its drafter's step on the stand-in graphs (blocks padded by the
+    loader, gradients never set to None; with accumulation, a graph that adds to them after the first
+    micro-batch) equal plain steps: losses and the drafter's weights."""
+    runs = plain_and_graphed(assets, tmp_path, 4 // accumulation,
+                             {**PACKED, "training.gradient_accumulation_steps": accumulation})
+    graphed = runs[1][2]
+    assert graphed.step_graph is not None and graphed.step_graph.graphs
+    assert sorted({key[-1] for key in graphed.step_graph.graphs}) == ([False, True] if accumulation > 1 else [False])
+    assert_same_training(runs)
+
+
+def test_a_graphed_step_leaves_the_gradient_of_the_plain_step(assets: dict[str, pathlib.Path],
+                                                              tmp_path: pathlib.Path) -> None:
+    """The gradient itself, which the optimizers barely see the scale of (Muon orthogonalises, AdamW divides by
+    its own running scale): over two micro-batches, the graphs' equals accelerate's backward's, which divides
+    the loss by the accumulation steps."""
+    grads = []
+    for name in ("plain", "graphed"):
+        trainer = Trainer(load_config(None, overrides(assets, tmp_path / name, **PACKED,
+                                                      **{"training.gradient_accumulation_steps": 2})))
+        if name == "graphed":
+            trainer.step_graph = stand_in_graphs(trainer)
+        for micro, (indices, cpu_batch) in enumerate(trainer._load_step(0)):
+            with trainer.accelerator.accumulate(trainer.model):
+                trainer._micro_step(indices, [], cpu_batch, accumulate=micro > 0)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-8, msg=name)
+
+
+def test_a_graph_failing_after_the_first_micro_batch_keeps_its_gradient(assets: dict[str, pathlib.Path],
+                                                                        tmp_path: pathlib.Path) -> None:
+    """The graph that adds to the gradients fails its check: the graphs are off from there, the gradients the
+    first micro-batch wrote are restored, and the step ends uncaptured with the plain step's result."""
+    class FailsWhenAdding(GraphedDrafterStep):
+        accumulating = False
+
+        def __call__(self, inputs: StepInputs, accumulate: bool = False) -> ObjectiveOutput:
+            self.accumulating = accumulate
+            return super().__call__(inputs, accumulate)
+
+        def _check(self, *args: object) -> None:
+            if self.accumulating:
+                raise RuntimeError("a replayed graph's loss or gradients differ from the uncaptured step")
+            super()._check(*args)  # type: ignore[arg-type]
+
+    def failing_on_accumulation(trainer: Trainer) -> GraphedDrafterStep:
+        params = [p for p in trainer.model.parameters() if p.requires_grad]
+        return FailsWhenAdding(
+            lambda inputs: trainer._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher),
+            params, trainer.accelerator.device, eager=True)
+
+    runs = plain_and_graphed(assets, tmp_path, 2, {**PACKED, "training.gradient_accumulation_steps": 2},
+                             failing_on_accumulation)
+    assert runs[1][2].step_graph is None  # turned off at the first step's second micro-batch
+    assert_same_training(runs)
 
 
 def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
@@ -117,7 +187,7 @@ def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, p
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED,
                                                   **{"training.step_cuda_graphs": True})))
     assert trainer.step_graph is None
-    assert "training.step_cuda_graphs applies to packed rows in one CUDA process without" in capsys.readouterr().out
+    assert "training.step_cuda_graphs applies to packed rows in one CUDA process, not in fp16" in capsys.readouterr().out
 
 
 class SyncingOps(TorchDispatchMode):
