@@ -1,6 +1,6 @@
 """The drafter's step captured in CUDA graphs trains as the uncaptured step does: the same losses and weights
 over a few packed steps, the graphs never turned off (their first replay checked against the uncaptured step
-inside the trainer), eager and with compiled layers."""
+inside the trainer), eager and with compiled layers, and over two micro-batches a step."""
 
 from __future__ import annotations
 
@@ -17,12 +17,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize(("compiled", "accumulation"), [(False, 1), (True, 1), (False, 2)])
 def test_captured_steps_train_as_uncaptured_ones(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
-                                                 compiled: bool) -> None:
+                                                 compiled: bool, accumulation: int) -> None:
     runs = []
     for graphs in (False, True):
-        settings = {**PACKED, "training.compile": compiled, "training.step_cuda_graphs": graphs}
+        settings = {**PACKED, "training.compile": compiled, "training.step_cuda_graphs": graphs,
+                    "training.gradient_accumulation_steps": accumulation}
         trainer = Trainer(load_config(None, overrides(assets, tmp_path / str(graphs), **settings)))
         losses = [trainer.train_step()["loss"] for _ in range(5)]
         runs.append((losses, {k: v.float().clone() for k, v in trainer.model.state_dict().items()}, trainer))
