@@ -116,24 +116,30 @@ class GraphedDrafterStep:
         key = (*inputs.key(), accumulate)
         captured = self.graphs.get(key)
         if captured is None:
-            before = [grad.clone() for grad in self._grads()]
-            try:
-                captured = self._capture(inputs, accumulate)
-                self._fill(captured.inputs, inputs)
-                self._restore(before)
-                expected = self._uncaptured(captured.inputs, accumulate)
-                self._restore(before)
-                captured.replay()
-                self._check(captured.outputs[0], expected)
-            except Exception:
-                self._restore(before)  # what earlier micro-batches of the step left, for the uncaptured step
-                raise
-            self.graphs[key] = captured
+            self.graphs[key] = captured = self._first_replay(inputs, accumulate)
         else:
             self._fill(captured.inputs, inputs)
             captured.replay()
         loss, slot_correct, slot_count = captured.outputs
         return ObjectiveOutput(loss, slot_correct, slot_count, supervised)
+
+    def _first_replay(self, inputs: StepInputs, accumulate: bool) -> _Captured:
+        """A new graph, captured and replayed once on `inputs`, that replay checked against the uncaptured step.
+        The capture and the check run the step outside the replay: the gradients are put back before each, and
+        after a failure (the uncaptured step then starts from what earlier micro-batches left)."""
+        before = [grad.clone() for grad in self._grads()]
+        try:
+            captured = self._capture(inputs, accumulate)
+            self._fill(captured.inputs, inputs)
+            self._restore(before)
+            expected = self._uncaptured(captured.inputs, accumulate)
+            self._restore(before)
+            captured.replay()
+            self._check(captured.outputs[0], expected)
+        except Exception:
+            self._restore(before)
+            raise
+        return captured
 
     def _grads(self) -> list[Tensor]:
         for param in self.params:
@@ -142,7 +148,6 @@ class GraphedDrafterStep:
         return [param.grad for param in self.params]
 
     def _restore(self, grads: list[Tensor]) -> None:
-        """The gradients as they were (captures and checks run the step outside the replay)."""
         torch._foreach_copy_(self._grads(), grads)
 
     def _forward_backward(self, inputs: StepInputs, accumulate: bool = False) -> tuple[Tensor, Tensor, Tensor]:
