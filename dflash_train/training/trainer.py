@@ -141,6 +141,8 @@ class Trainer:
         self._compile_and_capture()
         self.objective = self._build_objective()
         self.step_graph = self._build_step_graph()
+        # a micro-batch's loss share on the device, filled per step (a graph copies it into its own buffer)
+        self.share = torch.ones((), device=self.accelerator.device)
         self.compat = {
             "target": config.model.target, "target_fingerprint": target_fingerprint(self.target.model),
             "target_layer_ids": self.draft_config.target_layer_ids, "block_size": self.draft_config.block_size,
@@ -319,7 +321,7 @@ class Trainer:
             features, teacher_states = self.features(batch, max(start + n for _, start, n in chats),
                                                      cpu_batch.get("position_ids"))
         read = {k: batch[k] for k in ("input_ids", "loss_mask", "position_ids") if k in batch}
-        return StepInputs(read, features, teacher_states, host_blocks, torch.ones((), device=device), chats)
+        return StepInputs(read, features, teacher_states, host_blocks, self.share, chats)
 
     def _stats(self, step: StepInputs) -> dict[str, float]:
         tokens = sum(n for _, _, n in step.chats)
