@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -113,6 +113,15 @@ class DFlashObjective:
     # The per-row loss: None, the label's CE (or soft targets'); else mixed with a divergence from the target's
     # distribution at a temperature (objective/distill.py), which needs `teacher_states`.
     distillation: Distillation | None = None
+    # The decay's slot weights, made once per device: a step captured in a CUDA graph may not copy from the host.
+    _slot_decay: dict[torch.device, torch.Tensor] = field(default_factory=dict, init=False, repr=False,
+                                                          compare=False)
+
+    def slot_decay(self, device: torch.device) -> torch.Tensor:
+        """The decay's weights [B] of the block's slots, on `device`."""
+        if device not in self._slot_decay:
+            self._slot_decay[device] = slot_weights(self.block_size, self.loss_decay_gamma).to(device)
+        return self._slot_decay[device]
 
     def make_blocks(
         self, input_ids: torch.Tensor, loss_mask: torch.Tensor, generator: torch.Generator | None = None
@@ -259,7 +268,7 @@ class DFlashObjective:
         sequence, num_sequences = self._sequences(blocks)
         row_sequence = sequence.flatten()[rows_index]
         if self.position_weighting == "decay":  # each sequence's decay-weighted mean CE
-            decay = slot_weights(self.block_size, self.loss_decay_gamma).to(row_ce.device)
+            decay = self.slot_decay(row_ce.device)
             return sequence_normalised_weights(decay[rows_index % self.block_size] * counted, row_sequence,
                                                num_sequences)
         # D-PACE: each sequence's sum of w_j·CE_j over its blocks, divided by its number of blocks (not by

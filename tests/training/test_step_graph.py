@@ -215,8 +215,9 @@ class SyncingOps(TorchDispatchMode):
 def test_the_captured_step_waits_for_the_host_nowhere(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                                       weighting: str, loss: str) -> None:
     """What a graph captures, the forward, the loss and the backward over the loader's padded blocks, runs no
-    op that reads a value back to the host (CUDA's capture refuses those). Dense attention: the recorder cannot
-    enter flex attention's compiled kernel."""
+    op that reads a value back to the host and makes no tensor on the host to copy over (CUDA's capture refuses
+    both). Dense attention: the recorder cannot enter flex attention's compiled kernel. As before a capture,
+    the step runs once first; then a tensor made without the step's device lands on "meta" and the step fails."""
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED, **{
         "training.position_weighting": weighting, "training.loss": loss, "training.attention": "dense"})))
     params = [p for p in trainer.model.parameters() if p.requires_grad]
@@ -227,8 +228,9 @@ def test_the_captured_step_waits_for_the_host_nowhere(assets: dict[str, pathlib.
     step = trainer._target_pass(indices, [], cpu_batch)
     assert step.blocks.real_rows is not None  # padded by the loader
     buffers = step.on(trainer.accelerator.device)
+    trainer.step_graph._forward_backward(buffers)  # the warm-up runs before a capture
     ops = SyncingOps()
-    with ops:
+    with ops, torch.device("meta"):
         trainer.step_graph._forward_backward(buffers)
     assert not ops.found, ops.found
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params[:3])
