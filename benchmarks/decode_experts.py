@@ -4,6 +4,7 @@ in the same run, at the layer shapes of Qwen3-30B-A3B and gpt-oss-20b, bf16, on 
 
     python -m benchmarks.decode_experts                         # both shapes, 1..256 tokens, < 2 min on an H100
     python -m benchmarks.decode_experts --sweep --budget-s 300  # + the kernel's tilings, up and down products
+    python -m benchmarks.decode_experts --tokens 16 --reached 16  # a verify's 16 tokens routed to 16 experts
 
 Shapes (transformers' own experts modules, random weights): `qwen3-30b-a3b`: 128 experts, hidden 2048, width
 768, 8 per token, [gate; up] halves with SiLU; `gpt-oss-20b`: 32 experts, hidden 2880, width 2880, 4 per token,
@@ -11,7 +12,8 @@ transposed weights with biases and the model's clamped gate.
 
 Each call is timed as a CUDA graph over `LAYERS` copies of the experts (different weights, together larger than
 the L2), as in a graphed decode step; medians of µs per call. Routing: each token's k experts drawn at random,
-the same for every implementation. The floor: the bytes of the experts the step reaches (each counted once)
+the same for every implementation; with `--reached N`, from the same N experts for every token, as a model's
+router may gather a verify's similar tokens (more pairs an expert than even routing gives). The floor: the bytes of the experts the step reaches (each counted once)
 over the device-to-device copy bandwidth measured in the run. Checks: each implementation's output against
 the kernel's (bf16 tolerance), and one token's output bitwise the same alone and among others (the kernel's).
 """
@@ -64,9 +66,15 @@ def build_layers(name: str, device: torch.device) -> list[torch.nn.Module]:
     return layers
 
 
-def routing(tokens: int, experts: int, top_k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def routing(tokens: int, experts: int, top_k: int, device: torch.device,
+            reached: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's `top_k` distinct experts and weights, drawn among `reached` experts (default: all)."""
     generator = torch.Generator().manual_seed(tokens)
-    index = torch.rand(tokens, experts, generator=generator).topk(top_k, dim=-1).indices
+    # even routing draws as it always has, so its points compare with earlier runs'
+    pool = torch.arange(experts) if reached is None else torch.randperm(experts, generator=generator)[:reached]
+    if len(pool) < top_k:
+        raise SystemExit(f"decode_experts: error: --reached {reached} is below the {top_k} experts a token takes")
+    index = pool[torch.rand(tokens, len(pool), generator=generator).topk(top_k, dim=-1).indices]
     weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), dim=-1)
     return index.to(device), weights.to(device, torch.bfloat16)
 
@@ -94,12 +102,13 @@ def sizes(layer: torch.nn.Module) -> tuple[int, int, int]:
     return hidden, layer.gate_up_proj.shape[0], int(layer.config.num_experts_per_tok)
 
 
-def time_point(layers: list[torch.nn.Module], tokens: int, bandwidth: float, replays: int) -> dict[str, Any]:
+def time_point(layers: list[torch.nn.Module], tokens: int, bandwidth: float, replays: int,
+               reached: int | None = None) -> dict[str, Any]:
     device = layers[0].gate_up_proj.device
     hidden, experts, top_k = sizes(layers[0])
     x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16)
-    index, weights = routing(tokens, experts, top_k, device)
-    point: dict[str, Any] = {"tokens": tokens, "pairs": tokens * top_k,
+    index, weights = routing(tokens, experts, top_k, device, reached)
+    point: dict[str, Any] = {"tokens": tokens, "pairs": tokens * top_k, "experts_reached": int(index.unique().numel()),
                              "floor_us": reached_bytes(layers[0], index) / bandwidth * 1e6}
     reference = decode_experts_forward(layers[0], x, index, weights).float()
     for which in IMPLEMENTATIONS:
@@ -133,14 +142,15 @@ def product_shapes(layer: torch.nn.Module) -> dict[str, tuple[int, int]]:
     return {"up": (inner if folded else 2 * inner, hidden), "down": (hidden, inner)}
 
 
-def sweep(layers: list[torch.nn.Module], replays: int, run_guard: Callable[[], bool]) -> dict[str, Any]:
+def sweep(layers: list[torch.nn.Module], replays: int, run_guard: Callable[[], bool],
+          reached: int | None = None) -> dict[str, Any]:
     """Every candidate tiling of the up product, then of the down product (the other at its best so far), timed
-    at 1 and 16 tokens; ranked by their sum (one tiling serves both: batch invariance). The best of each is
-    left in `de.TILINGS` for the rest of the run."""
+    at 1 and 16 tokens (the 16 routed among `reached` experts); ranked by their sum (one tiling serves both:
+    batch invariance). The best of each is left in `de.TILINGS` for the rest of the run."""
     device = layers[0].gate_up_proj.device
     hidden, experts, top_k = sizes(layers[0])
-    inputs = {m: (torch.randn(m, hidden, device=device, dtype=torch.bfloat16), *routing(m, experts, top_k, device))
-              for m in (1, 16)}
+    inputs = {m: (torch.randn(m, hidden, device=device, dtype=torch.bfloat16),
+                  *routing(m, experts, top_k, device, reached if m > 1 else None)) for m in (1, 16)}
     found: dict[str, Any] = {}
     for product, (n, k) in product_shapes(layers[0]).items():
         key, timings = (product, n, k), []
@@ -171,14 +181,15 @@ def candidates() -> list[de.Tiling]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| shape | tokens | floor µs | kernel µs | × floor | grouped_mm µs | grouped / kernel | batched_mm µs |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | tokens | experts reached | floor µs | kernel µs | × floor | grouped_mm µs | grouped / kernel "
+             "| batched_mm µs |", "|---|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         for point in result["points"]:
             cells = [f"{point[key]:.2f}" if key in point else "–" for key in (
                 "floor_us", "kernel_us", "kernel_over_floor", "grouped_mm_us", "grouped_mm_over_kernel",
                 "batched_mm_us")]
-            lines.append(f"| {name} | {point['tokens']} | " + " | ".join(cells) + " |")
+            lines.append(f"| {name} | {point['tokens']} | {point.get('experts_reached', '–')} | "
+                         + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -188,6 +199,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tokens", type=int, action="append", help=f"tokens per call; repeat (default {TOKENS})")
     parser.add_argument("--sweep", action="store_true", help="time the kernel's candidate tilings first")
     parser.add_argument("--replays", type=int, default=50)
+    parser.add_argument("--reached", type=int, default=None,
+                        help="route every token among the same N experts (default: all experts)")
     parser.add_argument("--budget-s", type=float, default=480.0)
     args = parser.parse_args(argv)
     device = torch.device("cuda")
@@ -197,17 +210,19 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, Any] = {}
     for name in args.shape or tuple(SHAPES):
         layers = build_layers(name, device)
-        result: dict[str, Any] = {"shape": name, "layers": LAYERS, "copy_bandwidth": bandwidth, "points": []}
+        result: dict[str, Any] = {"shape": name, "layers": LAYERS, "copy_bandwidth": bandwidth,
+                                  "reached": args.reached, "points": []}
         if args.sweep:
-            result["sweep"] = sweep(layers, args.replays, lambda: time.perf_counter() - started < args.budget_s)
+            result["sweep"] = sweep(layers, args.replays, lambda: time.perf_counter() - started < args.budget_s,
+                                    args.reached)
         result["tilings"] = {product: list(de.tiling_for(product, *shape))
                              for product, shape in product_shapes(layers[0]).items()}
         for tokens in args.tokens or TOKENS:
-            point = time_point(layers, tokens, bandwidth, args.replays)
+            point = time_point(layers, tokens, bandwidth, args.replays, args.reached)
             say(f"{name} {tokens} tokens: " + ", ".join(f"{k} {v:.2f}" for k, v in point.items()
                                                        if isinstance(v, float)))
             result["points"].append(point)
-            write_result(f"decode_experts-{name}", result)
+            write_result(f"decode_experts-{name}" + (f"-reached{args.reached}" if args.reached else ""), result)
         results[name] = result
         del layers
         torch.cuda.empty_cache()
