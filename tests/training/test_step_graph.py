@@ -16,6 +16,7 @@ from dflash_train.features.capture import packed_features_and_final_states
 from dflash_train.features.packed_rows import chat_layout, collate_packed
 from dflash_train.objective import DFlashObjective
 from dflash_train.objective.distill import Distillation
+from dflash_train.objective.masks import packed_flex_mask
 from dflash_train.objective.objective import ObjectiveOutput
 from dflash_train.target import TargetModel
 from dflash_train.training.config import load_config
@@ -234,3 +235,18 @@ def test_the_captured_step_waits_for_the_host_nowhere(assets: dict[str, pathlib.
         trainer.step_graph._forward_backward(buffers)
     assert not ops.found, ops.found
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params[:3])
+
+
+def test_the_packed_flex_mask_is_built_on_the_device_alone() -> None:
+    """The GPU step's mask (flex attention's BlockMask over packed chats), which the recorder above cannot see
+    built inside the step: no value read back, no tensor made on the host (meta as the default device)."""
+    block, context = 16, 256
+    anchors = torch.tensor([[3, 40, 130, 200], [10, 90, 140, 230]])
+    chat_of_key = (torch.arange(context) >= 128).long().expand(2, -1)
+    args = (anchors, torch.ones_like(anchors, dtype=torch.bool), (anchors >= 128).long(), chat_of_key, block)
+    expected = packed_flex_mask(*args)
+    ops = SyncingOps()
+    with ops, torch.device("meta"):
+        mask = packed_flex_mask(*args)
+    assert not ops.found, ops.found
+    torch.testing.assert_close(mask.kv_num_blocks, expected.kv_num_blocks)
