@@ -64,6 +64,7 @@ from transformers import (
 
 from benchmarks.common import median, results_directory, time_calls, write_result
 from benchmarks.decode_timing import default_dtype
+from benchmarks.experts_reached import experts_reached, summary
 from benchmarks.profiling import kernel_profile
 from dflash_train.features.layer_ids import default_target_layer_ids
 from dflash_train.models import DFlashConfig, DFlashDraftModel
@@ -297,8 +298,21 @@ def measure_dflash(target: TargetModel, prompts: list[list[int]], args: argparse
               "draft_bytes": sum(p.numel() * p.element_size() for p in draft.parameters())}
     if args.profile:  # where a cycle's time goes: the drafter, the verify's experts, the rest
         result["dflash_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}-{experts}-cycle")
+        result |= verify_routing(target, prompts, args.block_size)
     del engine, draft
     return result
+
+
+def verify_routing(target: TargetModel, prompts: list[list[int]], block: int) -> dict[str, Any]:
+    """Distinct experts a verify-sized block of random tokens after each prompt reaches in each MoE layer,
+    against even routing (`experts_reached`); nothing for a model without experts."""
+    generator = torch.Generator().manual_seed(len(prompts) + block)
+    drafted = torch.randint(3, target.config.vocab_size - 1, (len(prompts), block), generator=generator)
+    counts = experts_reached(target.model, torch.cat([torch.tensor(prompts), drafted], 1).to(target.device), block)
+    if not counts:
+        return {}
+    experts, top_k = experts_of(target.config)
+    return summary(counts, experts, block, top_k, rows=len(prompts))
 
 
 def with_model_experts(measure: Callable[..., dict[str, Any]], name: str) -> Callable[..., dict[str, Any]]:

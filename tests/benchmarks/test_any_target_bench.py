@@ -86,3 +86,6 @@ def test_profile_writes_the_kernels_of_a_step_and_of_a_cycle(tmp_path: Path, mon
     for key in ("engine_profile", "dflash_profile"):
         assert (tmp_path / point[key]).read_text().strip(), key
     assert point["dflash_profile"].endswith("-cycle.profile.txt")
+    reached = point["verify_experts_reached"]  # a block of 4 tokens, 2 experts each, of 8: 2..8 in each layer
+    assert len(reached) == LAYERS and all(2 <= n <= 8 for n in reached), reached
+    assert point["verify_experts_reached_even"] == pytest.approx(8 * (1 - (1 - 2 / 8) ** 4))
