@@ -22,11 +22,12 @@ def experts_reached(model: torch.nn.Module, input_ids: torch.Tensor, block: int)
     counts: list[int] = []
     rows = input_ids.shape[0]
 
-    def count(_module: torch.nn.Module, args: tuple[Any, ...]) -> None:
-        top_k_index = args[1].reshape(rows, -1, args[1].shape[-1])[:, -block:]  # [rows, block, k]
-        counts.append(sum(int(row.unique().numel()) for row in top_k_index))
+    def count(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        index = args[1] if len(args) > 1 else kwargs["top_k_index"]  # [rows * T, k]
+        per_row = index.reshape(rows, -1, index.shape[-1])[:, -block:]  # [rows, block, k]
+        counts.append(sum(int(row.unique().numel()) for row in per_row))
 
-    hooks = [module.register_forward_pre_hook(count) for module in experts_modules(model)]
+    hooks = [module.register_forward_pre_hook(count, with_kwargs=True) for module in experts_modules(model)]
     try:
         model(input_ids=input_ids)
     finally:

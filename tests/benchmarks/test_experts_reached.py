@@ -31,3 +31,35 @@ def test_the_count_is_each_layers_routers_own_distinct_choice_over_the_block() -
 def test_a_dense_model_reaches_no_experts() -> None:
     model = build_tiny_target("qwen3", VOCAB)
     assert experts_reached(model, torch.tensor([[5, 6, 7, 8]]), block=2) == []
+
+
+class KeywordExperts(torch.nn.Module):
+    """An experts module in transformers' interface (`has_gate`, `down_proj`) that passes through."""
+
+    has_gate = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.down_proj = torch.nn.Parameter(torch.zeros(4, 2, 2))
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        return hidden_states
+
+
+class RoutesByTokenId(torch.nn.Module):
+    """Token t takes experts t % 4 and (t + 1) % 4, calling its experts by keyword."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.experts = KeywordExperts()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        ids = input_ids.reshape(-1, 1)
+        index = torch.cat([ids % 4, (ids + 1) % 4], dim=1)
+        return self.experts(hidden_states=ids.float(), top_k_index=index, top_k_weights=torch.ones_like(index))
+
+
+def test_experts_called_by_keyword_are_counted_too() -> None:
+    ids = torch.tensor([[9, 0, 1], [9, 5, 5]])  # last two tokens: {0, 1, 2} and {1, 2}
+    assert experts_reached(RoutesByTokenId(), ids, block=2) == [3 + 2]
