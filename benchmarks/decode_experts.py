@@ -13,8 +13,9 @@ transposed weights with biases and the model's clamped gate.
 Each call is timed as a CUDA graph over `LAYERS` copies of the experts (different weights, together larger than
 the L2), as in a graphed decode step; medians of µs per call. Routing: each token's k experts drawn at random,
 the same for every implementation; with `--reached N`, from the same N experts for every token, as a model's
-router may gather a verify's similar tokens (more pairs an expert than even routing gives). The floor: the bytes of the experts the step reaches (each counted once)
-over the device-to-device copy bandwidth measured in the run. Checks: each implementation's output against
+router may gather a verify's similar tokens (more pairs an expert than even routing gives). The floor: the
+bytes of the experts the step reaches (each counted once) over the device-to-device copy bandwidth measured
+in the run. Checks: each implementation's output against
 the kernel's (bf16 tolerance), and one token's output bitwise the same alone and among others (the kernel's).
 """
 
@@ -181,8 +182,8 @@ def candidates() -> list[de.Tiling]:
 
 
 def table(results: dict[str, Any]) -> str:
-    lines = ["| shape | tokens | experts reached | floor µs | kernel µs | × floor | grouped_mm µs | grouped / kernel "
-             "| batched_mm µs |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| shape | tokens | experts reached | floor µs | kernel µs | × floor | grouped_mm µs "
+             "| grouped / kernel | batched_mm µs |", "|---|---|---|---|---|---|---|---|---|"]
     for name, result in results.items():
         for point in result["points"]:
             cells = [f"{point[key]:.2f}" if key in point else "–" for key in (
