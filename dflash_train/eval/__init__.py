@@ -7,4 +7,7 @@
 - `teacher_forced`, `target_pass_cache`, `compat`: teacher-forced acceptance, the cached target passes it
   reuses, and the drafter-target compatibility checks.
 - `run`, `metrics`, `report`, `plot`, `console`: an evaluation run and its outputs.
+- `marginal_oracle`, `marginal_ceiling`: the τ at a temperature of a drafter that is the target's own marginal,
+  the best a drafter fitted to the target's distribution does drafting a block's slots independently
+  (`python -m dflash_train.eval.marginal_ceiling`).
 """

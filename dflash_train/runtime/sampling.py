@@ -38,9 +38,9 @@ def probabilities(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     return torch.softmax(logits.float() / temperature, dim=-1)
 
 
-def sample(probs: torch.Tensor) -> torch.Tensor:
-    """One draw per row of probs [..., V] -> [...] int64, from the global generator."""
-    noise = torch.empty_like(probs).exponential_(1.0)
+def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """One draw per row of probs [..., V] -> [...] int64, from `generator` (None: the global generator)."""
+    noise = torch.empty_like(probs).exponential_(1.0, generator=generator)
     return (probs / noise).argmax(dim=-1)
 
 
@@ -121,14 +121,16 @@ def speculative_sample(
     drafts: torch.Tensor,
     temperature: float,
     draft_temperature: float | None = None,
+    generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """target_logits [b, B, V]; draft_logits [b, B-1, V] (None when B == 1); drafts [b, B-1] sampled from
     them at `draft_temperature` (None: `temperature`; 0: the drafts are their argmax, q a point mass on each).
-    Returns (a [b]: accepted drafts, token [b]: the token emitted after them)."""
+    Returns (a [b]: accepted drafts, token [b]: the token emitted after them). The uniforms and the emitted
+    token come from `generator` (None: the global generator, as the decode loop's graph-captured step uses)."""
     p = probabilities(target_logits, temperature)  # [b, B, V]
     b, width, vocab = p.shape
     if width == 1:
-        return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0])
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
     draft_temperature = temperature if draft_temperature is None else draft_temperature
     if draft_temperature > 0:
         q = probabilities(draft_logits, draft_temperature)  # [b, B-1, V]
@@ -136,7 +138,7 @@ def speculative_sample(
         q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
     p_draft = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # p_{k-1}(d_k), [b, B-1]
     q_draft = q.gather(-1, drafts[..., None])[..., 0]  # q_k(d_k)
-    u = torch.rand(p_draft.shape, device=p.device)
+    u = torch.rand(p_draft.shape, device=p.device, generator=generator)
     accept = u * q_draft < p_draft  # u < p/q without dividing by q
     accepted = accept.long().cumprod(dim=-1).sum(dim=-1)  # a, [b]
     # Residual at slot a: q of the rejected draft, or zero past the last draft (then it is p_{B-1} itself).
@@ -147,4 +149,4 @@ def speculative_sample(
     # Rounding can leave an all-zero residual when p == q almost everywhere; p itself is then exact enough.
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_a, residual)
-    return accepted, sample(residual)
+    return accepted, sample(residual, generator)
