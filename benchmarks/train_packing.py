@@ -45,10 +45,11 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import H200_BF16_PEAK, write_result
+from benchmarks.common import write_result
 from benchmarks.profiling import as_intervals, gpu_time, kernel_categories, profiled_calls
 from benchmarks.shapes import SMOLLM2_135M, TINY_LLAMA
 from dflash_train.training.config import TrainingConfig
+from dflash_train.training.flops import peak_flops
 
 # Rows of 8,192 tokens, the target's packed forward on the varlen kernel, its decoder layers compiled and its
 # pass replayed from CUDA graphs (the packed recipe's choices); the other packed variants change one thing
@@ -168,7 +169,8 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
             torch.cuda.synchronize()
         rows.append({"seconds": time.perf_counter() - began, "chats": sum(len(ids) for ids, _ in loaded),
                      "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
-    queued = queued_steps(trainer, pool, upcoming, load, steps)
+    flops_per_step = statistics.fmean(r["flops"] for r in rows[1:])  # the model FLOPs MFU counts (training/flops.py)
+    queued = queued_steps(trainer, pool, upcoming, load, steps, flops_per_step)
     pool.shutdown()
     if args.profile:
         device_ms, device_step_ms = phase_device_ms(trainer)
@@ -178,7 +180,9 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
     first, steady = rows[0], rows[1:]
     step_s = statistics.median(r["seconds"] for r in steady)
     total_s = sum(r["seconds"] for r in steady)
-    peak = H200_BF16_PEAK if torch.cuda.is_available() and "H200" in torch.cuda.get_device_name() else None
+    peak = peak_flops(trainer.accelerator.device)  # the trainer's own denominator (DFLASH_PEAK_TFLOPS overrides)
+    graphs = getattr(trainer, "step_graph", None)
+    queued_flops = queued.pop("queued_flops_per_s")
     return {
         "variant": name, "setup_s": setup_s, "first_step_s": first["seconds"], "step_s_median": step_s,
         "load_s_median": statistics.median(load_seconds[1:]),  # a step's data, read and laid out by the loader
@@ -186,16 +190,23 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
         "chat_passes_per_min": 60 * sum(r["chats"] for r in steady) / total_s,
         "tokens_per_s": sum(r["tokens"] for r in steady) / total_s,
         "valid_block_tokens_per_s": sum(r["slots"] for r in steady) / total_s,
+        "flops_per_step": flops_per_step,
         "mfu": (sum(r["flops"] for r in steady) / total_s / peak) if peak else None,
+        "mfu_median_step": (statistics.median(r["flops"] for r in steady) / step_s / peak) if peak else None,
         **queued,
+        "queued_mfu": queued_flops / peak if peak else None,
+        # Distinct shapes captured (step graphs only): each costs a capture, once, in the steps above.
+        "step_graphs_captured": len(graphs.graphs) if graphs is not None else None,
         "pack_token_fill": metrics.get("pack_token_fill"), "pack_anchor_fill": metrics.get("pack_anchor_fill"),
         **({"profile": profile} if profile is not None else {}),
     }
 
 
-def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: Any, steps: int) -> dict[str, float]:
+def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: Any, steps: int,
+                 flops_per_step: float) -> dict[str, float]:
     """`steps` more steps as `fit` runs them between logged steps: queued back to back, the device waited for
-    once at the end (the steps above wait at each one's end, so the host never runs ahead of the device)."""
+    once at the end (the steps above wait at each one's end, so the host never runs ahead of the device). Their
+    FLOPs are not resolved one by one (that would wait for each): the steps above give the mean per step."""
     began, chats = time.perf_counter(), 0
     for i in range(steps):
         loaded = upcoming.result()
@@ -206,7 +217,8 @@ def queued_steps(trainer: Any, pool: ThreadPoolExecutor, upcoming: Any, load: An
         torch.cuda.synchronize()
     seconds = time.perf_counter() - began
     upcoming.result()  # the loader's step after the last, not timed
-    return {"queued_step_s": seconds / steps, "queued_chat_passes_per_min": 60 * chats / seconds}
+    return {"queued_step_s": seconds / steps, "queued_chat_passes_per_min": 60 * chats / seconds,
+            "queued_flops_per_s": flops_per_step / (seconds / steps)}
 
 
 def step_profile(trainer: Any, steps: int = 3, top: int = 60) -> dict[str, Any]:
@@ -325,18 +337,22 @@ def error_lines(stderr: str, limit: int = 3) -> list[str]:
 
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
-          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10} {'vs pad':>7}")
+          f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10} {'vs pad':>7} "
+          f"{'q MFU':>6} {'graphs':>6}")
 
 
 def print_row(result: dict[str, Any]) -> None:
     ratio, queued_ratio = result.get("chat_passes_vs_padded"), result.get("queued_chat_passes_vs_padded")
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "-"
+    queued_mfu = f"{result['queued_mfu']:.1%}" if result.get("queued_mfu") is not None else "-"
+    graphs = result.get("step_graphs_captured")
     print(f"{result['variant']:<22} {result['chats_per_step']:>7.1f} {result['step_s_median']:>8.3f} "
           f"{result['chat_passes_per_min']:>10,.0f} {f'{ratio:.2f}x' if ratio else '-':>7} "
           f"{result['valid_block_tokens_per_s']:>12,.0f} {mfu:>6} {result['first_step_s']:>8.1f} "
           f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f} "
           f"{result.get('queued_chat_passes_per_min', float('nan')):>10,.0f} "
-          f"{f'{queued_ratio:.2f}x' if queued_ratio else '-':>7}", flush=True)
+          f"{f'{queued_ratio:.2f}x' if queued_ratio else '-':>7} {queued_mfu:>6} "
+          f"{'-' if graphs is None else graphs:>6}", flush=True)
 
 
 def add_ratios(results: list[dict[str, Any]]) -> None:

@@ -18,6 +18,7 @@ from benchmarks.train_packing import TRAINING_CATEGORIES, error_lines, main, sav
 def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
+    monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "0.5")  # a peak for the CPU, so MFU is reported here too
     recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
     main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed", "--profile",
           "--recipe", str(recipe), "--set", "training.learning_rate=1e-4", "--workdir", str(tmp_path / "work")])
@@ -28,6 +29,10 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     assert packed["load_s_median"] > 0  # the loader thread's time for a step's data
     # the same number of steps queued as `fit` runs them, waited for once
     assert packed["queued_step_s"] > 0 and packed["queued_chat_passes_per_min"] > 0
+    # MFU against the trainer's own denominator, for the timed steps and for the queued ones
+    assert packed["flops_per_step"] > 0 and packed["mfu"] > 0
+    assert packed["queued_mfu"] == pytest.approx(packed["flops_per_step"] / packed["queued_step_s"] / 0.5e12)
+    assert packed["mfu_median_step"] > 0 and packed["step_graphs_captured"] is None  # no step graphs asked for
     profile = packed["profile"]
     assert profile["steps"] == 3 and profile["launches"] > 0 and profile["wall_ms"] > 0
     assert sum(entry["launches"] for entry in profile["categories"].values()) == pytest.approx(profile["launches"])
