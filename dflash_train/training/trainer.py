@@ -160,8 +160,10 @@ class Trainer:
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        # Autocast's cache of cast weights cannot outlive a CUDA graph's capture: a captured step casts anew.
-        handlers = [AutocastKwargs(cache_enabled=False)] if t.step_cuda_graphs else []
+        # Autocast's cache of cast weights cannot outlive a CUDA graph's capture: a captured step casts anew. Only
+        # where the step can be captured (one CUDA process): elsewhere the recipe's setting keeps the cache.
+        capturable = torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
+        handlers = [AutocastKwargs(cache_enabled=False)] if t.step_cuda_graphs and capturable else []
         return Accelerator(
             mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,
