@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash_train.runtime.reference_loop import truncate
 from dflash_train.runtime.sampling import inverse_cdf, probabilities, sample, speculative_sample
 from dflash_train.runtime.state import RequestOutput
 from dflash_train.runtime.static_target import StaticTarget, model_type, supports
@@ -191,11 +192,3 @@ class MarginalOracle:
                 values[1:, :, self.synced:start] = values[:1, :, self.synced:start]
         self.synced = start
 
-
-def truncate(tokens: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
-    """At most `max_new_tokens`, ending at the first stop token (included), as the eval loop commits them."""
-    tokens = tokens[:max_new_tokens]
-    for index, token in enumerate(tokens):
-        if token in stop:
-            return tokens[: index + 1]
-    return tokens

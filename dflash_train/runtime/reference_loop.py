@@ -99,12 +99,13 @@ def generate_greedy(
             generated.extend(committed)
             result.acceptance_lengths.append(accepted + 1)
             done = any(token in stop for token in committed)
-    generated = _truncate(generated, max_new_tokens, stop)
+    generated = truncate(generated, max_new_tokens, stop)
     result.output_ids = torch.cat([input_ids, torch.tensor([generated], device=device)], dim=1)
     return result, draft_cache
 
 
-def _truncate(tokens: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+def truncate(tokens: list[int], max_new_tokens: int, stop: set[int]) -> list[int]:
+    """At most `max_new_tokens`, ending at the first stop token (included), as the decode loops commit them."""
     tokens = tokens[:max_new_tokens]
     for index, token in enumerate(tokens):
         if token in stop:
