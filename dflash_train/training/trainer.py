@@ -437,6 +437,8 @@ class Trainer:
         metrics["lr"] = self.schedule.get_last_lr()[0]
         if self.packed is not None:  # the whole step's rows, known on every rank from the plan
             metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
+        if self.step_graph is not None:  # shapes captured so far; absent once the graphs have been turned off
+            metrics["step_graphs"] = len(self.step_graph.graphs)
         return metrics
 
     def _reduce(self, loss: torch.Tensor | float, tokens: float, flops: float, slot_correct: torch.Tensor,

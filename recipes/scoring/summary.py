@@ -165,7 +165,12 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
         train = [r for r in records if r.get("split") == "train"]
         # the first logged step is the cold start (compilation): the run's MFU is that of the steps after it
         mfu = [r["mfu"] for r in train[1:] if "mfu" in r]
+        graphs = [r.get("step_graphs") for r in train]
         figures[train_dir.name] = {
+            # the drafter's step from CUDA graphs: the shapes captured by the last logged step, and whether the
+            # graphs were turned off during the run (logged at first, not at the end)
+            "step_graphs": graphs[-1] if graphs else None,
+            "step_graphs_off": bool(graphs) and graphs[-1] is None and any(g is not None for g in graphs),
             "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
             "median_step_seconds": _median([r["step_seconds"] for r in train if "step_seconds" in r]),
             "first_step_seconds": state.get("first_step_seconds"),
@@ -184,8 +189,13 @@ def training_line(name: str, f: dict[str, Any]) -> str:
 
     mfu = "" if f.get("median_mfu") is None else f", MFU {100 * f['median_mfu']:.1f} % (median)"
     device = "" if f.get("device") is None else f" on {f['device']}"
+    graphs = ""
+    if f.get("step_graphs") is not None:
+        graphs = f", the drafter's step from CUDA graphs ({f['step_graphs']} shapes)"
+    elif f.get("step_graphs_off"):
+        graphs = ", the drafter's CUDA graphs turned off during the run (its log says why)"
     return (f"training: {name}: {f['steps']:,} steps in {f['train_minutes']} min{device}, median step "
-            f"{seconds(f['median_step_seconds'])}{mfu}, first step {seconds(f['first_step_seconds'])} "
+            f"{seconds(f['median_step_seconds'])}{mfu}{graphs}, first step {seconds(f['first_step_seconds'])} "
             "(compilation included)")
 
 

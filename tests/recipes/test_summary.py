@@ -186,3 +186,24 @@ def test_a_training_line_names_the_device_and_the_median_mfu_after_the_cold_star
     assert capsys.readouterr().out.splitlines()[0] == (
         "training: main: 50 steps in 1.0 min on NVIDIA H100 80GB HBM3, median step 0.05 s, MFU 15.0 % (median), "
         "first step 20 s (compilation included)")
+
+
+@pytest.mark.parametrize(("graphs", "said"), [
+    ((1, 2, 3), ", the drafter's step from CUDA graphs (3 shapes)"),
+    ((1, None, None), ", the drafter's CUDA graphs turned off during the run (its log says why)"),
+    ((None, None, None), ""),
+])
+def test_a_training_line_says_whether_the_drafters_step_ran_from_graphs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], graphs: tuple[int | None, ...], said: str) -> None:
+    """The trainer logs the shapes captured so far with each resolved step while the graphs are on: the line
+    gives the last count, or says the graphs were turned off if the later records lack it."""
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000030"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"step": 30, "train_seconds": 60, "first_step_seconds": 20.0}))
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": 0.05,
+                **({} if g is None else {"step_graphs": g})} for i, g in enumerate(graphs)]
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"training: main: 30 steps in 1.0 min, median step 0.05 s{said}, first step 20 s (compilation included)")

@@ -131,6 +131,9 @@ def test_the_trainer_on_replayed_steps_trains_as_on_plain_ones(assets: dict[str,
                              {**PACKED, "training.gradient_accumulation_steps": accumulation})
     graphed = runs[1][2]
     assert graphed.step_graph is not None and graphed.step_graph.graphs
+    # every resolved step logs the shapes captured so far, which the run's summary reports
+    assert graphed.train_step()["step_graphs"] == len(graphed.step_graph.graphs)
+    assert "step_graphs" not in runs[0][2].train_step()
     assert sorted({key[-1] for key in graphed.step_graph.graphs}) == ([False, True] if accumulation > 1 else [False])
     assert_same_training(runs)
 
