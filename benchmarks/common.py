@@ -16,12 +16,10 @@ from typing import Any
 
 import torch
 
-from dflash_train.training.flops import PEAK_BF16, peak_flops
+from dflash_train.training.flops import peak_flops
 
 RESULTS_DIR = pathlib.Path(__file__).parent / "results"
 # DFLASH_BENCH_RESULTS writes the JSON files elsewhere (e.g. a scratch folder on a remote machine).
-# The H200's measured dense bf16 matmul rate (docs/design.md §10), for scripts that name it.
-H200_BF16_PEAK = dict(PEAK_BF16)["H200"].flops
 
 
 ANALYSIS_LOGGER = "torch._dynamo"  # where torch.compile reports its reading of Triton kernels
