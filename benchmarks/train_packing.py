@@ -168,8 +168,10 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         rows.append({"seconds": time.perf_counter() - began, "chats": sum(len(ids) for ids, _ in loaded),
-                     "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"]})
+                     "tokens": metrics["tokens"], "slots": metrics["supervised_slots"], "flops": metrics["flops"],
+                     "step_flops": metrics["step_flops"]})
     flops_per_step = statistics.fmean(r["flops"] for r in rows[1:])  # the model FLOPs MFU counts (training/flops.py)
+    step_flops_per_step = statistics.fmean(r["step_flops"] for r in rows[1:])  # the target's pass added
     queued = queued_steps(trainer, pool, upcoming, load, steps, flops_per_step)
     pool.shutdown()
     if args.profile:
@@ -195,6 +197,9 @@ def run_variant(name: str, target: Path, prepared: Path, work: Path, args: argpa
         "mfu_median_step": (statistics.median(r["flops"] for r in steady) / step_s / peak) if peak else None,
         **queued,
         "queued_mfu": queued_flops / peak if peak else None,
+        # the whole step's work: the target's forward pass (online features) counted beside the drafter's
+        "step_flops_per_step": step_flops_per_step,
+        "queued_step_mfu": queued_flops * step_flops_per_step / flops_per_step / peak if peak else None,
         # Distinct shapes captured (step graphs only): each costs a capture, once, in the steps above.
         "step_graphs_captured": len(graphs.graphs) if graphs is not None else None,
         "pack_token_fill": metrics.get("pack_token_fill"), "pack_anchor_fill": metrics.get("pack_anchor_fill"),
@@ -338,20 +343,21 @@ def error_lines(stderr: str, limit: int = 3) -> list[str]:
 
 HEADER = (f"{'variant':<22} {'chats/st':>7} {'step s':>8} {'chats/min':>10} {'vs pad':>7} {'block tok/s':>12} "
           f"{'MFU':>6} {'first s':>8} {'setup s':>7} {'load s':>7} {'queued/min':>10} {'vs pad':>7} "
-          f"{'q MFU':>6} {'graphs':>6}")
+          f"{'q MFU':>6} {'step':>6} {'graphs':>6}")
 
 
 def print_row(result: dict[str, Any]) -> None:
     ratio, queued_ratio = result.get("chat_passes_vs_padded"), result.get("queued_chat_passes_vs_padded")
     mfu = f"{result['mfu']:.1%}" if result["mfu"] is not None else "-"
     queued_mfu = f"{result['queued_mfu']:.1%}" if result.get("queued_mfu") is not None else "-"
+    step_mfu = f"{result['queued_step_mfu']:.1%}" if result.get("queued_step_mfu") is not None else "-"
     graphs = result.get("step_graphs_captured")
     print(f"{result['variant']:<22} {result['chats_per_step']:>7.1f} {result['step_s_median']:>8.3f} "
           f"{result['chat_passes_per_min']:>10,.0f} {f'{ratio:.2f}x' if ratio else '-':>7} "
           f"{result['valid_block_tokens_per_s']:>12,.0f} {mfu:>6} {result['first_step_s']:>8.1f} "
           f"{result['setup_s']:>7.1f} {result.get('load_s_median', float('nan')):>7.3f} "
           f"{result.get('queued_chat_passes_per_min', float('nan')):>10,.0f} "
-          f"{f'{queued_ratio:.2f}x' if queued_ratio else '-':>7} {queued_mfu:>6} "
+          f"{f'{queued_ratio:.2f}x' if queued_ratio else '-':>7} {queued_mfu:>6} {step_mfu:>6} "
           f"{'-' if graphs is None else graphs:>6}", flush=True)
 
 

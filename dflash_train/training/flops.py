@@ -17,8 +17,9 @@ from __future__ import annotations
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -119,3 +120,70 @@ def peak_flops(device: torch.device, num_devices: int = 1) -> float | None:
                        name, PEAK_TFLOPS_ENV)
         return None
     return rate.flops * num_devices
+
+
+@dataclass(frozen=True)
+class TargetPassCost:
+    """Forward FLOPs of the frozen target's pass inside a training step (online features): the work the step
+    does besides the drafter's, so that the step's MFU counts all of it.
+
+    `per_token` is 2 × the active parameters of the decoder layers the pass runs (routed experts at their
+    top-k share; matrices only, as matmuls count them); `pair_costs` one entry per attention layer run, (FLOPs per visible (query, key) pair, its
+    sliding window or None); `per_teacher_row` the target's lm_head over a supervised row, where the loss reads
+    the target's distribution. Linear-attention layers count their projections only."""
+
+    per_token: float
+    pair_costs: tuple[tuple[float, int | None], ...]
+    per_teacher_row: float
+
+    def flops(self, chat_lengths: list[int], teacher_rows: int) -> float:
+        attention = sum(cost * sum(causal_pairs(n, window) for n in chat_lengths) for cost, window in self.pair_costs)
+        return self.per_token * sum(chat_lengths) + attention + self.per_teacher_row * teacher_rows
+
+
+def causal_pairs(length: int, window: int | None) -> int:
+    """Visible (query, key) pairs of causal attention over one chat, each query seeing at most `window` keys."""
+    if window is None or window >= length:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def target_pass_cost(config: Any, layers: Sequence[torch.nn.Module], layers_run: int,
+                     reads_distribution: bool) -> TargetPassCost:
+    """The target's pass cost from its (text) config and decoder layers: the first `layers_run` of them run;
+    `reads_distribution` adds its lm_head over the supervised rows."""
+    expert_share = _routed_expert_share(config)
+    active = sum(_active_parameters(layer, expert_share) for layer in layers[:layers_run])
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    qk_dim = int(getattr(config, "qk_head_dim", None) or head_dim)  # MLA: query-key and value widths differ
+    v_dim = int(getattr(config, "v_head_dim", None) or head_dim)
+    per_pair = 2.0 * heads * (qk_dim + v_dim)
+    window = getattr(config, "sliding_window", None)
+    # Without a layer list (Mistral), a sliding window set and not switched off applies to every layer.
+    slides = window and getattr(config, "use_sliding_window", True) is not False
+    types = list(getattr(config, "layer_types", None)
+                 or ["sliding_attention" if slides else "full_attention"] * len(layers))
+    pair_costs = tuple((per_pair, int(window) if kind == "sliding_attention" and window else None)
+                       for kind in types[:layers_run] if "linear" not in kind and "mamba" not in kind)
+    head = 2.0 * config.hidden_size * config.vocab_size if reads_distribution else 0.0
+    return TargetPassCost(2.0 * active, pair_costs, head)
+
+
+def _routed_expert_share(config: Any) -> float:
+    """top-k over the routed experts (1 for a dense target)."""
+    experts = next((getattr(config, name) for name in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(config, name, None)), None)
+    top_k = getattr(config, "num_experts_per_tok", None)
+    return float(top_k) / float(experts) if experts and top_k else 1.0
+
+
+def _active_parameters(layer: torch.nn.Module, expert_share: float) -> float:
+    total = 0.0
+    for name, parameter in layer.named_parameters():
+        if parameter.dim() < 2 or name.endswith("bias"):  # norms and biases (experts' are 2-D): no matmuls
+            continue
+        parts = name.split(".")
+        routed = "experts" in parts and not any("shared" in part for part in parts)
+        total += parameter.numel() * (expert_share if routed else 1.0)
+    return total

@@ -34,6 +34,8 @@ class TrainProgress:
                  f"{metrics['tokens'] / seconds:,.0f} tok/s")
         if self.peak_flops:
             stats += f"  MFU {100 * metrics['flops'] / seconds / self.peak_flops:.1f}%"
+            if metrics.get("step_flops", 0) > metrics["flops"]:  # the target's pass ran in the step
+                stats += f" (step {100 * metrics['step_flops'] / seconds / self.peak_flops:.1f}%)"
         self.progress.update(self.task, completed=step, stats=stats)
         total = self.progress.tasks[0].total
         if self.plain and (step % self.log_every == 0 or step == total):

@@ -35,7 +35,13 @@ from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
-from dflash_train.training.flops import peak_flops, training_step_flops, visible_pairs
+from dflash_train.training.flops import (
+    TargetPassCost,
+    peak_flops,
+    target_pass_cost,
+    training_step_flops,
+    visible_pairs,
+)
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_stats,
@@ -137,6 +143,7 @@ class Trainer:
             whole_rows=t.compile_target, say=self.accelerator.print)
         check_packed_features(config, self.target, self.features)
         self._check_offline_features()
+        self.target_cost = self._target_cost()
         self.model, self.optimizer, self.schedule = self._prepare_draft(draft)
         self._compile_and_capture()
         self.objective = self._build_objective()
@@ -260,6 +267,15 @@ class Trainer:
         self.samples.store.check_compatible(
             self.draft_config.target_layer_ids, self.draft_config.hidden_size, target_identity(self.target.model))
 
+    def _target_cost(self) -> TargetPassCost | None:
+        """What the target's pass costs a step (None with offline features: it does not run in the step). It
+        runs to the deepest captured layer, or through every layer where the loss reads its distribution."""
+        if self.samples.offline:
+            return None
+        reads = self.config.training.reads_target_distribution
+        layers_run = self.target.num_layers if reads else max(self.draft_config.target_layer_ids) + 1
+        return target_pass_cost(self.target.config.get_text_config(), self.target.decoder_layers, layers_run, reads)
+
     # -- one step -------------------------------------------------------------------------------
     def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
         batch = collate([self.samples[i] for i in indices], self.pad_to)
@@ -327,7 +343,14 @@ class Trainer:
 
     def _stats(self, step: StepInputs) -> dict[str, float]:
         tokens = sum(n for _, _, n in step.chats)
-        return {"tokens": float(tokens), "flops": self._flops(step.blocks, tokens, step.chats)}
+        flops = self._flops(step.blocks, tokens, step.chats)
+        return {"tokens": float(tokens), "flops": flops, "step_flops": flops + self._target_flops(step)}
+
+    def _target_flops(self, step: StepInputs) -> float:
+        if self.target_cost is None:
+            return 0.0
+        teacher_rows = step.blocks.supervised_index().numel() if step.blocks.num_real_rows is None else step.blocks.num_real_rows
+        return self.target_cost.flops([n for _, _, n in step.chats], teacher_rows if self.target_cost.per_teacher_row else 0)
 
     def _micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
                     accumulate: bool = False) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
@@ -410,7 +433,7 @@ class Trainer:
         None (`fit` resolves only the steps it logs, so the host can queue the next step meanwhile)."""
         self.model.train()
         loss_sum = slot_correct = slot_count = grad_norm = None
-        tokens = flops = 0.0
+        tokens = flops = step_flops = 0.0
         t = self.config.training
         for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
             seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
@@ -425,6 +448,7 @@ class Trainer:
             part = loss.detach().double() / self.plan.accumulation
             loss_sum = part if loss_sum is None else loss_sum + part
             tokens, flops = tokens + stats["tokens"], flops + stats["flops"]
+            step_flops += stats["step_flops"]
             slot_correct = out.slot_correct if slot_correct is None else slot_correct + out.slot_correct
             slot_count = out.slot_count if slot_count is None else slot_count + out.slot_count
             assert micro < self.plan.accumulation
@@ -433,7 +457,7 @@ class Trainer:
         if not resolve:
             return None
         with record_function("train/metrics_copy"):  # the step's one wait for the device
-            metrics = self._reduce(loss_sum, tokens, flops, slot_correct, slot_count, grad_norm)
+            metrics = self._reduce(loss_sum, (tokens, flops, step_flops), slot_correct, slot_count, grad_norm)
         metrics["lr"] = self.schedule.get_last_lr()[0]
         if self.packed is not None:  # the whole step's rows, known on every rank from the plan
             metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
@@ -441,20 +465,21 @@ class Trainer:
             metrics["step_graphs"] = len(self.step_graph.graphs)
         return metrics
 
-    def _reduce(self, loss: torch.Tensor | float, tokens: float, flops: float, slot_correct: torch.Tensor,
+    def _reduce(self, loss: torch.Tensor | float, counts: tuple[float, float, float], slot_correct: torch.Tensor,
                 slot_count: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> dict[str, Any]:
-        """Sums over the ranks, then one copy to the host: every metric comes from a single device sync."""
+        """Sums over the ranks, then one copy to the host: every metric comes from a single device sync.
+        `counts`: the step's tokens, the drafter's FLOPs and the whole step's (the target's pass added)."""
         device = self.accelerator.device
         scalars = torch.cat([torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1),
-                             torch.tensor([tokens, flops], dtype=torch.float64, device=device)])
+                             torch.tensor(counts, dtype=torch.float64, device=device)])
         sums = self.accelerator.reduce(torch.cat([scalars, slot_correct.double(), slot_count.double()]), reduction="sum")
         norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float64, device=device)
         host = torch.cat([sums, norm.detach().reshape(1)]).cpu()
         slots = slot_correct.numel()
         return {
             "loss": float(host[0]) / self.accelerator.num_processes,
-            "tokens": float(host[1]), "flops": float(host[2]),
-            **slot_summary(host[3 : 3 + slots], host[3 + slots : 3 + 2 * slots]),
+            "tokens": float(host[1]), "flops": float(host[2]), "step_flops": float(host[3]),
+            **slot_summary(host[4 : 4 + slots], host[4 + slots : 4 + 2 * slots]),
             "grad_norm": float(host[-1]),
         }
 
@@ -490,7 +515,7 @@ class Trainer:
         if correct is None:  # fewer validation samples than ranks
             zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
             correct, count = zeros, zeros.clone()
-        metrics = self._reduce(loss_sum, 0.0, 0.0, correct, count)
+        metrics = self._reduce(loss_sum, (0.0, 0.0, 0.0), correct, count)
         metrics.pop("grad_norm")
         chats = len(self.val_ids) if self.packed is None else sum(map(self.packed.counted_chats, self.val_groups))
         metrics["loss"] = metrics["loss"] * world / max(1, chats)
@@ -688,6 +713,8 @@ class Trainer:
                 metrics["step_seconds"] = (time.perf_counter() - window_started) / window_steps
                 if peak:  # model FLOPs over the device's peak rate, logged with every step (the run's summary)
                     metrics["mfu"] = metrics["flops"] / metrics["step_seconds"] / peak
+                    # the whole step's: the target's forward pass counted too, where it runs in the step
+                    metrics["step_mfu"] = metrics["step_flops"] / metrics["step_seconds"] / peak
                 if first and t.compile:  # a slow start explained: how much of it was torch.compile
                     line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
                     if line:

@@ -165,6 +165,7 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
         train = [r for r in records if r.get("split") == "train"]
         # the first logged step is the cold start (compilation): the run's MFU is that of the steps after it
         mfu = [r["mfu"] for r in train[1:] if "mfu" in r]
+        step_mfu = [r["step_mfu"] for r in train[1:] if "step_mfu" in r]  # the target's pass counted too
         graphs = [r.get("step_graphs") for r in train]
         figures[train_dir.name] = {
             # the drafter's step from CUDA graphs: the shapes captured by the last logged step, and whether the
@@ -174,7 +175,7 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
             "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
             "median_step_seconds": _median([r["step_seconds"] for r in train if "step_seconds" in r]),
             "first_step_seconds": state.get("first_step_seconds"),
-            "median_mfu": _median(mfu), "device": state.get("device"),
+            "median_mfu": _median(mfu), "median_step_mfu": _median(step_mfu), "device": state.get("device"),
         }
     return figures
 
@@ -188,6 +189,9 @@ def training_line(name: str, f: dict[str, Any]) -> str:
         return "—" if value is None else f"{value:.3g} s"
 
     mfu = "" if f.get("median_mfu") is None else f", MFU {100 * f['median_mfu']:.1f} % (median)"
+    if f.get("median_step_mfu") is not None and f.get("median_mfu") is not None:
+        mfu = (f", MFU {100 * f['median_mfu']:.1f} % the drafter's, {100 * f['median_step_mfu']:.1f} % with the "
+               "target's pass (medians)")
     device = "" if f.get("device") is None else f" on {f['device']}"
     graphs = ""
     if f.get("step_graphs") is not None:

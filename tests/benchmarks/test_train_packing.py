@@ -32,6 +32,9 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     # MFU against the trainer's own denominator, for the timed steps and for the queued ones
     assert packed["flops_per_step"] > 0 and packed["mfu"] > 0
     assert packed["queued_mfu"] == pytest.approx(packed["flops_per_step"] / packed["queued_step_s"] / 0.5e12)
+    # online features: the target's pass adds to the step's FLOPs, and its MFU is the same rate over more work
+    assert packed["step_flops_per_step"] > packed["flops_per_step"]
+    assert packed["queued_step_mfu"] == pytest.approx(packed["step_flops_per_step"] / packed["queued_step_s"] / 0.5e12)
     assert packed["mfu_median_step"] > 0 and packed["step_graphs_captured"] is None  # no step graphs asked for
     profile = packed["profile"]
     assert profile["steps"] == 3 and profile["launches"] > 0 and profile["wall_ms"] > 0

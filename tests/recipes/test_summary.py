@@ -188,6 +188,21 @@ def test_a_training_line_names_the_device_and_the_median_mfu_after_the_cold_star
         "first step 20 s (compilation included)")
 
 
+def test_a_training_line_gives_the_steps_mfu_with_the_targets_pass(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """Where the trainer logged the whole step's MFU (the target's pass counted), the line gives both medians."""
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000040"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps({"step": 40, "train_seconds": 60, "first_step_seconds": 20.0}))
+    pairs = ((0.001, 0.002), (0.08, 0.17), (0.09, 0.18), (0.07, 0.16))
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": 0.05, "mfu": m, "step_mfu": s}
+               for i, (m, s) in enumerate(pairs)]
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    assert ", MFU 8.0 % the drafter's, 17.0 % with the target's pass (medians), " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("graphs", "said"), [
     ((1, 2, 3), ", the drafter's step from CUDA graphs (3 shapes)"),
     ((1, None, None), ", the drafter's CUDA graphs turned off during the run (its log says why)"),

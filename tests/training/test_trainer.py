@@ -14,9 +14,12 @@ import time
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dflash_train.checkpoint.io import load_draft
+from dflash_train.target.model import find_decoder_layers
 from dflash_train.training.config import load_config
+from dflash_train.training.flops import target_pass_cost
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import run_training
 from tests.helpers.paths import REPO
@@ -196,6 +199,15 @@ def test_offline_features_train_exactly_like_online(assets: dict[str, pathlib.Pa
     # which leaves at most float rounding in the loss.
     expected = train_losses(online)
     assert train_losses(offline) == pytest.approx(expected, rel=1e-6)
+    # The step's FLOPs: offline, the drafter's alone; online, the target's pass through layers 0..3 added.
+    steps_online, steps_offline = (read_metrics(run / "metrics.jsonl")["train"] for run in (online, offline))
+    assert all(r["step_flops"] == r["flops"] for r in steps_offline)
+    target = AutoModelForCausalLM.from_pretrained(assets["target"])
+    cost = target_pass_cost(target.config, find_decoder_layers(target), 4, reads_distribution=False)
+    for record in steps_online:
+        added = record["step_flops"] - record["flops"]
+        attention_most = sum(p for p, _ in cost.pair_costs) * 96 * record["tokens"]  # no chat past max_length
+        assert cost.per_token * record["tokens"] < added <= cost.per_token * record["tokens"] + attention_most
 
 
 def test_init_from_for_a_new_target_relearns_the_context_fusion(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
