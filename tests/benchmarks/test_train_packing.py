@@ -12,6 +12,7 @@ from transformers import AutoTokenizer
 
 from benchmarks.profiling import kernel_category
 from benchmarks.shapes import SMOLLM2_135M
+from benchmarks.step_flops import main as step_flops_main
 from benchmarks.train_packing import TRAINING_CATEGORIES, error_lines, main, save_word_tokenizer
 
 
@@ -36,6 +37,12 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     assert packed["step_flops_per_step"] > packed["flops_per_step"]
     assert packed["queued_step_mfu"] == pytest.approx(packed["step_flops_per_step"] / packed["queued_step_s"] / 0.5e12)
     assert packed["mfu_median_step"] > 0 and packed["step_graphs_captured"] is None  # no step graphs asked for
+    # `benchmarks.step_flops` lays out the same steps on the host without running a model: the same counts
+    step_flops_main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed",
+                     "--recipe", str(recipe), "--workdir", str(tmp_path / "work")])
+    (counted,) = json.loads((tmp_path / "results" / "step_flops.json").read_text())["results"]
+    assert counted["drafter_flops_per_step"] == pytest.approx(packed["flops_per_step"], rel=1e-12)
+    assert counted["step_flops_per_step"] == pytest.approx(packed["step_flops_per_step"], rel=1e-12)
     profile = packed["profile"]
     assert profile["steps"] == 3 and profile["launches"] > 0 and profile["wall_ms"] > 0
     assert sum(entry["launches"] for entry in profile["categories"].values()) == pytest.approx(profile["launches"])
