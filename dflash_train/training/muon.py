@@ -12,6 +12,10 @@ norm, five Newton–Schulz iterations of three matmuls, weight decay, update): ~
 the same arithmetic per matrix but stacks the matrices of one shape (the five layers' q_proj weights, ...)
 and iterates them with batched matmuls, so the launches are ~22 per shape (five shapes there) plus three
 `_foreach` ops for the momentum and weight decay: ~115 in all.
+
+Newton–Schulz runs in bf16 on CUDA, as torch's does. On a CPU it runs in float32: CPUs' bf16 matmuls are many
+times slower than their float32 ones (on a CPU without bf16 matrix units a 5-layer SmolLM2-sized drafter's
+optimizer step took most of a two-minute training step in bf16), and float32 only rounds less.
 """
 
 from __future__ import annotations
@@ -30,15 +34,16 @@ def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
 
 
 def newton_schulz_batched(update: torch.Tensor, coefficients: tuple[float, float, float], steps: int,
-                          eps: float) -> torch.Tensor:
-    """`torch.optim._muon._zeropower_via_newtonschulz` on each matrix of a [n, rows, cols] stack, in bf16.
+                          eps: float, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """`torch.optim._muon._zeropower_via_newtonschulz` on each matrix of a [n, rows, cols] stack, in `dtype`
+    (torch's: bf16).
 
     Wide (rows ≤ cols) orientation as torch's, and each matrix divided by its own Frobenius norm, not the
-    stack's. Returns a bf16 [n, rows, cols] tensor (a transposed view when rows > cols).
+    stack's. Returns a `dtype` [n, rows, cols] tensor (a transposed view when rows > cols).
     """
     a, b, c = coefficients
     tall = update.size(-2) > update.size(-1)
-    x = update.bfloat16()
+    x = update.to(dtype)
     if tall:
         x = x.mT
     x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
@@ -72,8 +77,18 @@ class BatchedMuon(torch.optim.Muon):
 
     Same hyperparameters, param groups and per-parameter `momentum_buffer` state as `torch.optim.Muon`, so
     their state dicts load into each other; only `step` differs, in the order of floating-point operations
-    inside the batched matmuls and norms at most.
+    inside the batched matmuls and norms at most. `ns_dtype` is Newton–Schulz's dtype: None picks bf16 on
+    CUDA (torch's) and float32 on other devices (see the module docstring).
     """
+
+    def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
+        super().__init__(params, *args, **kwargs)
+        self.ns_dtype = ns_dtype
+
+    def _newton_schulz_dtype(self, device: torch.device) -> torch.dtype:
+        if self.ns_dtype is not None:
+            return self.ns_dtype
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
@@ -98,9 +113,9 @@ class BatchedMuon(torch.optim.Muon):
         by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
         for i, param in enumerate(params):
             by_shape[param.shape, param.dtype, param.device].append(i)
-        for (shape, dtype, _), members in by_shape.items():
+        for (shape, dtype, device), members in by_shape.items():
             ortho = newton_schulz_batched(torch.stack([updates[i] for i in members]), group["ns_coefficients"],
-                                          group["ns_steps"], group["eps"])
+                                          group["ns_steps"], group["eps"], self._newton_schulz_dtype(device))
             # Contiguous and in the parameters' dtype, so that the `_foreach_add_` stays one fused launch.
             ortho = ortho.to(dtype=dtype, memory_format=torch.contiguous_format)
             torch._foreach_add_([params[i] for i in members], list(ortho.unbind(0)),
