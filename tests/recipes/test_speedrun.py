@@ -119,3 +119,22 @@ def test_speedrun_chats_are_regenerated_turn_after_turn(tmp_path: pathlib.Path) 
     summary = json.loads((out / "prepared" / "dflash_data.json").read_text())
     assert [pathlib.Path(source).name for source in summary["sources"]] == ["regen", "regen-chat"]
     assert summary["counts"]["read"] == 12
+
+
+@pytest.mark.slow
+@needs_smollm2
+def test_speedrun_on_two_processes(tmp_path: pathlib.Path) -> None:
+    """`GPUS=2` as an 8-GPU run takes it, on two CPU processes: regeneration once per rank, training under
+    `accelerate launch` (the CPU launch config in place of DDP on GPUs), the eval on one process, as a user
+    decodes; the run's drafter is lossless and exports."""
+    out = tmp_path / "run"
+    run = speedrun("all", out, GPUS="2", LAUNCH_CONFIG="recipes/accelerate/cpu_2proc.yaml", RUN_PORT="29613",
+                   EVAL_TEMPERATURES="0", BATCH8_PROMPTS="0")
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert "accelerate.commands.launch --config_file recipes/accelerate/cpu_2proc.yaml --num_processes 2" in run.stderr
+    (state,) = (out / "train" / "main" / "checkpoints").glob("step-*/trainer_state.json")
+    trained = json.loads(state.read_text())
+    assert trained["num_processes"] == 2 and trained["distributed_type"] == "MULTI_CPU"
+    rows = json.loads((out / "summary.json").read_text())
+    assert rows and all(row["lossless"] == "yes" for row in rows)
+    assert (out / "export" / "config.json").is_file()
