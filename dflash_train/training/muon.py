@@ -13,19 +13,33 @@ the same arithmetic per matrix but stacks the matrices of one shape (the five la
 and iterates them with batched matmuls, so the launches are ~22 per shape (five shapes there) plus three
 `_foreach` ops for the momentum and weight decay: ~115 in all.
 
-Newton–Schulz runs in bf16 on CUDA, as torch's does. On a CPU it runs in float32: CPUs' bf16 matmuls are many
-times slower than their float32 ones (on a CPU without bf16 matrix units a 5-layer SmolLM2-sized drafter's
-optimizer step took most of a two-minute training step in bf16), and float32 only rounds less.
+Newton–Schulz runs in bf16 on CUDA, as torch's does, and on CPUs with bf16 matrix instructions (AMX,
+AVX-512 BF16). On other CPUs it runs in float32: there bf16 matmuls are emulated and many times slower than
+float32 ones (on an AVX2 CPU a 5-layer SmolLM2-sized drafter's optimizer step took most of a two-minute
+training step in bf16, and a few seconds less in float32), and float32 only rounds less.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@functools.cache
+def cpu_has_bf16_matmul(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """Whether this CPU multiplies bf16 matrices in hardware (AMX or AVX-512 BF16), from the kernel's CPU flags;
+    False where they cannot be read."""
+    try:
+        flags = set(Path(cpuinfo).read_text().split())
+    except OSError:
+        return False
+    return bool(flags & {"amx_bf16", "avx512_bf16"})
 
 
 def is_muon_matrix(name: str, param: torch.nn.Parameter) -> bool:
@@ -78,7 +92,7 @@ class BatchedMuon(torch.optim.Muon):
     Same hyperparameters, param groups and per-parameter `momentum_buffer` state as `torch.optim.Muon`, so
     their state dicts load into each other; only `step` differs, in the order of floating-point operations
     inside the batched matmuls and norms at most. `ns_dtype` is Newton–Schulz's dtype: None picks bf16 on
-    CUDA (torch's) and float32 on other devices (see the module docstring).
+    CUDA (torch's) and on CPUs with bf16 matrix instructions, float32 elsewhere (see the module docstring).
     """
 
     def __init__(self, params: Any, *args: Any, ns_dtype: torch.dtype | None = None, **kwargs: Any) -> None:
@@ -88,7 +102,8 @@ class BatchedMuon(torch.optim.Muon):
     def _newton_schulz_dtype(self, device: torch.device) -> torch.dtype:
         if self.ns_dtype is not None:
             return self.ns_dtype
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast_bf16 = device.type == "cuda" or (device.type == "cpu" and cpu_has_bf16_matmul())
+        return torch.bfloat16 if fast_bf16 else torch.float32
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]

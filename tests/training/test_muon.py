@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from dflash_train.training import muon
 from dflash_train.training.config import load_config
 from dflash_train.training.muon import BatchedMuon, MuonWithAdamW, build_muon_with_adamw
 from dflash_train.training.setup import build_optimizer, build_schedule
@@ -69,9 +70,9 @@ def test_matrices_go_to_muon_and_the_rest_to_adamw() -> None:
     assert [g["lr"] for g in opt.param_groups] == [1e-3, 0.02]  # AdamW's group first
 
 
-@pytest.mark.parametrize(("ns_dtype", "tolerance"), [(None, 1e-4), (torch.bfloat16, 0.05)])
-def test_two_steps_equal_the_reference_updates(ns_dtype: torch.dtype | None, tolerance: float) -> None:
-    """Newton–Schulz runs in float32 on a CPU (None: the device's choice), its updates the float64 reference's
+@pytest.mark.parametrize(("ns_dtype", "tolerance"), [(torch.float32, 1e-4), (torch.bfloat16, 0.05)])
+def test_two_steps_equal_the_reference_updates(ns_dtype: torch.dtype, tolerance: float) -> None:
+    """Newton–Schulz in float32 (a CPU without bf16 matrix instructions) gives the float64 reference's updates
     to rounding; in bf16 (CUDA's, torch's) to about 2 %. A wrong step (no Nesterov, another momentum or
     learning-rate scale, no orthogonalisation) is off by 20 % or more."""
     draft = tiny_draft(seed=3)
@@ -149,6 +150,21 @@ def test_batched_muon_steps_equal_torch_muon() -> None:
     assert_same_run(got, got_opt, want, want_opt)
     start, _ = twin_params(MIXED_SHAPES)
     assert all((p - p0).abs().max() > 1e-3 for p, p0 in zip(got, start, strict=True))  # it did step
+
+
+def test_newton_schulz_dtype_follows_the_device(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    avx2, amx = tmp_path / "avx2", tmp_path / "amx"
+    avx2.write_text("processor : 0\nflags : fpu sse2 avx avx2 fma\n")
+    amx.write_text("processor : 0\nflags : fpu avx2 avx512f avx512_bf16 amx_tile amx_bf16\n")
+    assert not muon.cpu_has_bf16_matmul(str(avx2)) and muon.cpu_has_bf16_matmul(str(amx))
+    assert not muon.cpu_has_bf16_matmul(str(tmp_path / "missing"))
+    opt = BatchedMuon([torch.nn.Parameter(torch.zeros(4, 4))], lr=0.02)
+    for has_bf16, on_cpu in ((False, torch.float32), (True, torch.bfloat16)):
+        monkeypatch.setattr(muon, "cpu_has_bf16_matmul", lambda has_bf16=has_bf16: has_bf16)
+        assert opt._newton_schulz_dtype(torch.device("cpu")) == on_cpu
+        assert opt._newton_schulz_dtype(torch.device("cuda")) == torch.bfloat16
+    opt.ns_dtype = torch.float32  # asked for: whatever the device
+    assert opt._newton_schulz_dtype(torch.device("cuda")) == torch.float32
 
 
 class TorchDtypeBatchedMuon(BatchedMuon):
