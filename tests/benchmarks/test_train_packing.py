@@ -5,6 +5,9 @@ H200): each variant runs the real trainer in its own process, the recipe and `--
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,7 +15,6 @@ from transformers import AutoTokenizer
 
 from benchmarks.profiling import kernel_category
 from benchmarks.shapes import SMOLLM2_135M
-from benchmarks.step_flops import main as step_flops_main
 from benchmarks.train_packing import TRAINING_CATEGORIES, error_lines, main, save_word_tokenizer
 
 
@@ -38,8 +40,11 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     assert packed["queued_step_mfu"] == pytest.approx(packed["step_flops_per_step"] / packed["queued_step_s"] / 0.5e12)
     assert packed["mfu_median_step"] > 0 and packed["step_graphs_captured"] is None  # no step graphs asked for
     # `benchmarks.step_flops` lays out the same steps on the host without running a model: the same counts
-    step_flops_main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed",
-                     "--recipe", str(recipe), "--workdir", str(tmp_path / "work")])
+    # (in its own process, as a benchmark runs: a trainer here would meet the accelerate state of earlier tests)
+    subprocess.run([sys.executable, "-m", "benchmarks.step_flops", "--tiny", "--chats", "64", "--steps", "2",
+                    "--num-anchors", "8", "--variants", "packed", "--recipe", str(recipe),
+                    "--workdir", str(tmp_path / "work")], check=True, cwd=Path(__file__).parents[2],
+                   env={**os.environ, "DFLASH_BENCH_RESULTS": str(tmp_path / "results")}, capture_output=True)
     (counted,) = json.loads((tmp_path / "results" / "step_flops.json").read_text())["results"]
     assert counted["drafter_flops_per_step"] == pytest.approx(packed["flops_per_step"], rel=1e-12)
     assert counted["step_flops_per_step"] == pytest.approx(packed["step_flops_per_step"], rel=1e-12)
