@@ -54,13 +54,8 @@ def step_flops(trainer: Trainer, step: int, indices: list[int], batch: dict[str,
     blocks = batch.get("blocks")
     if blocks is None:
         blocks = trainer._host_blocks(batch, [anchor_seed(trainer.config.training.seed, step, i) for i in indices])
-    chats = chat_layout(batch)
-    tokens = sum(n for _, _, n in chats)
-    drafter = trainer._flops(blocks, tokens, chats)
-    if trainer.target_cost is None:
-        return drafter, drafter
-    rows = blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
-    return drafter, drafter + trainer.target_cost.flops([n for _, _, n in chats], rows)
+    counts = trainer.step_counts(blocks, chat_layout(batch))
+    return counts["flops"], counts["step_flops"]
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,9 +14,9 @@ and iterates them with batched matmuls, so the launches are ~22 per shape (five 
 `_foreach` ops for the momentum and weight decay: ~115 in all.
 
 Newton–Schulz runs in bf16 on CUDA, as torch's does, and on CPUs with bf16 matrix instructions (AMX,
-AVX-512 BF16). On other CPUs it runs in float32: there bf16 matmuls are emulated and many times slower than
-float32 ones (on an AVX2 CPU a 5-layer SmolLM2-sized drafter's optimizer step took most of a two-minute
-training step in bf16, and a few seconds less in float32), and float32 only rounds less.
+AVX-512 BF16). On other CPUs it runs in float32: there bf16 matmuls are emulated, many times slower than
+float32 ones, enough to make the optimizer most of a CPU training step (docs/results.md, "The demo"), and
+float32 only rounds less.
 """
 
 from __future__ import annotations

@@ -79,6 +79,10 @@ class TrainResult:
         return self.total_steps is None or self.steps >= self.total_steps
 
 
+def _supervised_rows(blocks: Blocks) -> int:
+    return blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
+
+
 def anchor_seed(seed: int, step: int, sample: int) -> int:
     """One seed per (run, step, sample): anchors are re-drawn every step, reproducibly."""
     return (seed * 1_000_003 + step * 7_919 + sample * 104_729) % (2**62)
@@ -342,15 +346,16 @@ class Trainer:
         return StepInputs(read, features, teacher_states, host_blocks, self.share, chats)
 
     def _stats(self, step: StepInputs) -> dict[str, float]:
-        tokens = sum(n for _, _, n in step.chats)
-        flops = self._flops(step.blocks, tokens, step.chats)
-        return {"tokens": float(tokens), "flops": flops, "step_flops": flops + self._target_flops(step)}
+        return self.step_counts(step.blocks, step.chats)
 
-    def _target_flops(self, step: StepInputs) -> float:
-        if self.target_cost is None:
-            return 0.0
-        teacher_rows = step.blocks.supervised_index().numel() if step.blocks.num_real_rows is None else step.blocks.num_real_rows
-        return self.target_cost.flops([n for _, _, n in step.chats], teacher_rows if self.target_cost.per_teacher_row else 0)
+    def step_counts(self, blocks: Blocks, chats: list[tuple[int, int, int]]) -> dict[str, float]:
+        """A micro-batch's tokens, the drafter's model FLOPs and the whole step's (the target's pass added where
+        it runs in the step), from its blocks and chats on the host."""
+        tokens = sum(n for _, _, n in chats)
+        flops = self._flops(blocks, tokens, chats)
+        target = 0.0 if self.target_cost is None else self.target_cost.flops([n for _, _, n in chats],
+                                                                              _supervised_rows(blocks))
+        return {"tokens": float(tokens), "flops": flops, "step_flops": flops + target}
 
     def _micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
                     accumulate: bool = False) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
@@ -413,8 +418,7 @@ class Trainer:
         pairs = visible_pairs([(valid_anchors, 0)], self.objective.block_size)
         # Padded anchor slots run through the drafter too, but that work is waste, not model FLOPs.
         block_rows = len(valid_anchors) * self.objective.block_size
-        supervised = blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
-        return training_step_flops(self.draft_config, tokens, block_rows, supervised, pairs)
+        return training_step_flops(self.draft_config, tokens, block_rows, _supervised_rows(blocks), pairs)
 
     def _loss_share(self, indices: list[int]) -> float | None:
         """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is
