@@ -61,7 +61,7 @@
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   GOALS           what the summary checks the run against (`python -m recipes.scoring.summary --goal`): τ per
 #                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
-#                   mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25"; empty: none)
+#                   mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000 minutes=25"; empty: none)
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
 #   CHECK_EVERY     steps between a training run's held-out validations and checkpoints (default 1000; the
@@ -142,7 +142,7 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 EVAL_DRAFT=${EVAL_DRAFT:-}
-GOALS=${GOALS-humaneval=4.5 mt-bench=4.0 math-synthetic=5.5 speedup=2.0 chats=150000 minutes=25}
+GOALS=${GOALS-humaneval=4.5 mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000 minutes=25}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}
@@ -527,11 +527,18 @@ summary() {
   python3 -m recipes.scoring.summary "$OUT" "${goals[@]}"
 }
 
+prompts_first() {  # regenerate and data need the prompts stage's file: said before the target is loaded
+  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]] && return 0
+  [[ "$PROMPTS" != "$OUT/prompts.jsonl" || -f "$PROMPTS" ]] && return 0
+  echo "no prompts at $PROMPTS: run the prompts stage first (bash $0 prompts), or set PROMPTS to a prompt file" >&2
+  exit 2
+}
+
 case "$STAGE" in
   prompts) timed prompts prompts ;;
-  regenerate) timed regenerate regen ;;
+  regenerate) prompts_first; timed regenerate regen ;;
   prepare) timed prepare prepare ;;
-  data) timed regenerate regen; timed prepare prepare ;;
+  data) prompts_first; timed regenerate regen; timed prepare prepare ;;
   train) timed train train ;;
   eval) timed eval evaluate ;;
   curve) timed curve curve ;;

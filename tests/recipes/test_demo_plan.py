@@ -86,9 +86,9 @@ def test_the_last_table_sets_the_demo_beside_the_gpu_speedrun(tmp_path: Path) ->
     assert "1-layer drafter, block 8" in first and "math-synthetic" in first and "1.70–1.90" in first
     assert "GPU speedrun" in last and "9.0" in last  # the demo's 540 s
     math = next(line for line in last.splitlines() if "τ math-synthetic" in line)
-    assert "1.80 (0.40×)" in math and "4.67 (3.30×)" in math
+    assert "1.80 (0.40×)" in math and "4.36 (3.31×)" in math
     humaneval = next(line for line in last.splitlines() if "τ humaneval" in line)
-    assert "not run" in humaneval and "3.87 (2.72×)" in humaneval
+    assert "not run" in humaneval and "4.09 (3.12×)" in humaneval
 
 
 def test_the_speedrun_figures_are_the_readmes() -> None:

@@ -34,12 +34,25 @@ def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: 
     (bin_dir / "python3").write_text(shim)
     (bin_dir / "python3").chmod(0o755)
     calls.write_text("")
+    if stage in ("regenerate", "data"):  # the prompts stage's file, which these two refuse to run without
+        (tmp_path / "run").mkdir(exist_ok=True)
+        (tmp_path / "run" / "prompts.jsonl").touch()
     env = {**os.environ, **settings, "OUT": str(tmp_path / "run"), "CALLS": str(calls),
            "DRAFT": str(tmp_path / "draft"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return calls.read_text().splitlines()
+
+
+def test_regeneration_without_the_prompts_stage_says_to_run_it_first(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "OUT": str(tmp_path / "run"), "TARGET": str(tmp_path / "absent.gguf")}
+    for stage in ("regenerate", "data"):
+        done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2
+        assert done.stderr.startswith(f"no prompts at {tmp_path / 'run' / 'prompts.jsonl'}: run the prompts stage")
+        assert not (tmp_path / "run" / "times.tsv").exists()  # nothing ran, so nothing counts against the run
 
 
 def forget_regeneration(tmp_path: pathlib.Path) -> None:
@@ -294,6 +307,8 @@ def test_a_stage_a_call_limit_kills_still_counts_and_regeneration_resumes_with_w
     (bin_dir / "python3").chmod(0o755)
     env = {**os.environ, "OUT": str(tmp_path / "run"), "CALLS": str(calls), "DRAFT": str(tmp_path / "draft"),
            "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "REGEN_MINUTES": "5"}
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "prompts.jsonl").touch()
     cut = subprocess.run(["timeout", "8", "bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "regenerate"],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert cut.returncode == 124
@@ -405,7 +420,7 @@ def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
     (tmp_path / "run" / "times.tsv").write_text("train\t540\n")
     summary = [c.split() for c in run_stage("summary", tmp_path) if "recipes.scoring.summary" in c]
     assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run"), "--goal", "humaneval=4.5",
-                        "--goal", "mt-bench=4.0", "--goal", "math-synthetic=5.5", "--goal", "speedup=2.0",
+                        "--goal", "mt-bench=4.5", "--goal", "math-synthetic=5.5", "--goal", "speedup=2.5",
                         "--goal", "chats=150000", "--goal", "minutes=25"]]
     summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "recipes.scoring.summary" in c]
     assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run")]]
