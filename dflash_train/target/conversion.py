@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import fcntl
+import functools
 import json
 import logging
 import os
@@ -27,6 +28,10 @@ try:  # transformers releases that can keep GGUF weights packed have it; older o
     from transformers import GgufConfig
 except ImportError:
     GgufConfig = None  # type: ignore[assignment,misc]
+try:  # where transformers keeps it since 5.0; before, in modeling_utils
+    from transformers.initialization import no_init_weights
+except ImportError:
+    from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef,attr-defined]
 
 logger = logging.getLogger(__name__)
 
@@ -124,11 +129,40 @@ def load_gguf(
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a ``.gguf`` file directly, with every weight dequantised to ``dtype``."""
     directory, name = str(gguf_path.parent), gguf_path.name
-    model = AutoModelForCausalLM.from_pretrained(
-        directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
-    )
-    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    with _gguf_parsed_once():
+        model = AutoModelForCausalLM.from_pretrained(
+            directory, gguf_file=name, dtype=dtype, **_dequantize_kwargs()
+        )
+        tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
     return model, tokenizer
+
+
+@contextmanager
+def _gguf_parsed_once() -> Iterator[None]:
+    """One reading of the file's metadata and one tensor-name map per load, where transformers parses the
+    whole header three times (config, weights, tokenizer: the vocabulary's strings one numpy view each) and
+    rebuilds gguf's name map for every tensor; most of a small model's conversion went to those. transformers
+    imports both from the `gguf` module when it needs them, so they are swapped there, and only while loading:
+    the file does not change meanwhile and both are read-only."""
+    try:
+        import gguf
+    except ImportError:  # transformers says what to install when it needs gguf
+        yield
+        return
+    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    readers: dict[tuple[str, str], Any] = {}
+
+    def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
+        key = (os.fspath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(real_name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 def _dequantize_kwargs() -> dict[str, Any]:
@@ -142,7 +176,9 @@ def _dense_copy(model: PreTrainedModel, dtype: torch.dtype) -> PreTrainedModel:
     config = copy.deepcopy(model.config)
     if hasattr(config, "quantization_config"):
         del config.quantization_config
-    dense = type(model)._from_config(config, dtype=dtype)
+    with no_init_weights():  # every weight is overwritten next: a random initialisation first is wasted time
+        dense = type(model)._from_config(config, dtype=dtype)
+    dense.tie_weights()  # which transformers does inside the initialisation just skipped
     dense.load_state_dict(model.state_dict())
     dense.generation_config = copy.deepcopy(model.generation_config)
     return dense

@@ -117,7 +117,7 @@ def test_the_readme_pipeline_trains_evaluates_and_exports_a_drafter(
 
     # regenerate: the target answers every prompt
     assert main(["regenerate", "--target", str(target), "--data", str(prompts), "--max-new-tokens", "24",
-                 "--out", str(runs / "regen")]) == 0
+                 "--max-prompt-tokens", "64", "--out", str(runs / "regen")]) == 0
     answers = [json.loads(line) for shard in sorted((runs / "regen").glob("part-*.jsonl"))
                for line in shard.read_text().splitlines()]
     assert len(answers) == len(PROMPTS) and all(row["messages"][-1]["role"] == "assistant" for row in answers)
