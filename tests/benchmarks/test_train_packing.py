@@ -23,11 +23,19 @@ def test_train_packing_profiles_a_tiny_packed_run(tmp_path: Path, monkeypatch: p
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
     monkeypatch.setenv("DFLASH_PEAK_TFLOPS", "0.5")  # a peak for the CPU, so MFU is reported here too
     recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
-    main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed", "--profile",
+    main(["--tiny", "--chats", "64", "--steps", "2", "--num-anchors", "8", "--variants", "packed,padded", "--profile",
           "--recipe", str(recipe), "--set", "training.learning_rate=1e-4", "--workdir", str(tmp_path / "work")])
     out = capsys.readouterr().out
     result = json.loads((tmp_path / "results" / "train_packing.json").read_text())
-    (packed,) = result["results"]
+    packed, padded = result["results"]
+    assert (packed["variant"], padded["variant"]) == ("packed", "padded")
+    # The packed recipe (and the tiny settings) set data.pack_tokens: the padded baseline must not inherit it.
+    assert padded["chats_per_step"] == 2  # the tiny settings' 2 rows, one chat each
+    # the ratio of a variant measured before the padded one is filled in once the padded one has run
+    assert packed["chat_passes_vs_padded"] == pytest.approx(packed["chat_passes_per_min"] / padded["chat_passes_per_min"])
+    assert packed["queued_chat_passes_vs_padded"] == pytest.approx(  # as `fit` runs the steps
+        packed["queued_chat_passes_per_min"] / padded["queued_chat_passes_per_min"])
+    assert padded["queued_chat_passes_vs_padded"] == pytest.approx(1.0)
     assert packed["variant"] == "packed" and packed["chats_per_step"] > 2  # several chats share a row
     assert packed["load_s_median"] > 0  # the loader thread's time for a step's data
     # the same number of steps queued as `fit` runs them, waited for once
@@ -101,23 +109,6 @@ def test_error_lines_finds_the_exception_above_a_graph_dump() -> None:
 ])
 def test_training_kernels_fall_in_their_categories(name: str, category: str) -> None:
     assert kernel_category(name, TRAINING_CATEGORIES) == category
-
-
-def test_padded_stays_one_chat_per_row_under_the_packed_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The packed recipe (and the tiny settings) set data.pack_tokens: the padded baseline must not inherit it."""
-    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path / "results"))
-    recipe = Path(__file__).parents[2] / "recipes" / "smollm2-135m-dflash-b16-packed.yaml"
-    main(["--tiny", "--chats", "48", "--steps", "1", "--num-anchors", "8", "--variants", "packed,padded",
-          "--recipe", str(recipe), "--workdir", str(tmp_path / "work")])
-    rows = {r["variant"]: r for r in json.loads((tmp_path / "results" / "train_packing.json").read_text())["results"]}
-    assert rows["padded"]["chats_per_step"] == 2  # the tiny settings' 2 rows, one chat each
-    assert rows["packed"]["chats_per_step"] > 2
-    # the ratio of a variant measured before the padded one is filled in once the padded one has run
-    assert rows["packed"]["chat_passes_vs_padded"] == pytest.approx(
-        rows["packed"]["chat_passes_per_min"] / rows["padded"]["chat_passes_per_min"])
-    assert rows["packed"]["queued_chat_passes_vs_padded"] == pytest.approx(  # as `fit` runs the steps
-        rows["packed"]["queued_chat_passes_per_min"] / rows["padded"]["queued_chat_passes_per_min"])
-    assert rows["padded"]["queued_chat_passes_vs_padded"] == pytest.approx(1.0)
 
 
 def test_the_synthetic_target_tokenizer_covers_the_whole_vocabulary(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ PROMPTS = (
     "be brief : what is paris ?", "are you a helpful assistant ?", "hello , is it paris ?", "what is it ? yes , no ?",
 )
 STEPS = 8
+EVAL_PROMPTS = 4  # of the 8 it trained on: enough for the lossless check, at half the decoding
 # The README's training command (the CPU recipe), at the drafter's tiny size: 1 layer, block 4 (whose decay
 # gamma has no default), short rows, every sample trained on (no validation split), a high learning rate.
 TRAIN_OVERRIDES = (
@@ -143,9 +144,10 @@ def test_the_readme_pipeline_trains_evaluates_and_exports_a_drafter(
     # eval: the trained drafter's output is the target's own
     report_path = runs / "eval" / "report.json"
     assert main(["eval", "--target", str(target), "--draft", str(checkpoint / "draft"), "--dataset", str(prompts),
-                 "--max-new-tokens", "12", "--block-size", "4", "--no-progress", "--out", str(report_path)]) == 0
+                 "--num-prompts", str(EVAL_PROMPTS), "--max-new-tokens", "12", "--block-size", "4", "--no-progress",
+                 "--out", str(report_path)]) == 0
     row = json.loads(report_path.read_text())["datasets"]["prompts"]
-    assert row["lossless"] is True and row["requests"] == len(PROMPTS) and row["new_tokens_with_draft"] > 0
+    assert row["lossless"] is True and row["requests"] == EVAL_PROMPTS and row["new_tokens_with_draft"] > 0
 
     # export, then check the export against the target
     export = runs / "exports" / name

@@ -43,7 +43,7 @@ def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_
 
 
 def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    steps = 60
+    steps = 30
     reference = tmp_path / "reference"
     run_training(load_config(None, overrides(assets, reference, **{"training.max_steps": steps})))
     expected = train_losses(reference)
@@ -51,7 +51,7 @@ def test_sigkill_and_resume_reproduce_the_uninterrupted_run(assets: dict[str, pa
     killed = tmp_path / "killed"
     args = [sys.executable, "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
             *overrides(assets, killed, **{"training.max_steps": steps})]
-    kill_at = random.Random(os.getpid()).randint(5, 40)
+    kill_at = random.Random(os.getpid()).randint(5, 20)  # of 35 metrics lines
     proc = launch(args)
     metrics = killed / "metrics.jsonl"
     deadline = time.time() + 120
@@ -123,45 +123,30 @@ def test_init_from_an_existing_drafter(assets: dict[str, pathlib.Path], tmp_path
 
 
 def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
-    """`accelerate launch` with 2 CPU processes (gloo, batch 1 each) == 1 process with batch 2."""
+    """`accelerate launch` with 2 CPU processes (gloo, batch 1 each) == 1 process with batch 2, validating one
+    sample: the rank without one still joins every collective forward (it used to wait in the reduce while the
+    other waited in DDP's forward, for ever)."""
     single, double = tmp_path / "single", tmp_path / "double"
-    run_training(load_config(None, overrides(assets, single, **{"training.max_steps": 6})))
+    settings = {"training.max_steps": 6, "training.eval_every": 2, "data.validation_max_samples": 1}
+    run_training(load_config(None, overrides(assets, single, **settings)))
     args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
             str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29500 + os.getpid() % 500),
             "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
-            *overrides(assets, double, **{"training.max_steps": 6, "training.batch_size": 1})]
+            *overrides(assets, double, **settings, **{"training.batch_size": 1})]
     proc = launch(args)
-    output = proc.communicate(timeout=300)[0].decode()
+    try:
+        output = proc.communicate(timeout=300)[0].decode()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("two processes hung") from None
     assert proc.returncode == 0, failure_report(output)
     one, two = read_metrics(single / "metrics.jsonl"), read_metrics(double / "metrics.jsonl")
+    assert [r["step"] for r in two["validation"]] == [2, 4, 6]
     for split in ("train", "validation"):
         assert [r["step"] for r in one[split]] == [r["step"] for r in two[split]]
         for a, b in zip(one[split], two[split], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (split, a["step"])
             assert b["slot_accuracy"] == a["slot_accuracy"]
-
-
-def test_two_processes_validate_a_set_smaller_than_the_world(assets: dict[str, pathlib.Path],
-                                                             tmp_path: pathlib.Path) -> None:
-    """One validation sample on two processes: the rank without one still joins every collective forward
-    (it used to wait in the reduce while the other waited in DDP's forward, for ever)."""
-    single, double = tmp_path / "single", tmp_path / "double"
-    one_sample = {"training.max_steps": 2, "training.eval_every": 2, "data.validation_max_samples": 1}
-    run_training(load_config(None, overrides(assets, single, **one_sample)))
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29000 + os.getpid() % 400),
-            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
-            *overrides(assets, double, **one_sample, **{"training.batch_size": 1})]
-    proc = launch(args)
-    try:
-        output = proc.communicate(timeout=240)[0].decode()
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("two processes hung in validation") from None
-    assert proc.returncode == 0, failure_report(output)
-    a, b = read_metrics(single / "metrics.jsonl")["validation"], read_metrics(double / "metrics.jsonl")["validation"]
-    assert [r["step"] for r in a] == [r["step"] for r in b] == [2]
-    assert b[0]["loss"] == pytest.approx(a[0]["loss"], rel=1e-5) and b[0]["slot_accuracy"] == a[0]["slot_accuracy"]
 
 
 def test_wandb_offline_run_records_config_and_commit(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
