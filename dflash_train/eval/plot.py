@@ -4,14 +4,17 @@ sweep, a third panel of τ and speedup against temperature."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# A bare Figure, not pyplot: no backend to choose and no global figure state, in any process.
-from matplotlib.axes import Axes
-from matplotlib.figure import Figure
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 
 def plot_report(report: dict[str, Any], path: Path) -> Path:
+    # Imported here, not with the module: matplotlib takes most of a second to import, which every eval paid
+    # whether or not it drew. A bare Figure, not pyplot: no backend to choose and no global figure state.
+    from matplotlib.figure import Figure
+
     rows = list(report["datasets"].items())
     sweep = report.get("temperature_sweep")
     columns = 3 if sweep else 2

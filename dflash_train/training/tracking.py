@@ -8,9 +8,6 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-# A bare Figure, not pyplot: no backend to choose and no global figure state, in any process.
-from matplotlib.figure import Figure
-
 from dflash_train.training.config import TrackingConfig
 
 
@@ -102,6 +99,11 @@ def source_curves(records: list[dict[str, Any]]) -> dict[str, tuple[list[int], l
 
 
 def plot_metrics(metrics_path: Path, out_path: Path) -> Path:
+    # Imported here, not with the module: matplotlib takes most of a second to import, which every training
+    # process (each rank of a launch) paid at its start. A bare Figure, not pyplot: no backend to choose and no
+    # global figure state.
+    from matplotlib.figure import Figure
+
     metrics = read_metrics(metrics_path)
     fig = Figure(figsize=(17, 4))
     axes = fig.subplots(1, 3)

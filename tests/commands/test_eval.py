@@ -115,7 +115,7 @@ def test_engines_are_built_once_for_every_set_and_turn(tmp_path: Path, monkeypat
     out = tmp_path / "report.json"
     # Short math prompts first (caches of 256 would do), then MT-Bench, whose second turns need 512.
     assert run_eval(tmp_path / "target", out, "--dataset", "math-synthetic", "--dataset", "mt-bench",
-                    "--num-prompts", "2", "--max-new-tokens", "150", "--ignore-eos", "--no-plot") == 0
+                    "--num-prompts", "2", "--max-new-tokens", "100", "--ignore-eos", "--no-plot") == 0
     report = json.loads(out.read_text())
     assert report["datasets"]["mt-bench"]["requests"] == 4  # second turns were asked
     assert built == [512, 512, 512]  # the speed baseline, the drafter engine and the lossless check's, once
