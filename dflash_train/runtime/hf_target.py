@@ -1,7 +1,8 @@
 """The target run through its own Hugging Face forward and cache classes, for the architectures the static
-runner (`static_target.py`, `SUPPORTED_MODEL_TYPES`) does not cover: multi-head latent attention (keys and
-values of other head dims), linear-attention, Mamba and convolution layers, families without an adapter
-(`target_adapters.py`), and configs it refuses (RoPE that follows the step's longest position). A MoE model's
+runner (`static_target.py`, `SUPPORTED_MODEL_TYPES`) does not cover: families without an adapter
+(`target_adapters.py`) and configs it refuses (RoPE that follows the step's longest position). Every family
+the package tests (latent attention and the linear-attention, Mamba and convolution hybrids among them) has
+an adapter; this path is the exact fallback for the rest. A MoE model's
 experts and known routers still run on the decode kernels here (`runtime/experts.py`).
 
 It answers the decode engine's calls as the static runner does (`forward` at per-row positions, rows written
