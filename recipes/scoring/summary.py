@@ -24,6 +24,7 @@ from typing import Any
 
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.uncertainty import format_interval
+from dflash_train.training.flops import peak_bf16_rate
 from recipes.scoring.goals import check_goals, check_sampling_goals, goals_line, parse_goals, write_goals
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
@@ -176,8 +177,28 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
             "median_step_seconds": _median([r["step_seconds"] for r in train if "step_seconds" in r]),
             "first_step_seconds": state.get("first_step_seconds"),
             "median_mfu": _median(mfu), "median_step_mfu": _median(step_mfu), "device": state.get("device"),
+            "peak_tflops": _peak_tflops(train, state.get("num_processes") or 1),
         }
     return figures
+
+
+def _peak_tflops(train: list[dict[str, Any]], devices: int) -> float | None:
+    """The peak rate one device's MFU was divided by, in TFLOP/s: what a step's FLOPs over its seconds over its
+    MFU gives, so it is the run's own (an override of the day included), not today's table."""
+    for record in reversed(train):
+        if record.get("mfu") and record.get("flops") and record.get("step_seconds"):
+            return record["flops"] / record["step_seconds"] / record["mfu"] / devices / 1e12
+    return None
+
+
+def _peak_words(f: dict[str, Any]) -> str:
+    """"; of 790 TFLOP/s a GPU (measured)": MFU figures of two devices compare only with their peaks beside them
+    (this project's H200 figure is a measured rate, most others the data sheet's)."""
+    if f.get("peak_tflops") is None:
+        return ""
+    rate = peak_bf16_rate(f.get("device") or "")
+    known = rate is not None and abs(rate.flops / 1e12 - f["peak_tflops"]) < 0.5
+    return f"; of {f['peak_tflops']:.0f} TFLOP/s a device" + (f" ({rate.source})" if known else "")
 
 
 def _median(values: list[float]) -> float | None:
@@ -188,10 +209,11 @@ def training_line(name: str, f: dict[str, Any]) -> str:
     def seconds(value: float | None) -> str:
         return "—" if value is None else f"{value:.3g} s"
 
-    mfu = "" if f.get("median_mfu") is None else f", MFU {100 * f['median_mfu']:.1f} % (median)"
+    peak = _peak_words(f)
+    mfu = "" if f.get("median_mfu") is None else f", MFU {100 * f['median_mfu']:.1f} % (median{peak})"
     if f.get("median_step_mfu") is not None and f.get("median_mfu") is not None:
         mfu = (f", MFU {100 * f['median_mfu']:.1f} % the drafter's, {100 * f['median_step_mfu']:.1f} % with the "
-               "target's pass (medians)")
+               f"target's pass (medians{peak})")
     device = "" if f.get("device") is None else f" on {f['device']}"
     graphs = ""
     if f.get("step_graphs") is not None:

@@ -203,6 +203,27 @@ def test_a_training_line_gives_the_steps_mfu_with_the_targets_pass(tmp_path: Pat
     assert ", MFU 8.0 % the drafter's, 17.0 % with the target's pass (medians), " in capsys.readouterr().out
 
 
+def test_a_training_line_names_the_peak_its_mfu_was_divided_by(tmp_path: Path,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """The peak comes from the run's own records (FLOPs over seconds over MFU, per device), so two devices' MFU
+    compare with their peaks beside them; the table names where a known peak's figure comes from."""
+    state = tmp_path / "train" / "main" / "checkpoints" / "step-00000030"
+    state.mkdir(parents=True)
+    (state / "trainer_state.json").write_text(json.dumps(
+        {"step": 30, "train_seconds": 60, "device": "NVIDIA H200", "num_processes": 2}))
+    peak = 2 * 790e12  # two devices
+    records = [{"split": "train", "step": 10 * (i + 1), "step_seconds": 0.05, "flops": f, "mfu": f / 0.05 / peak}
+               for i, f in enumerate((1e12, 4e12, 5e12))]
+    (tmp_path / "train" / "main" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    line = capsys.readouterr().out.splitlines()[0]
+    assert ", MFU 6.3 % (median; of 790 TFLOP/s a device (measured)), " in line  # 5e12 / 0.05 s / (2 x 790e12)
+    (state / "trainer_state.json").write_text(json.dumps({"step": 30, "train_seconds": 60, "device": "NVIDIA H100"}))
+    assert main([str(tmp_path)]) == 0  # one device at 1,580: no table entry of that rate, so no source
+    assert ", MFU 6.3 % (median; of 1580 TFLOP/s a device), " in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(("graphs", "said"), [
     ((1, 2, 3), ", the drafter's step from CUDA graphs (3 shapes)"),
     ((1, None, None), ", the drafter's CUDA graphs turned off during the run (its log says why)"),
