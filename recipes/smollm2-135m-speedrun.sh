@@ -273,13 +273,17 @@ on_every_gpu() {  # a command, run once per GPU as rank r of GPUS (LOCAL_RANK pi
   return "$failed"
 }
 
+regen_finished() {  # every prompt answered, the budget spent, or the answers already prepared
+  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]]
+}
+
 regen() {
   # Stopped by REGEN_MINUTES, the run is marked budget-spent: a later call of this stage does not continue
   # it, and prepare takes its finished shards.
   local sampled=() loops=()
   (( SAMPLES > 1 )) && sampled=(--samples-per-prompt "$SAMPLES" --temperature "$TEMPERATURE")
   [[ "$STOP_LOOPS" == 1 ]] && loops=(--stop-loops)
-  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]] && return 0
+  regen_finished && return 0
   # Whole conversations first, every round to the end (a conversation is only written with its last turn):
   # the target answers each user turn after its own earlier answers, as in MT-Bench's second turn.
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
@@ -528,7 +532,7 @@ summary() {
 }
 
 prompts_first() {  # regenerate and data need the prompts stage's file: said before the target is loaded
-  [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]] && return 0
+  regen_finished && return 0
   [[ "$PROMPTS" != "$OUT/prompts.jsonl" || -f "$PROMPTS" ]] && return 0
   echo "no prompts at $PROMPTS: run the prompts stage first (bash $0 prompts), or set PROMPTS to a prompt file" >&2
   exit 2

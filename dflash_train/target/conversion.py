@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,9 @@ CONVERSION_MARKER = "dflash_train_source.json"
 # the GGUF is most of a conversion, dequantising a small part (docs/data.md, 'Targets').
 PAIRED_DTYPES = (torch.bfloat16, torch.float32)
 PAIRED_MAX_FP32_BYTES = 4 << 30
+# Held while `gguf`'s reader and name map are swapped (`_gguf_parsed_once`): two threads loading at once would
+# otherwise restore each other's swap and could leave one installed.
+_GGUF_SWAP = threading.Lock()
 # Content digests of GGUF files, remembered per file so that a large file is read in full only once.
 DIGESTS_DIR = "gguf-digests"
 
@@ -149,7 +153,6 @@ def _gguf_parsed_once() -> Iterator[None]:
     except ImportError:  # transformers says what to install when it needs gguf
         yield
         return
-    real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 
     def shared_reader(path: str | os.PathLike[str], mode: str = "r") -> Any:
@@ -158,11 +161,13 @@ def _gguf_parsed_once() -> Iterator[None]:
             readers[key] = real_reader(path, mode)
         return readers[key]
 
-    gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(real_name_map)
-    try:
-        yield
-    finally:
-        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
+    with _GGUF_SWAP:
+        real_reader, real_name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+        gguf.GGUFReader, gguf.get_tensor_name_map = shared_reader, functools.cache(real_name_map)
+        try:
+            yield
+        finally:
+            gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_name_map
 
 
 def _dequantize_kwargs() -> dict[str, Any]:

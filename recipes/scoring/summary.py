@@ -192,7 +192,7 @@ def _peak_tflops(train: list[dict[str, Any]], devices: int) -> float | None:
 
 
 def _peak_words(f: dict[str, Any]) -> str:
-    """"; of 790 TFLOP/s a GPU (measured)": MFU figures of two devices compare only with their peaks beside them
+    """"; of 790 TFLOP/s a device (measured)": MFU figures of two devices compare only with their peaks beside them
     (this project's H200 figure is a measured rate, most others the data sheet's)."""
     if f.get("peak_tflops") is None:
         return ""

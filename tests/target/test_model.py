@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel, PreTrainedTokenizerBase
 
@@ -186,6 +187,9 @@ def test_smollm2_is_converted_once_into_the_cache(
     converted = conversion.converted_gguf_dir(gguf)
     assert converted.parent == smollm2_cache / "targets"
     assert (converted / "model.safetensors").is_file()
+    with safe_open(converted / "model.safetensors", "pt") as weights:
+        names = set(weights.keys())
+    assert "model.embed_tokens.weight" in names and "lm_head.weight" not in names  # the tied head, stored once
     assert "quantization_config" not in json.loads((converted / "config.json").read_text())
     assert not [p for p in converted.parent.iterdir() if p.name.startswith(".")]  # no temp dir left behind
 
