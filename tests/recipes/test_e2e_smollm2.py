@@ -17,7 +17,7 @@ from dflash_train.demo import CPU_SIZES, TARGET, DemoResult, DemoSizes, run_demo
 from dflash_train.target import load_target_config
 from tests.helpers.markers import needs_smollm2
 
-# The demo on the real 135M target, every stage: about a minute on 2 cores, so in the slow tier; the fast tier
+# The demo on the real 135M target, every stage: among the longest CPU tests, so in the slow tier; the fast tier
 # keeps the real target's conversion, features and decoding (tests/target/test_model.py) and the pipeline on
 # tiny targets (test_any_target_pipeline.py, test_drafter_accepts.py).
 pytestmark = [needs_smollm2, pytest.mark.slow]
