@@ -46,7 +46,7 @@ PEAK_BF16: tuple[tuple[str, PeakRate], ...] = (
     ("H200", PeakRate(790e12, "measured")),  # data sheet: 989 (SXM)
     ("H100 PCIe", PeakRate(756e12, "data sheet")),
     ("H100 NVL", PeakRate(835e12, "data sheet")),
-    ("H100", PeakRate(989e12, "data sheet")),  # SXM
+    ("H100", PeakRate(743e12, "measured")),  # SXM; data sheet: 989
     ("GH200", PeakRate(989e12, "data sheet")),
     ("H20", PeakRate(148e12, "data sheet")),
     ("B200", PeakRate(2250e12, "data sheet")),

@@ -25,7 +25,7 @@ from tests.helpers.tiny_drafts import tiny_config
     [
         ("NVIDIA H200", 790, "measured"),
         ("NVIDIA H200 NVL", 835, "data sheet"),
-        ("NVIDIA H100 80GB HBM3", 989, "data sheet"),
+        ("NVIDIA H100 80GB HBM3", 743, "measured"),
         ("NVIDIA H100 PCIe", 756, "data sheet"),
         ("NVIDIA H100 NVL", 835, "data sheet"),
         ("NVIDIA GH200 480GB", 989, "data sheet"),
