@@ -76,7 +76,8 @@
 #                   now take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
 #                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
 #                   slot decay; empty: the baseline only; any training key, e.g. the objective at a temperature:
-#                   "kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5"), each
+#                   "kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5", or the
+#                   sources weighted: "codemath:data.source_weights.code-prompts=2 data.source_weights.self-prompts=0.5"), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
 #                   ($OUT/ablations.md) and $OUT/ablations.png by held-out τ̂ and by the τ each decodes on ABLATION_EVAL_PROMPTS
 #                   prompts per eval set (default 20; 0: none), with paired Δτ against the baseline, at each of

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -49,6 +50,11 @@ class DataConfig:
     # Packed training: each row holds whole chats, exactly this many tokens (one static shape), and each
     # chat attends only to itself. None: one chat per row, right-padded.
     pack_tokens: int | None = None
+    # How often an epoch draws each data source's training chats, by the `source` that prepare writes; a
+    # source not named draws 1. 2 draws every chat twice, 0.5 a seeded half, chosen anew each epoch, 0 none:
+    # steps shift toward what the drafter must learn most, at the same minutes (docs/training.md, 'Source
+    # weights'). Validation keeps every source as it is.
+    source_weights: dict[str, float] | None = None
 
 
 @dataclass
@@ -169,6 +175,10 @@ class TrainConfig:
         self._validate_layer_init()
         if not 0 <= self.data.validation_fraction < 1:
             raise ValueError(f"data.validation_fraction must be in [0, 1), got {self.data.validation_fraction}")
+        for source, weight in (self.data.source_weights or {}).items():
+            if not 0 <= weight < math.inf:
+                raise ValueError(f"data.source_weights.{source} must be a number >= 0 (0: none of its chats), "
+                                 f"got {weight}")
         self._validate_loss()
         # 0 or less would not be refused later: max_steps=0 falls back to the epochs, a negative count saves an
         # untrained checkpoint as a finished run, and a gamma of 0 turns the loss into NaN.
@@ -333,11 +343,15 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check `value` against a field's type; ints are accepted where floats are expected."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin in (typing.Union, types.UnionType):
+        problems = []
         for option in args:
             try:
                 return _coerce(value, option, name)
-            except ValueError:
-                continue
+            except ValueError as problem:
+                problems.append((option, problem))
+        real = [problem for option, problem in problems if option is not type(None)]
+        if value is not None and len(real) == 1:  # an optional field: what is wrong with the value itself
+            raise real[0]
         raise ValueError(f"{name}={value!r} does not fit {hint}")
     if hint is type(None):
         if value is None:
@@ -349,6 +363,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         if value not in args:
             raise ValueError(f"{name}={value!r} is not one of {list(args)}")
         return value
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ValueError(f"{name} must be a mapping, got {value!r}")
+        return {_coerce(k, args[0], name): _coerce(v, args[1], f"{name}.{k}") for k, v in value.items()}
     if origin is list:
         if not isinstance(value, list):
             raise ValueError(f"{name} must be a list, got {value!r}")

@@ -1,6 +1,6 @@
 """Training samples, the train/validation split, the epoch order and rank sharding.
 
-The order of samples is a pure function of (seed, epoch), and each optimizer step consumes a fixed
+The order of samples is a pure function of (seed, epoch) and the source weights, and each optimizer step consumes a fixed
 slice of it, so a resumed run (or a run on another number of processes with the same global batch)
 sees exactly the same sequences at the same step.
 """
@@ -16,6 +16,8 @@ import torch
 
 from dflash_train.data.prepared import load_prepared, read_metadata
 from dflash_train.features.store import FeatureStore
+
+EXTRA_DRAWS_STREAM = 7_919  # the fractional draws' generator is seeded apart from the epoch's shuffle
 
 
 class TrainingSamples:
@@ -127,12 +129,13 @@ class StepPlan:
         return steps
 
     def micro_batches(
-        self, train: Sequence[int], seed: int, step: int, rank: int
+        self, train: Sequence[int], seed: int, step: int, rank: int, weights: Sequence[float] | None = None
     ) -> Iterator[list[int]]:
-        """This rank's micro-batches (sample indices) of optimizer step `step` (0-based, global)."""
-        steps_per_epoch = self.steps_per_epoch(len(train))
+        """This rank's micro-batches (sample indices) of optimizer step `step` (0-based, global); `weights`
+        as `epoch_order`'s."""
+        steps_per_epoch = self.steps_per_epoch(draws_per_epoch(train, weights))
         epoch, within = divmod(step, steps_per_epoch)
-        order = epoch_order(train, seed, epoch)
+        order = epoch_order(train, seed, epoch, weights)
         chunk = order[within * self.sequences_per_step : (within + 1) * self.sequences_per_step]
         per_micro = self.batch_size * self.num_processes
         for micro in range(self.accumulation):
@@ -140,9 +143,71 @@ class StepPlan:
             yield group[rank * self.batch_size : (rank + 1) * self.batch_size]
 
 
-def epoch_order(train: Sequence[int], seed: int, epoch: int) -> list[int]:
-    perm = torch.randperm(len(train), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
-    return [train[i] for i in perm.tolist()]
+def epoch_order(train: Sequence[int], seed: int, epoch: int, weights: Sequence[float] | None = None) -> list[int]:
+    """The chats epoch `epoch` trains on, in order: `train` shuffled, or with `weights` (one per chat of `train`,
+    `data.source_weights`) the chats `weighted_draws` draws, shuffled."""
+    drawn = train if weights is None else weighted_draws(train, weights, seed, epoch)
+    perm = torch.randperm(len(drawn), generator=torch.Generator().manual_seed(seed * 1_000_003 + epoch))
+    return [drawn[i] for i in perm.tolist()]
+
+
+def weighted_draws(train: Sequence[int], weights: Sequence[float], seed: int, epoch: int) -> list[int]:
+    """Each chat of `train` floor(w) times, and of the chats that share a fractional part f of w, a seeded
+    round(f × their number) once more, chosen anew each epoch: a source at 0.5 shows all of its chats over
+    the epochs, not the same half each time, and every epoch draws the same number of chats."""
+    if len(weights) != len(train):
+        raise ValueError(f"{len(weights)} weights for {len(train)} training chats")
+    whole = [int(w) for w in weights]  # floor: weights are >= 0 (config validation)
+    drawn = [chat for chat, times in zip(train, whole, strict=True) for _ in range(times)]
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + epoch + EXTRA_DRAWS_STREAM)
+    for fraction, members in sorted(_by_fraction(weights, whole).items()):
+        chosen = torch.randperm(len(members), generator=generator)[: round(fraction * len(members))]
+        drawn.extend(train[members[i]] for i in sorted(chosen.tolist()))
+    return drawn
+
+
+def chat_weights(source_weights: dict[str, float], sources: Sequence[str] | None) -> list[float]:
+    """`data.source_weights` as one weight per training chat, from the chats' sources (None where the data keeps
+    none): a source not named weighs 1."""
+    if sources is None:
+        raise ValueError("data.source_weights needs prepared data with a source per chat (what `dflash-train "
+                         "prepare` writes), and this data keeps none: prepare it again, or unset data.source_weights")
+    present = set(sources)
+    unknown = sorted(set(source_weights) - present)
+    if unknown:
+        raise ValueError(f"data.source_weights names {', '.join(unknown)}, which no training chat comes from (the "
+                         f"sources: {', '.join(sorted(present))}); fix the names")
+    weights = [float(source_weights.get(source, 1.0)) for source in sources]
+    if not any(weights):
+        raise ValueError("data.source_weights leaves no training chat to draw: give some source a weight above 0")
+    return weights
+
+
+def weights_summary(source_weights: dict[str, float], sources: Sequence[str], weights: Sequence[float]) -> str:
+    """One line: each weighted source's chats and how many an epoch draws of them."""
+    counts: dict[str, int] = {}
+    for source in sources:
+        counts[source] = counts.get(source, 0) + 1
+    parts = [f"{name} x{weight:g} ({counts[name]:,} chats, {round(weight * counts[name]):,} an epoch)"
+             for name, weight in sorted(source_weights.items())]
+    return f"source weights: {'; '.join(parts)}; every epoch draws {draws_per_epoch(sources, weights):,} chats"
+
+
+def draws_per_epoch(train: Sequence[int], weights: Sequence[float] | None) -> int:
+    """How many chats each epoch draws (the same in every epoch)."""
+    if weights is None:
+        return len(train)
+    whole = [int(w) for w in weights]
+    return sum(whole) + sum(round(f * len(m)) for f, m in _by_fraction(weights, whole).items())
+
+
+def _by_fraction(weights: Sequence[float], whole: Sequence[int]) -> dict[float, list[int]]:
+    """Positions in `weights` grouped by their weight's fractional part (whole weights left out)."""
+    groups: dict[float, list[int]] = {}
+    for position, (weight, times) in enumerate(zip(weights, whole, strict=True)):
+        if weight > times:
+            groups.setdefault(weight - times, []).append(position)
+    return groups
 
 
 def collate(samples: list[dict[str, torch.Tensor]], pad_to_multiple: int = 1) -> dict[str, torch.Tensor]:

@@ -173,6 +173,7 @@ class PackedStepPlan:
     num_processes: int
     accumulation: int
     seed: int
+    weights: Sequence[float] | None = None  # per chat of `train`: `data.source_weights` (`epoch_order`)
     _rows: dict[int, list[list[int]]] = field(default_factory=dict, repr=False)
     _steps: list[int] = field(default_factory=list, repr=False)
     _chats: list[np.ndarray] = field(default_factory=list, repr=False)  # per epoch: chats before each step
@@ -186,7 +187,7 @@ class PackedStepPlan:
     def epoch_rows(self, epoch: int) -> list[list[int]]:
         with self._lock:
             if epoch not in self._rows:
-                order = epoch_order(self.train, self.seed, epoch)
+                order = epoch_order(self.train, self.seed, epoch, self.weights)
                 if len(self._rows) >= 2:  # a run reads one epoch at a time (two around a boundary)
                     self._rows.pop(next(iter(self._rows)))
                 self._rows[epoch] = pack_rows(order, self.lengths, self.anchors, self.pack_tokens,

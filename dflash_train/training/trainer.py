@@ -34,7 +34,16 @@ from dflash_train.training import resume as ckpt
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
-from dflash_train.training.data import StepPlan, TrainingSamples, collate, split_indices
+from dflash_train.training.data import (
+    StepPlan,
+    TrainingSamples,
+    chat_weights,
+    collate,
+    draws_per_epoch,
+    split_indices,
+    weighted_draws,
+    weights_summary,
+)
 from dflash_train.training.flops import (
     TargetPassCost,
     peak_flops,
@@ -124,13 +133,14 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         # The data first: a missing or damaged dataset is said before the target's seconds of loading.
         self.samples = TrainingSamples(config.data.prepared, config.data.features, config.data.max_length)
+        self.train_ids, self.val_ids = split_indices(
+            len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed,
+            self.samples.prompt_keys())
+        self.train_weights = self._chat_weights()
         self.target = build_target(config, self.accelerator.device)
         check_packing_fits_target(config, self.target)
         if config.data.prepared is not None:
             check_tokenizer(config.data.prepared, self.target.tokenizer, config.model.target)
-        self.train_ids, self.val_ids = split_indices(
-            len(self.samples), config.data.validation_fraction, config.data.validation_max_samples, t.seed,
-            self.samples.prompt_keys())
         self.plan = StepPlan(t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps)
         self.val_groups: list[list[list[int]]] = []  # packed validation micro-batches (rows of chats)
         self.packed = self._build_packing()
@@ -165,6 +175,16 @@ class Trainer:
         self.first_step_seconds: float | None = None  # the run's cold start: step 0 -> 1, compilation included
         self.budget = TimeBudget(t.time_budget_minutes, t.stop_after_minutes, t.time_budget_excludes_warmup)
 
+    def _chat_weights(self) -> list[float] | None:
+        """`data.source_weights` as one weight per training chat (None without it), said once."""
+        source_weights = self.config.data.source_weights
+        if not source_weights:
+            return None
+        sources = self.samples.sources(self.train_ids)
+        weights = chat_weights(source_weights, sources)
+        self.accelerator.print(weights_summary(source_weights, sources or [], weights))
+        return weights
+
     def _build_accelerator(self) -> Accelerator:
         t = self.config.training
         refuse_fsdp_without_cuda()
@@ -191,7 +211,7 @@ class Trainer:
         full = t.batch_size * self.accelerator.num_processes
         if len(self.val_ids) >= full:
             self.val_ids = self.val_ids[: len(self.val_ids) // full * full]
-        steps_per_epoch = self.plan.steps_per_epoch(len(self.train_ids))
+        steps_per_epoch = self.plan.steps_per_epoch(draws_per_epoch(self.train_ids, self.train_weights))
         return t.max_steps or max(1, int(t.epochs * steps_per_epoch))
 
     def _prepare_draft(self, draft: torch.nn.Module) -> tuple[Any, Any, Any]:
@@ -250,17 +270,20 @@ class Trainer:
         partition = self.config.model.block_size if t.anchors == "partition" else None
         stats = chat_stats(self.samples, partition)
         lengths, anchors = stats.lengths, stats.anchors(t.num_anchors)
-        train = np.asarray(self.train_ids, dtype=np.int64)
+        drawn = self.train_ids if self.train_weights is None else weighted_draws(
+            self.train_ids, self.train_weights, t.seed, 0)  # the anchors per token of what the steps draw
+        train = np.asarray(drawn, dtype=np.int64)
         per_row = t.anchors_per_row or derive_anchors_per_row(lengths[train], anchors[train], d.pack_tokens)
         check_anchors_per_row(per_row, anchors)
         plan = PackedStepPlan(self.train_ids, lengths.tolist(), anchors.tolist(), d.pack_tokens, per_row,
-                              t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps, t.seed)
+                              t.batch_size, self.accelerator.num_processes, t.gradient_accumulation_steps, t.seed,
+                              self.train_weights)
         rows = pack_rows(self.val_ids, plan.lengths, plan.anchors, d.pack_tokens, per_row)
         self.val_groups = [rows[i : i + t.batch_size] for i in range(0, len(rows), t.batch_size)]
         epoch = plan.epoch_rows(0)
         token_fill, anchor_fill = plan.fill(epoch)
         self.accelerator.print(
-            f"packing: {len(self.train_ids)} chats into {len(epoch)} rows of {d.pack_tokens} tokens and {per_row} "
+            f"packing: {len(drawn)} chats into {len(epoch)} rows of {d.pack_tokens} tokens and {per_row} "
             f"anchors ({plan.steps_in_epoch(0)} steps in epoch 0): {token_fill:.1%} of the tokens and "
             f"{anchor_fill:.1%} of the anchor slots are used")
         return plan
@@ -304,7 +327,8 @@ class Trainer:
             loaded = [([i for row in rows for i in row], self._load_rows(rows))
                       for rows in self.packed.micro_batches(step, rank)]
         else:
-            loaded = [(ids, self._load(ids)) for ids in self.plan.micro_batches(self.train_ids, t.seed, step, rank)]
+            groups = self.plan.micro_batches(self.train_ids, t.seed, step, rank, self.train_weights)
+            loaded = [(ids, self._load(ids)) for ids in groups]
         for indices, batch in loaded:
             blocks = self._host_blocks(batch, [anchor_seed(t.seed, step, i) for i in indices])
             # a captured step reads blocks of fixed shapes: padded here, off the step's critical path
