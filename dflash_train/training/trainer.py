@@ -10,7 +10,7 @@ import math
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,9 +92,21 @@ def _supervised_rows(blocks: Blocks) -> int:
     return blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
 
 
-def anchor_seed(seed: int, step: int, sample: int) -> int:
-    """One seed per (run, step, sample): anchors are re-drawn every step, reproducibly."""
-    return (seed * 1_000_003 + step * 7_919 + sample * 104_729) % (2**62)
+def anchor_seed(seed: int, step: int, sample: int, repeat: int = 0) -> int:
+    """One seed per (run, step, sample): anchors are re-drawn every step, reproducibly. `repeat` counts the
+    sample's earlier copies in the step (source weights above 1 may draw a chat twice): each copy gets anchors
+    of its own."""
+    return (seed * 1_000_003 + step * 7_919 + sample * 104_729 + repeat * 1_299_709) % (2**62)
+
+
+def anchor_seeds(seed: int, step: int, samples: Sequence[int]) -> list[int]:
+    """`anchor_seed` of each sample of a step's micro-batch, in order, copies counted."""
+    copies: dict[int, int] = {}
+    seeds = []
+    for sample in samples:
+        seeds.append(anchor_seed(seed, step, sample, copies.get(sample, 0)))
+        copies[sample] = copies.get(sample, 0) + 1
+    return seeds
 
 
 def padding_multiple(config: TrainConfig, device: torch.device) -> int:
@@ -330,7 +342,7 @@ class Trainer:
             groups = self.plan.micro_batches(self.train_ids, t.seed, step, rank, self.train_weights)
             loaded = [(ids, self._load(ids)) for ids in groups]
         for indices, batch in loaded:
-            blocks = self._host_blocks(batch, [anchor_seed(t.seed, step, i) for i in indices])
+            blocks = self._host_blocks(batch, anchor_seeds(t.seed, step, indices))
             # a captured step reads blocks of fixed shapes: padded here, off the step's critical path
             batch["blocks"] = blocks if self.step_graph is None else self._pinned(padded_blocks(blocks))
         return loaded
@@ -464,7 +476,7 @@ class Trainer:
         tokens = flops = step_flops = 0.0
         t = self.config.training
         for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
-            seeds = [anchor_seed(t.seed, self.step, i) for i in indices]
+            seeds = anchor_seeds(t.seed, self.step, indices)
             with self.accelerator.accumulate(self.model):
                 out, stats, loss = self._micro_step(indices, seeds, cpu_batch, accumulate=micro > 0)
                 with record_function("train/optimizer"):

@@ -12,7 +12,7 @@ import pytest
 
 from dflash_train.training.config import load_config
 from dflash_train.training.data import chat_weights, draws_per_epoch, epoch_order, weighted_draws
-from dflash_train.training.trainer import Trainer
+from dflash_train.training.trainer import Trainer, anchor_seed, anchor_seeds
 from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target
 
 SOURCES = ["code"] * 40 + ["chat"] * 40 + ["math"] * 20  # chat i comes from SOURCES[i]
@@ -111,3 +111,12 @@ def test_an_unknown_source_is_said_before_the_target_loads(assets: dict[str, pat
     broken = dict(assets, target=tmp_path / "no-such-target")  # loading it would fail with another message
     with pytest.raises(ValueError, match="names sharegpt, which no training chat comes from"):
         Trainer(load_config(None, overrides(broken, tmp_path, **{"data.source_weights.sharegpt": 2})))
+
+
+def test_copies_of_a_chat_in_one_step_get_anchors_of_their_own() -> None:
+    """A chat drawn twice into one step would otherwise train the same anchors twice; a step without copies
+    keeps the seeds it always had."""
+    seeds = anchor_seeds(0, 5, [7, 3, 7, 7])
+    assert len(set(seeds)) == 4
+    assert seeds[:2] == [anchor_seed(0, 5, 7), anchor_seed(0, 5, 3)]
+    assert anchor_seeds(1, 2, [4, 9]) == [anchor_seed(1, 2, 4), anchor_seed(1, 2, 9)]
