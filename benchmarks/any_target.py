@@ -5,6 +5,7 @@ caches, the engine's path for every architecture the static runner does not cove
     python -m benchmarks.any_target --shape qwen3-30b-a3b --shape gpt-oss-20b --layers 24   # one H100, < 8 min
     python -m benchmarks.any_target --shape gpt-oss-20b --batch 1                            # all 24 layers
     python -m benchmarks.any_target --shape tiny-moe --layers 2 --new-tokens 4 --device cpu  # CPU smoke test
+    python -m benchmarks.any_target --shape moonlight-16b-a3b --runner auto --latent-baseline --batch 1 --batch 16
 
 Shapes (random weights; bf16 on CUDA, float32 on CPU), as published but for `--layers`, which keeps the first
 N decoder layers (for a quick run, and for memory: Qwen3-30B-A3B's 48 layers are 61 GB of bf16 weights):
@@ -12,7 +13,8 @@ N decoder layers (for a quick run, and for memory: Qwen3-30B-A3B's 48 layers are
   vocabulary 151,936, RoPE theta 1e6;
 - `gpt-oss-20b`: 24 layers, hidden 2880, 64/8 heads of 64 with attention sinks, 32 experts of width 2880 with
   biases, 4 active, vocabulary 201,088, sliding window 128 on every other layer, YaRN (factor 32 over 4,096);
-- `tiny-moe`: a toy Qwen3-MoE (4 layers, hidden 64, 8 experts, 2 active, vocabulary 512) for the CPU test.
+- `tiny-moe`: a toy Qwen3-MoE (4 layers, hidden 64, 8 experts, 2 active, vocabulary 512) for the CPU test;
+  `tiny-hybrid` and `tiny-mla`, toys of Qwen3-Next and of Moonlight (DeepSeek-V3's latent attention) likewise.
 Each model is built on the device by `AutoModelForCausalLM.from_config` under `torch.device` (transformers'
 own random initialisation, run on the GPU: seconds); building takes `build_s`, which no figure includes.
 
@@ -108,6 +110,10 @@ MOONLIGHT_16B_A3B: dict[str, Any] = dict(
     n_group=1, topk_group=1, routed_scaling_factor=2.446, norm_topk_prob=True, vocab_size=163840,
     max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
     rope_parameters={"rope_type": "default", "rope_theta": 50_000.0})
+TINY_MLA: dict[str, Any] = MOONLIGHT_16B_A3B | dict(
+    num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=4,
+    kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
+    num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32, vocab_size=512, max_position_embeddings=4096)
 TINY_HYBRID: dict[str, Any] = QWEN3_NEXT_80B_A3B | dict(
     num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
     head_dim=16, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -120,10 +126,13 @@ SHAPES: dict[str, tuple[type[PretrainedConfig], dict[str, Any], bool]] = {
     "qwen3-next-80b-a3b": (Qwen3NextConfig, QWEN3_NEXT_80B_A3B, False),
     "moonlight-16b-a3b": (DeepseekV3Config, MOONLIGHT_16B_A3B, False),
     "tiny-moe": (Qwen3MoeConfig, TINY_MOE, True),
-    "tiny-hybrid": (Qwen3NextConfig, TINY_HYBRID, True)}
+    "tiny-hybrid": (Qwen3NextConfig, TINY_HYBRID, True),
+    "tiny-mla": (DeepseekV3Config, TINY_MLA, True)}
 DEFAULT_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b")
 MEASUREMENTS = ("hf", "engine", "dflash")
-BASELINES = ("engine_model_experts", "dflash_model_experts")  # `--experts-baseline`
+EXPERT_BASELINES = ("engine_model_experts", "dflash_model_experts")  # `--experts-baseline`
+LATENT_BASELINES = ("engine_expanded_latent", "dflash_expanded_latent")  # `--latent-baseline`
+BASELINES = EXPERT_BASELINES + LATENT_BASELINES
 
 
 def say(message: str) -> None:
@@ -230,12 +239,12 @@ def measure_hf(target: TargetModel, prompts: list[list[int]], args: argparse.Nam
 
 
 def engine_for(target: TargetModel, draft: DFlashDraftModel | None, rows: int,
-               args: argparse.Namespace, experts: str = "kernel") -> DecodeEngine:
+               args: argparse.Namespace, **settings: str) -> DecodeEngine:
     """The engine on `HFCacheTarget` (`--runner hf`), or on the runner the engine picks itself (`auto`);
-    `experts`: `EngineConfig.experts`."""
+    `settings`: `EngineConfig` fields a baseline changes (`experts`, `latent`)."""
     block = args.block_size if draft is not None else 1
     config = EngineConfig(batch_size=rows, block_size=block, max_new_tokens=args.new_tokens,
-                          max_length=args.prompt_tokens + args.new_tokens + 2 * args.block_size, experts=experts)
+                          max_length=args.prompt_tokens + args.new_tokens + 2 * args.block_size, **settings)
     runner = HFCacheTarget(target, rows, config.max_length) if args.runner == "hf" else None
     engine = DecodeEngine(target, draft, config, runner=runner)
     engine.prepare()  # warm-up cycles (Triton kernels compile there): outside every timing
@@ -249,14 +258,14 @@ def step_ms(engine: DecodeEngine, prompts: list[list[int]], args: argparse.Names
 
 
 def measure_engine(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace,
-                   experts: str = "kernel") -> dict[str, Any]:
+                   **settings: str) -> dict[str, Any]:
     """Our loop without a drafter on `HFCacheTarget`: one step's time, then (prefill and steps warm) `generate`'s
     tokens/s."""
-    engine = engine_for(target, None, len(prompts), args, experts)
+    engine = engine_for(target, None, len(prompts), args, **settings)
     result: dict[str, Any] = {"engine_runner": type(engine.runner).__name__,
                               "engine_step_ms": step_ms(engine, prompts, args)}
     if args.profile:
-        result["engine_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}-{experts}")
+        result["engine_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}{tag(settings)}")
     outputs, stats = engine.generate(prompts)
     if any(len(output.tokens) != args.new_tokens for output in outputs):
         raise RuntimeError("the engine stopped a row before --new-tokens")
@@ -290,14 +299,15 @@ def random_drafter(target: TargetModel, block_size: int) -> DFlashDraftModel:
 
 
 def measure_dflash(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace,
-                   experts: str = "kernel") -> dict[str, Any]:
+                   **settings: str) -> dict[str, Any]:
     """One DFlash cycle of every row with a random drafter (draft, verify, accept, drafter context)."""
     draft = random_drafter(target, args.block_size)
-    engine = engine_for(target, draft, len(prompts), args, experts)
+    engine = engine_for(target, draft, len(prompts), args, **settings)
     result = {"dflash_runner": type(engine.runner).__name__, "dflash_cycle_ms": step_ms(engine, prompts, args),
               "draft_bytes": sum(p.numel() * p.element_size() for p in draft.parameters())}
     if args.profile:  # where a cycle's time goes: the drafter, the verify's experts, the rest
-        result["dflash_profile"] = write_profile(engine, f"{target.config.model_type}-b{len(prompts)}-{experts}-cycle")
+        result["dflash_profile"] = write_profile(
+            engine, f"{target.config.model_type}-b{len(prompts)}{tag(settings)}-cycle")
         result |= verify_routing(target, prompts, args.block_size)
     del engine, draft
     return result
@@ -315,13 +325,19 @@ def verify_routing(target: TargetModel, prompts: list[list[int]], block: int) ->
     return summary(counts, experts, block, top_k, rows=len(prompts))
 
 
-def with_model_experts(measure: Callable[..., dict[str, Any]], name: str) -> Callable[..., dict[str, Any]]:
-    """`measure` with the experts the model was loaded with in place of the decode kernel (`--experts-baseline`),
-    its keys renamed `<name>_...`: the kernel's baseline, measured in the same run."""
+def tag(settings: dict[str, str]) -> str:
+    """A profile file's suffix for a baseline's settings ("" for the defaults)."""
+    return "".join(f"-{value}" for value in settings.values())
+
+
+def baseline(measure: Callable[..., dict[str, Any]], name: str, **settings: str) -> Callable[..., dict[str, Any]]:
+    """`measure` with `settings` in place of the engine's defaults (the experts the model was loaded with instead
+    of the decode kernel, `--experts-baseline`; a latent-attention target's expanded path instead of the absorbed
+    one, `--latent-baseline`), its keys renamed `<name>_...`: the default's baseline, measured in the same run."""
     prefix = measure.__name__.removeprefix("measure_")
 
     def measured(target: TargetModel, prompts: list[list[int]], args: argparse.Namespace) -> dict[str, Any]:
-        result = measure(target, prompts, args, experts="model")
+        result = measure(target, prompts, args, **settings)
         return {key.replace(prefix, name, 1): value for key, value in result.items()}
 
     return measured
@@ -329,8 +345,10 @@ def with_model_experts(measure: Callable[..., dict[str, Any]], name: str) -> Cal
 
 MEASURE: dict[str, Callable[[TargetModel, list[list[int]], argparse.Namespace], dict[str, Any]]] = {
     "hf": measure_hf, "engine": measure_engine, "dflash": measure_dflash,
-    "engine_model_experts": with_model_experts(measure_engine, "engine_model_experts"),
-    "dflash_model_experts": with_model_experts(measure_dflash, "dflash_model_experts")}
+    "engine_model_experts": baseline(measure_engine, "engine_model_experts", experts="model"),
+    "dflash_model_experts": baseline(measure_dflash, "dflash_model_experts", experts="model"),
+    "engine_expanded_latent": baseline(measure_engine, "engine_expanded_latent", latent="expanded"),
+    "dflash_expanded_latent": baseline(measure_dflash, "dflash_expanded_latent", latent="expanded")}
 
 
 # ---------------------------------------------------------------------------------------- run
@@ -385,7 +403,9 @@ def measure_batch(target: TargetModel, rows: int, header: dict[str, Any], run: R
     point["bytes_per_step"] = bytes_per_step(counts, target.config, rows)
     point["floor_ms"] = point["bytes_per_step"] / header["copy_bandwidth"] * 1e3
     prompts = random_prompts(rows, args.prompt_tokens, target.config.vocab_size)
-    for name in args.measure or MEASUREMENTS + (BASELINES if args.experts_baseline else ()):
+    chosen = MEASUREMENTS + (EXPERT_BASELINES if args.experts_baseline else ()) + (
+        LATENT_BASELINES if args.latent_baseline else ())
+    for name in args.measure or chosen:
         if not run.allows(f"{header['shape']} batch {rows} {name}"):
             continue
         say(f"{header['shape']} batch {rows}: {name} ... ({run.elapsed():.0f} s into the run)")
@@ -438,7 +458,11 @@ LOOPS = (("HF generate", "hf_tokens_per_s", "hf_step_ms", "hf"),
          ("DFlash cycle on {runner} (random drafter)", None, "dflash_cycle_ms", "dflash"),
          ("engine on {runner}, model's experts", "engine_model_experts_tokens_per_s", "engine_model_experts_step_ms",
           "engine_model_experts"),
-         ("DFlash cycle on {runner}, model's experts", None, "dflash_model_experts_cycle_ms", "dflash_model_experts"))
+         ("DFlash cycle on {runner}, model's experts", None, "dflash_model_experts_cycle_ms", "dflash_model_experts"),
+         ("engine on {runner}, latent expanded", "engine_expanded_latent_tokens_per_s",
+          "engine_expanded_latent_step_ms", "engine_expanded_latent"),
+         ("DFlash cycle on {runner}, latent expanded", None, "dflash_expanded_latent_cycle_ms",
+          "dflash_expanded_latent"))
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -472,10 +496,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--experts-baseline", action="store_true",
                         help="also measure the engine and the cycle with the model's own experts implementation "
                              "instead of the decode-experts kernel (same run)")
+    parser.add_argument("--latent-baseline", action="store_true",
+                        help="also measure the engine and the cycle of a latent-attention target with every cached "
+                             "slot expanded, the model's own path, instead of attention in latent space (same run)")
     parser.add_argument("--profile", action="store_true",
                         help="write the kernels of a few engine steps and DFlash cycles to results/any_target-*.profile.txt")
     parser.add_argument("--measure", action="append", choices=MEASUREMENTS + BASELINES,
-                        help="measurements to run; repeat (default: all, the baselines with --experts-baseline)")
+                        help="measurements to run; repeat (default: all, the baselines with --experts-baseline "
+                             "and --latent-baseline)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed engine steps before the timed ones")
     parser.add_argument("--iters", type=int, default=10, help="timed engine steps (median)")
     parser.add_argument("--repeats", type=int, default=2, help="timed `generate` calls of each length (median)")

@@ -52,6 +52,13 @@ def bounds_from_positions(positions: torch.Tensor, window: int | None) -> torch.
     return torch.stack([lo, hi], dim=1).to(torch.int32)
 
 
+def mask_from_bounds(bounds: torch.Tensor, keys: int) -> torch.Tensor:
+    """`bounds_from_positions`' bounds [b, 2, T] -> the bool mask [b, 1, T, keys] of the same visible slots."""
+    slots = torch.arange(keys, device=bounds.device)
+    first, last = bounds[:, 0, :, None], bounds[:, 1, :, None]  # [b, T, 1]
+    return ((slots >= first) & (slots <= last))[:, None]
+
+
 def query_rows(heads: int, kv_heads: int, tokens: int) -> int:
     """A KV head's query rows in one launch (its query heads x new tokens), padded to a power of two >= 16."""
     return max(16, next_power_of_2(heads // kv_heads * tokens))

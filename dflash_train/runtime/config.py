@@ -74,6 +74,10 @@ class EngineConfig:
     # (kernels/decode_experts.py: each chosen expert's weights read once, no sort or gather); "model", the
     # implementation the model was loaded with (transformers' grouped products; the benchmark's ablation).
     experts: Literal["kernel", "model"] = "kernel"
+    # A latent-attention target's (DeepSeek-V3's) decode and verify steps: "absorbed", attention in latent space
+    # with the up-projections moved to the queries (runtime/latent_attention.py); "expanded", the model's own
+    # path, every cached slot expanded to every head's keys and values (the benchmark's ablation).
+    latent: Literal["absorbed", "expanded"] = "absorbed"
     lookahead: int = 2  # cycles queued before the host reads a finished-row flag
     # Requests prefilled together (a wave): a wave starts once that many rows are free, so large batches
     # refill in few forwards while the other rows keep their place. None: batch_size // 8, at least 1.
@@ -94,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"draft_attention must be kernel or sdpa, not {self.draft_attention!r}")
         if self.matmul not in MATMULS:
             raise ValueError(f"matmul must be one of {', '.join(MATMULS)}, not {self.matmul!r}")
+        if self.latent not in ("absorbed", "expanded"):
+            raise ValueError(f"latent must be absorbed or expanded, not {self.latent!r}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.temperature < 0:

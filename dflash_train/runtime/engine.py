@@ -126,7 +126,7 @@ def make_runner(target: TargetModel, config: EngineConfig, kernels: str) -> Stat
     if supports(target):
         return StaticTarget(target, config.batch_size, config.max_length, kernels=kernels,
                             skinny_matmul=SKINNY_FOR_MATMUL[config.matmul], skinny_fusion=config.matmul == "fused",
-                            decode_experts=config.experts == "kernel",
+                            decode_experts=config.experts == "kernel", absorb_latent=config.latent == "absorbed",
                             step_tokens=config.runner_step_tokens or max(config.block_size, 1))
     if model_type(target) not in _announced:
         _announced.add(model_type(target))

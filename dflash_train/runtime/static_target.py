@@ -62,12 +62,14 @@ from dflash_train.kernels.static_attention import (
     bounds_from_positions,
     counters_for,
     fits,
+    mask_from_bounds,
     static_attention_triton,
 )
 from dflash_train.runtime.cache_layout import cache_layout, check_memory, sliding_window
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
+from dflash_train.runtime.latent_attention import has_latent_attention, latent_layer
 from dflash_train.runtime.linear_attention import (
     LinearStates,
     gated_delta_forward,
@@ -152,13 +154,6 @@ def _check_arguments(kwargs: dict[str, Any]) -> None:
         raise ValueError(f"the static runtime's attention does not implement {', '.join(unknown)}")
 
 
-def mask_from_bounds(bounds: torch.Tensor, keys: int) -> torch.Tensor:
-    """The Triton path's bounds [b, 2, T] -> the bool mask [b, 1, T, keys] of the same visible slots."""
-    slots = torch.arange(keys, device=bounds.device)
-    first, last = bounds[:, 0, :, None], bounds[:, 1, :, None]  # [b, T, 1]
-    return ((slots >= first) & (slots <= last))[:, None]
-
-
 def _attention_reference(q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float,
                          t: int, sinks: torch.Tensor | None = None, softcap: float | None = None) -> torch.Tensor:
     """Attention as the models' own eager functions compute it, with what SDPA has not: gpt-oss's sinks (one more
@@ -238,7 +233,8 @@ class StaticTarget:
     def __init__(self, target: TargetModel, batch_size: int, max_length: int, kernels: str = "torch",
                  fuse_projections: bool = True, fuse_prologue: bool = True, skinny_matmul: bool | str = "tuned",
                  skinny_fusion: bool = False, defer_residual: bool = True, prefetch_weights: bool = False,
-                 carry_norm_stats: bool = False, decode_experts: bool = True, step_tokens: int = 16) -> None:
+                 carry_norm_stats: bool = False, decode_experts: bool = True, step_tokens: int = 16,
+                 absorb_latent: bool = True) -> None:
         """`kernels`: "torch" (SDPA), or "triton" for the split-key kernel on decode and verify steps;
         `fuse_projections`: one matmul for q/k/v and one for gate/up per layer (no weight is copied);
         `fuse_prologue`: with "triton" and fused projections, q/k norms + RoPE + cache write in one kernel;
@@ -259,7 +255,9 @@ class StaticTarget:
         default: at Qwen3-8B's shape it cost the attention more than it saved the products, docs/benchmarks.md,
         'Asking L2 for o_proj's weight');
         `step_tokens`: the longest step (the verify block) whose tokens a hybrid target's linear-attention
-        states can be taken back through (`linear_attention.py`); longer forwards are prompts, committed whole."""
+        states can be taken back through (`linear_attention.py`); longer forwards are prompts, committed whole;
+        `absorb_latent`: a latent-attention target's steps of at most `step_tokens` tokens attend in latent space,
+        the up-projections moved to the queries (`latent_attention.py`), instead of expanding every cached slot."""
         config = target.config.get_text_config()
         if (why := refusal(model_type(target), config)) is not None:
             raise ValueError(
@@ -298,6 +296,7 @@ class StaticTarget:
         self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
                               else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
+        self.absorb_latent = absorb_latent and any(has_latent_attention(layer) for layer in self.layers)
         self.all_rows = torch.arange(batch_size, device=device)
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)
@@ -526,6 +525,8 @@ class StaticTarget:
                 h, shares = layer.carried(h, carry, position_embeddings, mask, cache)
                 return h, shares, None
             return layer(h, position_embeddings, mask, cache), None, None
+        if self.absorb_latent and h.shape[1] <= self.step_tokens and has_latent_attention(layer):
+            return latent_layer(layer, h, position_embeddings, mask, cache), None, None
         out = layer(h, attention_mask=mask, position_ids=cache.positions, position_embeddings=position_embeddings,
                     use_cache=True, **{self.cache_arg: cache})
         return (out[0] if isinstance(out, tuple) else out), None, None

@@ -89,3 +89,17 @@ def test_profile_writes_the_kernels_of_a_step_and_of_a_cycle(tmp_path: Path, mon
     reached = point["verify_experts_reached"]  # a block of 4 tokens, 2 experts each, of 8: 2..8 in each layer
     assert len(reached) == LAYERS and all(2 <= n <= 8 for n in reached), reached
     assert point["verify_experts_reached_even"] == pytest.approx(8 * (1 - (1 - 2 / 8) ** 4))
+
+
+def test_the_latent_baseline_on_a_toy_moonlight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--latent-baseline` measures the engine and the cycle again with every cached slot expanded, on the static
+    runner (`--runner auto`), beside the absorbed default, in the same run."""
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    main(["--shape", "tiny-mla", "--runner", "auto", "--latent-baseline", "--batch", "1", "--new-tokens", "3",
+          "--prompt-tokens", "8", "--block-size", "4", "--warmup", "0", "--iters", "1", "--repeats", "1",
+          "--device", "cpu", "--measure", "engine", "--measure", "engine_expanded_latent",
+          "--measure", "dflash_expanded_latent"])
+    point = json.loads((tmp_path / "any_target-tiny-mla.json").read_text())["batches"]["1"]
+    for key in ("engine_step_ms", "engine_expanded_latent_step_ms", "dflash_expanded_latent_cycle_ms"):
+        assert point[key] > 0, key
+    assert point["engine_runner"] == point["engine_expanded_latent_runner"] == "StaticTarget"
