@@ -34,6 +34,16 @@ def has_latent_attention(layer: nn.Module) -> bool:
     return hasattr(getattr(layer, "self_attn", None), "kv_lora_rank")
 
 
+def absorbable(layer: nn.Module) -> bool:
+    """Whether `absorbed_attention` can read the layer's up-projection as a plain matrix: a latent-attention layer
+    whose kv_b_proj is an unquantised `nn.Linear` (a quantised one, e.g. an FP8 checkpoint's, keeps the model's
+    own expanded path, which calls the module)."""
+    if not has_latent_attention(layer):
+        return False
+    projection = layer.self_attn.kv_b_proj
+    return type(projection) is nn.Linear and projection.weight.dtype in (torch.float32, torch.bfloat16, torch.float16)
+
+
 def latent_layer(layer: nn.Module, h: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                  mask: torch.Tensor, cache: Any) -> torch.Tensor:
     """The model's decoder layer with `absorbed_attention` in place of its attention module's forward.

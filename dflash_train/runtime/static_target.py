@@ -69,7 +69,7 @@ from dflash_train.runtime.cache_layout import cache_layout, check_memory, slidin
 from dflash_train.runtime.config import check_compile_scope
 from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps, project
-from dflash_train.runtime.latent_attention import has_latent_attention, latent_layer
+from dflash_train.runtime.latent_attention import absorbable, has_latent_attention, latent_layer
 from dflash_train.runtime.linear_attention import (
     LinearStates,
     gated_delta_forward,
@@ -296,7 +296,8 @@ class StaticTarget:
         self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
                               else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
-        self.absorb_latent = absorb_latent and any(has_latent_attention(layer) for layer in self.layers)
+        latent = [layer for layer in self.layers if has_latent_attention(layer)]
+        self.absorb_latent = absorb_latent and bool(latent) and all(absorbable(layer) for layer in latent)
         self.all_rows = torch.arange(batch_size, device=device)
         self.attention_counters = counters_for(batch_size, kv_heads, device)  # for plans that merge in one launch
         self.slots = torch.arange(max_length, device=device)

@@ -50,3 +50,17 @@ def test_only_latent_attention_targets_absorb() -> None:
     assert StaticTarget(tiny_target("deepseek_v3"), batch_size=1, max_length=8).absorb_latent
     assert not StaticTarget(tiny_target("deepseek_v3"), batch_size=1, max_length=8, absorb_latent=False).absorb_latent
     assert not StaticTarget(tiny_target("qwen3_moe"), batch_size=1, max_length=8).absorb_latent
+
+
+def test_a_quantised_up_projection_keeps_the_expanded_path() -> None:
+    """A kv_b_proj that is not a plain matrix (a quantised checkpoint's module) cannot be absorbed by reading its
+    weight: the runner keeps the model's own path, which calls the module."""
+
+    class QuantisedLinear(torch.nn.Linear):
+        pass
+
+    target = tiny_target("deepseek_v3")
+    for layer in target.decoder_layers:
+        plain = layer.self_attn.kv_b_proj
+        layer.self_attn.kv_b_proj = QuantisedLinear(plain.in_features, plain.out_features, bias=False)
+    assert not StaticTarget(target, batch_size=1, max_length=8).absorb_latent
