@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -114,6 +114,10 @@ class StepPlan:
     batch_size: int
     num_processes: int
     accumulation: int
+    # The last epoch's order, with the very lists, seed and epoch it was built from (held, so that they are compared
+    # by identity safely): a step reads one slice of an order that takes O(chats) to build, so it is built once an
+    # epoch, not every step.
+    _last: list[Any] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def sequences_per_step(self) -> int:
@@ -133,9 +137,13 @@ class StepPlan:
     ) -> Iterator[list[int]]:
         """This rank's micro-batches (sample indices) of optimizer step `step` (0-based, global); `weights`
         as `epoch_order`'s."""
-        steps_per_epoch = self.steps_per_epoch(draws_per_epoch(train, weights))
-        epoch, within = divmod(step, steps_per_epoch)
-        order = epoch_order(train, seed, epoch, weights)
+        last = self._last
+        same_lists = bool(last) and last[0] is train and last[1] is weights and last[2] == seed
+        draws = last[4] if same_lists else draws_per_epoch(train, weights)
+        epoch, within = divmod(step, self.steps_per_epoch(draws))
+        if not (same_lists and last[3] == epoch):
+            last[:] = [train, weights, seed, epoch, draws, epoch_order(train, seed, epoch, weights)]
+        order = last[5]
         chunk = order[within * self.sequences_per_step : (within + 1) * self.sequences_per_step]
         per_micro = self.batch_size * self.num_processes
         for micro in range(self.accumulation):

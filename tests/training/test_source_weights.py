@@ -11,7 +11,7 @@ import datasets
 import pytest
 
 from dflash_train.training.config import load_config
-from dflash_train.training.data import chat_weights, draws_per_epoch, epoch_order, weighted_draws
+from dflash_train.training.data import StepPlan, chat_weights, draws_per_epoch, epoch_order, weighted_draws
 from dflash_train.training.trainer import Trainer, anchor_seed, anchor_seeds
 from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target
 
@@ -120,3 +120,15 @@ def test_copies_of_a_chat_in_one_step_get_anchors_of_their_own() -> None:
     assert len(set(seeds)) == 4
     assert seeds[:2] == [anchor_seed(0, 5, 7), anchor_seed(0, 5, 3)]
     assert anchor_seeds(1, 2, [4, 9]) == [anchor_seed(1, 2, 4), anchor_seed(1, 2, 9)]
+
+
+def test_the_step_plan_reads_each_epochs_order_as_built_afresh() -> None:
+    """The plan keeps the last epoch's order: across epoch boundaries, and for another chat list given to the same
+    plan, each step's chats are still the slice of the order `epoch_order` builds for that epoch."""
+    plan = StepPlan(batch_size=3, num_processes=1, accumulation=1)
+    for train, weights in ((list(range(100)), per_chat(WEIGHTS)), (list(range(50, 60)), None)):
+        draws = draws_per_epoch(train, weights)
+        for step in range(2 * (draws // 3) + 2):
+            epoch, within = divmod(step, draws // 3)
+            expected = epoch_order(train, 3, epoch, weights)[within * 3 : within * 3 + 3]
+            assert next(plan.micro_batches(train, 3, step, 0, weights)) == expected
