@@ -64,3 +64,32 @@ def test_a_quantised_up_projection_keeps_the_expanded_path() -> None:
         plain = layer.self_attn.kv_b_proj
         layer.self_attn.kv_b_proj = QuantisedLinear(plain.in_features, plain.out_features, bias=False)
     assert not StaticTarget(target, batch_size=1, max_length=8).absorb_latent
+
+
+def test_the_kernel_paths_bounds_select_the_slots_the_mask_does() -> None:
+    """On the Triton path the runner hands layers the visible slots as bounds [n, 2, T] instead of a bool mask
+    (`bounds_from_positions`): the absorbed attention reads both alike."""
+    from dflash_train.kernels.static_attention import bounds_from_positions
+    from dflash_train.runtime.latent_attention import absorbed_attention
+
+    target = tiny_target("deepseek_v3")
+    attn = target.decoder_layers[1].self_attn
+    generator = torch.Generator().manual_seed(2)
+    latent = torch.randn(2, 1, 12, attn.kv_lora_rank, generator=generator)
+    rope = torch.randn(2, 1, 12, attn.qk_rope_head_dim, generator=generator)
+
+    class Cache:  # the runner's cache, already holding 12 slots: returns them whatever it is given
+        def update(self, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+            return latent, rope
+
+    positions = torch.tensor([[7, 8, 9], [3, 4, 5]])
+    x = torch.randn(2, 3, target.config.hidden_size, generator=generator)
+    embeddings = target.model.model.rotary_emb(x, positions)
+    bounds = bounds_from_positions(positions, None)
+    mask = (torch.arange(12) <= positions[:, :, None])[:, None]  # [n, 1, T, S], causal
+    with torch.no_grad():
+        by_mask = absorbed_attention(attn, x, embeddings, mask, Cache())
+        by_bounds = absorbed_attention(attn, x, embeddings, bounds, Cache())
+        unmasked = absorbed_attention(attn, x, embeddings, torch.ones_like(mask), Cache())
+    torch.testing.assert_close(by_bounds, by_mask)
+    assert not torch.allclose(unmasked, by_mask)  # the mask matters here
