@@ -132,7 +132,8 @@ class GraphedFeatures:
                 self.features_pass(self.ids, self.positions)
         torch.cuda.current_stream(self.ids.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool), use_sequences(sequences):
+        # thread_local: the trainer's loader thread may pin host memory during the capture (see step_graph.py)
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"), use_sequences(sequences):
             outputs = self.features_pass(self.ids, self.positions)
         return _Captured(graph.replay, outputs)
 

@@ -175,7 +175,9 @@ class GraphedDrafterStep:
                 self._forward_backward(buffers, accumulate)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: the trainer's loader thread pins the next step's host tensors meanwhile, which the
+        # default (global) mode refuses as an unsafe call during any thread's capture
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             outputs = self._forward_backward(buffers, accumulate)
         return _Captured(graph.replay, buffers, outputs)
 

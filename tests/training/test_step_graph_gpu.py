@@ -5,6 +5,7 @@ inside the trainer), eager and with compiled layers, and over two micro-batches 
 from __future__ import annotations
 
 import pathlib
+import threading
 
 import pytest
 import torch
@@ -32,3 +33,33 @@ def test_captured_steps_train_as_uncaptured_ones(assets: dict[str, pathlib.Path]
     assert losses == pytest.approx(plain_losses, rel=1e-4)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_a_capture_lets_the_loader_thread_pin_host_memory(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The trainer's loader thread pins the next step's tensors whenever it gets there; one that does so while the
+    drafter's step is being captured must neither fail nor spoil the capture."""
+    from dflash_train.training import step_graph
+
+    plain = step_graph.GraphedDrafterStep._forward_backward
+    pinned: list[object] = []
+
+    def pin_during_capture(self: object, *args: object, **kwargs: object) -> object:
+        if torch.cuda.is_current_stream_capturing():
+            def pin() -> None:
+                try:
+                    pinned.append(torch.ones(1024).pin_memory())
+                except Exception as error:  # noqa: BLE001 - the test reports what the thread hit
+                    pinned.append(error)
+            thread = threading.Thread(target=pin)
+            thread.start()
+            thread.join()
+        return plain(self, *args, **kwargs)
+
+    monkeypatch.setattr(step_graph.GraphedDrafterStep, "_forward_backward", pin_during_capture)
+    settings = {**PACKED, "training.step_cuda_graphs": True}
+    trainer = Trainer(load_config(None, overrides(assets, tmp_path, **settings)))
+    losses = [trainer.train_step()["loss"] for _ in range(3)]
+    assert pinned and all(isinstance(p, torch.Tensor) and p.is_pinned() for p in pinned), pinned
+    assert trainer.step_graph is not None and trainer.step_graph.graphs  # captured and kept
+    assert all(loss == loss for loss in losses)
