@@ -265,15 +265,15 @@ class WallEvent:
 def phase_device_ms(trainer: Any, steps: int = 3) -> tuple[dict[str, float], float]:
     """Per phase the trainer marks (`train/...`), the milliseconds per step of the device's timeline between the
     phase's start and end: its kernels and the gaps in which the device waited for the host, unprofiled. Events
-    are recorded on the stream at each mark (the trainer's `record_function`, wrapped for these steps), so the
+    are recorded on the stream at each mark (the step's `record_function`, wrapped for these steps), so the
     backward's kernels, launched from autograd's own thread, still fall inside their phase. -> (those means,
     the mean milliseconds of the same steps whole, which the phases fall within)."""
-    import dflash_train.training.trainer as trainer_module
+    import dflash_train.training.step as step_module  # where the step's phases are marked
 
     cuda = trainer.accelerator.device.type == "cuda"
     new_event = (lambda: torch.cuda.Event(enable_timing=True)) if cuda else WallEvent
     spans: list[tuple[str, Any, Any]] = []
-    marked_phase = trainer_module.record_function
+    marked_phase = step_module.record_function
 
     @contextlib.contextmanager
     def timed_phase(name: str) -> Iterator[None]:
@@ -286,7 +286,7 @@ def phase_device_ms(trainer: Any, steps: int = 3) -> tuple[dict[str, float], flo
 
     loaded = [trainer._load_step(trainer.step + i) for i in range(steps)]
     whole: list[tuple[Any, Any]] = []
-    trainer_module.record_function = timed_phase
+    step_module.record_function = timed_phase
     try:
         for batch in loaded:
             whole.append((new_event(), new_event()))
@@ -294,7 +294,7 @@ def phase_device_ms(trainer: Any, steps: int = 3) -> tuple[dict[str, float], flo
             trainer.train_step(batch)
             whole[-1][1].record()
     finally:
-        trainer_module.record_function = marked_phase
+        step_module.record_function = marked_phase
     if cuda:
         torch.cuda.synchronize()
     totals: dict[str, float] = {}

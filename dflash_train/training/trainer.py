@@ -1,16 +1,16 @@
 """The training loop: load → build → (resume) → steps with validation and checkpoints → save.
 
 Runs identically under `python -m dflash_train.train`, `dflash-train train` and `accelerate launch`.
+
+`Trainer` builds the run and drives it (`fit`) here; its parts live beside it, each a mixin of its own: a
+step's micro-batches (batch_loading.py), the optimizer step (step.py), the validation pass (validation.py)
+and saving and resuming checkpoints (checkpointing.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
-import shutil
 import time
-from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,37 +20,35 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 from accelerate.utils import AutocastKwargs
-from torch.profiler import record_function
 
-from dflash_train.checkpoint.io import save_draft
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.features.online import OnlineFeatures
 from dflash_train.features.packed_attention import packed_target_attention
-from dflash_train.features.packed_rows import chat_layout, collate_packed
-from dflash_train.models import DFlashDraftModel
-from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, DFlashObjective, Distillation, ObjectiveOutput
+from dflash_train.objective import DFlashObjective, Distillation
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.training import resume as ckpt
+from dflash_train.training.batch_loading import (
+    HOST_ONLY,
+    BatchLoadingMixin,
+    anchor_seed,
+    anchor_seeds,
+    padding_multiple,
+)
 from dflash_train.training.budget import TimeBudget
+from dflash_train.training.checkpointing import CheckpointMixin, device_name
 from dflash_train.training.compile_report import compile_seconds, first_step_line
 from dflash_train.training.config import TrainConfig
 from dflash_train.training.data import (
     StepPlan,
     TrainingSamples,
     chat_weights,
-    collate,
     draws_per_epoch,
     split_indices,
     weighted_draws,
     weights_summary,
 )
-from dflash_train.training.flops import (
-    TargetPassCost,
-    peak_flops,
-    target_pass_cost,
-    training_step_flops,
-    visible_pairs,
-)
+from dflash_train.training.flops import TargetPassCost, peak_flops, target_pass_cost
+from dflash_train.training.launch import check_deepspeed_accumulation, refuse_fsdp_without_cuda
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_stats,
@@ -59,7 +57,6 @@ from dflash_train.training.packing import (
     pack_rows,
 )
 from dflash_train.training.progress import TrainProgress
-from dflash_train.training.run_files import read_trainer_state
 from dflash_train.training.setup import (
     build_draft,
     build_optimizer,
@@ -68,11 +65,17 @@ from dflash_train.training.setup import (
     check_packed_features,
     check_packing_fits_target,
 )
-from dflash_train.training.source_metrics import SourceTotals, slot_summary, source_line, source_names
-from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs, padded_blocks
+from dflash_train.training.source_metrics import source_line
+from dflash_train.training.step import TrainStepMixin
+from dflash_train.training.step_graph import GraphedDrafterStep
 from dflash_train.training.tracking import MetricsLogger, plot_metrics
+from dflash_train.training.validation import ValidationMixin, detached
 
-HOST_ONLY = ("chats", "blocks")  # CPU batch entries that stay on the host (or travel on their own)
+# The trainer's names as other modules, tests and benchmarks import them, wherever they now live.
+__all__ = [
+    "HOST_ONLY", "TrainResult", "Trainer", "anchor_seed", "anchor_seeds", "check_deepspeed_accumulation",
+    "detached", "device_name", "padding_multiple", "refuse_fsdp_without_cuda", "run_training",
+]
 
 
 @dataclass
@@ -88,55 +91,9 @@ class TrainResult:
         return self.total_steps is None or self.steps >= self.total_steps
 
 
-def _supervised_rows(blocks: Blocks) -> int:
-    return blocks.supervised_index().numel() if blocks.num_real_rows is None else blocks.num_real_rows
+class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixin):
+    """A training run: built from its config in `__init__`, run by `fit`."""
 
-
-def anchor_seed(seed: int, step: int, sample: int, repeat: int = 0) -> int:
-    """One seed per (run, step, sample): anchors are re-drawn every step, reproducibly. `repeat` counts the
-    sample's earlier copies in the step (source weights above 1 may draw a chat twice): each copy gets anchors
-    of its own."""
-    return (seed * 1_000_003 + step * 7_919 + sample * 104_729 + repeat * 1_299_709) % (2**62)
-
-
-def anchor_seeds(seed: int, step: int, samples: Sequence[int]) -> list[int]:
-    """`anchor_seed` of each sample of a step's micro-batch, in order, copies counted."""
-    copies: dict[int, int] = {}
-    seeds = []
-    for sample in samples:
-        seeds.append(anchor_seed(seed, step, sample, copies.get(sample, 0)))
-        copies[sample] = copies.get(sample, 0) + 1
-    return seeds
-
-
-def padding_multiple(config: TrainConfig, device: torch.device) -> int:
-    """Compiled flex attention specialises on the sequence length: one padded shape means one compile (a new
-    length per batch would recompile every step until dynamo gives up and runs flex attention eagerly)."""
-    if config.data.pad_to_multiple is not None:
-        return config.data.pad_to_multiple
-    flex = device.type == "cuda" and config.training.attention in ("auto", "flex")
-    return config.data.max_length if flex else 1
-
-
-def check_deepspeed_accumulation(deepspeed_config: dict[str, Any], steps: int) -> None:
-    """DeepSpeed accumulates by its own count: one that differs from the run's would silently change the
-    effective batch (and the schedule's step count)."""
-    configured = deepspeed_config.get("gradient_accumulation_steps", "auto")
-    if configured != "auto" and int(configured) != steps:
-        raise ValueError(
-            f"the DeepSpeed launch sets gradient_accumulation_steps: {configured} but "
-            f"training.gradient_accumulation_steps={steps}: make them equal (`accelerate launch "
-            f"--gradient_accumulation_steps {steps}`, or auto in the launch config)")
-
-
-def refuse_fsdp_without_cuda() -> None:
-    """accelerate quietly runs plain DDP when an FSDP launch config meets CPU processes: say so instead."""
-    if os.environ.get("ACCELERATE_USE_FSDP", "false").lower() == "true" and not torch.cuda.is_available():
-        raise ValueError("FSDP needs CUDA devices (on CPU processes accelerate would run plain DDP instead): "
-                         "launch CPU processes with recipes/accelerate/cpu_2proc.yaml")
-
-
-class Trainer:
     def __init__(self, config: TrainConfig) -> None:
         self.config = config
         t = config.training
@@ -315,351 +272,9 @@ class Trainer:
         layers_run = self.target.num_layers if reads else max(self.draft_config.target_layer_ids) + 1
         return target_pass_cost(self.target.config.get_text_config(), self.target.decoder_layers, layers_run, reads)
 
-    # -- one step -------------------------------------------------------------------------------
-    def _load(self, indices: list[int]) -> dict[str, torch.Tensor]:
-        batch = collate([self.samples[i] for i in indices], self.pad_to)
-        if self.accelerator.device.type == "cuda":
-            batch = {k: v.pin_memory() for k, v in batch.items()}  # lets the copy overlap compute
-        return batch
-
-    def _load_rows(self, rows: list[list[int]]) -> dict[str, torch.Tensor]:
-        """A packed micro-batch: always batch_size rows (missing ones all padding), one static shape."""
-        samples = [[self.samples[i] for i in row] for row in rows]
-        batch = collate_packed(samples, self.config.data.pack_tokens, self.config.training.batch_size)
-        if self.accelerator.device.type == "cuda":
-            batch = {k: v.pin_memory() for k, v in batch.items()}
-        return batch
-
-    def _load_step(self, step: int) -> list[tuple[list[int], dict[str, Any]]]:
-        """This rank's micro-batches of `step`: the chats' sample indices (in batch order) and the batch, its
-        blocks built on the host (`_host_blocks`: this runs in the loader thread while the previous step computes)."""
-        t = self.config.training
-        rank = self.accelerator.process_index
-        if self.packed is not None:
-            loaded = [([i for row in rows for i in row], self._load_rows(rows))
-                      for rows in self.packed.micro_batches(step, rank)]
-        else:
-            groups = self.plan.micro_batches(self.train_ids, t.seed, step, rank, self.train_weights)
-            loaded = [(ids, self._load(ids)) for ids in groups]
-        for indices, batch in loaded:
-            blocks = self._host_blocks(batch, anchor_seeds(t.seed, step, indices))
-            # a captured step reads blocks of fixed shapes: padded here, off the step's critical path
-            batch["blocks"] = blocks if self.step_graph is None else self._pinned(padded_blocks(blocks))
-        return loaded
-
-    def _host_blocks(self, cpu_batch: dict[str, Any], seeds: list[int]) -> Blocks:
-        """A CPU batch's blocks, built on the host: each chat's anchors come from a CPU generator seeded by its
-        own seed (the same anchors on any device), and the dozen small ops per chat, and the count of the
-        supervised rows, never reach the GPU's launch queue or make it wait."""
-        return self._pinned(self.objective.seeded_blocks(cpu_batch, chat_layout(cpu_batch), seeds).with_supervised_rows())
-
-    def _pinned(self, blocks: Blocks) -> Blocks:
-        return blocks.pin_memory() if self.accelerator.device.type == "cuda" else blocks
-
-    def _forward(
-        self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None = None
-    ) -> tuple[Any, dict[str, float]]:
-        """`seeds` place the anchors unless the loader built the blocks already (`cpu_batch["blocks"]`)."""
-        step = self._target_pass(indices, seeds, cpu_batch)
-        with record_function("train/drafter_and_loss"):
-            out = self._drafter_loss(step.batch, step.features, step.blocks.to(self.accelerator.device,
-                                                                               non_blocking=True), step.teacher)
-        return out, self._stats(step)
-
-    def _target_pass(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None) -> StepInputs:
-        """A micro-batch on the device with the target's features; its blocks on the host (and its `share` 1)."""
-        cpu_batch = cpu_batch if cpu_batch is not None else self._load(indices)
-        host_blocks = cpu_batch.get("blocks")
-        if host_blocks is None:
-            host_blocks = self._host_blocks(cpu_batch, seeds)
-        device = self.accelerator.device
-        batch = {k: v.to(device, non_blocking=True) for k, v in cpu_batch.items() if k not in HOST_ONLY}
-        chats = chat_layout(cpu_batch)
-        with record_function("train/target_features"):
-            features, teacher_states = self.features(batch, max(start + n for _, start, n in chats),
-                                                     cpu_batch.get("position_ids"))
-        read = {k: batch[k] for k in ("input_ids", "loss_mask", "position_ids") if k in batch}
-        return StepInputs(read, features, teacher_states, host_blocks, self.share, chats)
-
-    def _stats(self, step: StepInputs) -> dict[str, float]:
-        return self.step_counts(step.blocks, step.chats)
-
-    def step_counts(self, blocks: Blocks, chats: list[tuple[int, int, int]]) -> dict[str, float]:
-        """A micro-batch's tokens, the drafter's model FLOPs and the whole step's (the target's pass added where
-        it runs in the step), from its blocks and chats on the host."""
-        tokens = sum(n for _, _, n in chats)
-        flops = self._flops(blocks, tokens, chats)
-        target = 0.0 if self.target_cost is None else self.target_cost.flops([n for _, _, n in chats],
-                                                                              _supervised_rows(blocks))
-        return {"tokens": float(tokens), "flops": flops, "step_flops": flops + target}
-
-    def _micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
-                    accumulate: bool = False) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
-        """One micro-batch's forward and backward: (its output, its tokens and FLOPs, its loss as weighted in
-        the step). From the captured step where there is one; a failure there turns it off for the run."""
-        share = self._loss_share(indices)
-        if self.step_graph is not None:
-            try:
-                step = self._target_pass(indices, seeds, cpu_batch)
-                # accelerate's backward divides the loss by the accumulation steps: so do the graphs' gradients
-                accumulation = self.accelerator.gradient_accumulation_steps
-                step.share.fill_((1.0 if share is None else share) / accumulation)
-                with record_function("train/drafter_step_graph"):
-                    out = self.step_graph(step, accumulate)
-                return out, self._stats(step), out.loss * accumulation
-            except Exception as error:  # a capture or compiler failure costs speed, not the run
-                self.step_graph = None
-                if not accumulate:  # the last step's gradients, which captured steps never set to None
-                    self.model.zero_grad(set_to_none=True)
-                reason = (str(error).strip().splitlines() or [""])[0][:200]
-                self.accelerator.print(f"CUDA graphs of the drafter's step failed ({type(error).__name__}: {reason}); "
-                                       "it runs uncaptured from now on (training.step_cuda_graphs=false)")
-        out, stats = self._forward(indices, seeds, cpu_batch)
-        loss = out.loss if share is None else out.loss * share
-        with record_function("train/backward"):
-            self.accelerator.backward(loss)
-        return out, stats, loss
-
-    def _drafter_loss(self, batch: dict[str, torch.Tensor], features: torch.Tensor, blocks: Blocks,
-                      teacher_states: torch.Tensor | None) -> Any:
-        """The objective on the drafter. Small flex tiles (training.flex_tile=64) ask the flex kernel for tiles
-        of their own, which a compiler may fail to build: from such a failure on, the default 128-token
-        tiles (the same loss, more masked-out scores computed), not a lost run."""
-        def run() -> Any:
-            return self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
-                                  batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
-                                  teacher_states=teacher_states, context_positions=batch.get("position_ids"))
-        if self.objective.flex_tile == DEFAULT_FLEX_TILE:
-            return run()
-        try:
-            return run()
-        except Exception as error:
-            reason = (str(error).strip().splitlines() or [""])[0][:200]
-            self.accelerator.print(
-                f"training.flex_tile={self.objective.flex_tile} failed in the drafter ({type(error).__name__}: "
-                f"{reason}); {DEFAULT_FLEX_TILE}-token tiles from now on (training.flex_tile={DEFAULT_FLEX_TILE} "
-                "skips the try)")
-            self.objective.flex_tile = DEFAULT_FLEX_TILE
-            self.model.zero_grad(set_to_none=True)  # nothing of the failed attempt reaches the step
-            return run()
-
-    def _flops(self, blocks: Blocks, tokens: int, chats: list[tuple[int, int, int]]) -> float:
-        """The step's model FLOPs, from the blocks on the host (no device sync)."""
-        # An anchor sees the context of its own chat before it: a_j minus the chat's start.
-        context = blocks.anchors[blocks.valid]
-        if blocks.sequence is not None:
-            starts = torch.tensor([start for _, start, _ in chats], dtype=torch.long)
-            context = context - starts[blocks.sequence[blocks.valid]]
-        valid_anchors = context.tolist()
-        pairs = visible_pairs([(valid_anchors, 0)], self.objective.block_size)
-        # Padded anchor slots run through the drafter too, but that work is waste, not model FLOPs.
-        block_rows = len(valid_anchors) * self.objective.block_size
-        return training_step_flops(self.draft_config, tokens, block_rows, _supervised_rows(blocks), pairs)
-
-    def _loss_share(self, indices: list[int]) -> float | None:
-        """Packed micro-batches hold unequal numbers of chats: each one's loss (a mean over its chats) is
-        weighted by its share of the step's chats, so that the step's loss is the mean over all of them
-        whatever the split into processes and accumulation steps (their mean is taken afterwards)."""
-        if self.packed is None:
-            return None
-        total = self.packed.counted_chats(self.packed.step_rows(self.step))
-        mine = self.packed.counted_chats([indices])
-        return mine / max(1, total) * self.plan.num_processes * self.plan.accumulation
-
-    def train_step(self, loaded: list[tuple[list[int], dict[str, Any]]] | None = None,
-                   resolve: bool = True) -> dict[str, Any] | None:
-        """One optimizer step; `loaded` is this step's micro-batches if they were prefetched. The step waits
-        for the device once, at its end, for its metrics; with `resolve=False` it does not wait and returns
-        None (`fit` resolves only the steps it logs, so the host can queue the next step meanwhile)."""
-        self.model.train()
-        loss_sum = slot_correct = slot_count = grad_norm = None
-        tokens = flops = step_flops = 0.0
-        t = self.config.training
-        for micro, (indices, cpu_batch) in enumerate(loaded or self._load_step(self.step)):
-            seeds = anchor_seeds(t.seed, self.step, indices)
-            with self.accelerator.accumulate(self.model):
-                out, stats, loss = self._micro_step(indices, seeds, cpu_batch, accumulate=micro > 0)
-                with record_function("train/optimizer"):
-                    if self.accelerator.sync_gradients:
-                        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-                    self.optimizer.step()
-                    if self.step_graph is None:  # captured steps zero the gradients they write, in place
-                        self.optimizer.zero_grad(set_to_none=True)
-            part = loss.detach().double() / self.plan.accumulation
-            loss_sum = part if loss_sum is None else loss_sum + part
-            tokens, flops = tokens + stats["tokens"], flops + stats["flops"]
-            step_flops += stats["step_flops"]
-            slot_correct = out.slot_correct if slot_correct is None else slot_correct + out.slot_correct
-            slot_count = out.slot_count if slot_count is None else slot_count + out.slot_count
-            assert micro < self.plan.accumulation
-        self.schedule.step()
-        self.step += 1
-        if not resolve:
-            return None
-        with record_function("train/metrics_copy"):  # the step's one wait for the device
-            metrics = self._reduce(loss_sum, (tokens, flops, step_flops), slot_correct, slot_count, grad_norm)
-        metrics["lr"] = self.schedule.get_last_lr()[0]
-        if self.packed is not None:  # the whole step's rows, known on every rank from the plan
-            metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
-        if self.step_graph is not None:  # shapes captured so far; absent once the graphs have been turned off
-            metrics["step_graphs"] = len(self.step_graph.graphs)
-        return metrics
-
-    def _reduce(self, loss: torch.Tensor | float, counts: tuple[float, float, float], slot_correct: torch.Tensor,
-                slot_count: torch.Tensor, grad_norm: torch.Tensor | float | None = None) -> dict[str, Any]:
-        """Sums over the ranks, then one copy to the host: every metric comes from a single device sync.
-        `counts`: the step's tokens, the drafter's FLOPs and the whole step's (the target's pass added)."""
-        device = self.accelerator.device
-        scalars = torch.cat([torch.as_tensor(loss, dtype=torch.float64, device=device).reshape(1),
-                             torch.tensor(counts, dtype=torch.float64, device=device)])
-        sums = self.accelerator.reduce(torch.cat([scalars, slot_correct.double(), slot_count.double()]), reduction="sum")
-        norm = torch.as_tensor(float("nan") if grad_norm is None else grad_norm, dtype=torch.float64, device=device)
-        host = torch.cat([sums, norm.detach().reshape(1)]).cpu()
-        slots = slot_correct.numel()
-        return {
-            "loss": float(host[0]) / self.accelerator.num_processes,
-            "tokens": float(host[1]), "flops": float(host[2]), "step_flops": float(host[3]),
-            **slot_summary(host[4 : 4 + slots], host[4 + slots : 4 + 2 * slots]),
-            "grad_norm": float(host[-1]),
-        }
-
-    def validate(self) -> dict[str, Any] | None:
-        if not self.val_ids:
-            return None
-        # Compiled layers, unwrapped drafter: the training graph serves validation (train mode, gradients
-        # recorded, no backward); eval mode or no_grad would compile the layer once more, for inference (a
-        # compilation in the first validation, docs/training.md). The drafter has no dropout, so both compute
-        # the same. A drafter wrapped by DDP, FSDP or DeepSpeed expects a backward after a forward with gradients.
-        on_training_graph = self.config.training.compile and self._distributed_type() == "NO"
-        with torch.set_grad_enabled(on_training_graph):
-            if not on_training_graph:
-                self.model.eval()
-            return self._validate()
-
-    def _validate(self) -> dict[str, Any]:
-        rank, world = self.accelerator.process_index, self.accelerator.num_processes
-        loss_sum, correct, count = 0.0, None, None
-        by_source = self._source_totals()
-        for indices, cpu_batch, weight in self._validation_batches(rank, world):
-            seeds = [anchor_seed(self.config.training.seed, 0, i) for i in indices]  # fixed anchors
-            with self.accelerator.autocast():
-                out, _ = self._forward(indices, seeds, cpu_batch)
-            out = detached(out)  # nothing here may keep a batch's autograd graph (see `validate`)
-            if weight is None:  # a stand-in forward
-                continue
-            loss_sum += float(out.loss) * weight
-            correct = out.slot_correct if correct is None else correct + out.slot_correct
-            count = out.slot_count if count is None else count + out.slot_count
-            if by_source is not None:
-                by_source.add([self.val_sources[i] for i in indices], out)
-        if correct is None:  # fewer validation samples than ranks
-            zeros = torch.zeros(self.objective.block_size, device=self.accelerator.device)
-            correct, count = zeros, zeros.clone()
-        metrics = self._reduce(loss_sum, (0.0, 0.0, 0.0), correct, count)
-        metrics.pop("grad_norm")
-        chats = len(self.val_ids) if self.packed is None else sum(map(self.packed.counted_chats, self.val_groups))
-        metrics["loss"] = metrics["loss"] * world / max(1, chats)
-        if by_source is not None:
-            by_source.reduce(self.accelerator.reduce)
-            metrics["by_source"] = by_source.metrics()
-        return metrics
-
-    def _source_totals(self) -> SourceTotals | None:
-        """Per-source sums for a validation split of two sources or more (None: nothing to break down)."""
-        names = source_names([self.val_sources[i] for i in self.val_ids] if self.val_sources else None)
-        if not names:
-            return None
-        return SourceTotals(names, self.objective.block_size, self.accelerator.device)
-
-    def _validation_batches(
-        self, rank: int, world: int
-    ) -> Iterator[tuple[list[int], dict[str, torch.Tensor] | None, int | None]]:
-        """This rank's validation micro-batches: (sample indices, CPU batch or None to load them, the
-        chats its loss averages over; None for a stand-in). Every rank runs as many forwards as the rank
-        with the most: a DDP/FSDP forward is a collective, and a rank that stopped early would leave the
-        others waiting for ever; a rank that ran out runs a stand-in forward, not counted."""
-        if self.packed is not None:
-            groups = self.val_groups
-            for k in range(math.ceil(len(groups) / world)):
-                mine = groups[k * world + rank] if k * world + rank < len(groups) else None
-                rows = mine or groups[0]
-                weight = self.packed.counted_chats(mine) if mine else None
-                yield [i for row in rows for i in row], self._load_rows(rows), weight
-            return
-        mine, size = self.val_ids[rank::world], self.config.training.batch_size
-        batches = math.ceil(math.ceil(len(self.val_ids) / world) / size)
-        for start in range(0, batches * size, size):
-            indices = mine[start : start + size]
-            yield indices or self.val_ids[:1], None, len(indices) if indices else None
-
-    # -- checkpoints ----------------------------------------------------------------------------
-    def save_checkpoint(self) -> Path:
-        t = self.config.training
-        tmp, final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}.tmp", None
-        if self.accelerator.is_main_process:
-            tmp, final = ckpt.staging_dir(self.output_dir, self.step)
-        self._check_disk_room()
-        try:
-            self.accelerator.save_state(str(tmp / "state"))
-        except (OSError, RuntimeError) as error:  # torch.save reports a full disk as a RuntimeError
-            shutil.rmtree(tmp, ignore_errors=True)
-            problem = ckpt.space_error(self.output_dir, self.step, self._checkpoint_estimate())
-            if problem is None:
-                raise
-            raise problem from error
-        state_dict = self.accelerator.get_state_dict(self.model)
-        if self.accelerator.is_main_process:
-            draft = DFlashDraftModel(self.draft_config)
-            draft.load_state_dict({k: v.detach().float().cpu() for k, v in state_dict.items()})
-            save_draft(draft, tmp / "draft", extra_config={"dflash_train": {"step": self.step, **self.compat}})
-            trainer_state = {"step": self.step, "total_steps": self.total_steps,
-                             "sequences_seen": self._sequences_seen(),
-                             "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
-                             "first_step_seconds": self.first_step_seconds,
-                             "distributed_type": self._distributed_type(), "device": device_name(self.accelerator.device),
-                             "num_processes": self.accelerator.num_processes, **self.compat}
-            ckpt.finalize(tmp, final, trainer_state, t.keep_last)
-        self.accelerator.wait_for_everyone()
-        return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
-
-    def _sequences_seen(self) -> int:
-        if self.packed is not None:
-            return self.packed.chats_seen(self.step)
-        return self.step * self.plan.sequences_per_step
-
-    def _checkpoint_estimate(self) -> int:
-        """Bytes of the first checkpoint before any exists: fp32 weights twice (accelerate state and the
-        drafter export) and AdamW's two fp32 moments, for this process's share of the parameters."""
-        params = sum(p.numel() for p in self.model.parameters())
-        return ckpt.bytes_needed(self.output_dir, 16 * params)
-
-    def _check_disk_room(self) -> None:
-        """Refuse a checkpoint the disk cannot hold before writing any of it (all ranks stop together)."""
-        problem = None
-        if self.accelerator.is_main_process:
-            problem = ckpt.space_error(self.output_dir, self.step, self._checkpoint_estimate())
-        if self._agree(int(problem is not None), "max"):
-            raise problem or ckpt.CheckpointSpaceError(
-                f"disk full: rank 0 cannot write checkpoint step-{self.step:08d} to {self.output_dir}")
-        self.accelerator.wait_for_everyone()
-
+    # -- the ranks, the time budget, what each step is followed by --------------------------------
     def _distributed_type(self) -> str:
         return str(getattr(self.accelerator.distributed_type, "value", self.accelerator.distributed_type))
-
-    def maybe_resume(self) -> None:
-        path = ckpt.resolve_resume(self.config.training.resume, self.output_dir)
-        if path is None:
-            return
-        state = read_trainer_state(path)
-        ckpt.check_compatible(state, self.compat, path)
-        ckpt.check_launch(state, self._distributed_type(), self.accelerator.num_processes, path)
-        self.accelerator.load_state(str(path / "state"))
-        self.step = int(state["step"])
-        self.first_step_seconds = state.get("first_step_seconds")
-        self.budget.resume(float(state.get("train_seconds", 0.0)), bool(state.get("budget_sized", False)))
-        if self.budget.sized:  # a budgeted run keeps the length it settled on (others follow their config)
-            self.total_steps = int(state["total_steps"])
-        self.accelerator.print(f"resumed from {path} at step {self.step}")
 
     def _agree(self, value: int, op: str) -> int:
         """One value for all ranks (a rank acting alone on its own clock would deadlock the others)."""
@@ -777,17 +392,6 @@ class Trainer:
             if logger.path.is_file():
                 plot_metrics(logger.path, self.output_dir / "training_curves.png")
         return TrainResult(self.output_dir, final, self.step, metrics, self.total_steps)
-
-
-def device_name(device: torch.device) -> str:
-    """The device a run trained on, as its figures are quoted ("NVIDIA H100 80GB HBM3", or "cpu")."""
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
-
-
-def detached(out: ObjectiveOutput) -> ObjectiveOutput:
-    """The objective's outputs without their autograd history."""
-    return dataclasses.replace(out, **{field.name: value.detach() for field in dataclasses.fields(out)
-                                       if isinstance(value := getattr(out, field.name), torch.Tensor)})
 
 
 def run_training(config: TrainConfig) -> TrainResult:
