@@ -70,9 +70,27 @@ def absorbed_attention(attn: nn.Module, x: torch.Tensor, position_embeddings: tu
     q_rot, k_rot = rotate(q_rot, k_rot, cos, sin)
     cached, cached_rot = cache.update(latent, k_rot)  # [n, 1, S, r], [n, 1, S, ρ]
     up = attn.kv_b_proj.weight.view(heads, d_nope + d_v, rank)  # [H, d_nope + d_v, r]
-    q_latent = q_nope @ up[:, :d_nope]  # [n, H, T, d_nope] @ [H, d_nope, r] -> [n, H, T, r]
+    q_latent = by_head(q_nope) @ up[:, :d_nope]  # [H, n·T, d_nope] @ [H, d_nope, r] -> [H, n·T, r]
+    q_latent, q_rot = heads_as_rows(q_latent.view(heads, n, t, rank)), heads_as_rows(q_rot.transpose(0, 1))
+    cached, cached_rot = cached.squeeze(1), cached_rot.squeeze(1)  # [n, S, r], [n, S, ρ]
     scores = (q_latent @ cached.transpose(-1, -2) + q_rot @ cached_rot.transpose(-1, -2)).float() * attn.scaling
     visible = mask if mask.dtype == torch.bool else mask_from_bounds(mask, cached.shape[-2])
-    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1).to(cached.dtype)  # [n, H, T, S]
-    out = (weights @ cached) @ up[:, d_nope:].transpose(-1, -2)  # [n, H, T, r] @ [H, r, d_v] -> [n, H, T, d_v]
-    return attn.o_proj(out.transpose(1, 2).reshape(n, t, heads * d_v))
+    scores = scores.view(n, heads, t, -1).masked_fill(~visible, float("-inf"))
+    weights = scores.softmax(-1).to(cached.dtype).view(n, heads * t, -1)  # [n, H·T, S]
+    out_latent = (weights @ cached).view(n, heads, t, rank)  # [n, H·T, S] @ [n, S, r]
+    out = by_head(out_latent) @ up[:, d_nope:].transpose(-1, -2)  # [H, n·T, r] @ [H, r, d_v] -> [H, n·T, d_v]
+    return attn.o_proj(out.view(heads, n, t, d_v).permute(1, 2, 0, 3).reshape(n, t, heads * d_v))
+
+
+def by_head(x: torch.Tensor) -> torch.Tensor:
+    """[n, H, T, d] -> [H, n·T, d]: the per-head weights multiply every row's tokens in one batched matmul over
+    the heads (a broadcast over n would copy each head's weight n times first)."""
+    n, heads, t, d = x.shape
+    return x.transpose(0, 1).reshape(heads, n * t, d)
+
+
+def heads_as_rows(x: torch.Tensor) -> torch.Tensor:
+    """[H, n, T, d] -> [n, H·T, d]: every head reads the same cached latent, so the heads become rows of one
+    query matrix per sequence (as multi-query attention does) and the cache is read once, never copied per head."""
+    heads, n, t, d = x.shape
+    return x.transpose(0, 1).reshape(n, heads * t, d)
