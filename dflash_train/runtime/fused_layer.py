@@ -57,7 +57,7 @@ PROLOGUE_IN_PRODUCT_MAX_BYTES = 16 * 2**20
 
 
 class LayerCache(Protocol):
-    """The cache a fused layer writes its K/V to (`static_target._WriteCache`)."""
+    """The cache a fused layer writes its K/V to (`target_forward._WriteCache`)."""
 
     fused_prologue: bool  # q/k norms + RoPE + cache write by the fused kernel
     skinny_shapes: frozenset[tuple[int, int]] | None  # weights [N, K] whose products of few rows run on the

@@ -23,7 +23,7 @@ convolution) and "hybrid" (Falcon-H1's Mamba-2 beside attention) are run by the 
 (`linear_attention.py`), whatever the adapter.
 
 The attention extras a layer hands the attention function (scaling, soft-cap, sinks) are honoured by
-`static_target.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
+`cache_attention.static_attention`; sliding windows are in the masks, built per layer as the model builds them.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Which Hugging Face attention a target's forward uses, switched for the length of a `with` block: the
-static-cache runtime's own attention for Hugging Face layers (`runtime/static_target.py`), and flex or
+static-cache runtime's own attention for Hugging Face layers (`runtime/cache_attention.py`), and flex or
 varlen attention for packed training rows (`features/packed_attention.py` says which, and why). The
 switch is process-wide for that model: every attention layer and the mask code read the one config
 attribute.

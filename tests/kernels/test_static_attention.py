@@ -240,16 +240,16 @@ def test_static_target_on_the_kernel_matches_the_full_forward(arch: str, monkeyp
     every attention of the runner on the kernel, gpt_oss's with its sink logits, gemma3_text's from its own
     layers (their scale, local and global rotary embeddings); the hybrids' steps on the Gated DeltaNet and
     Mamba-2 kernels beside it (Nemotron-H's ungated experts left to the model's own code)."""
-    from dflash_train.runtime import static_target
+    from dflash_train.runtime import cache_attention
     from tests.helpers.static_target import check_prefill_and_verify
 
-    kernel, sinks_given = static_target.static_attention_triton, []
+    kernel, sinks_given = cache_attention.static_attention_triton, []
 
     def recording(*args: object, **kwargs: object) -> torch.Tensor:
         sinks_given.append(kwargs.get("sinks"))
         return kernel(*args, **kwargs)
 
-    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    monkeypatch.setattr(cache_attention, "static_attention_triton", recording)
     check_prefill_and_verify(arch, kernels="triton", device=DEVICE)
     assert sinks_given and all((sinks is not None) == (arch == "gpt_oss") for sinks in sinks_given)
 

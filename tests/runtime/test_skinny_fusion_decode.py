@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dflash_train.kernels import qkv_rope_cache, skinny_fused
-from dflash_train.runtime import draft_layer, fused_layer, static_target
+from dflash_train.runtime import draft_layer, fused_layer, target_forward
 from dflash_train.runtime.engine import DecodeEngine, EngineConfig
 from dflash_train.runtime.fused_layer import FusedLayer, fusion_supported
 from dflash_train.runtime.static_target import StaticTarget
@@ -40,7 +40,7 @@ def count_fused_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, str
             return kernel(x, *args, **kwargs)
         return call
 
-    for module, where in ((fused_layer, "target layer"), (static_target, "output"), (draft_layer, "draft layer")):
+    for module, where in ((fused_layer, "target layer"), (target_forward, "output"), (draft_layer, "draft layer")):
         monkeypatch.setattr(module, "skinny_fused_triton", counted(where, "fused", skinny_fused.skinny_fused_triton))
         if hasattr(module, "qkv_rope_cache_triton"):
             monkeypatch.setattr(module, "qkv_rope_cache_triton",
@@ -162,7 +162,7 @@ def count_carried_calls(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[str, s
             return skinny_fused.skinny_fused_triton(*args, **kwargs)
         return call
 
-    for module, where in ((fused_layer, "target layer"), (static_target, "output")):
+    for module, where in ((fused_layer, "target layer"), (target_forward, "output")):
         monkeypatch.setattr(module, "skinny_fused_stats_triton", counted(where))
         monkeypatch.setattr(module, "skinny_fused_triton", plain(where))
     return calls

@@ -120,7 +120,7 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
     (the kernel here replaced by the brute-force reference, which records what it was given); the logits stay
     the model's own."""
     from dflash_train.kernels.static_attention import static_attention_reference
-    from dflash_train.runtime import static_target
+    from dflash_train.runtime import cache_attention
 
     given: list[torch.Tensor | None] = []
     counted: list[torch.Tensor | None] = []
@@ -130,7 +130,7 @@ def test_the_attention_kernel_is_handed_the_next_weight_when_asked(prefetch_weig
         counted.append(counters)
         return static_attention_reference(q, k, v, bounds, scale, sinks)
 
-    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    monkeypatch.setattr(cache_attention, "static_attention_triton", recording)
     target = make_tiny_target("qwen3", num_layers=3, seed=2)
     ids = torch.randint(10, 200, (1, 8), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -153,7 +153,7 @@ def test_gpt_oss_hands_its_sinks_and_windows_to_the_attention_kernel(monkeypatch
     by the brute-force reference, which records what it was given) with each layer's own sink logits and its
     window (sliding, full, sliding, full); the logits stay the model's own."""
     from dflash_train.kernels.static_attention import static_attention_reference
-    from dflash_train.runtime import static_target
+    from dflash_train.runtime import cache_attention
     from tests.helpers.static_target import tiny_target
 
     calls: list[tuple[torch.Tensor | None, torch.Tensor]] = []
@@ -162,7 +162,7 @@ def test_gpt_oss_hands_its_sinks_and_windows_to_the_attention_kernel(monkeypatch
         calls.append((sinks, bounds))
         return static_attention_reference(q, k, v, bounds, scale, sinks)
 
-    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    monkeypatch.setattr(cache_attention, "static_attention_triton", recording)
     target = tiny_target("gpt_oss")
     ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -189,7 +189,7 @@ def test_own_layers_reach_the_attention_kernel_unless_it_lacks_what_they_ask(arc
     and scale (Granite's attention multiplier); gemma2's soft-capped scores, which the kernel does not compute, go
     to the PyTorch path instead. The logits stay the model's own either way."""
     from dflash_train.kernels.static_attention import static_attention_reference
-    from dflash_train.runtime import static_target
+    from dflash_train.runtime import cache_attention
     from tests.helpers.static_target import tiny_target
 
     calls: list[tuple[torch.Tensor, float]] = []
@@ -198,7 +198,7 @@ def test_own_layers_reach_the_attention_kernel_unless_it_lacks_what_they_ask(arc
         calls.append((bounds, scale))
         return static_attention_reference(q, k, v, bounds, scale, sinks)
 
-    monkeypatch.setattr(static_target, "static_attention_triton", recording)
+    monkeypatch.setattr(cache_attention, "static_attention_triton", recording)
     target = tiny_target(arch)
     ids = torch.randint(10, 200, (1, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
