@@ -54,6 +54,7 @@ from dflash_train.kernels.greedy_verify import (
     greedy_verify_triton,
 )
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
 from dflash_train.runtime.cycle_graph import CycleGraphMixin
 from dflash_train.runtime.experts import use_decode_experts
@@ -231,8 +232,7 @@ class DecodeEngine(CycleGraphMixin, SchedulingMixin):
         if not self._compile:
             return self.target.embed_tokens(tokens)
         if self._compiled_embed is None:
-            options = dict(self.config.compile_options) or None
-            self._compiled_embed = torch.compile(self.target.embed_tokens, dynamic=False, options=options)
+            self._compiled_embed = compile_fixed_shapes(self.target.embed_tokens, self.config.compile_options)
         return self._compiled_embed(tokens)
 
     def _verify(self, *args: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

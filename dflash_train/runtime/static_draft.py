@@ -31,6 +31,7 @@ from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.kernels.static_attention import counters_for
 from dflash_train.models import DFlashDraftModel
+from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
 from dflash_train.runtime.fused_layer import Shapes
@@ -124,7 +125,7 @@ class StaticDrafter:
 
     def _compiled_context(self, options: tuple[tuple[str, Any], ...]) -> Callable[[torch.Tensor], torch.Tensor]:
         if ("context", options) not in self._compiled_hidden:
-            self._compiled_hidden["context", options] = _compile(self._context_kv_product, options)
+            self._compiled_hidden["context", options] = compile_fixed_shapes(self._context_kv_product, options)
         return self._compiled_hidden["context", options]
 
     def _context_kv_product(self, features: torch.Tensor) -> torch.Tensor:
@@ -156,7 +157,7 @@ class StaticDrafter:
     def _compiled(self, options: tuple[tuple[str, Any], ...]) -> Callable[..., torch.Tensor]:
         """`_hidden` as one compiled graph (compile scope "step")."""
         if ("step", options) not in self._compiled_hidden:
-            self._compiled_hidden["step", options] = _compile(self._hidden, options)
+            self._compiled_hidden["step", options] = compile_fixed_shapes(self._hidden, options)
         return self._compiled_hidden["step", options]
 
     def _compiled_by_layer(self, options: tuple[tuple[str, Any], ...]) -> Callable[..., torch.Tensor]:
@@ -164,7 +165,7 @@ class StaticDrafter:
         RoPE tables before the layers and the final norm after them are small graphs of their own rather than
         eager, so that they stay a few launches (as the target runner's embedding and output)."""
         if ("layer", options) not in self._compiled_hidden:
-            regions = _Regions(*(_compile(part, options) for part in (self._inputs, self._layer, self._norm)))
+            regions = _Regions(*(compile_fixed_shapes(part, options) for part in (self._inputs, self._layer, self._norm)))
             self._compiled_hidden["layer", options] = functools.partial(self._hidden, regions=regions)
         return self._compiled_hidden["layer", options]
 
@@ -223,7 +224,3 @@ class _Regions(NamedTuple):
     inputs: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]
     layer: Callable[..., torch.Tensor]
     norm: Callable[..., torch.Tensor]
-
-
-def _compile(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=False, options=dict(options) or None)

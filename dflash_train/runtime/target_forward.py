@@ -19,6 +19,7 @@ from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import stats_width
 from dflash_train.kernels.static_attention import bounds_from_positions, fits
+from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps
 from dflash_train.runtime.latent_attention import has_latent_attention, latent_layer
 from dflash_train.runtime.linear_attention import gated_delta_forward, mamba2_forward, short_conv_forward
@@ -84,7 +85,7 @@ class TargetForwardMixin:
     def _compiled(self, options: tuple[tuple[str, Any], ...] = ()) -> Callable[..., Any]:
         """The forward as one compiled graph (compile scope "step")."""
         if ("step", options) not in self._compiled_forward:
-            self._compiled_forward["step", options] = _compile(self._forward, options)
+            self._compiled_forward["step", options] = compile_fixed_shapes(self._forward, options)
         return self._compiled_forward["step", options]
 
     def _compiled_by_layer(self, options: tuple[tuple[str, Any], ...] = ()) -> Callable[..., Any]:
@@ -94,7 +95,7 @@ class TargetForwardMixin:
         compile cost that does not grow with the depth either."""
         if ("layer", options) not in self._compiled_forward:
             parts = (self._embed, self._layer, self._output, self._linear_layer)
-            regions = _Regions(*(_compile(part, options) for part in parts))
+            regions = _Regions(*(compile_fixed_shapes(part, options) for part in parts))
             self._compiled_forward["layer", options] = functools.partial(self._forward, regions=regions)
         return self._compiled_forward["layer", options]
 
@@ -267,7 +268,3 @@ class TargetForwardMixin:
         if self.adapter.logits is not None:  # what the causal LM's forward does to its head's output
             logits = self.adapter.logits(logits, self.text_config)
         return logits, torch.cat(captured, dim=-1) if captured else None
-
-
-def _compile(fn: Callable[..., Any], options: tuple[tuple[str, Any], ...]) -> Callable[..., Any]:
-    return torch.compile(fn, dynamic=False, options=dict(options) or None)
