@@ -47,6 +47,7 @@ from dataclasses import replace
 
 import torch
 
+from dflash_train.compiling import compile_fixed_shapes
 from dflash_train.kernels.greedy_verify import (
     block_argmax_triton,
     commit_tokens,
@@ -54,7 +55,6 @@ from dflash_train.kernels.greedy_verify import (
     greedy_verify_triton,
 )
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.config import SKINNY_FOR_MATMUL, EngineConfig, resolve_kernels
 from dflash_train.runtime.cycle_graph import CycleGraphMixin
 from dflash_train.runtime.experts import use_decode_experts

@@ -25,13 +25,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.compiling import compile_fixed_shapes
 from dflash_train.kernels.context_kv import context_kv_triton
 from dflash_train.kernels.skinny_fused import skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import skinny_matmul_triton
 from dflash_train.kernels.static_attention import counters_for
 from dflash_train.models import DFlashDraftModel
-from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.config import DRAFT_ATTENTIONS, check_compile_scope
 from dflash_train.runtime.draft_layer import DraftLayerKernels, supported
 from dflash_train.runtime.fused_layer import Shapes

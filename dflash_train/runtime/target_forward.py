@@ -15,11 +15,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.compiling import compile_fixed_shapes
 from dflash_train.kernels.skinny_fused import skinny_fused_stats_triton, skinny_fused_triton
 from dflash_train.kernels.skinny_matmul import fits as skinny_fits
 from dflash_train.kernels.skinny_matmul import stats_width
 from dflash_train.kernels.static_attention import bounds_from_positions, fits
-from dflash_train.runtime.compiling import compile_fixed_shapes
 from dflash_train.runtime.fused_layer import FusedLayer, is_rms_norm, norm_eps
 from dflash_train.runtime.latent_attention import has_latent_attention, latent_layer
 from dflash_train.runtime.linear_attention import gated_delta_forward, mamba2_forward, short_conv_forward

@@ -12,6 +12,8 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
+from dflash_train.compiling import compile_fixed_shapes
+
 DECODER_LAYER_PATHS: tuple[str, ...] = (
     "model.layers",
     "model.model.layers",
@@ -102,4 +104,4 @@ class TargetModel:
         would otherwise be recompiled for each new set of hooks. The layers share their code, so the graph
         compiled for the first serves them all."""
         for layer in self.decoder_layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
+            layer.forward = compile_fixed_shapes(layer.forward)
