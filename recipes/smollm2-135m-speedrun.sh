@@ -74,8 +74,9 @@
 #                   measured against today's recipe: 16 anchors per chat instead of 32, the trend's next step, and
 #                   twice both learning rates, last measured at 250 steps of a much earlier recipe where runs
 #                   now take thousands; measured before and not adopted: 3 and 8 drafter layers, 64 to 256 anchors,
-#                   half and twice the tokens a step (one row or 4 rows of 8,192), one row of 16,384, the fixed
-#                   slot decay; empty: the baseline only; any training key, e.g. the objective at a temperature:
+#                   half, twice and four times the tokens a step (one row or 4 rows of 8,192, 4 rows of 16,384),
+#                   one row of 16,384, the fixed slot decay, code and math weighted twice; empty: the baseline
+#                   only; any training key, e.g. the objective at a temperature:
 #                   "kl07:training.loss=kl training.loss_temperature=0.7 training.distill_weight=0.5", or the
 #                   sources weighted: "codemath:data.source_weights.code-prompts=2 data.source_weights.self-prompts=0.5"), each
 #                   ABLATION_MINUTES (default 3, compilation not counted) beside a baseline; compared in a table
