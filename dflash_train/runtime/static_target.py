@@ -93,6 +93,18 @@ class TargetOutput:
     features: torch.Tensor | None  # [n, T, K*H]
 
 
+def refuse_unsupported(target: TargetModel, config: Any, kernels: str) -> None:
+    """One line for a target the static runtime does not cover (and what runs it instead), or unknown kernels."""
+    if (why := refusal(model_type(target), config)) is not None:
+        raise ValueError(
+            f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not this "
+            f"{model_type(target)!r} one: {why}; the decode engine runs others through their own forward and "
+            f"caches (`dflash_train.runtime.hf_target.HFCacheTarget`)"
+        )
+    if kernels not in ("torch", "triton"):
+        raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
+
+
 class StaticTarget(TargetForwardMixin):
     """The target over static caches (module docstring): built here, with the settings that pick its steps'
     kernels; its forward pass is `TargetForwardMixin`'s."""
@@ -126,14 +138,7 @@ class StaticTarget(TargetForwardMixin):
         `absorb_latent`: a latent-attention target's steps of at most `step_tokens` tokens attend in latent space,
         the up-projections moved to the queries (`latent_attention.py`), instead of expanding every cached slot."""
         config = target.config.get_text_config()
-        if (why := refusal(model_type(target), config)) is not None:
-            raise ValueError(
-                f"the static-cache runtime supports {', '.join(SUPPORTED_MODEL_TYPES)} targets, not this "
-                f"{model_type(target)!r} one: {why}; the decode engine runs others through their own forward and "
-                f"caches (`dflash_train.runtime.hf_target.HFCacheTarget`)"
-            )
-        if kernels not in ("torch", "triton"):
-            raise ValueError(f"kernels must be 'torch' or 'triton', not {kernels!r}")
+        refuse_unsupported(target, config, kernels)
         register_attention()
         self.target, self.base, self.text_config = target, target.model.get_decoder(), config
         self.adapter: TargetAdapter = ADAPTERS[model_type(target)]
@@ -150,19 +155,9 @@ class StaticTarget(TargetForwardMixin):
         self.carry_norm_stats = carry_norm_stats
         self.prefetch_weights = prefetch_weights
         self.tuned_shapes = tuned_shapes(target.device)
-        layout = cache_layout(target)
-        self.same_head_dims = layout.same_head_dims  # the split-key kernel reads keys and values of one width
-        shape = (batch_size, layout.cache_heads, max_length, layout.key_dim)
-        value_shape = (batch_size, layout.cache_heads, max_length, layout.value_dim)
-        device, dtype = target.device, target.dtype
-        linear, cached = layout.ring_kept, layout.cached
-        check_memory(batch_size * layout.bytes_per_row(target, max_length, step_tokens), device, shape)
-        # [b, kv, max_len, D] per attention layer; a linear-attention layer keeps its state rings instead
-        self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
-        self.values = [torch.zeros(value_shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
-        self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
-                              else None for layer, is_linear in zip(self.layers, linear, strict=True)]
         self.batch_size, self.max_length, self.step_tokens = batch_size, max_length, step_tokens
+        self._allocate_cache()
+        device = target.device
         latent = [layer for layer in self.layers if has_latent_attention(layer)]
         self.absorb_latent = absorb_latent and bool(latent) and all(absorbable(layer) for layer in latent)
         self.all_rows = torch.arange(batch_size, device=device)
@@ -179,6 +174,22 @@ class StaticTarget(TargetForwardMixin):
         self.fused = [FusedLayer(layer, static_attention) for layer in self.layers] if fuses else None
         # Folded into the products' epilogues, the residual adds have nothing left to join.
         self.defer_residual = defer_residual and self.fused is not None and not (self.skinny_matmul == "all" and skinny_fusion)
+
+    def _allocate_cache(self) -> None:
+        """The static cache: [b, kv, max_len, D] keys and values per attention layer (as wide as the layer caches
+        them), state rings per linear-attention layer; refused in one line if it cannot fit."""
+        target, batch_size, max_length, step_tokens = self.target, self.batch_size, self.max_length, self.step_tokens
+        layout = cache_layout(target)
+        self.same_head_dims = layout.same_head_dims  # the split-key kernel reads keys and values of one width
+        shape = (batch_size, layout.cache_heads, max_length, layout.key_dim)
+        value_shape = (batch_size, layout.cache_heads, max_length, layout.value_dim)
+        device, dtype = target.device, target.dtype
+        linear, cached = layout.ring_kept, layout.cached
+        check_memory(batch_size * layout.bytes_per_row(target, max_length, step_tokens), device, shape)
+        self.keys = [torch.zeros(shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
+        self.values = [torch.zeros(value_shape if keeps else (0,), dtype=dtype, device=device) for keeps in cached]
+        self.linear_states = [LinearStates(token_mixer(layer), batch_size, step_tokens, device, dtype) if is_linear
+                              else None for layer, is_linear in zip(self.layers, linear, strict=True)]
 
     @property
     def kernels(self) -> str:
