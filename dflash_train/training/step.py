@@ -173,6 +173,8 @@ class TrainStepMixin:
         with record_function("train/metrics_copy"):  # the step's one wait for the device
             metrics = self._reduce(loss_sum, (tokens, flops, step_flops), slot_correct, slot_count, grad_norm)
         metrics["lr"] = self.schedule.get_last_lr()[0]
+        # every rank's chats so far, from the plan: the chats a window of queued steps trained on is a difference
+        metrics["chats_seen"] = self._sequences_seen()
         if self.packed is not None:  # the whole step's rows, known on every rank from the plan
             metrics["pack_token_fill"], metrics["pack_anchor_fill"] = self.packed.fill(self.packed.step_rows(self.step - 1))
         if self.step_graph is not None:  # shapes captured so far; absent once the graphs have been turned off

@@ -66,6 +66,10 @@ def test_a_packed_step_does_not_depend_on_its_split(assets: dict[str, pathlib.Pa
     assert all(0 < r["pack_token_fill"] <= 1 and 0 < r["pack_anchor_fill"] <= 1 for r in records)
     state = json.loads((whole / "checkpoints" / "step-00000006" / "trainer_state.json").read_text())
     assert 6 * 2 < state["sequences_seen"] <= 6 * 2 * 160 // 40  # chats, more than one per row
+    # every logged step counts the chats so far, the same whatever the split, up to the checkpoint's count
+    seen = [r["chats_seen"] for r in records]
+    assert seen == [r["chats_seen"] for r in read_metrics(split / "metrics.jsonl")["train"]]
+    assert all(b - a >= 2 for a, b in zip([0, *seen], seen, strict=False)) and seen[-1] == state["sequences_seen"]
 
 
 def test_packed_offline_features_train_like_online(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:

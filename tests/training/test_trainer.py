@@ -147,6 +147,8 @@ def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pa
         for a, b in zip(one[split], two[split], strict=True):
             assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (split, a["step"])
             assert b["slot_accuracy"] == a["slot_accuracy"]
+    # chats so far count every rank's: two sequences a step either way
+    assert [r["chats_seen"] for r in two["train"]] == [r["chats_seen"] for r in one["train"]] == [2 * r["step"] for r in one["train"]]
 
 
 def test_wandb_offline_run_records_config_and_commit(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
