@@ -7,7 +7,7 @@
 #   bash recipes/smollm2-135m-speedrun.sh all
 #   bash recipes/smollm2-135m-speedrun.sh prompts|regenerate|prepare|train|eval|summary   # one stage
 #   (data = regenerate + prepare)
-#   bash recipes/smollm2-135m-speedrun.sh curve     # after data: τ against training minutes (CURVE_MINUTES)
+#   bash recipes/smollm2-135m-speedrun.sh curve     # after data: τ against GPU-minutes of training (CURVE_MINUTES)
 #   bash recipes/smollm2-135m-speedrun.sh ablate    # after data: recipe changes at equal minutes (ABLATIONS)
 #
 # Each stage is an ordinary dflash-train command (printed before it runs), resumes where it stopped and is

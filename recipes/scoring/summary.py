@@ -57,6 +57,7 @@ def summary_rows(run_dir: Path) -> list[dict[str, Any]]:
                 "tau_teacher_forced": result.get("teacher_forced_acceptance_length"), "lossless": lossless_mark(result),
                 "speedup": result.get("speedup"), "cycle_in_steps": cycle_in_steps(result), "steps": state.get("step"),
                 "sequences": state.get("sequences_seen"), "train_minutes": _minutes(state.get("train_seconds")),
+                "gpus": state.get("num_processes"),
                 "histogram": result.get("histogram"), "report": str(report_path),
                 "tau_by_turn": result.get("acceptance_length_by_turn"),
                 "tau_by_category": result.get("acceptance_length_by_category"),
