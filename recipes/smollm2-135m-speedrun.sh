@@ -117,7 +117,8 @@
 #                   regenerating and self-prompting (1024: faster than 512, docs/benchmarks.md, `regenerate`)
 #   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
 #                   train every run with `accelerate launch` (LAUNCH_CONFIG, default recipes/accelerate/ddp.yaml;
-#                   RUN_PORT its rendezvous port, default 29501); eval stays on one GPU, as a user decodes
+#                   RUN_PORT its rendezvous port, default 29501); each eval stays on one GPU, as a user decodes,
+#                   and the batch-8 and float32 evals run beside the headline one on GPUs of their own
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -490,6 +491,42 @@ ablation_eval() {  # run name: its decoded τ (no lossless pass, which the main 
     --target-cache "$OUT/eval/target-cache" --temperature "$ABLATION_TEMPERATURES"
 }
 
+eval_b8() {  # drafter: at batch 8 the rows share each verify pass (the speedup at batch 8 too), once
+  (( BATCH8_PROMPTS > 0 )) && [[ ! -f "$OUT/eval/main-b8.json" ]] || return 0
+  run "${DFLASH[@]}" eval --target "$TARGET" --draft "$1" --dataset mt-bench --dataset humaneval \
+    --num-prompts "$BATCH8_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --batch-size 8 --no-progress \
+    --out "$OUT/eval/main-b8.json"
+}
+
+eval_fp32() {  # drafter: float32 repeats the exact check at another precision, once
+  [[ -f "$OUT/eval/main-fp32.json" ]] && return 0
+  run "${DFLASH[@]}" eval --target "$TARGET" --draft "$1" --dataset mt-bench --dataset humaneval \
+    --num-prompts "$FP32_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --dtype float32 --no-compile --batch-size 8 \
+    --no-progress --out "$OUT/eval/main-fp32.json"
+}
+
+eval_checks() {  # drafter: the headline eval, then the batch-8 and float32 ones; with GPUS > 1 side by side
+  (( GPUS > 1 )) || {
+    eval_b16 main "$1" "$EVAL_PROMPTS" --temperature "$EVAL_TEMPERATURES" && eval_b8 "$1" && eval_fp32 "$1"
+    return; }
+  # Each eval is one process on one GPU (LOCAL_RANK picks it), as a user decodes. The headline keeps GPU 0 to
+  # itself, since its speedup is timed; the batch-8 eval (timed too) takes GPU 1, and the float32 check GPU 2,
+  # or follows the batch-8 eval on GPU 1 when there are only two.
+  local pids=() pid failed=0
+  echo "+ the evals on $(( GPUS > 2 ? 3 : 2 )) GPUs, side by side" >&2
+  (export LOCAL_RANK=0; eval_b16 main "$1" "$EVAL_PROMPTS" --temperature "$EVAL_TEMPERATURES") & pids+=($!)
+  if (( GPUS > 2 )); then
+    (export LOCAL_RANK=1; eval_b8 "$1") & pids+=($!)
+    (export LOCAL_RANK=2; eval_fp32 "$1") & pids+=($!)
+  else
+    (export LOCAL_RANK=1; eval_b8 "$1" && eval_fp32 "$1") & pids+=($!)
+  fi
+  for pid in "${pids[@]}"; do
+    wait "$pid" || failed=$?
+  done
+  return "$failed"
+}
+
 evaluate() {
   local draft=${EVAL_DRAFT:-}
   if [[ -n "$draft" ]]; then
@@ -501,18 +538,7 @@ evaluate() {
     [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   fi
   mkdir -p "$OUT/eval"
-  eval_b16 main "$draft" "$EVAL_PROMPTS" --temperature "$EVAL_TEMPERATURES"
-  # The bf16 evals check losslessness exactly; at batch 8 the rows share each verify pass (speedup at batch 8
-  # too), and float32 repeats the check at another precision.
-  if (( BATCH8_PROMPTS > 0 )) && [[ ! -f "$OUT/eval/main-b8.json" ]]; then
-    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
-      --num-prompts "$BATCH8_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --batch-size 8 --no-progress \
-      --out "$OUT/eval/main-b8.json"
-  fi
-  [[ -f "$OUT/eval/main-fp32.json" ]] ||
-    run "${DFLASH[@]}" eval --target "$TARGET" --draft "$draft" --dataset mt-bench --dataset humaneval \
-      --num-prompts "$FP32_PROMPTS" --max-new-tokens "$(( EVAL_NEW_TOKENS / 2 ))" --dtype float32 --no-compile --batch-size 8 \
-      --no-progress --out "$OUT/eval/main-fp32.json"
+  eval_checks "$draft" || return
   run "${DFLASH[@]}" export "$draft" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" --overwrite \
     --out "$OUT/export"
   run "${DFLASH[@]}" check "$OUT/export" --target "$TARGET"

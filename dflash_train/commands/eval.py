@@ -33,8 +33,8 @@ from dflash_train.commands import run_command
 from dflash_train.commands.data_args import (
     add_target_argument,
     device_arg,
-    parse_device,
     positive_int,
+    resolve_device,
     temperature_list,
 )
 from dflash_train.commands.data_args import temperature as scale_arg
@@ -86,7 +86,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "stays the target's at T")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
-    parser.add_argument("--device", type=device_arg, default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--device", type=device_arg, default=None,
+                        help="default: cuda:$LOCAL_RANK if a GPU is present (one eval per GPU beside others), else cpu")
     parser.add_argument("--dtype", default="auto", choices=("auto", "bfloat16", "float16", "float32"),
                         help="auto: bfloat16 on cuda, float32 on cpu")
     parser.add_argument("--kernels", default="auto", choices=KERNELS,
@@ -160,7 +161,7 @@ def check_report_paths(args: argparse.Namespace) -> None:
 
 
 def _device_and_dtype(args: argparse.Namespace) -> tuple[torch.device, torch.dtype]:
-    device = parse_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(resolve_device(args.device))
     name = args.dtype if args.dtype != "auto" else ("bfloat16" if device.type == "cuda" else "float32")
     return device, getattr(torch, name)
 

@@ -8,6 +8,8 @@ import os
 import pathlib
 import subprocess
 
+import pytest
+
 from tests.helpers.paths import REPO
 
 SHIM = """#!/usr/bin/env bash
@@ -632,3 +634,22 @@ def test_an_answer_variant_named_with_a_plus_is_prepared_beside_the_greedy_answe
     trains = [args for args in calls if "train" in args and "cli" in " ".join(args)]
     assert [a for a in trains[1] if a.startswith("data.prepared=")][-1] == f"data.prepared={run}/prepared-mixed"
     assert any(a.endswith("/ablation-mixed") for a in trains[1])
+
+
+@pytest.mark.parametrize("gpus", ["1", "2", "3"])
+def test_with_gpus_the_evals_run_side_by_side_the_headline_alone_on_gpu_0(tmp_path: pathlib.Path, gpus: str) -> None:
+    """One GPU: the headline, batch-8 and float32 evals one after another. Two: the headline alone on GPU 0 (its
+    speedup is timed), batch 8 then float32 on GPU 1. Three or more: one eval a GPU. Export and check follow."""
+    draft = tmp_path / "draft"
+    draft.mkdir()
+    (draft / "config.json").write_text("{}")
+    calls = run_stage("eval", tmp_path, shim=RANK_SHIM, GPUS=gpus, EVAL_DRAFT=str(draft))
+    evals = {c.split("--out ")[1].split()[0].rsplit("/", 1)[1]: c.split()[0] for c in calls if " eval " in c}
+    expected = {"1": ["none"] * 3, "2": ["0", "1", "1"], "3": ["0", "1", "2"]}[gpus]
+    assert evals == {name: f"LOCAL_RANK={rank}" for name, rank in
+                     zip(["main-b16.json", "main-b8.json", "main-fp32.json"], expected, strict=True)}
+    order = [c.split()[3] for c in calls if " dflash_train.cli " in c]
+    assert order[-2:] == ["export", "check"]
+    if gpus == "2":  # on GPU 1, float32 after batch 8
+        gpu1 = [c for c in calls if c.startswith("LOCAL_RANK=1 ")]
+        assert ["main-b8.json" in gpu1[0], "main-fp32.json" in gpu1[1]] == [True, True]
