@@ -115,10 +115,11 @@
 #                   stay at 0
 #   MAX_NEW_TOKENS, MAX_LENGTH, DECODE_ROWS   answer cap (512), chat cap (2048), rows decoded at once when
 #                   regenerating and self-prompting (1024: faster than 512, docs/benchmarks.md, `regenerate`)
-#   GPUS            GPUs to use (default 1): more regenerate one rank per GPU (each its share of the shards) and
-#                   train every run with `accelerate launch` (LAUNCH_CONFIG, default recipes/accelerate/ddp.yaml;
-#                   RUN_PORT its rendezvous port, default 29501); each eval stays on one GPU, as a user decodes,
-#                   and the batch-8 and float32 evals run beside the headline one on GPUs of their own
+#   GPUS            GPUs to use (default 1): more write the self-prompts and regenerate one rank per GPU (each its
+#                   share of the prompts, of the shards) and train every run with `accelerate launch` (LAUNCH_CONFIG,
+#                   default recipes/accelerate/ddp.yaml; RUN_PORT its rendezvous port, default 29501); each eval
+#                   stays on one GPU, as a user decodes, the batch-8 and float32 ones beside the headline on GPUs
+#                   of their own
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -234,29 +235,45 @@ prompts() {
   fi
   [[ -f "$PROMPTS" ]] && return 0
   for source in $MIX; do sources+=(--source "$source"); done
-  if (( SELF_PROMPTS > 0 )); then  # the target's own chat prompts, a source of the mix like the others
+  # (if, not &&: a function called inside an && list would run without set -e)
+  if (( SELF_PROMPTS > 0 )); then
     # shellcheck disable=SC2086  # SELF_PROMPT_EXTRA is a list of flags
-    if [[ ! -f "$OUT/self_prompts.jsonl" ]]; then
-      local started=$SECONDS
-      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_PROMPTS" --decode-rows "$DECODE_ROWS" \
-        --out "$OUT/self_prompts.jsonl" $SELF_PROMPT_EXTRA
-      echo $(( SECONDS - started )) > "$OUT/self_prompts.seconds"  # paid from REGEN_MINUTES
-    fi
-    sources+=(--source "$OUT/self_prompts.jsonl=$SELF_PROMPTS")
+    self_prompt_set "$OUT/self_prompts.jsonl" "$SELF_PROMPTS" $SELF_PROMPT_EXTRA
   fi
-  if (( SELF_MATH_PROMPTS > 0 )); then  # the target's own math word problems, asked for a worked solution
-    if [[ ! -f "$OUT/self_prompts-math.jsonl" ]]; then
-      local math_started=$SECONDS
-      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$SELF_MATH_PROMPTS" --seed 1 \
-        --opening "$SELF_MATH_OPENING" --request 'Solve it step by step, then give the final answer in \boxed{}.' \
-        --label math --decode-rows "$DECODE_ROWS" --out "$OUT/self_prompts-math.jsonl"
-      echo $(( SECONDS - math_started )) > "$OUT/self_prompts-math.seconds"  # paid from REGEN_MINUTES
-    fi
-    sources+=(--source "$OUT/self_prompts-math.jsonl=$SELF_MATH_PROMPTS")
+  if (( SELF_MATH_PROMPTS > 0 )); then  # the target's own math word problems, each asked for a worked solution
+    self_prompt_set "$OUT/self_prompts-math.jsonl" "$SELF_MATH_PROMPTS" --seed 1 --opening "$SELF_MATH_OPENING" \
+      --request 'Solve it step by step, then give the final answer in \boxed{}.' --label math
   fi
   [[ -n "$CHATS" ]] && excluded=(--exclude "$OUT/chats.jsonl")  # their first turns are answered as chats
   # Interleaved: a regeneration stopped by REGEN_MINUTES has answered every source in proportion.
   run python3 -m dflash_train.prompts.pack "${sources[@]}" "${excluded[@]}" --interleave --out "$PROMPTS"
+}
+
+self_prompt_set() {  # file, count, more self-prompt flags: the target's own chat prompts, a source of the mix
+  # like the others. Written once, their minutes paid from REGEN_MINUTES; with GPUS > 1 one rank a GPU, each its
+  # share into a file of its own, every file a source of the pack (which keeps a prompt two ranks wrote once).
+  local out=$1 count=$2 started=$SECONDS files=() rank file overwrite=(); shift 2
+  if (( GPUS > 1 && count >= GPUS )); then
+    for ((rank = 0; rank < GPUS; rank++)); do files+=("${out%.jsonl}.rank${rank}-of${GPUS}.jsonl"); done
+    overwrite=(--overwrite)  # a killed stage's ranks that did finish write theirs again, the same
+  else
+    files=("$out")
+  fi
+  for file in "${files[@]}"; do
+    [[ -f "$file" ]] && continue
+    if (( ${#files[@]} > 1 )); then
+      on_every_gpu "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$count" --decode-rows "$DECODE_ROWS" \
+        "${overwrite[@]}" --out "$out" "$@"
+    else
+      run "${DFLASH[@]}" self-prompt --target "$TARGET" --num-prompts "$count" --decode-rows "$DECODE_ROWS" \
+        --out "$out" "$@"
+    fi
+    echo $(( SECONDS - started )) > "${out%.jsonl}.seconds"  # paid from REGEN_MINUTES
+    break
+  done
+  for ((rank = 0; rank < ${#files[@]}; rank++)); do
+    sources+=(--source "${files[$rank]}=$(( count / ${#files[@]} + (rank < count % ${#files[@]}) ))")
+  done
 }
 
 on_every_gpu() {  # a command, run once per GPU as rank r of GPUS (LOCAL_RANK picks its device), after every
@@ -538,7 +555,7 @@ evaluate() {
     [[ -n "$draft" ]] || { echo "training has not finished: run the train stage again" >&2; return 1; }
   fi
   mkdir -p "$OUT/eval"
-  eval_checks "$draft" || return
+  eval_checks "$draft"
   run "${DFLASH[@]}" export "$draft" --target "$TARGET" --eval-report "$OUT/eval/main-b16.json" --overwrite \
     --out "$OUT/export"
   run "${DFLASH[@]}" check "$OUT/export" --target "$TARGET"

@@ -24,6 +24,7 @@ from dflash_train.commands.data_args import (
     add_target_argument,
     add_thinking_argument,
     generation_config,
+    non_negative_int,
     positive_int,
     resolve_device,
     sampling_temperature,
@@ -44,6 +45,7 @@ from dflash_train.regeneration.self_prompts import (
     write_rows,
 )
 from dflash_train.runtime.config import EngineConfig
+from dflash_train.shards import rank_and_world
 from dflash_train.target import TargetModel, load_target
 
 
@@ -69,7 +71,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="label the rows self-prompts:NAME (default: self-prompts), a data source of their own")
     parser.add_argument("--no-decontaminate", action="store_true",
                         help="keep prompts that share a word 13-gram with an eval set")
+    parser.add_argument("--rank", type=non_negative_int, default=None,
+                        help="this process's rank of --world-size, one a GPU: it keeps its share of --num-prompts in "
+                             "a file of its own, --out's name with .rankR-ofW before the suffix (default: $RANK or 0)")
+    parser.add_argument("--world-size", type=positive_int, default=None, help="default: $WORLD_SIZE or 1")
     add_runtime_arguments(parser, "rows decoded at once (default: 512 on a GPU, 16 on a CPU)")
+
+
+def rank_file(out: Path, rank: int, world: int) -> Path:
+    """The file rank `rank` of `world` writes: `out` itself for a single process."""
+    return out if world == 1 else out.with_name(f"{out.stem}.rank{rank}-of{world}{out.suffix}")
+
+
+def rank_share(count: int, rank: int, world: int) -> int:
+    """Rank `rank`'s share of `count` prompts: equal shares, the first `count % world` ranks one more."""
+    return count // world + (rank < count % world)
 
 
 def _check_out(args: argparse.Namespace) -> None:
@@ -93,13 +109,18 @@ def _engine_config(args: argparse.Namespace, target: TargetModel, prefix_tokens:
 
 
 def run(args: argparse.Namespace) -> int:
+    rank, world = rank_and_world(args.rank, args.world_size)
+    if rank_share(args.num_prompts, rank, world) == 0:
+        raise ValueError(f"--num-prompts {args.num_prompts} leaves rank {rank} of {world} no prompt to write; ask for "
+                         f"at least {world} or run on fewer processes")
+    args.out, args.num_prompts = rank_file(args.out, rank, world), rank_share(args.num_prompts, rank, world)
     _check_out(args)
     started = time.time()
     target = load_target(args.target, dtype=TORCH_DTYPES[args.dtype], device=resolve_device(args.device))
     tokenizer = target.tokenizer
     chat = ChatTokenizer(tokenizer, thinking_value(args), args.target)
     settings = Settings(args.num_prompts, args.seed, opening=args.opening, request=args.request.strip(),
-                        source=source_label(args.label))
+                        source=source_label(args.label), rank=rank, world=world)
     prefix_ids = chat.encode_texts([user_turn_prefix(chat) + args.opening])[0]
     config = _engine_config(args, target, len(prefix_ids))
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(config.stop_token_ids, default=0)

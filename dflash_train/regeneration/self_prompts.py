@@ -19,6 +19,11 @@ ignored), and it shares no word 13-gram with an eval set (`dflash_train.prompts.
 in chunks until ``count`` prompts are kept; a chunk that adds fewer than ``MIN_NEW_FRACTION`` of its rows
 ends the run with what it has (a model that keeps writing the same few prompts), as does ``MAX_DRAWS_PER_PROMPT``
 × ``count`` rows drawn. Row ``i`` draws from seed (``seed``, i), so the same settings write the same file.
+
+Several processes (one a GPU) share the work as ranks: rank r of W draws the rows r, r + W, r + 2W, ... (each with
+its row's seed, as one process would) and keeps its share of the count, so no row is drawn twice. Each rank drops the repeats
+of its own prompts; a repeat across ranks is dropped where their files are packed together
+(`dflash_train.prompts.pack` keeps a first turn once over all its sources).
 """
 
 from __future__ import annotations
@@ -63,6 +68,14 @@ class Settings:
     opening: str = ""  # the start of every user turn, which the target continues (part of the kept prompt)
     request: str = ""  # appended to every kept prompt after a blank line (what the answer should look like)
     source: str = SOURCE  # the rows' label: SOURCE, or SOURCE:NAME (source_label)
+    # One of `world` processes drawing together: this one draws the row ids rank, rank + world, ... (each row's
+    # seed is its id's), so the ranks' draws are one run's, split, and never the same row twice.
+    rank: int = 0
+    world: int = 1
+
+    def row_id(self, drawn: int) -> int:
+        """The run-wide id of this process's `drawn`-th row."""
+        return drawn * self.world + self.rank
 
 
 def source_label(name: str | None) -> str:
@@ -113,7 +126,7 @@ def self_prompts(generator: Submitter, decode: Callable[[list[int]], str], prefi
     seen: set[str] = set()
     for first, outs in _chunks(generator, prefix_ids, settings):
         kept_before = len(rows)
-        for row_id, out in enumerate(outs, first):
+        for drawn, out in enumerate(outs, first):
             report.read += 1
             written = decode(out.token_ids)  # its tokens carry their own leading spaces: joined as written
             text = (settings.opening + written).strip()
@@ -124,7 +137,7 @@ def self_prompts(generator: Submitter, decode: Callable[[list[int]], str], prefi
             if settings.request:
                 text = f"{text}\n\n{settings.request}"
             rows.append({"messages": [{"role": "user", "content": text}], "source": settings.source,
-                         "source_index": row_id})
+                         "source_index": settings.row_id(drawn)})
             report.kept += 1
             if len(rows) == settings.count:
                 break
@@ -144,7 +157,7 @@ def _chunks(generator: Submitter, prefix_ids: list[int], settings: Settings) -> 
         size = min(settings.chunk_rows, 2 * settings.count, limit - first)  # a small count draws small chunks
         if size <= 0:
             return None
-        seeds = [request_seed(settings.seed, first + i) for i in range(size)]
+        seeds = [request_seed(settings.seed, settings.row_id(first + i)) for i in range(size)]
         return size, generator.submit([prefix_ids] * size, seeds)
 
     first, pending = 0, submit(0)

@@ -653,3 +653,30 @@ def test_with_gpus_the_evals_run_side_by_side_the_headline_alone_on_gpu_0(tmp_pa
     if gpus == "2":  # on GPU 1, float32 after batch 8
         gpu1 = [c for c in calls if c.startswith("LOCAL_RANK=1 ")]
         assert ["main-b8.json" in gpu1[0], "main-fp32.json" in gpu1[1]] == [True, True]
+
+
+def test_with_gpus_self_prompts_are_written_one_rank_a_gpu_each_file_a_source(tmp_path: pathlib.Path) -> None:
+    """GPUS=2: two self-prompt ranks (LOCAL_RANK picks the GPU), each its share into a file of its own, and the
+    pack takes both files with their shares (151 + 150 of 301); once both files are there, none is written again."""
+    calls = run_stage("prompts", tmp_path, shim=RANK_SHIM, GPUS="2", SELF_PROMPTS="301", MIX="sharegpt=10")
+    ranks = sorted(c.split() for c in calls if " self-prompt " in c)
+    assert [(c[0], c[c.index("--rank") + 1], c[c.index("--world-size") + 1]) for c in ranks] == [
+        ("LOCAL_RANK=0", "0", "2"), ("LOCAL_RANK=1", "1", "2")]
+    assert all(c[c.index("--num-prompts") + 1] == "301" and "--overwrite" in c for c in ranks)
+    run = tmp_path / "run"
+    files = [str(run / f"self_prompts.rank{rank}-of2.jsonl") for rank in (0, 1)]
+    pack = [c.split() for c in calls if "dflash_train.prompts.pack" in c][0]
+    assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == [
+        "sharegpt=10", f"{files[0]}=151", f"{files[1]}=150"]
+    assert (run / "self_prompts.seconds").is_file()
+    for file in files:
+        pathlib.Path(file).write_text("")
+    (run / "prompts.jsonl").unlink(missing_ok=True)
+    again = run_stage("prompts", tmp_path, shim=RANK_SHIM, GPUS="2", SELF_PROMPTS="301", MIX="sharegpt=10")
+    assert not [c for c in again if " self-prompt " in c] and [c for c in again if "dflash_train.prompts.pack" in c]
+    # fewer prompts than GPUs: one process writes them all
+    (run / "prompts.jsonl").unlink(missing_ok=True)
+    few = run_stage("prompts", tmp_path, shim=RANK_SHIM, GPUS="2", SELF_PROMPTS="0", SELF_MATH_PROMPTS="1",
+                    MIX="sharegpt=10")
+    (math,) = [c.split() for c in few if " self-prompt " in c]
+    assert "--rank" not in math and math[math.index("--out") + 1] == str(run / "self_prompts-math.jsonl")

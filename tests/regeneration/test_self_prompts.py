@@ -133,6 +133,24 @@ def test_rows_are_kept_in_order_from_distinct_seeds_with_the_next_chunk_queued_a
     assert target.events[:4] == [("submit", 3), ("submit", 3), ("wait", 3), ("submit", 3)]
 
 
+def test_ranks_draw_one_runs_rows_between_them_each_row_once() -> None:
+    """Rank r of 3 draws the rows r, r + 3, ...: the three ranks' shares (4, 3, 3 of 10) are the ten rows one
+    process keeps, by the same seeds, none twice. Row 4, too short, is rank 1's second draw: rank 1 draws row 10
+    in its place, as the single process does after row 9."""
+    texts = {4: "hi"}  # row 4 is rank 1's second draw: too short
+
+    def kept(rank: int, world: int, count: int) -> list[tuple[int, str]]:
+        rows, _, _ = run_scripted(lambda i: texts.get(i, f"question number {i} here"), count=count, chunk=2,
+                                  rank=rank, world=world)  # type: ignore[arg-type]
+        return [(row["source_index"], row["messages"][0]["content"]) for row in rows]
+
+    alone = kept(0, 1, 10)
+    together = sorted(kept(0, 3, 4) + kept(1, 3, 3) + kept(2, 3, 3))
+    assert [i for i, _ in alone] == [0, 1, 2, 3, 5, 6, 7, 8, 9, 10]
+    assert together == alone
+    assert [i for i, _ in kept(0, 3, 4)] == [0, 3, 6, 9] and [i for i, _ in kept(1, 3, 3)] == [1, 7, 10]
+
+
 def test_a_target_that_repeats_itself_ends_the_run_with_what_it_kept() -> None:
     rows, report, _ = run_scripted(lambda i: f"the same prompt {i % 3} again", count=50, chunk=200)
     assert len(rows) == 3 and report.read == 200  # chunks of 2 × count; the second added nothing new: stop
@@ -183,6 +201,23 @@ def test_the_command_writes_the_same_file_for_the_same_settings_and_keeps_other_
     assert "holds other data" in capsys.readouterr().err
     assert theirs.read_text() == '{"messages": [{"role": "user", "content": "mine"}]}\n'
     assert self_prompt(target, tmp_path / "c.jsonl", "--temperature", "0") == 2
+
+
+def test_a_rank_writes_its_share_into_a_file_of_its_own(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Rank 1 of 2 keeps 2 of the 4 prompts, from the odd rows, in out.rank1-of2.jsonl; --out itself is not
+    written. A count that leaves a rank nothing, and a rank outside the world, are one-line errors."""
+    target = save_talkative_target(tmp_path / "target")
+    out = tmp_path / "self.jsonl"
+    assert self_prompt(target, out, "--rank", "1", "--world-size", "2") == 0
+    rows = [json.loads(line) for line in (tmp_path / "self.rank1-of2.jsonl").read_text().splitlines()]
+    assert 0 < len(rows) <= 2 and all(row["source_index"] % 2 == 1 for row in rows)
+    assert not out.exists()
+    capsys.readouterr()
+    assert main(["self-prompt", "--target", str(target), "--num-prompts", "1", "--rank", "1", "--world-size", "2",
+                 "--device", "cpu", "--out", str(out)]) == 2
+    assert "leaves rank 1 of 2 no prompt to write" in capsys.readouterr().err
+    assert self_prompt(target, out, "--rank", "2", "--world-size", "2") == 2
+    assert "outside world size 2" in capsys.readouterr().err
 
 
 def test_the_command_continues_its_opening_and_labels_the_rows(tmp_path: Path,
