@@ -112,8 +112,8 @@ class TrainingConfig:
     target_cuda_graphs: bool = False
     # Replay the drafter's forward, loss and backward over packed rows from CUDA graphs too
     # (training/step_graph.py): the host then launches a step's few graphs and the optimizer instead of every
-    # kernel of the drafter's side. Needs packed rows, one CUDA process, bf16 or fp32 (elsewhere a note, and no
-    # graphs).
+    # kernel of the drafter's side. Needs packed rows on CUDA, one process or DDP (its gradients then averaged by
+    # hand, training/grad_sync.py), bf16 or fp32 (elsewhere a note, and no graphs).
     step_cuda_graphs: bool = False
     log_every: int = 10
     eval_every: int = 500

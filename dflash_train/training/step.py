@@ -16,6 +16,7 @@ from dflash_train.features.packed_rows import chat_layout
 from dflash_train.objective import DEFAULT_FLEX_TILE, Blocks, ObjectiveOutput
 from dflash_train.training.batch_loading import HOST_ONLY, anchor_seeds
 from dflash_train.training.flops import training_step_flops, visible_pairs
+from dflash_train.training.grad_sync import average_gradients
 from dflash_train.training.source_metrics import slot_summary
 from dflash_train.training.step_graph import StepInputs
 
@@ -27,7 +28,7 @@ def _supervised_rows(blocks: Blocks) -> int:
 class TrainStepMixin:
     """The Trainer's step and what it counts (tokens, model FLOPs, the loss shares of packed micro-batches).
     Relies on the Trainer's `config`, `accelerator`, `model`, `optimizer`, `schedule`, `objective`, `target`,
-    `features`, `draft_config`, `target_cost`, `step_graph`, `share`, `packed`, `plan` and `step`, and on
+    `features`, `draft_config`, `target_cost`, `step_graph`, `sync_by_hand`, `share`, `packed`, `plan` and `step`, and on
     `BatchLoadingMixin` for the micro-batches (`_load`, `_load_step`, `_host_blocks`)."""
 
     def _forward(
@@ -80,7 +81,6 @@ class TrainStepMixin:
                 step.share.fill_((1.0 if share is None else share) / accumulation)
                 with record_function("train/drafter_step_graph"):
                     out = self.step_graph(step, accumulate)
-                return out, self._stats(step), out.loss * accumulation
             except Exception as error:  # a capture or compiler failure costs speed, not the run
                 self.step_graph = None
                 if not accumulate:  # the last step's gradients, which captured steps never set to None
@@ -88,11 +88,27 @@ class TrainStepMixin:
                 reason = (str(error).strip().splitlines() or [""])[0][:200]
                 self.accelerator.print(f"CUDA graphs of the drafter's step failed ({type(error).__name__}: {reason}); "
                                        "it runs uncaptured from now on (training.step_cuda_graphs=false)")
+            else:
+                self._sync_by_hand()
+                return out, self._stats(step), out.loss * accumulation
         out, stats = self._forward(indices, seeds, cpu_batch)
         loss = out.loss if share is None else out.loss * share
         with record_function("train/backward"):
             self.accelerator.backward(loss)
+        self._sync_by_hand()
         return out, stats, loss
+
+    def _sync_by_hand(self) -> None:
+        """After a step's last micro-batch, in a run whose gradients bypass DDP's hooks: every process's mean."""
+        if self.sync_by_hand and self.accelerator.sync_gradients:
+            with record_function("train/gradient_all_reduce"):
+                average_gradients([p for p in self.model.parameters() if p.requires_grad],
+                                  self.accelerator.num_processes)
+
+    def _drafter(self) -> torch.nn.Module:
+        """The drafter the objective runs: unwrapped where gradients are averaged by hand (DDP's forward would
+        arm its hooks, which a captured step cannot hold), else as prepared."""
+        return self.accelerator.unwrap_model(self.model) if self.sync_by_hand else self.model
 
     def _drafter_loss(self, batch: dict[str, torch.Tensor], features: torch.Tensor, blocks: Blocks,
                       teacher_states: torch.Tensor | None) -> Any:
@@ -100,7 +116,7 @@ class TrainStepMixin:
         of their own, which a compiler may fail to build: from such a failure on, the default 128-token
         tiles (the same loss, more masked-out scores computed), not a lost run."""
         def run() -> Any:
-            return self.objective(self.model, self.target.embed_tokens, self.target.lm_head.weight,
+            return self.objective(self._drafter(), self.target.embed_tokens, self.target.lm_head.weight,
                                   batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
                                   teacher_states=teacher_states, context_positions=batch.get("position_ids"))
         if self.objective.flex_tile == DEFAULT_FLEX_TILE:

@@ -131,6 +131,9 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
         self._compile_and_capture()
         self.objective = self._build_objective()
         self.step_graph = self._build_step_graph()
+        # captured steps bypass DDP's hooks: their gradients are averaged by hand, and so are the steps after a
+        # fallback to uncaptured ones, which keeps every process on the same collectives (training/grad_sync.py)
+        self.sync_by_hand = self.step_graph is not None and self.accelerator.num_processes > 1
         # a micro-batch's loss share on the device, filled per step (a graph copies it into its own buffer)
         self.share = torch.ones((), device=self.accelerator.device)
         self.compat = {
@@ -217,15 +220,16 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
 
     def _build_step_graph(self) -> GraphedDrafterStep | None:
         """The drafter's side of a packed step replayed from CUDA graphs (training/step_graph.py), where that
-        applies: packed rows, one CUDA process, bf16 or fp32; elsewhere a note and none."""
+        applies: packed rows on CUDA, in one process or under DDP, bf16 or fp32; elsewhere a note and none."""
         t = self.config.training
         if not t.step_cuda_graphs:
             return None
-        if (self.packed is None or self.accelerator.device.type != "cuda" or self._distributed_type() != "NO"
-                or t.mixed_precision == "fp16"):
-            # fp16's loss scaling happens in accelerate's backward, which a captured step does not call
-            self.accelerator.print("training.step_cuda_graphs applies to packed rows in one CUDA process, not in "
-                                   "fp16: the drafter's step runs uncaptured")
+        if (self.packed is None or self.accelerator.device.type != "cuda"
+                or self._distributed_type() not in ("NO", "MULTI_GPU") or t.mixed_precision == "fp16"):
+            # fp16's loss scaling happens in accelerate's backward, which a captured step does not call; FSDP and
+            # DeepSpeed shard the gradients in hooks of their own
+            self.accelerator.print("training.step_cuda_graphs applies to packed rows on CUDA, in one process or "
+                                   "under DDP, not in fp16: the drafter's step runs uncaptured")
             return None
         params = [param for param in self.model.parameters() if param.requires_grad]
         return GraphedDrafterStep(lambda inputs: self._drafter_loss(inputs.batch, inputs.features, inputs.blocks,

@@ -5,7 +5,11 @@ plain steps. The capture itself runs on CUDA only (tests/training/test_step_grap
 
 from __future__ import annotations
 
+import os
 import pathlib
+import signal
+import subprocess
+import sys
 from collections.abc import Callable
 
 import pytest
@@ -23,8 +27,9 @@ from dflash_train.training.config import load_config
 from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs
 from dflash_train.training.trainer import Trainer
 from tests.helpers.packing import LAYERS, PACK, chats, drafter
+from tests.helpers.paths import REPO
 from tests.helpers.tiny_models import make_tiny_target
-from tests.helpers.training import overrides
+from tests.helpers.training import failure_report, launch, overrides
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 
@@ -186,12 +191,43 @@ def test_a_graph_failing_after_the_first_micro_batch_keeps_its_gradient(assets: 
     assert_same_training(runs)
 
 
+def test_under_ddp_graphed_steps_averaged_by_hand_train_as_ddp_does(assets: dict[str, pathlib.Path],
+                                                                     tmp_path: pathlib.Path) -> None:
+    """Two processes (gloo), a micro-batch of one packed row each and two micro-batches a step: DDP's own steps,
+    steps on the stand-in graphs with the gradients averaged by hand (what a DDP run with step graphs does), and
+    uncaptured steps in that regime (such a run after its graphs failed) give the same losses and gradient norms
+    (the mean's scale, which the optimizers barely see), and the same weights on both processes."""
+    out = tmp_path / "runs"
+    out.mkdir()
+    settings = {**PACKED, "training.batch_size": 1, "training.gradient_accumulation_steps": 2,
+                "data.validation_fraction": 0}
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29000 + os.getpid() % 500),
+            "-m", "tests.helpers.ddp_steps", str(out), "3", *overrides(assets, tmp_path / "unused", **settings)]
+    proc = launch(args)
+    try:
+        output = proc.communicate(timeout=300)[0].decode()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("two processes hung") from None
+    assert proc.returncode == 0, failure_report(output)
+    runs = {path.stem: torch.load(path) for path in out.glob("*.pt")}
+    reference = runs["ddp-rank0"]
+    assert len(reference["losses"]) == 3 and len(runs) == 6
+    for name, run in runs.items():
+        assert run["losses"] == pytest.approx(reference["losses"], rel=1e-5), name
+        assert run["grad_norms"] == pytest.approx(reference["grad_norms"], rel=1e-5), name
+        for key, value in reference["weights"].items():
+            torch.testing.assert_close(run["weights"][key], value, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+
+
 def test_step_cuda_graphs_off_cuda_is_a_note_and_plain_steps(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
                                                              capsys: pytest.CaptureFixture[str]) -> None:
     trainer = Trainer(load_config(None, overrides(assets, tmp_path / "run", **PACKED,
                                                   **{"training.step_cuda_graphs": True})))
     assert trainer.step_graph is None
-    assert "training.step_cuda_graphs applies to packed rows in one CUDA process, not in fp16" in capsys.readouterr().out
+    assert "training.step_cuda_graphs applies to packed rows on CUDA, in one process or under DDP, not in fp16" \
+        in capsys.readouterr().out
 
 
 class SyncingOps(TorchDispatchMode):
