@@ -1,6 +1,7 @@
 """What a launch must agree with before the run builds anything: DeepSpeed's accumulation count, and CUDA
 devices for an FSDP launch. Checked up front, so that a mismatch stops the run instead of silently changing
-it."""
+it. Also what the launch decides for the run's own settings: whether it shards (DeepSpeed, FSDP), and so whether
+its steps can be captured."""
 
 from __future__ import annotations
 
@@ -19,6 +20,21 @@ def check_deepspeed_accumulation(deepspeed_config: dict[str, Any], steps: int) -
             f"the DeepSpeed launch sets gradient_accumulation_steps: {configured} but "
             f"training.gradient_accumulation_steps={steps}: make them equal (`accelerate launch "
             f"--gradient_accumulation_steps {steps}`, or auto in the launch config)")
+
+
+def sharding_launch() -> str | None:
+    """"DeepSpeed" or "FSDP" when `accelerate launch` started this process under one (they shard parameters and
+    gradients in hooks of their own), else None: one process, or DDP."""
+    for variable, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")):
+        if os.environ.get(variable, "false").lower() == "true":
+            return name
+    return None
+
+
+def autocast_cache_off(step_cuda_graphs: bool) -> bool:
+    """Whether autocast's cache of cast weights goes off: it cannot outlive a CUDA graph's capture, so a run whose
+    steps can be captured (CUDA, one process or DDP) casts anew each step; elsewhere the cache stays."""
+    return step_cuda_graphs and torch.cuda.is_available() and sharding_launch() is None
 
 
 def refuse_fsdp_without_cuda() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +19,7 @@ from dflash_train.safetensors_io import DamagedFileError
 from dflash_train.target import TargetModel, choose_mask_token, load_target
 from dflash_train.target.architecture import architecture, packing_problem
 from dflash_train.training.config import TrainConfig
+from dflash_train.training.launch import sharding_launch
 from dflash_train.training.muon import build_muon_with_adamw
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
@@ -180,10 +180,9 @@ def build_optimizer(draft: torch.nn.Module, config: TrainConfig) -> torch.optim.
 def refuse_sharded_muon() -> None:
     """Muon orthogonalises each weight matrix whole; DeepSpeed and FSDP hold shards of it (and DeepSpeed
     wraps only optimizers it knows)."""
-    for variable, name in (("ACCELERATE_USE_DEEPSPEED", "DeepSpeed"), ("ACCELERATE_USE_FSDP", "FSDP")):
-        if os.environ.get(variable, "false").lower() == "true":
-            raise ValueError(f"training.optimizer: muon does not run under {name}: launch with a DDP or "
-                             "single-process config, or use training.optimizer: adamw")
+    if (name := sharding_launch()) is not None:
+        raise ValueError(f"training.optimizer: muon does not run under {name}: launch with a DDP or "
+                         "single-process config, or use training.optimizer: adamw")
 
 
 def build_schedule(optimizer: torch.optim.Optimizer, total_steps: int | Callable[[], int], config: TrainConfig) -> Any:

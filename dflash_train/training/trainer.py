@@ -48,7 +48,11 @@ from dflash_train.training.data import (
     weights_summary,
 )
 from dflash_train.training.flops import TargetPassCost, peak_flops, target_pass_cost
-from dflash_train.training.launch import check_deepspeed_accumulation, refuse_fsdp_without_cuda
+from dflash_train.training.launch import (
+    autocast_cache_off,
+    check_deepspeed_accumulation,
+    refuse_fsdp_without_cuda,
+)
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_stats,
@@ -163,10 +167,7 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
         if t.deterministic:
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
             torch.use_deterministic_algorithms(True, warn_only=True)
-        # Autocast's cache of cast weights cannot outlive a CUDA graph's capture: a captured step casts anew. Only
-        # where the step can be captured (one CUDA process): elsewhere the recipe's setting keeps the cache.
-        capturable = torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) == 1
-        handlers = [AutocastKwargs(cache_enabled=False)] if t.step_cuda_graphs and capturable else []
+        handlers = [AutocastKwargs(cache_enabled=False)] if autocast_cache_off(t.step_cuda_graphs) else []
         return Accelerator(
             mixed_precision=t.mixed_precision, gradient_accumulation_steps=t.gradient_accumulation_steps,
             step_scheduler_with_optimizer=False,

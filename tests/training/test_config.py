@@ -133,3 +133,23 @@ def test_deepspeed_accumulation_must_match_the_run() -> None:
     check_deepspeed_accumulation({}, 4)
     with pytest.raises(ValueError, match="sets gradient_accumulation_steps: 1 but training.gradient_accumulation_steps=4"):
         check_deepspeed_accumulation({"gradient_accumulation_steps": 1}, 4)
+
+
+def test_what_a_launch_decides_sharding_and_the_autocast_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cast-weight cache goes off only where steps can be captured: step graphs asked for, CUDA, and one
+    process or DDP (accelerate's launch says FSDP or DeepSpeed in the environment)."""
+    from dflash_train.training import launch
+
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: True)
+    for variable in ("ACCELERATE_USE_DEEPSPEED", "ACCELERATE_USE_FSDP"):
+        monkeypatch.delenv(variable, raising=False)
+    assert launch.sharding_launch() is None
+    assert launch.autocast_cache_off(True) and not launch.autocast_cache_off(False)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    assert launch.sharding_launch() == "FSDP" and not launch.autocast_cache_off(True)
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "false")
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "True")
+    assert launch.sharding_launch() == "DeepSpeed" and not launch.autocast_cache_off(True)
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    monkeypatch.setattr(launch.torch.cuda, "is_available", lambda: False)
+    assert not launch.autocast_cache_off(True)
