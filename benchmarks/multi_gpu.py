@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
@@ -74,11 +75,13 @@ class Runs:
     step is not launched again (a re-invocation with the same --workdir continues), no run starts past
     the deadline, and a failed run is recorded rather than ending the benchmark."""
 
-    def __init__(self, work: Path, common: list[str], steps: int, env: dict[str, str], deadline: float) -> None:
+    def __init__(self, work: Path, common: list[str], steps: int, env: dict[str, str], deadline: float,
+                 recipe: Path = RECIPE) -> None:
         self.work, self.common, self.steps, self.env, self.deadline = work, common, steps, env, deadline
+        self.recipe = recipe
         self.failed: dict[str, str] = {}
+        self.wall_seconds: dict[str, float] = {}  # each launch's, setup included (benchmarks/train_scaling.py)
         self.pending: list[str] = []
-        self.launched = 0  # a fresh rendezvous port for every launch
         self.keep = {"ddp"}  # runs whose checkpoints later runs resume from
 
     def done(self, name: str) -> bool:
@@ -92,22 +95,24 @@ class Runs:
                 str(REPO / "recipes/accelerate" / config), "--num_processes", str(processes),
                 "--main_process_port", str(port), "-m", "dflash_train.train"]
 
-    def launch(self, group: list[tuple[str, str, int, int, dict[str, str]]]) -> None:
-        """Runs (name, launch config, processes, sequences per process, extra env) side by side."""
+    def launch(self, group: list[tuple[str, str, int, int | None, dict[str, str]]]) -> None:
+        """Runs (name, launch config, processes, sequences per process, extra env) side by side; sequences
+        None keeps the recipe's."""
         todo = [run for run in group if not self.done(run[0])]
         if todo and time.time() > self.deadline:
             self.pending += [run[0] for run in todo]
             return
-        procs = []
+        procs, started = [], time.time()
         for name, config, processes, batch, extra in todo:
-            self.launched += 1
-            overrides = [*self.common, f"training.output_dir={self.work / name}", f"training.batch_size={batch}"]
+            overrides = [*self.common, f"training.output_dir={self.work / name}",
+                         *([f"training.batch_size={batch}"] if batch else [])]
             log = (self.work / f"{name}.log").open("a")
             procs.append((name, log, subprocess.Popen(
-                [*self.command(config, processes, 29400 + self.launched), "--config", str(RECIPE),
+                [*self.command(config, processes, free_port()), "--config", str(self.recipe),
                  *overrides], cwd=REPO, env={**self.env, **extra}, stdout=log, stderr=subprocess.STDOUT)))
         for name, log, proc in procs:
             code = proc.wait(timeout=1800)
+            self.wall_seconds[name] = time.time() - started
             log.close()
             if code != 0:
                 tail = (self.work / f"{name}.log").read_text()[-3000:]
@@ -122,6 +127,23 @@ class Runs:
     def metrics(self) -> dict[str, dict[int, dict[str, Any]]]:
         return {path.parent.name: train_metrics(path.parent) for path in sorted(self.work.glob("*/metrics.jsonl"))
                 if self.done(path.parent.name)}
+
+
+def free_port() -> int:
+    """A fresh rendezvous port for every launch, from the OS: fixed numbers collide with another benchmark's or
+    test's launches on the same machine (the port is free when asked; the launch binds it a moment later)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def launch_env(cpu: bool) -> dict[str, str]:
+    """The launched runs' environment: this checkout importable, and CPU processes hide any GPU."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+           "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast (NVLS) off: it hangs or fails on some multi-GPU hosts
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
 
 
 def train_metrics(out: Path) -> dict[int, dict[str, Any]]:
@@ -315,10 +337,7 @@ def main() -> None:
         raise SystemExit("benchmarks/multi_gpu.py needs 2 CUDA devices (or --cpu)")
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash_multi_"))
     work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-           "NCCL_NVLS_ENABLE": "0"}  # NVLink multicast (NVLS) off: it hangs or fails on some multi-GPU hosts
-    if args.cpu:
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    env = launch_env(args.cpu)
     rows = 24 if args.cpu else 4 * args.batch * args.steps
     if args.target:
         target, data = args.target, args.prepared
