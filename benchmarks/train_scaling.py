@@ -189,7 +189,7 @@ def launch_run(runs: Runs, launch: str, processes: int, cpu: bool, settings: lis
     """One launch of `processes` processes (GPUs 0..processes-1) with `settings` over the recipe's, unless it
     finished in an earlier call."""
     name = run_name(launch, processes)
-    runs.common = settings  # the launch config's own: one Runs keeps every launch's failures and wall times
+    runs.common = settings  # this launch config's (fsdp2's optimizer); one Runs keeps every launch's failures
     restart_unfinished(runs, name)
     config = (CPU_LAUNCHES if cpu else GPU_LAUNCHES)[launch]
     devices = {} if cpu else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(processes)))}
