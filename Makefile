@@ -14,7 +14,7 @@ TRANSFORMERS ?= 5.17.0
 HUB_FOR_TRANSFORMERS ?= huggingface-hub>=1.5,<2
 COMPAT := $(VENV)/compat-$(TRANSFORMERS)
 
-.PHONY: install test test-slow test-gpu test-all test-transformers lint bench bench-multi-gpu demo clean
+.PHONY: install test test-slow test-gpu test-all test-transformers lint bench bench-multi-gpu bench-scaling demo clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -67,6 +67,11 @@ bench: install  ## on a CUDA machine: the headline benchmarks -> benchmarks/resu
 
 bench-multi-gpu: install  ## on a machine with two CUDA devices
 	$(PY) -m benchmarks.multi_gpu
+
+# `make bench-scaling SCALING_GPUS=1,2,4` on a machine with fewer than 8 GPUs.
+SCALING_GPUS ?= 1,2,4,8
+bench-scaling: install  ## on a machine with 8 CUDA devices: chat-passes a minute on 1, 2, 4 and 8 GPUs
+	$(PY) -m benchmarks.train_scaling --gpus $(SCALING_GPUS)
 
 clean:
 	rm -rf $(VENV) *.egg-info

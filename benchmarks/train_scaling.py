@@ -1,7 +1,8 @@
 """Chat-passes a minute of the speedrun's training on 1, 2, 4 and 8 GPUs, under DDP and FSDP2: weak scaling.
 
     python -m benchmarks.train_scaling                   # on an 8-GPU machine: ddp and fsdp2 on 1, 2, 4 and 8 GPUs
-    python -m benchmarks.train_scaling --target DIR --prepared DIR   # the speedrun's own target and chats
+    python -m benchmarks.train_scaling --target smollm2-135m-instruct --prepared outputs/speedrun/prepared
+                                                         # the speedrun's own target and chats
     python -m benchmarks.train_scaling --launch ddp --gpus 1,8 --steps 100 --tag h100   # a subset
     python -m benchmarks.train_scaling --cpu --gpus 1,2 --steps 6   # CPU processes over gloo: a smoke test
 
@@ -18,7 +19,8 @@ warm-up (`--warmup`, a fraction of the steps: compilation and CUDA-graph capture
 60 x (chats at the last row - chats at the warm-up's last row) / the seconds of the steps between. Scaling is
 chat-passes a minute at N over N = 1's with the same launch config (the baseline always runs), efficiency
 is scaling / N, and the goal is >= 7x at 8 GPUs. A re-run with the same `--workdir` launches only what has
-not finished; `--time-limit` launches nothing after that many seconds. A failed launch is recorded with its
+not finished; `--time-limit` launches nothing after that many seconds. Each launch compiles into an empty
+cache, as on a fresh machine. FSDP2 trains the weight matrices with AdamW (Muon refuses sharded weights). A failed launch is recorded with its
 log's tail and the others go on; the benchmark then exits non-zero.
 """
 
@@ -174,15 +176,22 @@ def restart_unfinished(runs: Runs, name: str) -> None:
     run = runs.work / name
     if not (run / "metrics.jsonl").exists() or max(train_metrics(run), default=0) != runs.steps:
         shutil.rmtree(run, ignore_errors=True)
+        shutil.rmtree(compile_cache(runs.work, name), ignore_errors=True)
+
+
+def compile_cache(work: Path, name: str) -> Path:
+    """A launch's own compilation cache: beside its output folder, where train accepts only its own files."""
+    return work / "inductor" / name
 
 
 def record_launch(run: Path, wall_seconds: float) -> None:
-    """The launch's wall time and the trainer's first step (from its last checkpoint, which goes then: nothing
-    resumes from it), kept beside the metrics for a re-run with the same --workdir."""
+    """The launch's wall time and the trainer's first step (from its last checkpoint, which goes then with the
+    compilation cache: nothing resumes from it), kept beside the metrics for a re-run with the same --workdir."""
     states = sorted(run.glob("checkpoints/step-*/trainer_state.json"))
     first = json.loads(states[-1].read_text()).get("first_step_seconds") if states else None
     (run / "launch.json").write_text(json.dumps({"wall_seconds": wall_seconds, "first_step_seconds": first}))
     shutil.rmtree(run / "checkpoints", ignore_errors=True)
+    shutil.rmtree(compile_cache(run.parent, run.name), ignore_errors=True)
 
 
 def launch_run(runs: Runs, launch: str, processes: int, cpu: bool, settings: list[str]) -> None:
@@ -192,9 +201,13 @@ def launch_run(runs: Runs, launch: str, processes: int, cpu: bool, settings: lis
     runs.common = settings  # this launch config's (fsdp2's optimizer); one Runs keeps every launch's failures
     restart_unfinished(runs, name)
     config = (CPU_LAUNCHES if cpu else GPU_LAUNCHES)[launch]
-    devices = {} if cpu else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, range(processes)))}
+    # An empty compilation cache for each: every launch's first step and wall time are a fresh machine's, not
+    # warmed by the launches before it.
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(compile_cache(runs.work, name))}
+    if not cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(processes)))
     runs.keep.add(name)  # record_launch reads its checkpoint first
-    runs.launch([(name, config, processes, None, devices)])
+    runs.launch([(name, config, processes, None, env)])
     if name in runs.wall_seconds and runs.done(name):
         record_launch(runs.work / name, runs.wall_seconds[name])
 
@@ -271,7 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "on --cpu 1)")
     parser.add_argument("--warmup", type=float, default=0.25, help="fraction of the steps left out at the start")
     parser.add_argument("--recipe", type=Path, default=RECIPE)
-    parser.add_argument("--target", type=Path, default=None, help="a real target (with --prepared)")
+    parser.add_argument("--target", type=Path, default=None,
+                        help="a real target, as model.target takes it (a folder or a known name), with --prepared")
     parser.add_argument("--prepared", type=Path, default=None, help="with --target: `dflash-train prepare` output")
     parser.add_argument("--chats", type=int, default=None, help="synthetic chats (default 4096; --tiny 256)")
     parser.add_argument("--tiny", action="store_true", help="a tiny Llama, short chats and no compilation")
