@@ -30,6 +30,8 @@ class CheckpointMixin:
         tmp, final = ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}.tmp", None
         if self.accelerator.is_main_process:
             tmp, final = ckpt.staging_dir(self.output_dir, self.step)
+        # staging_dir removes stale *.tmp folders: a rank already writing its RNG state into this one lost it
+        self.accelerator.wait_for_everyone()
         self._check_disk_room()
         try:
             self.accelerator.save_state(str(tmp / "state"))
