@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import datasets
@@ -82,3 +84,26 @@ def launch(args: list[str], env_extra: dict[str, str] | None = None) -> subproce
     # Own process group: a launch that hangs is stopped with the workers it started.
     return subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
+
+
+def on_two_cpu_processes(module: list[str], port_base: int, timeout: int = 300) -> str:
+    """`accelerate launch` of `python -m <module...>` on two CPU processes (gloo; a port of its own from
+    `port_base`, so that tests in parallel do not meet), waited for: what it printed, or an assertion with each
+    worker's own lines when it failed, or when it hung (the launch and its workers are stopped then)."""
+    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(port_base + os.getpid() % 400),
+            "-m", *module]
+    proc = launch(args)
+    try:
+        output = proc.communicate(timeout=timeout)[0].decode()
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise AssertionError("two processes hung") from None
+    assert proc.returncode == 0, failure_report(output)
+    return output
+
+
+def train_on_two_cpu_processes(overrides: list[str], port_base: int) -> str:
+    """`dflash_train.train` with the CPU recipe and `overrides` on two CPU processes (`on_two_cpu_processes`)."""
+    return on_two_cpu_processes(["dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
+                                 *overrides], port_base)

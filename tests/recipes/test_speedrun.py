@@ -124,13 +124,24 @@ def test_speedrun_chats_are_regenerated_turn_after_turn(tmp_path: pathlib.Path) 
 @pytest.mark.slow
 @needs_smollm2
 def test_speedrun_on_two_processes(tmp_path: pathlib.Path) -> None:
-    """`GPUS=2` as an 8-GPU run takes it, on two CPU processes: regeneration once per rank, training under
-    `accelerate launch` (the CPU launch config in place of DDP on GPUs), the eval on one process, as a user
-    decodes; the run's drafter is lossless and exports."""
+    """`GPUS=2` as an 8-GPU run takes it, on two CPU processes: self-prompts and regeneration once per rank,
+    training under `accelerate launch` (the CPU launch config in place of DDP on GPUs), each eval on one process,
+    as a user decodes, the float32 one beside the headline; the run's drafter is lossless and exports."""
     out = tmp_path / "run"
     run = speedrun("all", out, GPUS="2", LAUNCH_CONFIG="recipes/accelerate/cpu_2proc.yaml", RUN_PORT="29613",
-                   EVAL_TEMPERATURES="0", BATCH8_PROMPTS="0")
+                   EVAL_TEMPERATURES="0", BATCH8_PROMPTS="0", SELF_PROMPTS="4",
+                   SELF_PROMPT_EXTRA="--max-new-tokens 48")
     assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    # each rank's self-prompts in a file of its own, both packed into the mix
+    by_rank = [[json.loads(line) for line in (out / f"self_prompts.rank{rank}-of2.jsonl").read_text().splitlines()]
+               for rank in (0, 1)]
+    assert all(row["source_index"] % 2 == rank for rank, rows in enumerate(by_rank) for row in rows)
+    written = by_rank[0] + by_rank[1]
+    packed = [json.loads(line) for line in (out / "prompts.jsonl").read_text().splitlines()]
+    assert written
+    assert sum(row.get("source") == "self-prompts" for row in packed) == len(
+        {row["messages"][0]["content"].strip().lower() for row in written})
+    assert "+ the evals on 2 GPUs, side by side" in run.stderr
     assert "accelerate.commands.launch --config_file recipes/accelerate/cpu_2proc.yaml --num_processes 2" in run.stderr
     (state,) = (out / "train" / "main" / "checkpoints").glob("step-*/trainer_state.json")
     trained = json.loads(state.read_text())

@@ -11,7 +11,7 @@ from dflash_train.training import budget as budget_module
 from dflash_train.training.budget import TimeBudget
 from dflash_train.training.config import load_config
 from dflash_train.training.trainer import run_training
-from tests.helpers.training import failure_report, overrides, train_losses
+from tests.helpers.training import overrides, train_losses
 
 
 def test_budget_settles_the_length_from_the_median_warm_step(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -130,21 +130,12 @@ def test_budget_fits_and_refits_in_step_on_two_processes(assets: dict[str, pathl
                                                          tmp_path: pathlib.Path) -> None:
     """Every rank fits (step 12) and refits (step 62) on the same steps, through one all-reduce each: a rank
     that skipped one would hang the other. The run keeps its configured length (the budget is ample)."""
-    import os
-    import sys
-
     from dflash_train.training.tracking import read_metrics
-    from tests.helpers.paths import REPO
-    from tests.helpers.training import launch
+    from tests.helpers.training import train_on_two_cpu_processes
 
     steps = budget_module.PROBE_STEPS + budget_module.REFIT_STEPS + 2
     out = tmp_path / "budgeted"
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(28500 + os.getpid() % 500),
-            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
-            *overrides(assets, out, **{"training.max_steps": steps, "training.batch_size": 1,
-                                       "training.time_budget_minutes": 1e3, "training.eval_every": 0})]
-    proc = launch(args)
-    output = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, failure_report(output)
+    train_on_two_cpu_processes(overrides(assets, out, **{"training.max_steps": steps, "training.batch_size": 1,
+                                                         "training.time_budget_minutes": 1e3,
+                                                         "training.eval_every": 0}), port_base=28500)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")["train"]][-1] == steps

@@ -4,9 +4,7 @@ they add up to the overall ones, packing does not change them, and one source lo
 from __future__ import annotations
 
 import json
-import os
 import pathlib
-import sys
 from typing import Any
 
 import datasets
@@ -17,8 +15,7 @@ from dflash_train.training.config import load_config
 from dflash_train.training.source_metrics import source_line, source_names
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
-from tests.helpers.paths import REPO
-from tests.helpers.training import failure_report, launch, overrides, save_tiny_prepared, save_tiny_target
+from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target, train_on_two_cpu_processes
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 SPLIT = {"data.validation_fraction": 0.3}  # 12 of 40 chats: whole batches of 2, both sources
@@ -150,13 +147,7 @@ def test_two_processes_sum_the_sources_like_one(assets: dict[str, pathlib.Path],
     single, double = tmp_path / "single", tmp_path / "double"
     short = {**SPLIT, **PACKED, "training.max_steps": 2, "training.eval_every": 2}
     run_training(load_config(None, overrides(assets, single, **short)))  # the same global batch: 2 rows
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(28500 + os.getpid() % 400),
-            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
-            *overrides(assets, double, **short, **{"training.batch_size": 1})]
-    proc = launch(args)
-    output = proc.communicate(timeout=300)[0].decode()
-    assert proc.returncode == 0, failure_report(output)
+    train_on_two_cpu_processes(overrides(assets, double, **short, **{"training.batch_size": 1}), port_base=28100)
     one = read_metrics(single / "metrics.jsonl")["validation"][-1]["by_source"]
     two = read_metrics(double / "metrics.jsonl")["validation"][-1]["by_source"]
     assert sorted(one) == sorted(two)

@@ -5,11 +5,7 @@ plain steps. The capture itself runs on CUDA only (tests/training/test_step_grap
 
 from __future__ import annotations
 
-import os
 import pathlib
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 
 import pytest
@@ -27,9 +23,8 @@ from dflash_train.training.config import load_config
 from dflash_train.training.step_graph import GraphedDrafterStep, StepInputs
 from dflash_train.training.trainer import Trainer
 from tests.helpers.packing import LAYERS, PACK, chats, drafter
-from tests.helpers.paths import REPO
 from tests.helpers.tiny_models import make_tiny_target
-from tests.helpers.training import failure_report, launch, overrides
+from tests.helpers.training import on_two_cpu_processes, overrides
 
 PACKED = {"data.pack_tokens": 160, "data.max_length": 64}
 
@@ -201,16 +196,8 @@ def test_under_ddp_graphed_steps_averaged_by_hand_train_as_ddp_does(assets: dict
     out.mkdir()
     settings = {**PACKED, "training.batch_size": 1, "training.gradient_accumulation_steps": 2,
                 "data.validation_fraction": 0}
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29000 + os.getpid() % 500),
-            "-m", "tests.helpers.ddp_steps", str(out), "3", *overrides(assets, tmp_path / "unused", **settings)]
-    proc = launch(args)
-    try:
-        output = proc.communicate(timeout=300)[0].decode()
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("two processes hung") from None
-    assert proc.returncode == 0, failure_report(output)
+    on_two_cpu_processes(["tests.helpers.ddp_steps", str(out), "3",
+                          *overrides(assets, tmp_path / "unused", **settings)], port_base=29000)
     runs = {path.stem: torch.load(path) for path in out.glob("*.pt")}
     reference = runs["ddp-rank0"]
     assert len(reference["losses"]) == 3 and len(runs) == 6

@@ -8,7 +8,6 @@ import os
 import pathlib
 import random
 import signal
-import subprocess
 import sys
 import time
 
@@ -23,7 +22,14 @@ from dflash_train.training.flops import target_pass_cost
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import run_training
 from tests.helpers.paths import REPO
-from tests.helpers.training import failure_report, launch, overrides, save_tiny_target, train_losses
+from tests.helpers.training import (
+    failure_report,
+    launch,
+    overrides,
+    save_tiny_target,
+    train_losses,
+    train_on_two_cpu_processes,
+)
 
 
 def test_run_learns_and_writes_checkpoints(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
@@ -129,17 +135,7 @@ def test_two_processes_match_one_with_the_same_global_batch(assets: dict[str, pa
     single, double = tmp_path / "single", tmp_path / "double"
     settings = {"training.max_steps": 6, "training.eval_every": 2, "data.validation_max_samples": 1}
     run_training(load_config(None, overrides(assets, single, **settings)))
-    args = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-            str(REPO / "recipes/accelerate/cpu_2proc.yaml"), "--main_process_port", str(29500 + os.getpid() % 500),
-            "-m", "dflash_train.train", "--config", str(REPO / "recipes/smollm2-135m-dflash-b16-cpu.yaml"),
-            *overrides(assets, double, **settings, **{"training.batch_size": 1})]
-    proc = launch(args)
-    try:
-        output = proc.communicate(timeout=300)[0].decode()
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        raise AssertionError("two processes hung") from None
-    assert proc.returncode == 0, failure_report(output)
+    train_on_two_cpu_processes(overrides(assets, double, **settings, **{"training.batch_size": 1}), port_base=29500)
     one, two = read_metrics(single / "metrics.jsonl"), read_metrics(double / "metrics.jsonl")
     assert [r["step"] for r in two["validation"]] == [2, 4, 6]
     for split in ("train", "validation"):
