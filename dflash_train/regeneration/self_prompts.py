@@ -20,9 +20,9 @@ in chunks until ``count`` prompts are kept; a chunk that adds fewer than ``MIN_N
 ends the run with what it has (a model that keeps writing the same few prompts), as does ``MAX_DRAWS_PER_PROMPT``
 × ``count`` rows drawn. Row ``i`` draws from seed (``seed``, i), so the same settings write the same file.
 
-Several processes (one a GPU) share the work as ranks: rank r of W draws the rows r, r + W, r + 2W, ... (each with
-its row's seed, as one process would) and keeps its share of the count, so no row is drawn twice. Each rank drops the repeats
-of its own prompts; a repeat across ranks is dropped where their files are packed together
+Several processes (one a GPU) share the work as ranks: rank r of W draws the rows r, r + W, r + 2W, ... (each
+with its row's seed, as one process would) and keeps its share of the count, so no row is drawn twice. Each rank
+drops the repeats of its own prompts; a repeat across ranks is dropped where their files are packed together
 (`dflash_train.prompts.pack` keeps a first turn once over all its sources).
 """
 
