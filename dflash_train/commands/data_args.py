@@ -136,6 +136,11 @@ def resolve_device(requested: str | None) -> str:
     device = parse_device(requested)
     if device.type == "cuda":
         if device.index is None:  # plain "cuda": this process's GPU (set_device needs an index)
+            count = torch.cuda.device_count()
+            if local_rank >= count:  # one process a GPU, started for more GPUs than there are
+                raise ValueError(f"LOCAL_RANK {local_rank} asks for cuda:{local_rank}, but this machine has {count} "
+                                 f"CUDA device(s): run at most {count} processes (the speedrun's GPUS), or pass "
+                                 "--device")
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     return str(device)

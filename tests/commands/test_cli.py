@@ -54,3 +54,8 @@ def test_resolve_device_gives_set_device_an_index(monkeypatch: pytest.MonkeyPatc
         monkeypatch.setenv("LOCAL_RANK", local_rank)
     assert resolve_device(requested) == expected
     assert [str(d) for d in current] == ([expected] if expected != "cpu" else [])
+    if requested != "cpu":  # a rank past the GPUs there are: one line, before any device is touched
+        monkeypatch.setenv("LOCAL_RANK", "2")
+        with pytest.raises(ValueError, match=r"^LOCAL_RANK 2 asks for cuda:2, but this machine has 2 CUDA device"):
+            resolve_device(None if requested is None else "cuda")
+        assert len(current) == (1 if expected != "cpu" else 0)
