@@ -37,6 +37,11 @@
 #                   self-prompts as source self-prompts:math: the target's answers in the style it uses on the
 #                   word problems of the math eval set, which the generated math lacks (default 0: none; their
 #                   minutes come off REGEN_MINUTES too)
+#   DATA_SCALE      multiplies every prompt count of MIX, CHATS, SELF_PROMPTS and SELF_MATH_PROMPTS (default 1;
+#                   a source that holds fewer gives what it has). With GPUS=8, regeneration answers the default
+#                   prompts in about an eighth of the minutes and training passes over each chat about eight times
+#                   as often: DATA_SCALE=8 keeps the passes a chat gets near one GPU's (what τ gains from either
+#                   is not measured yet)
 #   TRIM_LOOPS      1: prepare cuts answers the token cap stopped inside a verbatim loop to two copies of it
 #                   (`prepare --trim-loops`: about a fifth of a speedrun's answers, docs/data.md); default 0
 #   STOP_LOOPS      1 (default): regeneration ends an answer inside a verbatim loop (`regenerate --stop-loops`)
@@ -131,6 +136,7 @@ MIX=${MIX:-sharegpt=20000 code-prompts=40000 reasoning-gym-math:steps=30000 word
 CHATS=${CHATS:-}
 CHAT_TURNS=${CHAT_TURNS:-3}
 SELF_PROMPTS=${SELF_PROMPTS:-75000}
+DATA_SCALE=${DATA_SCALE:-1}
 TRIM_LOOPS=${TRIM_LOOPS:-0}
 STOP_LOOPS=${STOP_LOOPS:-1}
 SELF_PROMPT_EXTRA=${SELF_PROMPT_EXTRA:-}
@@ -178,6 +184,8 @@ LAUNCH_CONFIG=${LAUNCH_CONFIG:-recipes/accelerate/ddp.yaml}
 [[ "$SELF_PROMPTS" =~ ^[0-9]+$ ]] || { echo "SELF_PROMPTS must be a count of prompts (0 for none), not '$SELF_PROMPTS'" >&2; exit 2; }
 [[ "$SELF_MATH_PROMPTS" =~ ^[0-9]+$ ]] || {
   echo "SELF_MATH_PROMPTS must be a count of prompts (0 for none), not '$SELF_MATH_PROMPTS'" >&2; exit 2; }
+[[ "$DATA_SCALE" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v s="$DATA_SCALE" 'BEGIN { exit !(s > 0) }' || {
+  echo "DATA_SCALE must be a number above 0 (what the prompt counts are multiplied by), not '$DATA_SCALE'" >&2; exit 2; }
 for goal in $GOALS; do  # checked now, not when the summary reads them at the end of the run
   [[ "$goal" =~ ^[A-Za-z0-9_.-]+=[0-9]+([.][0-9]+)?$ ]] || {
     echo "GOALS entry '$goal' is not KEY=NUMBER (e.g. mt-bench=4.0 speedup=2 chats=150000 minutes=25)" >&2; exit 2; }
@@ -199,6 +207,27 @@ done
   echo "LAUNCH_CONFIG $LAUNCH_CONFIG does not exist: give one of recipes/accelerate/*.yaml" >&2; exit 2; }
 DFLASH=(python3 -m dflash_train.cli)
 mkdir -p "$OUT"
+
+scaled() {  # a count times DATA_SCALE, rounded
+  awk -v n="$1" -v s="$DATA_SCALE" 'BEGIN { printf "%d", n * s + 0.5 }'
+}
+
+scaled_sources() {  # pack sources, each NAME=COUNT's count times DATA_SCALE (the last = separates the count)
+  local source
+  for source in "$@"; do
+    if [[ "$source" == *=* && "${source##*=}" =~ ^[0-9]+$ ]]; then
+      printf '%s=%s ' "${source%=*}" "$(scaled "${source##*=}")"
+    else
+      printf '%s ' "$source"
+    fi
+  done
+}
+
+if [[ "$DATA_SCALE" != 1 ]]; then
+  # shellcheck disable=SC2086  # the source lists split into their entries
+  MIX=$(scaled_sources $MIX) CHATS=$(scaled_sources $CHATS)
+  SELF_PROMPTS=$(scaled "$SELF_PROMPTS") SELF_MATH_PROMPTS=$(scaled "$SELF_MATH_PROMPTS")
+fi
 
 run() {  # print, then run, a command
   echo "+ $*" >&2

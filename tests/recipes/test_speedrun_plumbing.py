@@ -680,3 +680,21 @@ def test_with_gpus_self_prompts_are_written_one_rank_a_gpu_each_file_a_source(tm
                     MIX="sharegpt=10")
     (math,) = [c.split() for c in few if " self-prompt " in c]
     assert "--rank" not in math and math[math.index("--out") + 1] == str(run / "self_prompts-math.jsonl")
+
+
+def test_data_scale_multiplies_every_prompt_count(tmp_path: pathlib.Path) -> None:
+    """DATA_SCALE=2.5: the mix's counts (a file's too, after its last =) and the self-prompts', rounded; a source
+    without a count is left as it is. A scale that is no number above 0 is one line before anything runs."""
+    mix = f"sharegpt=10 {tmp_path / 'a=b.jsonl'}=3 code-prompts"
+    calls = run_stage("prompts", tmp_path, DATA_SCALE="2.5", SELF_PROMPTS="300", MIX=mix)
+    (self_prompt,) = [c.split() for c in calls if " self-prompt " in c]
+    assert self_prompt[self_prompt.index("--num-prompts") + 1] == "750"
+    pack = [c.split() for c in calls if "dflash_train.prompts.pack" in c][0]
+    assert [pack[i + 1] for i, a in enumerate(pack) if a == "--source"] == [
+        "sharegpt=25", f"{tmp_path / 'a=b.jsonl'}=8", "code-prompts", f"{tmp_path / 'run' / 'self_prompts.jsonl'}=750"]
+    for bad in ("0", "two", "-1"):
+        done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), "prompts"], cwd=REPO,
+                              env={**os.environ, "OUT": str(tmp_path / "bad"), "DATA_SCALE": bad},
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and done.stderr.count("\n") == 1
+        assert f"DATA_SCALE must be a number above 0 (what the prompt counts are multiplied by), not '{bad}'" in done.stderr
