@@ -316,11 +316,24 @@ def check_args(args: argparse.Namespace) -> None:
     args.deadline = time.time() + (args.time_limit if args.time_limit is not None else 1e9)
 
 
+WORKDIR_MARK = ".train_scaling"  # a work folder this benchmark made: the only kind whose runs it deletes
+
+
+def claim_workdir(work: Path) -> None:
+    """`work` made (or found empty) and marked as this benchmark's; one with other files is refused, since an
+    unfinished run's folder in it is deleted before its launch starts over."""
+    if work.is_dir() and any(work.iterdir()) and not (work / WORKDIR_MARK).exists():
+        sys.exit(f"train_scaling: --workdir {work} holds files this benchmark did not write: give an empty folder "
+                 "or one an earlier train_scaling run used")
+    work.mkdir(parents=True, exist_ok=True)
+    (work / WORKDIR_MARK).touch()
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     check_args(args)
     work = args.workdir or Path(tempfile.mkdtemp(prefix="dflash_scaling_"))
-    work.mkdir(parents=True, exist_ok=True)
+    claim_workdir(work)
     results, runs = run_all(args, work)
     print_table(results, runs, args)
     path = write_result("train_scaling" + (f"-{args.tag}" if args.tag else ""), payload(results, runs, args),

@@ -69,17 +69,29 @@ def kept_chats(run_dir: Path) -> float | None:
     return float(json.loads(path.read_text())["counts"]["kept"]) if path.is_file() else None
 
 
-def stage_minutes(run_dir: Path) -> float | None:
-    """The total of `times.tsv` (stage, seconds per line) in minutes, the extra stages left out."""
-    path = run_dir / "times.tsv"
-    if not path.is_file():
-        return None
-    seconds = 0.0
-    for line in path.read_text().splitlines():
+def stage_seconds(run_dir: Path) -> dict[str, float]:
+    """Seconds per stage of `run_dir/times.tsv` (stage, seconds per line), the parts of a stage run in parts
+    summed, in the order the stages first ran; a line that is no stage and number is refused in one line."""
+    seconds: dict[str, float] = {}
+    for number, line in enumerate((run_dir / "times.tsv").read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
         stage, _, value = line.partition("\t")
-        if stage and stage not in EXTRA_STAGES:
-            seconds += float(value)
-    return seconds / 60
+        try:
+            spent = float(value)
+        except ValueError:
+            spent = math.nan
+        if not stage or not math.isfinite(spent):
+            raise ValueError(f"{run_dir / 'times.tsv'} line {number} is not 'stage<TAB>seconds': {line!r}")
+        seconds[stage] = seconds.get(stage, 0.0) + spent
+    return seconds
+
+
+def stage_minutes(run_dir: Path) -> float | None:
+    """The total of `times.tsv` in minutes, the extra stages left out (None without the file)."""
+    if not (run_dir / "times.tsv").is_file():
+        return None
+    return sum(s for stage, s in stage_seconds(run_dir).items() if stage not in EXTRA_STAGES) / 60
 
 
 def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Path, run: str = "main"

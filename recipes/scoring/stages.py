@@ -18,27 +18,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from recipes.scoring.goals import EXTRA_STAGES
+from recipes.scoring.goals import EXTRA_STAGES, stage_seconds
 from recipes.scoring.summary import training_state
 
 TOTAL = "total"
 
 
-def stage_seconds(run_dir: Path) -> dict[str, float]:
-    """Seconds per stage of `run_dir/times.tsv`, parts of one stage summed, in the order stages first ran."""
-    seconds: dict[str, float] = {}
-    for number, line in enumerate((run_dir / "times.tsv").read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        stage, _, value = line.partition("\t")
-        try:
-            seconds[stage] = seconds.get(stage, 0.0) + float(value) if stage else float("nan")
-        except ValueError:
-            seconds[stage] = float("nan")
-        if seconds[stage] != seconds[stage]:  # NaN: no stage name, no number, or a number that is none
-            raise ValueError(f"{run_dir / 'times.tsv'} line {number} is not 'stage<TAB>seconds': {line!r}")
-    seconds[TOTAL] = sum(s for stage, s in seconds.items() if stage not in EXTRA_STAGES)
-    return seconds
+def with_total(seconds: dict[str, float]) -> dict[str, float]:
+    """Seconds per stage and their total, the extra stages left out of it."""
+    return {**seconds, TOTAL: sum(s for stage, s in seconds.items() if stage not in EXTRA_STAGES)}
 
 
 def gpus(run_dir: Path, run: str = "main") -> int | None:
@@ -49,7 +37,7 @@ def gpus(run_dir: Path, run: str = "main") -> int | None:
 def compare(run_dirs: list[Path]) -> dict[str, Any]:
     """Minutes per stage of every folder and, for each after the first, the first's minutes over its own."""
     runs = [{"run": str(run_dir), "gpus": gpus(run_dir),
-             "minutes": {stage: s / 60 for stage, s in stage_seconds(run_dir).items()}} for run_dir in run_dirs]
+             "minutes": {stage: s / 60 for stage, s in with_total(stage_seconds(run_dir)).items()}} for run_dir in run_dirs]
     base = runs[0]["minutes"]
     for run in runs[1:]:
         run["speedup"] = {stage: base[stage] / minutes for stage, minutes in run["minutes"].items()

@@ -146,3 +146,20 @@ def test_one_and_two_cpu_processes_end_to_end(tmp_path: Path) -> None:
     again = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and {log.name: log.read_text() for log in (tmp_path / "work").glob("*.log")} == logs
     assert json.loads((tmp_path / "train_scaling.json").read_text())["runs"] == result["runs"]
+
+
+def test_a_workdir_of_other_files_is_refused_and_left_alone(tmp_path: Path) -> None:
+    """Unfinished runs are deleted before they start over: only in a folder this benchmark marked as its own."""
+    from benchmarks.train_scaling import WORKDIR_MARK, claim_workdir
+
+    theirs = tmp_path / "theirs"
+    (theirs / "ddp-2").mkdir(parents=True)
+    (theirs / "ddp-2" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="holds files this benchmark did not write"):
+        claim_workdir(theirs)
+    assert (theirs / "ddp-2" / "notes.txt").read_text() == "mine" and not (theirs / WORKDIR_MARK).exists()
+    ours = tmp_path / "ours"
+    claim_workdir(ours)
+    (ours / "ddp-2").mkdir()
+    claim_workdir(ours)  # an earlier run's folder: continued
+    assert (ours / WORKDIR_MARK).exists()
