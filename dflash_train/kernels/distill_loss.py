@@ -23,6 +23,11 @@ import torch
 from dflash_train.kernels._triton import jit, next_power_of_2, tl
 
 KINDS = ("kl", "tv")
+# The launch: a row's vocabulary in tiles of BLOCK_V by NUM_WARPS warps. The kernel streams five row-lengths of
+# logits (two reads of each input, one write), so it is bound by memory; `benchmarks.distill_loss` measures
+# the tiles and warps against the device's copy bandwidth (docs/benchmarks.md).
+BLOCK_V = 4096
+NUM_WARPS = 4
 
 
 def _log_softmax_(logits: torch.Tensor) -> torch.Tensor:
@@ -144,9 +149,10 @@ def _distill_kernel(
 
 def distill_grad_triton(
     logits: torch.Tensor, teacher_logits: torch.Tensor, labels: torch.Tensor, kind: str, temperature: float,
-    weight: float, compute_grad: bool = True, block_v: int | None = None,
+    weight: float, compute_grad: bool = True, block_v: int | None = None, num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`distill_grad_reference`'s contract; logits, teacher_logits [R, V] (rows contiguous) fp32/bf16/fp16."""
+    """`distill_grad_reference`'s contract; logits, teacher_logits [R, V] (rows contiguous) fp32/bf16/fp16.
+    `block_v`, `num_warps`: the launch's vocabulary tile and warps (None: BLOCK_V, NUM_WARPS)."""
     rows, vocab = logits.shape
     assert kind in KINDS and logits.stride(1) == 1 and labels.shape == (rows,)
     assert teacher_logits.shape == logits.shape and teacher_logits.stride(1) == 1
@@ -154,10 +160,10 @@ def distill_grad_triton(
     label_ce = torch.empty_like(loss)
     correct = torch.empty(rows, device=logits.device, dtype=torch.int8)
     if rows:
-        block_v = block_v or min(4096, next_power_of_2(vocab))
+        block_v = block_v or min(BLOCK_V, next_power_of_2(vocab))
         jit(_distill_kernel)[(rows,)](
             logits, teacher_logits, labels.contiguous(), loss, label_ce, correct, vocab, logits.stride(0),
             teacher_logits.stride(0), 1.0 / temperature, float(weight), BLOCK_V=block_v, TV=kind == "tv",
-            COMPUTE_GRAD=compute_grad,
+            COMPUTE_GRAD=compute_grad, num_warps=num_warps or NUM_WARPS,
         )
     return loss, label_ce, correct.bool()
