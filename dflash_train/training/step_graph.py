@@ -12,7 +12,7 @@ and the chats themselves. `Blocks.padded` pads both (to a bucket of rows, to a m
 padding that weighs, hits and counts nothing, so that one graph serves every step of the same buckets.
 
 The gradients are the parameters' own `.grad` tensors, made once before the first capture: a graph for a
-step's first micro-batch zeroes them first, one for the others adds to them, so each replay leaves them where
+step's first micro-batch writes them, one for the others adds to them, so each replay leaves them where
 the optimizer reads them (which must therefore not set them to None). The optimizer step stays outside the graph (a few hundred launches,
 and the learning rate a Python number the schedule changes). A new graph's first replay is checked against
 the uncaptured step on the same inputs, loss and gradients, so a capture that went wrong stops the graphs
@@ -151,11 +151,21 @@ class GraphedDrafterStep:
         torch._foreach_copy_(self._grads(), grads)
 
     def _forward_backward(self, inputs: StepInputs, accumulate: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        if not accumulate:
-            torch._foreach_zero_(self._grads())
         out = self.drafter_loss(inputs)
         loss = out.loss * inputs.share
-        loss.backward()
+        # The gradients written (or added) into `.grad` by one multi-tensor launch: `backward` into existing
+        # `.grad` tensors would add each parameter's by a launch of its own, after zeroing them.
+        found = torch.autograd.grad(loss, self.params, allow_unused=True)
+        grads = self._grads()
+        reached = [i for i, grad in enumerate(found) if grad is not None]
+        targets, values = [grads[i] for i in reached], [found[i] for i in reached]
+        if accumulate:
+            torch._foreach_add_(targets, values)
+        else:
+            torch._foreach_copy_(targets, values)
+            missed = [grads[i] for i, grad in enumerate(found) if grad is None]
+            if missed:
+                torch._foreach_zero_(missed)
         return loss.detach(), out.slot_correct, out.slot_count
 
     @staticmethod
