@@ -102,8 +102,6 @@ class OnlineFeatures:
     def target_pass(self, ids: torch.Tensor, positions: torch.Tensor | None, attention: str | None) -> Features:
         """(features, final states or None) of the target's pass over `ids`: the very call offline extraction
         makes (bit-identical features for unpacked rows)."""
-        if attention == VARLEN and positions is not None and ids.shape[0] > 1:
-            return self._one_row_pass(ids, positions)
         with torch.no_grad(), attention_implementation(self.target.model, attention):
             if not self.soft_targets:
                 return compute_features(self.target, ids, self.layer_ids, position_ids=positions), None
@@ -112,15 +110,6 @@ class OnlineFeatures:
             else:
                 features, final = packed_features_and_final_states(self.target, ids, positions, self.layer_ids)
             return features.to(torch.bfloat16), final
-
-    def _one_row_pass(self, ids: torch.Tensor, positions: torch.Tensor) -> Features:
-        """Packed rows through the varlen attention as one long row, the outputs cut back into rows. The kernel
-        reads the chats from the flattened rows either way (the same arithmetic), but with one row the layers'
-        queries and keys reach it as views in its [tokens, heads, dim] layout, where several rows need a copy of
-        each, in every layer."""
-        rows, length = ids.shape
-        features, final = self.target_pass(ids.reshape(1, -1), positions.reshape(1, -1), VARLEN)
-        return features.view(rows, length, -1), None if final is None else final.view(rows, length, -1)
 
     def packing_error(self, vocab_size: int, lengths: tuple[int, int], device: torch.device) -> float:
         """The largest relative error, over the target's attention layers, of a packed row's attention output

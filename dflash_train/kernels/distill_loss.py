@@ -24,9 +24,10 @@ from dflash_train.kernels._triton import jit, next_power_of_2, tl
 
 KINDS = ("kl", "tv")
 # The launch: a row's vocabulary in tiles of BLOCK_V by NUM_WARPS warps. The kernel streams five row-lengths of
-# logits (two reads of each input, one write), so it is bound by memory; `benchmarks.distill_loss` measures
-# the tiles and warps against the device's copy bandwidth (docs/benchmarks.md).
-BLOCK_V = 4096
+# logits (two reads of each input, one write), so it is bound by memory; of the tiles and warps
+# `benchmarks.distill_loss` measured against the device's copy bandwidth, these came closest to it
+# (docs/benchmarks.md, `distill_loss`).
+BLOCK_V = 2048
 NUM_WARPS = 4
 
 

@@ -201,7 +201,10 @@ class DFlashObjective:
         rows_index = blocks.supervised_index()  # [P]
         real = blocks.real_rows  # [P] bool with padding entries (`Blocks.padded`), else None: every row real
         slots = blocks.slots.expand_as(blocks.labels)
-        rows = hidden.flatten(0, 1)[rows_index]  # [P, H]: the head never sees unsupervised rows
+        # [P, H]: the head never sees unsupervised rows. index_select, not an index: its backward adds the rows'
+        # gradients back in one pass, where an index's backward sorts the indices first (a real share of a
+        # small drafter's step); padding entries repeat an index, with a gradient of exactly 0.
+        rows = hidden.flatten(0, 1).index_select(0, rows_index)
         labels, row_slots = blocks.labels.flatten()[rows_index], slots.flatten()[rows_index]
         if real is not None:  # a batch without supervised rows pads with row 0, whose label is ignored: any token
             labels = labels.clamp_min(0)

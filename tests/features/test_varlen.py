@@ -127,16 +127,3 @@ def test_the_cuda_kernel_matches_each_chat_alone() -> None:
     assert varlen._kernel(query.device, 64 ** -0.5, 64) is not None  # the kernel ran, not the fallback
     expected = reference(*(t.float() for t in (query, key, value)))
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_the_cuda_kernel_reads_one_row_of_head_major_views() -> None:
-    """Rows flattened into one (`OnlineFeatures`'s packed pass): queries and keys reach the kernel as views whose
-    heads lie apart in memory, not copies; the kernel must read them as it reads contiguous ones."""
-    query, key, value = qkv(dtype=torch.bfloat16, device="cuda", dim=64)
-    one_row = [torch.cat([t[0], t[1]], dim=1)[None] for t in (query, key, value)]  # [1, h, 32, D], heads apart
-    with packed_sequences(positions().reshape(1, -1), torch.device("cuda")):
-        out, _ = varlen_attention(types.SimpleNamespace(), *one_row, None, scaling=64 ** -0.5)
-    expected = reference(*(t.float() for t in (query, key, value))).reshape(1, 32, *query.shape[1:2], 64)
-    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)

@@ -30,26 +30,6 @@ def test_varlen_packed_rows_equal_each_chat_alone(name: str) -> None:
     assert features(target, "varlen").packing_error(256, (48, 43), target.device) < 1e-4
 
 
-def test_packed_rows_run_as_one_row_and_equal_each_chat_alone() -> None:
-    """Two packed rows go through the varlen pass as one long row (`OnlineFeatures._one_row_pass`); cut back into
-    rows, every chat's features are those of the chat alone through the model's own attention."""
-    target = TargetModel(build_tiny_target("llama", 256), None)
-    online = features(target, "varlen")
-    lengths = ((20, 12, 32), (40, 24))
-    gen = torch.Generator().manual_seed(0)
-    chats = [[torch.randint(256, (n,), generator=gen) for n in row] for row in lengths]
-    ids = torch.stack([torch.cat(row) for row in chats])
-    positions = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in lengths])
-    packed, _ = online(dict(input_ids=ids, position_ids=positions), 64, positions)
-    assert packed.shape[:2] == (2, 64)
-    for r, row in enumerate(chats):
-        start = 0
-        for chat in row:
-            alone, _ = online.target_pass(chat[None], None, None)
-            torch.testing.assert_close(packed[r, start:start + len(chat)], alone[0], atol=1e-4, rtol=1e-4)
-            start += len(chat)
-
-
 def config(*extra: str):  # noqa: ANN201 - the config type is the loader's
     return load_config(None, ["data.prepared=unused", "data.pack_tokens=128", "data.max_length=128", *extra])
 
