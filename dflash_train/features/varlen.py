@@ -76,9 +76,6 @@ def use_sequences(sequences: PackedSequences) -> Iterator[PackedSequences]:
         _current.sequences = previous
 
 
-# Outside any compiled graph (training.compile_target compiles the decoder layers around it): the chats'
-# boundaries change every step, and a graph guarding on them would be compiled again for each new set.
-@torch.compiler.disable
 def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                      attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
                      sliding_window: int | None = None, softcap: float | None = None,
@@ -86,19 +83,33 @@ def varlen_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, 
     """Hugging Face's attention-function contract: query [b, H, S, D], key [b, H_kv, S, D], value [b, H_kv, S,
     Dv] -> ([b, S, H, Dv], None), each chat of `packed_sequences` attending causally to itself; a layer's
     sliding window, logit soft-cap and sink logits (`s_aux` [H]) apply as in the model's own attention."""
+    # The [tokens, heads, dim] layout the kernel reads is made here, inside the decoder layer's compiled graph
+    # where there is one (training.compile_target): the compiler then writes the rotated queries and keys in that
+    # layout directly, where the same copy made after the graph is a kernel of its own for each, in every layer
+    # (docs/benchmarks.md, `train_packing`). Values arrive in it already.
+    rows, heads, length, _ = query.shape
+    flat = [t.transpose(1, 2).contiguous().view(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
+    out = _attend_chats(*flat, scaling, dropout, Extras(sliding_window, softcap, s_aux))
+    return out.view(rows, length, heads, value.shape[-1]), None
+
+
+# Outside any compiled graph: the chats' boundaries change every step, and a graph guarding on them would be
+# compiled again for each new set.
+@torch.compiler.disable
+def _attend_chats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float | None,
+                  dropout: float, extras: Extras) -> torch.Tensor:
+    """[T, H, D] queries, [T, H_kv, D] keys and values of the flattened rows -> [T, H, Dv]."""
     sequences: PackedSequences | None = getattr(_current, "sequences", None)
     if sequences is None:
         raise RuntimeError(f"the {VARLEN} attention runs inside dflash_train.features.varlen.packed_sequences(...)")
     if dropout:
         raise ValueError(f"the {VARLEN} attention has no dropout: run the target in eval mode")
-    rows, heads, length, dim = query.shape
+    dim = query.shape[-1]
     scale = dim ** -0.5 if scaling is None else scaling
-    flat = [t.transpose(1, 2).reshape(rows * length, t.shape[1], t.shape[-1]) for t in (query, key, value)]
-    extras = Extras(sliding_window, softcap, s_aux)
     kernel = None if extras.softcap or extras.sinks is not None else _kernel(query.device, scale, dim, query.dtype,
                                                                               extras.window)
-    out = kernel(*flat, sequences, scale) if kernel else _per_sequence(*flat, sequences, scale, extras)
-    return out.view(rows, length, heads, value.shape[-1]), None
+    return kernel(query, key, value, sequences, scale) if kernel else _per_sequence(query, key, value, sequences,
+                                                                                   scale, extras)
 
 
 @dataclass(frozen=True)

@@ -57,6 +57,27 @@ def test_each_chat_attends_to_itself_only() -> None:
     torch.testing.assert_close(out, reference(query, key, value))
 
 
+def test_the_layout_change_is_traced_into_the_callers_compiled_graph() -> None:
+    """Under a compiled decoder layer, the copy of queries and keys into the kernel's [tokens, heads, dim] layout
+    belongs to the layer's graph (where the compiler writes them so in the first place); only the kernel's call,
+    which reads the chats' boundaries, stays outside it."""
+    graphs: list[torch.fx.GraphModule] = []
+
+    def record(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # noqa: ANN202 - dynamo's contract
+        graphs.append(graph)
+        return graph.forward
+
+    def layer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        return varlen_attention(types.SimpleNamespace(), query * 2, key * 2, value, None, scaling=8 ** -0.5)[0]
+
+    torch._dynamo.reset()
+    with packed_sequences(positions(), torch.device("cpu")):
+        out = torch.compile(layer, backend=record)(*qkv())
+        torch.testing.assert_close(out, layer(*qkv()))
+    traced = [node.target for graph in graphs for node in graph.graph.nodes]
+    assert traced.count("contiguous") == 3 and "mul" in str(traced)
+
+
 def test_outside_its_context_it_refuses() -> None:
     query, key, value = qkv()
     with pytest.raises(RuntimeError, match="inside dflash_train.features.varlen.packed_sequences"):
