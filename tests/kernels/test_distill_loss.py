@@ -7,6 +7,8 @@ re-runs itself in a subprocess that sets it from the start.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -80,6 +82,21 @@ def test_kernel_equals_reference(rows: int, vocab: int, block_v: int, dtype: tor
     assert torch.equal(got[2].cpu(), want[2])
     tolerance = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got_buffer.cpu().float(), want_buffer.float(), rtol=tolerance, atol=tolerance)
+
+
+@kernels_here
+def test_the_launch_benchmark_checks_every_launch_against_the_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`benchmarks.distill_loss --tiny`: each launch configuration's loss agrees with the default's, and each is
+    reported against the copy of the same bytes measured in the run."""
+    import json
+
+    from benchmarks import distill_loss as bench
+
+    monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
+    bench.main(["--tiny"])
+    found = json.loads((tmp_path / "distill_loss.json").read_text())
+    assert {row["config"] for row in found["results"]} >= {"torch reference", "BLOCK_V=128 num_warps=4"}
+    assert all(row["loss_max_rel_diff"] < 1e-5 and row["of_copy"] > 0 for row in found["results"])
 
 
 @kernels_here
