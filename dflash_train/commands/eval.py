@@ -55,6 +55,7 @@ from dflash_train.runtime.config import (
     DRAFT_ATTENTIONS,
     KERNELS,
     MATMULS,
+    VERIFICATIONS,
     EngineConfig,
     stop_token_ids,
 )
@@ -84,6 +85,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-temperature-scale", type=scale_arg, default=1.0, metavar="S",
                         help="at a temperature T > 0, sample drafts at S*T (0: the drafter's argmax); the output "
                              "stays the target's at T")
+    parser.add_argument("--verification", choices=VERIFICATIONS, default="token",
+                        help="at a temperature > 0, test each draft on its own in order (token, as serving runtimes "
+                             "do) or the block's drafts together (block: the same output distribution, never fewer "
+                             "drafts kept on average)")
     parser.add_argument("--thinking", choices=("on", "off"), default="off", help="where the chat template has it")
     parser.add_argument("--batch-size", type=positive_int, default=1, help="requests in flight at once")
     parser.add_argument("--device", type=device_arg, default=None,
@@ -202,7 +207,7 @@ def _runtime_config(args: argparse.Namespace, target: TargetModel, block_size: i
                         cuda_graphs=not args.no_cuda_graphs, compile=False if args.no_compile else None,
                         compile_options=MAX_AUTOTUNE if args.max_autotune else (), compile_scope=args.compile_scope or "layer",
                         draft_attention=args.draft_attention, matmul=args.matmul,
-                        draft_temperature_scale=args.draft_temperature_scale)
+                        draft_temperature_scale=args.draft_temperature_scale, verification=args.verification)
 
 
 def _warn_if_trained_for_another_target(draft: DFlashDraftModel, target: TargetModel, target_name: str) -> None:

@@ -99,6 +99,9 @@ def parser() -> argparse.ArgumentParser:
                         help="comma list of temperatures > 0 (default: 0.7,1)")
     parser.add_argument("--samples", type=_count, default=32, help="M: target paths the marginals are averaged over")
     parser.add_argument("--block-size", type=_count, default=16, help="B: the block, slot 0 and B-1 drafts")
+    parser.add_argument("--verification", choices=("token", "block"), default="token",
+                        help="how the oracle's drafts are tested: each on its own in order (token, the eval's "
+                             "default) or the block together (block verification: every slot drafted each cycle)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
@@ -121,7 +124,8 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     target = load_target(args.target, dtype=getattr(torch, args.dtype), device=device)
     stops = stop_token_ids(target.tokenizer, target.model.generation_config)
-    oracle = MarginalOracle(target, args.samples, args.block_size, args.temperatures[0], torch.Generator(device))
+    oracle = MarginalOracle(target, args.samples, args.block_size, args.temperatures[0], torch.Generator(device),
+                            verification=args.verification)
     results: dict[str, dict[str, Any]] = {}
     report: dict[str, Any] = {"kind": REPORT_KIND, "target": args.target, "settings": _settings(args),
               "environment": _environment(device), "temperatures": results, "complete": False}
@@ -198,6 +202,7 @@ def _device(name: str) -> torch.device:
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"prompts": args.prompts, "num_prompts": args.num_prompts, "max_new_tokens": args.max_new_tokens,
             "temperatures": args.temperatures, "samples": args.samples, "block_size": args.block_size,
+            "verification": args.verification,
             "seed": args.seed, "dtype": args.dtype, "device": args.device}
 
 

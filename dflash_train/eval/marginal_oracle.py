@@ -30,7 +30,13 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train.runtime.reference_loop import truncate
-from dflash_train.runtime.sampling import inverse_cdf, probabilities, sample, speculative_sample
+from dflash_train.runtime.sampling import (
+    block_verify_sample,
+    inverse_cdf,
+    probabilities,
+    sample,
+    speculative_sample,
+)
 from dflash_train.runtime.state import RequestOutput
 from dflash_train.runtime.static_target import StaticTarget, model_type, supports
 from dflash_train.target import TargetModel
@@ -72,7 +78,7 @@ class MarginalOracle:
     `generator`, so a run is fixed by its seed."""
 
     def __init__(self, target: TargetModel, samples: int, block_size: int, temperature: float,
-                 generator: torch.Generator) -> None:
+                 generator: torch.Generator, verification: str = "token") -> None:
         if not supports(target):
             raise ValueError(f"the marginal oracle runs on the static-cache runtime, which does not support this "
                              f"{model_type(target)!r} target")
@@ -80,7 +86,9 @@ class MarginalOracle:
             raise ValueError(f"need samples >= 1, block size >= 2 and a temperature > 0, not {samples}, "
                              f"{block_size}, {temperature}")
         self.target, self.samples, self.block_size = target, samples, block_size
-        self.temperature, self.generator = temperature, generator
+        if verification not in ("token", "block"):
+            raise ValueError(f"verification must be token or block, not {verification!r}")
+        self.temperature, self.generator, self.verification = temperature, generator, verification
         self.runner: StaticTarget | None = None
         self.synced = 0  # positions of the context already copied from row 0 to the path rows
         self.marginals: list[torch.Tensor] = []  # q_1, q_2, ... of the last cycle, as far as it got (to inspect)
@@ -136,37 +144,61 @@ class MarginalOracle:
         self._sync(start + 1)
         path_probs = probabilities(target_logits, temperature).expand(self.samples, -1)
         drafts: list[int] = []
+        tested: list[torch.Tensor] = []  # p_T(. | c, d_<slot) of each slot, for block verification
         self.marginals = []
         for slot in range(1, width + 1):
             p = probabilities(target_logits[0], temperature)
             q = p if slot == 1 else path_probs.mean(dim=0)  # q_slot, Rao-Blackwellised over the M paths
             self.marginals.append(q)
             draft = sample(q, self.generator)
-            slots.reached[slot - 1] += 1
-            slots.expected[slot - 1] += float(torch.minimum(p, q).sum())
-            slots.mode[slot - 1] += float(p[q.argmax()])
-            # The project's test for a block of one draft: its target rows are p_T(. | c, d_<slot) and a second row
-            # for the bonus, which an accepted draft would emit and the next step replaces (so the first again will
-            # do). q is handed as log-probabilities at draft temperature 1, which the rule turns back into q.
-            accepted, token = speculative_sample(target_logits.expand(2, -1)[None], q.log()[None, None],
-                                                 draft.view(1, 1), temperature, draft_temperature=1.0,
-                                                 generator=self.generator)
-            if not int(accepted):
-                return Cycle(slot - 1, drafts + [int(token)])
+            tested.append(target_logits[0])
+            if self.verification == "token":
+                slots.reached[slot - 1] += 1
+                slots.expected[slot - 1] += float(torch.minimum(p, q).sum())
+                slots.mode[slot - 1] += float(p[q.argmax()])
+                # The project's test for a block of one draft: its target rows are p_T(. | c, d_<slot) and a second
+                # row for the bonus, which an accepted draft would emit and the next step replaces (so the first
+                # again will do). q is handed as log-probabilities at draft temperature 1, which the rule turns
+                # back into q.
+                accepted, token = speculative_sample(target_logits.expand(2, -1)[None], q.log()[None, None],
+                                                     draft.view(1, 1), temperature, draft_temperature=1.0,
+                                                     generator=self.generator)
+                if not int(accepted):
+                    return Cycle(slot - 1, drafts + [int(token)])
+            # (block verification drafts every slot and judges the block at the end: `_block_verdict`)
             drafts.append(int(draft))
-            if slot == width:
-                break
-            # Row 0 reads the draft, each path its own next token: p_T(. | c, d_<=slot) and the paths' distributions.
-            # The paths' tokens by inverse CDF: one uniform a row, where `sample`'s race draws one per token.
-            uniforms = torch.rand(self.samples, device=draft.device, generator=self.generator)
-            tokens = torch.cat([draft.view(1), inverse_cdf(path_probs, uniforms)])
-            logits = self._step(tokens, start + slot)
-            target_logits, path_probs = logits[:1], probabilities(logits[1:], temperature)
+            if slot < width:
+                target_logits, path_probs = self._advance(draft, path_probs, start + slot)
+        bonus_logits = self._row_zero(drafts[-1], start + width)  # p_T(. | c, d_1..d_{B-1})
+        if self.verification == "block":
+            return self._block_verdict(torch.stack([*tested, bonus_logits[0]]), drafts, slots)
         # Every draft accepted: the bonus token, from p_T(. | c, d_1..d_{B-1}).
         no_drafts = torch.zeros(1, 0, dtype=torch.long, device=self.target.device)
-        bonus_logits = self._row_zero(drafts[-1], start + width)
         _, bonus = speculative_sample(bonus_logits[:, None], None, no_drafts, temperature, generator=self.generator)
         return Cycle(width, drafts + [int(bonus)])
+
+    def _block_verdict(self, target_logits: torch.Tensor, drafts: list[int], slots: SlotTotals) -> Cycle:
+        """The whole drafted block [B, V] judged by block verification (`runtime/sampling.py`); the per-slot sums
+        count the slots up to the first one the verdict did not keep, as token-wise testing reaches them."""
+        marginals = torch.stack(self.marginals)  # [B-1, V]
+        accepted, token = block_verify_sample(target_logits[None], marginals.log()[None],
+                                              torch.tensor([drafts], device=target_logits.device), self.temperature,
+                                              draft_temperature=1.0, generator=self.generator)
+        kept = int(accepted)
+        for slot in range(min(kept + 1, len(drafts))):
+            p, q = probabilities(target_logits[slot], self.temperature), marginals[slot]
+            slots.reached[slot] += 1
+            slots.expected[slot] += float(torch.minimum(p, q).sum())
+            slots.mode[slot] += float(p[q.argmax()])
+        return Cycle(kept, drafts[:kept] + [int(token)])
+
+    def _advance(self, draft: torch.Tensor, path_probs: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row 0 reads the draft, each path its own next token, at `position`: (p_T(. | c, d_<=slot) as logits
+        [1, V], the paths' next distributions [M, V]). The paths' tokens by inverse CDF: one uniform a row, where
+        `sample`'s race draws one per token."""
+        uniforms = torch.rand(self.samples, device=draft.device, generator=self.generator)
+        logits = self._step(torch.cat([draft.view(1), inverse_cdf(path_probs, uniforms)]), position)
+        return logits[:1], probabilities(logits[1:], self.temperature)
 
     def _step(self, tokens: torch.Tensor, position: int) -> torch.Tensor:
         """Every row's token at `position`: logits [rows, V] in float32."""

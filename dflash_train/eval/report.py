@@ -90,6 +90,7 @@ def _settings(args: argparse.Namespace, target: TargetModel, evaluator: Evaluato
         "num_prompts": args.num_prompts,
         "temperature": temperature,
         "draft_temperature_scale": getattr(args, "draft_temperature_scale", 1.0),
+        "verification": getattr(args, "verification", "token"),
         "thinking": settings.thinking,
         "thinking_switch_in_template": evaluator.thinking_switch,
         "batch_size": settings.batch_size,

@@ -16,6 +16,7 @@ KERNELS = ("auto", "triton", "torch")
 # compile whatever the depth), with what lies before and after the layers compiled as two small graphs.
 COMPILE_SCOPES = ("step", "layer")
 DRAFT_ATTENTIONS = ("kernel", "sdpa")  # EngineConfig.draft_attention
+VERIFICATIONS = ("token", "block")  # EngineConfig.verification
 MATMULS = ("auto", "torch", "skinny", "fused")  # EngineConfig.matmul
 # EngineConfig.matmul -> StaticTarget(skinny_matmul=...)
 SKINNY_FOR_MATMUL = {"auto": "tuned", "torch": "off", "skinny": "all", "fused": "all"}
@@ -42,6 +43,10 @@ class EngineConfig:
     # a drafter that cannot see which tokens slots before it drew (DFlash drafts a block at once) bets on its
     # likeliest token (docs/eval.md, 'Sampled decoding').
     draft_temperature_scale: float = 1.0
+    # At temperature > 0, how a block's drafts are tested: "token", each on its own in order (what serving
+    # runtimes do); "block", the block verification rule, which keeps the target's distribution as exactly and
+    # keeps at least as many drafts on average (runtime/sampling.py)
+    verification: Literal["token", "block"] = "token"
     seed: int = 0  # base of the per-request seeds when the caller gives none
     stop_token_ids: tuple[int, ...] = ()
     kernels: str = "auto"  # "triton", "torch", or "auto" (triton on CUDA when installed)
@@ -104,6 +109,8 @@ class EngineConfig:
             raise ValueError(f"top_p must be in (0, 1], not {self.top_p}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, not {self.temperature}")
+        if self.verification not in VERIFICATIONS:
+            raise ValueError(f"verification must be token or block, not {self.verification!r}")
         if not 0.0 <= self.draft_temperature_scale < float("inf"):
             raise ValueError(f"draft_temperature_scale must be a finite number >= 0, not {self.draft_temperature_scale}")
 

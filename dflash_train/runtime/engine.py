@@ -61,6 +61,7 @@ from dflash_train.runtime.experts import use_decode_experts
 from dflash_train.runtime.hf_target import HFCacheTarget
 from dflash_train.runtime.loop_stop import LoopDetector
 from dflash_train.runtime.sampling import (
+    block_verify_sample,
     probabilities,
     request_seed,
     sample,
@@ -204,8 +205,9 @@ class DecodeEngine(CycleGraphMixin, SchedulingMixin):
         if self.drafter is None:  # plain decoding: token n_out of each request, from its own seeded stream
             token = seeded_sample(logits[:, 0], c.temperature, c.top_p, s.keys, s.n_out)
             return torch.zeros_like(token), token
-        return speculative_sample(top_p_filter(logits, c.temperature, c.top_p), draft_logits, s.block[:, 1:],
-                                  c.temperature, self.draft_temperature)
+        verify = block_verify_sample if c.verification == "block" else speculative_sample
+        return verify(top_p_filter(logits, c.temperature, c.top_p), draft_logits, s.block[:, 1:], c.temperature,
+                      self.draft_temperature)
 
     def _propose(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Drafts [b, B-1] for the block in `state.block` at positions [b, B] (the block's own slots 1.. where

@@ -16,8 +16,22 @@ Two kinds of draws:
     at the first rejected slot k:   emit a token from norm(max(p_{k-1} - q_k, 0));
     if all B-1 drafts are accepted: emit a bonus token from p_{B-1}.
 
-  Each emitted token is then distributed exactly as p given the committed prefix, whatever q is. These
-  draws use the exponential race (argmax of prob / Exp(1) noise is a sample from prob) on the global
+  Each emitted token is then distributed exactly as p given the committed prefix, whatever q is.
+- Block verification (`block_verify_sample`; Sun et al. 2024, "Block Verification Accelerates Speculative
+  Decoding") for the same block: the drafts are judged together, not one at a time, so a slot that token-wise
+  testing would reject can still be kept when the slots before it were drafted with room to spare. With
+  w_0 = 1 and w_k = min(w_{k-1} p_{k-1}(d_k) / q_k(d_k), 1), the weight of keeping the first k drafts, and
+  S_k = sum_x max(w_k p_k(x) - q_{k+1}(x), 0):
+
+    h_k = S_k / (S_k + 1 - w_k) for k < B-1,  h_{B-1} = w_{B-1};  with u_k uniform, keep the first
+    a = max{k : u_k <= h_k} drafts (k = 0 always qualifies);  emit a token from norm(max(w_a p_a - q_{a+1}, 0))
+    (q_B = 0: from p_{B-1} when every draft is kept).
+
+  The committed tokens follow p exactly as with token-wise testing, and no verifier keeps more drafts on
+  average (the paper's optimality result); the cost is the same target pass and a few [b, B, V] operations.
+  DFlash slots are drafted in parallel, so q_k does not depend on d_<k; the rule does not need it to.
+
+  These draws use the exponential race (argmax of prob / Exp(1) noise is a sample from prob) on the global
   generator: no `torch.multinomial`, whose checks synchronise with the host and break graph capture.
 
 Top-p (nucleus) sampling keeps the smallest set of most likely tokens whose probability reaches top_p
@@ -150,3 +164,53 @@ def speculative_sample(
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p_a, residual)
     return accepted, sample(residual, generator)
+
+
+def block_verify_law(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block verification rule's law (module docstring) for target probabilities p [b, B, V], draft
+    probabilities q [b, B-1, V] and drafts [b, B-1]: (h [b, B], the chance to keep at least k drafts given that
+    no longer prefix was kept; residual [b, B, V], the unnormalised distribution of the token emitted after k
+    kept drafts)."""
+    b, width, _ = p.shape
+    ratio = p[:, :-1].gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]  # [b, B-1]
+    weights = [torch.ones(b, dtype=p.dtype, device=p.device)]
+    for k in range(width - 1):  # w_k = min(w_{k-1} * ratio, 1): a running product reset at 1, slot by slot
+        weights.append(torch.minimum(weights[-1] * ratio[:, k], torch.ones_like(ratio[:, k])))
+    w = torch.stack(weights, dim=1)  # [b, B]
+    q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [b, B, V]: nothing drafted after the block
+    residual = (w[..., None] * p - q_padded).clamp_min(0.0)
+    mass = residual[:, :-1].sum(dim=-1)  # S_k, [b, B-1]
+    denominator = mass + (1.0 - w[:, :-1])  # not (mass + 1) - w, which rounding can leave below mass: h > 1
+    h = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(p.dtype).tiny), 1.0).clamp(0.0, 1.0)
+    return torch.cat([h, w[:, -1:]], dim=1), residual
+
+
+def block_verify_sample(
+    target_logits: torch.Tensor,
+    draft_logits: torch.Tensor | None,
+    drafts: torch.Tensor,
+    temperature: float,
+    draft_temperature: float | None = None,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`speculative_sample`'s contract, with the block verification rule (module docstring) in place of testing
+    each draft on its own."""
+    p = probabilities(target_logits, temperature)  # [b, B, V]
+    b, width, vocab = p.shape
+    if width == 1:
+        return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if draft_temperature > 0:
+        q = probabilities(draft_logits, draft_temperature)  # [b, B-1, V]
+    else:
+        q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
+    h, residual = block_verify_law(p, q, drafts)
+    u = torch.rand(h.shape, device=p.device, generator=generator)
+    kept = (u <= h) | (torch.arange(width, device=p.device) == 0)  # [b, B]
+    # The longest qualifying prefix: the last k with kept[k], as the index of the largest k * kept[k].
+    accepted = (kept.long() * torch.arange(width, device=p.device)).argmax(dim=-1)  # a, [b]
+    index = accepted[:, None, None].expand(b, 1, vocab)
+    chosen, p_a = residual.gather(1, index)[:, 0], p.gather(1, index)[:, 0]
+    # Rounding can leave an all-zero residual when p and q agree almost everywhere; p itself is then exact enough.
+    empty = chosen.sum(dim=-1, keepdim=True) <= 0
+    return accepted, sample(torch.where(empty, p_a, chosen), generator)

@@ -47,8 +47,8 @@ def exact_joint(target: TargetModel) -> torch.Tensor:
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-def draw(target: TargetModel, with_draft: bool, seed: int,
-         draft_scale: float = 1.0) -> tuple[Counter[tuple[int, ...]], Counter[int]]:
+def draw(target: TargetModel, with_draft: bool, seed: int, draft_scale: float = 1.0,
+         verification: str = "token") -> tuple[Counter[tuple[int, ...]], Counter[int]]:
     """Token triples and acceptance lengths of SAMPLES generations (drafts sampled at TEMPERATURE * draft_scale)."""
     torch.manual_seed(seed)
     config = DFlashConfig.from_target_config(target.config, mask_token_id=VOCAB - 1, num_hidden_layers=1,
@@ -56,7 +56,8 @@ def draw(target: TargetModel, with_draft: bool, seed: int,
     draft = DFlashDraftModel(config).eval() if with_draft else None
     engine = DecodeEngine(target, draft, EngineConfig(batch_size=SAMPLES, block_size=3, max_new_tokens=NEW,
                                                       max_length=16, temperature=TEMPERATURE, kernels="torch",
-                                                      draft_temperature_scale=draft_scale))
+                                                      draft_temperature_scale=draft_scale,
+                                                      verification=verification))
     outputs, _ = engine.generate([PROMPT] * SAMPLES)
     return Counter(tuple(o.tokens) for o in outputs), Counter(a for o in outputs for a in o.acceptance_lengths)
 
@@ -87,23 +88,28 @@ def homogeneity(a: Counter[tuple[int, ...]], b: Counter[tuple[int, ...]], expect
     return chi2_pvalue(float(((table - fitted) ** 2 / fitted).sum()), len(cells) - 1)
 
 
-def test_speculative_sampling_matches_the_exact_distribution_and_plain_sampling(target: TargetModel) -> None:
+@pytest.mark.parametrize("verification", ["token", "block"])
+def test_speculative_sampling_matches_the_exact_distribution_and_plain_sampling(target: TargetModel,
+                                                                               verification: str) -> None:
     expected = exact_joint(target)
     assert abs(float(expected.sum()) - 1) < 1e-9 and len(pooled_cells(expected)) > 20
-    (drafted, lengths), (plain, _) = draw(target, with_draft=True, seed=1), draw(target, with_draft=False, seed=2)
+    drafted, lengths = draw(target, with_draft=True, seed=1, verification=verification)
+    plain, _ = draw(target, with_draft=False, seed=2)
     assert min(lengths[1], lengths[2], lengths[3]) > 100  # rejections, partial and full acceptance all occur
     assert goodness_of_fit(plain, expected) > 1e-3  # the loop's plain sampling, and the enumeration, agree
     assert goodness_of_fit(drafted, expected) > 1e-3
     assert homogeneity(drafted, plain, expected) > 1e-3
 
 
+@pytest.mark.parametrize("verification", ["token", "block"])
 @pytest.mark.parametrize("draft_scale", [0.5, 0.0])
 def test_drafts_sampled_colder_or_taken_greedily_keep_the_exact_distribution(target: TargetModel,
-                                                                              draft_scale: float) -> None:
+                                                                              draft_scale: float,
+                                                                              verification: str) -> None:
     """Drafts sampled at half the temperature, or the drafter's argmax (a point mass): the rejection test reads
     the distribution they came from, so the output is still the target's at TEMPERATURE."""
     expected = exact_joint(target)
-    drafted, lengths = draw(target, with_draft=True, seed=3, draft_scale=draft_scale)
+    drafted, lengths = draw(target, with_draft=True, seed=3, draft_scale=draft_scale, verification=verification)
     assert min(lengths[1], lengths[2]) > 100 and lengths[3] > 0  # drafts rejected and accepted
     assert goodness_of_fit(drafted, expected) > 1e-3
 
