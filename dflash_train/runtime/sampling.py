@@ -129,6 +129,19 @@ def seeded_sample(logits: torch.Tensor, temperature: float, top_p: float, keys: 
     return order.gather(1, inverse_cdf(sorted_probs, u)[:, None])[:, 0]
 
 
+def block_probabilities(target_logits: torch.Tensor, draft_logits: torch.Tensor | None, drafts: torch.Tensor,
+                        temperature: float, draft_temperature: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(p [b, B, V], the target's at `temperature`; q [b, B-1, V], the distribution the drafts were drawn from at
+    `draft_temperature` (None: `temperature`; 0: a point mass on each draft), or None for a block of no drafts)."""
+    p = probabilities(target_logits, temperature)
+    if p.shape[1] == 1:
+        return p, None
+    draft_temperature = temperature if draft_temperature is None else draft_temperature
+    if draft_temperature > 0:
+        return p, probabilities(draft_logits, draft_temperature)
+    return p, torch.nn.functional.one_hot(drafts, p.shape[-1]).to(p.dtype)
+
+
 def speculative_sample(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor | None,
@@ -141,15 +154,10 @@ def speculative_sample(
     them at `draft_temperature` (None: `temperature`; 0: the drafts are their argmax, q a point mass on each).
     Returns (a [b]: accepted drafts, token [b]: the token emitted after them). The uniforms and the emitted
     token come from `generator` (None: the global generator, as the decode loop's graph-captured step uses)."""
-    p = probabilities(target_logits, temperature)  # [b, B, V]
+    p, q = block_probabilities(target_logits, draft_logits, drafts, temperature, draft_temperature)
     b, width, vocab = p.shape
-    if width == 1:
+    if q is None:  # no drafts: the token comes from the target alone
         return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
-    draft_temperature = temperature if draft_temperature is None else draft_temperature
-    if draft_temperature > 0:
-        q = probabilities(draft_logits, draft_temperature)  # [b, B-1, V]
-    else:
-        q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
     p_draft = p[:, :-1].gather(-1, drafts[..., None])[..., 0]  # p_{k-1}(d_k), [b, B-1]
     q_draft = q.gather(-1, drafts[..., None])[..., 0]  # q_k(d_k)
     u = torch.rand(p_draft.shape, device=p.device, generator=generator)
@@ -195,15 +203,10 @@ def block_verify_sample(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`speculative_sample`'s contract, with the block verification rule (module docstring) in place of testing
     each draft on its own."""
-    p = probabilities(target_logits, temperature)  # [b, B, V]
+    p, q = block_probabilities(target_logits, draft_logits, drafts, temperature, draft_temperature)
     b, width, vocab = p.shape
-    if width == 1:
+    if q is None:  # no drafts: the token comes from the target alone
         return torch.zeros(b, dtype=torch.long, device=p.device), sample(p[:, 0], generator)
-    draft_temperature = temperature if draft_temperature is None else draft_temperature
-    if draft_temperature > 0:
-        q = probabilities(draft_logits, draft_temperature)  # [b, B-1, V]
-    else:
-        q = torch.nn.functional.one_hot(drafts, vocab).to(p.dtype)
     h, residual = block_verify_law(p, q, drafts)
     u = torch.rand(h.shape, device=p.device, generator=generator)
     kept = (u <= h) | (torch.arange(width, device=p.device) == 0)  # [b, B]
