@@ -11,6 +11,7 @@ Rank r writes OUT/<variant>-rank<r>.pt: {"losses": [...], "grad_norms": [...], "
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -45,6 +46,12 @@ def main(argv: list[str]) -> None:
     out, steps, overrides = Path(argv[0]), int(argv[1]), argv[2:]
     for variant in ("ddp", "graphed", "by-hand"):
         run(variant, out, steps, overrides)
+    # Leave without the interpreter's finalization: gloo's worker thread may still be releasing the last
+    # hand-made all-reduce (a tensor Python created), which needs the GIL that a finalizing interpreter no longer
+    # gives, and the process aborts ("terminate called without an active exception") after its work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
