@@ -15,6 +15,8 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
+import torch
+
 from dflash_train.commands import OneLineErrorParser, parse_or_report
 from dflash_train.errors import run_with_one_line_errors
 from dflash_train.outputs import claim_training_dir
@@ -33,6 +35,10 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides)
     claim_training_dir(config, args.overwrite)
     result = run_training(config)
+    # Each process of a distributed run ends its process group itself, as torch asks of every trainer process:
+    # left to the interpreter's exit, NCCL warns at the end of every run that resources may leak.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     if result.finished:
         print(f"trained {result.steps} steps; final checkpoint: {result.final_checkpoint}")
     else:
