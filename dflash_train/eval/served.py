@@ -1,5 +1,6 @@
-"""Acceptance length of a DFlash drafter as a serving runtime measures it (vLLM, or any OpenAI-compatible
-server exposing vLLM's Prometheus speculative-decoding counters).
+"""Acceptance length of a DFlash drafter as a serving runtime measures it: vLLM, llama.cpp's `llama-server`
+(started with `--metrics`), or any OpenAI-compatible server exposing the same Prometheus speculative-decoding
+counters (`vllm:spec_decode_*` or `llamacpp:spec_decode_*`).
 
 Each prompt set is sent with the prompts `dflash-train eval` uses (same loaders, same `--num-prompts`
 choice, same chat rendering, sent as token ids so the server sees the very prompt the eval decoded),
@@ -38,10 +39,15 @@ from dflash_train.data.prompt_ids import prompt_ids, stop_token_ids
 from dflash_train.json_files import json_object_or_none
 from dflash_train.prompts.eval_sets import PromptSet, load_prompt_set
 
-DRAFTS = "vllm:spec_decode_num_drafts_total"
-ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
-DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
-PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+# The counters' names after the server's prefix: vLLM's, which llama-server copies under its own prefix.
+PREFIXES = ("vllm:", "llamacpp:")
+DRAFTS = "spec_decode_num_drafts_total"  # verify passes (cycles) with a draft
+ACCEPTED = "spec_decode_num_accepted_tokens_total"
+DRAFT_TOKENS = "spec_decode_num_draft_tokens_total"
+PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+# Plain temperature sampling, as the eval samples: the servers' own defaults differ (llama-server's truncate the
+# target's distribution to the top 40 tokens, 95 % of the mass and 5 % of the top token's probability).
+PLAIN_SAMPLING = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
 SAMPLE = re.compile(r"^([A-Za-z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
 POSITION = re.compile(r'position="(\d+)"')
 TIMEOUT_S = 600.0  # one greedy request on a CPU server can take minutes
@@ -89,18 +95,22 @@ class SetResult:
 
 
 def parse_metrics(text: str) -> Counters:
-    """The speculative-decoding counters of a Prometheus text page, summed over label sets (one per engine
-    or model); ServerError if the page has none (no drafter, or not a vLLM-style server)."""
+    """The speculative-decoding counters of a Prometheus text page (vLLM's or llama-server's), summed over label
+    sets (one per engine or model); ServerError if the page has none (no drafter, or no such counters)."""
     counters, seen = Counters(), False
     for line in text.splitlines():
         match = SAMPLE.match(line)
         if match is None:
             continue
-        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        prefix = next((p for p in PREFIXES if match.group(1).startswith(p)), None)
+        if prefix is None:
+            continue
+        name, labels, value = match.group(1)[len(prefix):], match.group(2) or "", float(match.group(3))
         seen |= name == DRAFTS
         _add_sample(counters, name, labels, value)
     if not seen:
-        raise ServerError(f"the server's /metrics has no {DRAFTS}: is it serving with a speculative config?")
+        raise ServerError(f"the server's /metrics has no vllm:{DRAFTS} or llamacpp:{DRAFTS}: is it serving with a "
+                          "speculative config (llama-server: with --metrics)?")
     return counters
 
 
@@ -144,8 +154,10 @@ def complete(url: str, model: str, ids: list[int], max_tokens: int, stop_ids: Se
     """One completion of a prompt given as token ids: greedy at temperature 0, else sampled with `seed`."""
     body: dict[str, Any] = {"model": model, "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
                             "stop_token_ids": list(stop_ids), "return_token_ids": True}  # vLLM/SGLang extensions
-    if temperature > 0 and seed is not None:
-        body["seed"] = seed
+    if temperature > 0:
+        body.update(PLAIN_SAMPLING)
+        if seed is not None:
+            body["seed"] = seed
     start = time.perf_counter()
     reply = json.loads(_http(f"{url}/v1/completions", body))
     seconds = time.perf_counter() - start

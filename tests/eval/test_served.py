@@ -25,10 +25,25 @@ vllm:spec_decode_num_accepted_tokens_total{{engine="0",model_name="m"}} {accepte
 vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="0"}} {pos0}
 vllm:spec_decode_num_accepted_tokens_per_pos_total{{engine="0",model_name="m",position="1"}} {pos1}
 """
+# llama-server's page (with --metrics): the same counters under its own prefix, without labels but the position,
+# beside counters of its own whose names must not be mistaken for them.
+LLAMACPP_METRICS = """# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 123
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 999
+# TYPE llamacpp:spec_decode_num_accepted_tokens_total counter
+llamacpp:spec_decode_num_accepted_tokens_total {accepted}
+# TYPE llamacpp:spec_decode_num_drafts_total counter
+llamacpp:spec_decode_num_drafts_total {drafts}
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="0"}} {pos0}
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{{position="1"}} {pos1}
+"""
 
 
 class FakeServer(BaseHTTPRequestHandler):
-    metrics: str | None = "vllm"  # "vllm": the counters; "none": a 404; "plain": a page without them
+    metrics: str | None = "vllm"  # "vllm", "llamacpp": the counters; "none": a 404; "plain": a page without them
     prompts: list[list[int]] = []
     bodies: list[dict] = []  # every completion request's body, in order
 
@@ -45,10 +60,11 @@ class FakeServer(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         if self.path == "/v1/models":
             self._send(200, json.dumps({"data": [{"id": "fake"}]}))
-        elif self.path == "/metrics" and self.metrics == "vllm":
+        elif self.path == "/metrics" and self.metrics in ("vllm", "llamacpp"):
             done = range(1, len(self.prompts) + 1)
-            page = METRICS.format(drafts=7 + sum(n + 1 for n in done), accepted=5 + sum(3 * n for n in done),
-                                  pos0=sum(done), pos1=sum(n - 1 for n in done))
+            page = (METRICS if self.metrics == "vllm" else LLAMACPP_METRICS).format(
+                drafts=7 + sum(n + 1 for n in done), accepted=5 + sum(3 * n for n in done),
+                pos0=sum(done), pos1=sum(n - 1 for n in done))
             self._send(200, page, "text/plain")
         elif self.path == "/metrics" and self.metrics == "plain":
             self._send(200, "process_cpu_seconds_total 1.0\n", "text/plain")
@@ -91,8 +107,9 @@ def setup(tmp_path: Path) -> tuple[Path, Path]:
     return tmp_path / "tok", prompts
 
 
+@pytest.mark.parametrize("server", ["vllm", "llamacpp"], indirect=True)
 def test_tau_per_request_and_per_cycle_from_the_counters(server: Fake, setup: tuple[Path, Path], tmp_path: Path,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
     tok, prompts = setup
     out = tmp_path / "served.json"
     code = served.main(["--url", server.url, "--tokenizer", str(tok), "--dataset", str(prompts),
@@ -124,6 +141,9 @@ def test_a_temperature_sweep_measures_every_set_at_each_with_seeded_draws(
     bodies = server.handler.bodies
     assert [b["temperature"] for b in bodies] == [0.0] * 3 + [0.7] * 3
     assert ["seed" in b for b in bodies[:3]] == [False] * 3 and [b["seed"] for b in bodies[3:]] == [10, 11, 12]
+    # sampled from the plain tempered distribution, as the eval samples, whatever the server's defaults truncate
+    assert all("top_k" not in b for b in bodies[:3])
+    assert all((b["top_p"], b["top_k"], b["min_p"]) == (1.0, -1, 0.0) for b in bodies[3:])
     table = capsys.readouterr().out
     assert "| prompts | 0 | 3 |" in table and "| prompts | 0.7 | 3 |" in table
 
