@@ -48,7 +48,13 @@
 #                   instead of decoding it to the cap, and its row takes the next prompt: more answers a minute
 #                   from the same prompts (docs/results.md, 'Loop stopping'); 0: decode every answer to the cap
 #                   or its end
-#   SAMPLES         answers per prompt: 1 greedy, more adds sampled ones at TEMPERATURE (default 1)
+#   SAMPLES         answers per prompt: 1 greedy (default); K > 1 samples all K at TEMPERATURE, none greedy
+#   SAMPLED_MINUTES the target's minutes of sampled answers beside the greedy ones (default 0: none): after the
+#                   greedy answers, the same prompts from the first answered once more at SAMPLED_TEMPERATURE
+#                   (default 1.0) into $OUT/regen-sampled, prepared with the greedy ones; on top of REGEN_MINUTES,
+#                   so training's share of TOTAL_MINUTES shrinks by them. A share of sampled answers keeps more of
+#                   the greedy τ at temperature 1 for a little of it at 0 (docs/results.md, 'A sampled answer
+#                   beside the greedy ones')
 #   REGEN_MINUTES   the target's minutes of data: stop regenerating after this long, less what writing
 #                   SELF_PROMPTS took; training uses the finished shards (default 9.5: room for every prompt of
 #                   the default mix at the slower regeneration pace the speedruns saw, where a lower budget left
@@ -144,6 +150,8 @@ SELF_MATH_PROMPTS=${SELF_MATH_PROMPTS:-0}
 SELF_MATH_OPENING=${SELF_MATH_OPENING:-Here is a math word problem for you to solve:}
 SAMPLES=${SAMPLES:-1}
 TEMPERATURE=${TEMPERATURE:-0.7}
+SAMPLED_MINUTES=${SAMPLED_MINUTES:-0}
+SAMPLED_TEMPERATURE=${SAMPLED_TEMPERATURE:-1.0}
 REGEN_MINUTES=${REGEN_MINUTES:-9.5}
 TRAIN_MINUTES=${TRAIN_MINUTES:-}
 TOTAL_MINUTES=${TOTAL_MINUTES:-24}
@@ -197,9 +205,11 @@ done
 tr ',' '\n' <<< "$EVAL_TEMPERATURES" | awk '$1 == 0 { found = 1 } END { exit !found }' || {
   echo "EVAL_TEMPERATURES must include 0 (the run's own figures and its exact check), not '$EVAL_TEMPERATURES'" >&2
   exit 2; }
-for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES ABLATION_REGEN_MINUTES; do
+for minutes in TOTAL_MINUTES EVAL_RESERVE_MINUTES ABLATION_REGEN_MINUTES SAMPLED_MINUTES; do
   [[ "${!minutes}" =~ ^[0-9]+([.][0-9]+)?$ ]] || { echo "$minutes must be a number of minutes, not '${!minutes}'" >&2; exit 2; }
 done
+[[ "$SAMPLED_TEMPERATURE" =~ ^[0-9]+([.][0-9]+)?$ ]] && awk -v t="$SAMPLED_TEMPERATURE" 'BEGIN { exit !(t > 0) }' || {
+  echo "SAMPLED_TEMPERATURE must be a temperature above 0 (sampled answers), not '$SAMPLED_TEMPERATURE'" >&2; exit 2; }
 [[ -z "$TRAIN_MINUTES" || "$TRAIN_MINUTES" =~ ^[0-9]+([.][0-9]+)?$ ]] || {
   echo "TRAIN_MINUTES must be a number of minutes (empty: TOTAL_MINUTES's share), not '$TRAIN_MINUTES'" >&2; exit 2; }
 [[ "$GPUS" =~ ^[1-9][0-9]*$ ]] || { echo "GPUS must be a whole number of GPUs (1 or more), not '$GPUS'" >&2; exit 2; }
@@ -326,7 +336,18 @@ regen_finished() {  # every prompt answered, the budget spent, or the answers al
   [[ -f "$OUT/prepared/dflash_data.json" || -f "$OUT/regen.budget-spent" || -f "$OUT/regen.done" ]]
 }
 
-regen() {
+regen() {  # the greedy answers, then SAMPLED_MINUTES of sampled ones beside them
+  regen_greedy
+  sampled_answers || return 0
+  [[ -f "$OUT/prepared/dflash_data.json" ]] && return 0
+  regen_variant sampled "$SAMPLED_MINUTES" --temperature "$SAMPLED_TEMPERATURE"
+}
+
+sampled_answers() {  # whether the run prepares sampled answers beside the greedy ones
+  awk -v minutes="$SAMPLED_MINUTES" 'BEGIN { exit !(minutes > 0) }'
+}
+
+regen_greedy() {
   # Stopped by REGEN_MINUTES, the run is marked budget-spent: a later call of this stage does not continue
   # it, and prepare takes its finished shards.
   local sampled=() loops=()
@@ -369,9 +390,10 @@ regen() {
 }
 
 prepare() {
-  local trim=()
+  local trim=() answers="$OUT/regen"
   [[ "$TRIM_LOOPS" == 1 ]] && trim=(--trim-loops)
-  prepare_into "$OUT/prepared" "${trim[@]}"
+  sampled_answers && answers+=" $OUT/regen-sampled"
+  ANSWERS=$answers prepare_into "$OUT/prepared" "${trim[@]}"
 }
 
 prepare_into() {  # output directory, more prepare flags: the regenerated answers as training chats, once
@@ -493,7 +515,7 @@ ablate() {
     name=${entry%%:*} answers=
     [[ "$name" == *+ ]] && name=${name%+} answers="$OUT/regen"  # beside the stage's own answers
     # shellcheck disable=SC2086  # the entry's flags are a list
-    regen_variant "$name" ${entry#*:}
+    regen_variant "$name" "$ABLATION_REGEN_MINUTES" ${entry#*:}
     ANSWERS="$answers $OUT/regen-$name" prepare_into "$OUT/prepared-$name"
     TRAIN_EXTRA="$equal data.prepared=$OUT/prepared-$name" train_run "ablation-$name" "$ABLATION_MINUTES"
     ablation_eval "ablation-$name"
@@ -510,19 +532,19 @@ ablate() {
   done
 }
 
-regen_variant() {  # name, more regenerate flags: the prompts answered again into $OUT/regen-NAME, once, for
-  # ABLATION_REGEN_MINUTES (a call cut short starts its minutes again: keep the variants to calls that hold them)
+regen_variant() {  # name, minutes, more regenerate flags: the prompts answered again into $OUT/regen-NAME,
+  # once, for those minutes (a call cut short starts them again: keep the variants to calls that hold them)
   local out="$OUT/regen-$1" loops=() seconds
   [[ -f "$out.done" || -f "$out.budget-spent" ]] && return 0
   [[ "$STOP_LOOPS" == 1 ]] && loops=(--stop-loops)
-  seconds=$(awk -v minutes="$ABLATION_REGEN_MINUTES" 'BEGIN { printf "%d", minutes * 60 }')
+  seconds=$(awk -v minutes="$2" 'BEGIN { printf "%d", minutes * 60 }')
   # shellcheck disable=SC2086  # REGEN_EXTRA is a list of flags
   on_every_gpu timeout --foreground "${seconds}s" "${DFLASH[@]}" regenerate --target "$TARGET" --data "$PROMPTS" \
     --max-new-tokens "$MAX_NEW_TOKENS" --max-prompt-tokens 1024 --dtype bf16 --batch-size 4096 \
-    --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA "${@:2}" --out "$out" || {
+    --decode-rows "$DECODE_ROWS" "${loops[@]}" $REGEN_EXTRA "${@:3}" --out "$out" || {
     local code=$?
     [[ $code == 124 ]] || return $code
-    echo "regeneration of $1 stopped after ABLATION_REGEN_MINUTES=$ABLATION_REGEN_MINUTES: training on its shards" >&2
+    echo "regeneration of $1 stopped after its $2 minutes: training on its shards" >&2
     touch "$out.budget-spent"
   }
   [[ -f "$out.budget-spent" ]] || touch "$out.done"

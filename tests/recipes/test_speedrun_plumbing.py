@@ -1,6 +1,4 @@
-"""What the speedrun script hands its commands, without running them: a stand-in `python3` first on PATH
-records each call's arguments and answers the one query the script makes, a run's final drafter: there is
-one once this call has trained the run, or for every run when FINISHED is set (a run trained before)."""
+"""What the speedrun script hands its commands, without running them (`tests.helpers.speedrun_shims`)."""
 
 from __future__ import annotations
 
@@ -11,40 +9,9 @@ import subprocess
 import pytest
 
 from tests.helpers.paths import REPO
+from tests.helpers.speedrun_shims import SHIM, TIMEOUT_SHIM, run_stage
 
-SHIM = """#!/usr/bin/env bash
-printf '%s\\n' "$*" >> "$CALLS"
-if [[ "$1" == "-c" ]] && { [[ -n "${FINISHED:-}" ]] || grep -qF "training.output_dir=$3 " "$CALLS"; }; then
-  echo "$DRAFT"
-fi
-exit 0
-"""
-
-
-TIMEOUT_SHIM = """#!/usr/bin/env bash
-[[ "$1" == --foreground ]] && shift
-printf "timeout %s\\n" "$1" >> "$CALLS"
-shift
-exec "$@"
-"""
 SLOW_REGEN_SHIM = SHIM.replace("exit 0", '[[ "$*" == *" regenerate "* ]] && sleep 60\nexit 0')
-
-
-def run_stage(stage: str, tmp_path: pathlib.Path, shim: str = SHIM, **settings: str) -> list[str]:
-    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
-    bin_dir.mkdir(exist_ok=True)
-    (bin_dir / "python3").write_text(shim)
-    (bin_dir / "python3").chmod(0o755)
-    calls.write_text("")
-    if stage in ("regenerate", "data"):  # the prompts stage's file, which these two refuse to run without
-        (tmp_path / "run").mkdir(exist_ok=True)
-        (tmp_path / "run" / "prompts.jsonl").touch()
-    env = {**os.environ, **settings, "OUT": str(tmp_path / "run"), "CALLS": str(calls),
-           "DRAFT": str(tmp_path / "draft"), "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"}
-    done = subprocess.run(["bash", str(REPO / "recipes/smollm2-135m-speedrun.sh"), stage], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return calls.read_text().splitlines()
 
 
 def test_regeneration_without_the_prompts_stage_says_to_run_it_first(tmp_path: pathlib.Path) -> None:
