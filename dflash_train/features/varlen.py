@@ -16,10 +16,8 @@ kernel, each chat goes through SDPA on its own: the same arithmetic, slower, and
 
 from __future__ import annotations
 
-import functools
-import inspect
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +25,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from dflash_train.features.varlen_kernel import varlen_kernel
 
 VARLEN = "dflash_varlen"
 _current = threading.local()
@@ -106,10 +106,11 @@ def _attend_chats(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         raise ValueError(f"the {VARLEN} attention has no dropout: run the target in eval mode")
     dim = query.shape[-1]
     scale = dim ** -0.5 if scaling is None else scaling
-    kernel = None if extras.softcap or extras.sinks is not None else _kernel(query.device, scale, dim, query.dtype,
-                                                                              extras.window)
-    return kernel(query, key, value, sequences, scale) if kernel else _per_sequence(query, key, value, sequences,
-                                                                                   scale, extras)
+    kernel = None if extras.softcap or extras.sinks is not None else varlen_kernel(query.device, scale, dim,
+                                                                                    query.dtype, extras.window)
+    if kernel is None:
+        return _per_sequence(query, key, value, sequences, scale, extras)
+    return kernel(query, key, value, sequences.cu_lengths, sequences.longest, scale)
 
 
 @dataclass(frozen=True)
@@ -156,50 +157,6 @@ def _eager(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, extr
     sink = extras.sinks.float().reshape(-1, 1, 1).expand(-1, n, 1)  # [h, n, 1]: a logit no value goes with
     weights = torch.cat([logits, sink], dim=-1).softmax(-1)[..., :-1]
     return (weights @ v.float()).to(v.dtype)
-
-
-def _kernel(device: torch.device, scale: float, dim: int, dtype: torch.dtype = torch.bfloat16,
-            window: int | None = None) -> Callable[..., torch.Tensor] | None:
-    """PyTorch's varlen kernel as `(q, k, v, sequences, scale) -> out`, or None where it cannot run this call
-    (off CUDA, not bf16/fp16, a PyTorch without it, a scale or a window its signature cannot take)."""
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return None
-    found = _varlen_kernel()
-    if found is None:
-        return None
-    varlen_attn, parameters = found
-    if "scale" not in parameters and abs(scale - dim ** -0.5) > 1e-12 * scale:
-        return None  # an older kernel fixes the scale at 1/sqrt(D)
-    if window is not None and "window_size" not in parameters:
-        return None
-
-    def call(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, sequences: PackedSequences,
-             scale: float) -> torch.Tensor:
-        extra: dict[str, Any] = {"scale": scale} if "scale" in parameters else {}
-        if "window_size" in parameters:  # (keys back, keys ahead): causal, within the window if any
-            extra["window_size"] = (-1 if window is None else window - 1, 0)
-        else:
-            extra["is_causal"] = True
-        if query.shape[1] != key.shape[1]:
-            if "enable_gqa" in parameters:
-                extra["enable_gqa"] = True
-            else:
-                groups = query.shape[1] // key.shape[1]
-                key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-        cu, longest = sequences.cu_lengths, sequences.longest
-        return varlen_attn(query, key, value, cu, cu, longest, longest, **extra)
-
-    return call
-
-
-@functools.cache
-def _varlen_kernel() -> tuple[Callable[..., torch.Tensor], frozenset[str]] | None:
-    """PyTorch's varlen kernel and its parameter names, looked up once (every layer of every forward asks)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def register() -> None:

@@ -1,18 +1,17 @@
-"""Varlen attention for packed rows (`dflash_train.features.varlen`): chat boundaries from position ids, the
-per-chat result against plain causal SDPA on each chat alone, and the call into PyTorch's varlen kernel under
-each of its signatures (a stand-in kernel on CPU; the real one in the GPU test)."""
+"""Varlen attention for packed rows (`dflash_train.features.varlen`): chat boundaries from position ids, and the
+per-chat result against plain causal SDPA on each chat alone, on CPU and through PyTorch's kernel on the GPU
+(the kernel's signatures: `test_varlen_kernel.py`)."""
 
 from __future__ import annotations
 
-import functools
 import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash_train.features import varlen
 from dflash_train.features.varlen import packed_sequences, sequence_bounds, varlen_attention
+from dflash_train.features.varlen_kernel import varlen_kernel
 
 LENGTHS = ((5, 3, 8), (9, 7))  # chats of two rows of 16 tokens
 
@@ -84,67 +83,12 @@ def test_outside_its_context_it_refuses() -> None:
         varlen_attention(types.SimpleNamespace(), query, key, value, None)
 
 
-def stand_in(signature: str) -> object:
-    """A varlen kernel with one of PyTorch's signatures, computed per chat; it records what it was given."""
-    calls: list[dict] = []
-
-    def compute(query, key, value, cu_q, max_q, causal, scale):  # [T, h, D]
-        assert causal and torch.equal(cu_q.cpu(), torch.tensor([0, 5, 8, 16, 25, 32], dtype=torch.int32))
-        out = torch.empty_like(query)
-        groups = query.shape[1] // key.shape[1]
-        bounds = cu_q.tolist()
-        for start, end in zip(bounds, bounds[1:], strict=False):
-            q, k, v = (t[start:end].transpose(0, 1) for t in (query, key, value))
-            k, v = k.repeat_interleave(groups, 0), v.repeat_interleave(groups, 0)
-            out[start:end] = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale).transpose(0, 1)
-        return out
-
-    if signature == "2.10":
-        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_causal=False, return_aux=None):
-            calls.append({"is_causal": is_causal, "kv_heads": key.shape[1], "max_q": max_q})
-            return compute(query, key, value, cu_seq_q, max_q, is_causal, None)
-    else:
-        def kernel(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                   window_size=(-1, -1), enable_gqa=False):
-            calls.append({"window_size": window_size, "kv_heads": key.shape[1], "enable_gqa": enable_gqa,
-                          "scale": scale, "max_q": max_q})
-            return compute(query, key, value, cu_seq_q, max_q, window_size == (-1, 0), scale)
-    kernel.calls = calls  # type: ignore[attr-defined]
-    return kernel
-
-
-@pytest.mark.parametrize("signature", ["2.10", "2.12"])
-def test_the_kernel_is_called_as_its_signature_asks(signature: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    import torch.nn.attention.varlen as module
-
-    kernel = stand_in(signature)
-    monkeypatch.setattr(module, "varlen_attn", kernel)
-    varlen._varlen_kernel.cache_clear()  # looked up once per process: look up the stand-in
-    monkeypatch.setattr(varlen, "_varlen_kernel", functools.cache(varlen._varlen_kernel.__wrapped__))
-    query, key, value = qkv()
-    sequences = varlen.PackedSequences(torch.tensor(sequence_bounds(positions()), dtype=torch.int32),
-                                       sequence_bounds(positions()), 9)
-    call = varlen._kernel(torch.device("cuda"), 8 ** -0.5, 8)
-    assert call is not None
-    flat = [t.transpose(1, 2).reshape(32, t.shape[1], 8) for t in (query, key, value)]
-    out = call(*flat, sequences, 8 ** -0.5).view(2, 16, 4, 8)
-    torch.testing.assert_close(out, reference(query, key, value))
-    (recorded,) = kernel.calls  # type: ignore[attr-defined]
-    if signature == "2.10":  # causal by flag; kv heads repeated; the default scale only
-        assert recorded == {"is_causal": True, "kv_heads": 4, "max_q": 9}
-        assert varlen._kernel(torch.device("cuda"), 0.5, 8) is None  # another scale: the fallback runs
-    else:  # causal by window; grouped kv heads passed as they are
-        assert recorded == {"window_size": (-1, 0), "kv_heads": 2, "enable_gqa": True, "scale": 8 ** -0.5, "max_q": 9}
-    assert varlen._kernel(torch.device("cpu"), 8 ** -0.5, 8) is None
-    assert varlen._kernel(torch.device("cuda"), 8 ** -0.5, 8, torch.float32) is None  # FlashAttention: 16-bit only
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_cuda_kernel_matches_each_chat_alone() -> None:
     query, key, value = qkv(dtype=torch.bfloat16, device="cuda", dim=64)
     with packed_sequences(positions(), torch.device("cuda")):
         out, _ = varlen_attention(types.SimpleNamespace(), query, key, value, None, scaling=64 ** -0.5)
-    assert varlen._kernel(query.device, 64 ** -0.5, 64) is not None  # the kernel ran, not the fallback
+    assert varlen_kernel(query.device, 64 ** -0.5, 64) is not None  # the kernel ran, not the fallback
     expected = reference(*(t.float() for t in (query, key, value)))
     torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
