@@ -4,7 +4,7 @@
 
 Reads `<run>/eval/*.json` (reports of `dflash-train eval`) and `<run>/train/<name>/checkpoints/*/
 trainer_state.json`; a report named `<name>-b8` belongs to the training run `<name>`. A regeneration's
-`regen_stats.json` (`<run>/regen`, `<run>/regen-chat`) adds a "regeneration:" line and `summary_regeneration.json`
+`regen_stats.json` (`<run>/regen`, `-chat`, `-sampled`) adds a "regeneration:" line and `summary_regeneration.json`
 (summary.json stays a list of eval rows, as its readers expect); the prepared chats (`<run>/prepared/dflash_data.json`)
 a "data:" line (chats kept: the distinct conversations training saw, and why the others were dropped); each
 training run a "training:" line (steps, median step, the cold first step). A report of a temperature sweep
@@ -28,7 +28,7 @@ from dflash_train.training.flops import peak_bf16_rate
 from recipes.scoring.goals import check_goals, check_sampling_goals, goals_line, parse_goals, write_goals
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
-REGEN_DIRS = ("regen", "regen-chat")  # the speedrun's regeneration folders
+REGEN_DIRS = ("regen", "regen-chat", "regen-sampled")  # the speedrun's regeneration folders
 COLUMNS = ("run", "block", "batch", "dtype", "dataset", "requests", "τ", "τ 95% CI", "τ̂ teacher-forced", "lossless", "speedup",
            "cycle in steps", "steps", "sequences", "train min")
 

@@ -43,12 +43,16 @@ def test_no_reports_is_a_one_line_error(tmp_path: Path, capsys) -> None:  # noqa
     assert "run the eval stage first" in capsys.readouterr().err
 
 
-def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
-    (tmp_path / "regen").mkdir()
-    tally = {"units": 12, "rows": 49152, "answer_tokens": 9510512, "prompt_tokens": 1, "finish_reasons": {}}
-    (tmp_path / "regen" / "regen_stats.json").write_text(json.dumps({
+def write_regen_stats(folder: Path, units: int, rows: int, tokens: int, per_second: float) -> None:
+    folder.mkdir()
+    tally = {"units": units, "rows": rows, "answer_tokens": tokens, "prompt_tokens": 1, "finish_reasons": {}}
+    (folder / "regen_stats.json").write_text(json.dumps({
         "num_units": 34, "this_run": tally, "all_shards": tally, "decoding_seconds": 108.0, "command_seconds": 166.1,
-        "answer_tokens_per_second_decoding": 88040.0, "answer_tokens_per_second_overall": 57263.3}))
+        "answer_tokens_per_second_decoding": per_second, "answer_tokens_per_second_overall": 57263.3}))
+
+
+def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    write_regen_stats(tmp_path / "regen", 12, 49152, 9510512, 88040.0)
     write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
     assert main([str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -57,6 +61,17 @@ def test_a_regeneration_stats_file_adds_a_line(tmp_path: Path, capsys) -> None: 
     assert out.endswith((tmp_path / "summary.md").read_text())  # the table as before
     assert json.loads((tmp_path / "summary_regeneration.json").read_text())["regen"]["answers"] == 49152
     assert isinstance(json.loads((tmp_path / "summary.json").read_text()), list)
+
+
+def test_sampled_answers_beside_the_greedy_ones_get_a_line_of_their_own(tmp_path: Path, capsys) -> None:  # noqa: ANN001
+    write_regen_stats(tmp_path / "regen", 34, 158933, 35022007, 138600.0)
+    write_regen_stats(tmp_path / "regen-sampled", 11, 45056, 12000000, 51000.0)
+    write_report(tmp_path / "eval" / "main-b16.json", 16, {"humaneval": result(5.5, True)})
+    assert main([str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("regeneration: regen: 158,933 answers")
+    assert lines[1].startswith("regeneration: regen-sampled: 45,056 answers, 12,000,000 answer tokens (11 of 34 units)")
+    assert set(json.loads((tmp_path / "summary_regeneration.json").read_text())) == {"regen", "regen-sampled"}
 
 
 def test_tau_by_turn_and_category_follow_the_table(tmp_path: Path, capsys) -> None:  # noqa: ANN001
