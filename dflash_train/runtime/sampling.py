@@ -179,18 +179,25 @@ def block_verify_law(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> 
     probabilities q [b, B-1, V] and drafts [b, B-1]: (h [b, B], the chance to keep at least k drafts given that
     no longer prefix was kept; residual [b, B, V], the unnormalised distribution of the token emitted after k
     kept drafts)."""
-    b, width, _ = p.shape
     ratio = p[:, :-1].gather(-1, drafts[..., None])[..., 0] / q.gather(-1, drafts[..., None])[..., 0]  # [b, B-1]
-    weights = [torch.ones(b, dtype=p.dtype, device=p.device)]
-    for k in range(width - 1):  # w_k = min(w_{k-1} * ratio, 1): a running product reset at 1, slot by slot
-        weights.append(torch.minimum(weights[-1] * ratio[:, k], torch.ones_like(ratio[:, k])))
-    w = torch.stack(weights, dim=1)  # [b, B]
+    w = running_product_capped_at_one(ratio).to(p.dtype)  # [b, B]
     q_padded = torch.cat([q, torch.zeros_like(q[:, :1])], dim=1)  # [b, B, V]: nothing drafted after the block
     residual = (w[..., None] * p - q_padded).clamp_min(0.0)
     mass = residual[:, :-1].sum(dim=-1)  # S_k, [b, B-1]
     denominator = mass + (1.0 - w[:, :-1])  # not (mass + 1) - w, which rounding can leave below mass: h > 1
     h = torch.where(denominator > 0, mass / denominator.clamp_min(torch.finfo(p.dtype).tiny), 1.0).clamp(0.0, 1.0)
     return torch.cat([h, w[:, -1:]], dim=1), residual
+
+
+def running_product_capped_at_one(ratio: torch.Tensor) -> torch.Tensor:
+    """w [b, B] for ratios [b, B-1]: w_0 = 1, w_k = min(w_(k-1) * ratio_k, 1). In closed form rather than slot by
+    slot (two kernels a slot inside the decode cycle's graph): with S the running sum of log ratios from S_0 = 0,
+    log w_k = S_k - max(S_0..S_k). In float64, where those sums lose nothing a float32 product would keep; a
+    ratio of 0 gives -inf and w = 0 from there on, as the product does, and an infinite one (a draft its q gave
+    no mass) is capped where it can only matter below exp(-700)."""
+    logs = ratio.double().log().clamp_max(700.0)
+    sums = torch.cat([torch.zeros_like(logs[:, :1]), logs.cumsum(dim=-1)], dim=1)
+    return (sums - sums.cummax(dim=-1).values).exp()
 
 
 def block_verify_sample(

@@ -15,7 +15,7 @@ import math
 import pytest
 import torch
 
-from dflash_train.runtime.sampling import block_verify_law, block_verify_sample
+from dflash_train.runtime.sampling import block_verify_law, block_verify_sample, running_product_capped_at_one
 
 VOCAB, DRAFTS = 3, 3
 
@@ -136,3 +136,18 @@ def test_the_sampler_draws_from_the_law() -> None:
             wanted = chance * float(emitted[t])
             seen = float(((kept == n) & (token == t)).double().mean())
             assert abs(seen - wanted) < 4 * math.sqrt(wanted * (1 - wanted) / draws) + 1e-3, (n, t)
+
+
+def test_the_closed_form_running_product_is_the_slot_by_slot_one() -> None:
+    """w_k = min(w_(k-1) * ratio_k, 1) from w_0 = 1, computed slot by slot in float64, against the closed form the
+    sampler uses, over ratios around 1, zeros (w stays 0) and infinities (a draft q gave no mass: w back to 1)."""
+    gen = torch.Generator().manual_seed(0)
+    ratio = torch.exp(torch.randn(64, 15, generator=gen, dtype=torch.float64) * 2)
+    ratio[3, 4] = ratio[5, 0] = 0.0
+    ratio[7, 2] = ratio[9, 14] = float("inf")
+    expected = [torch.ones(64, dtype=torch.float64)]
+    for k in range(15):
+        expected.append(torch.minimum(expected[-1] * ratio[:, k], torch.ones(64, dtype=torch.float64)))
+    got = running_product_capped_at_one(ratio.float())
+    torch.testing.assert_close(got, torch.stack(expected, dim=1), rtol=1e-6, atol=0)
+    assert (got[3, 5:] == 0).all() and (got[7, 3] == 1) and (got[9, 15] == 1)
