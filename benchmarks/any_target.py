@@ -233,9 +233,14 @@ def measure_hf(target: TargetModel, prompts: list[list[int]], args: argparse.Nam
         raise RuntimeError(f"generate gave {produced.shape[1] - ids.shape[1]} tokens, not {new}")
     full_ms = median(time_calls(call(new), target.device, warmup=0, iters=args.repeats))
     one_ms = median(time_calls(call(1), target.device, warmup=1, iters=args.repeats))
+    measured = {"hf_generate_ms": full_ms, "hf_generate_one_token_ms": one_ms,
+                "hf_tokens_per_s": rows * new / full_ms * 1e3}
     step_ms = (full_ms - one_ms) / (new - 1)
-    return {"hf_generate_ms": full_ms, "hf_generate_one_token_ms": one_ms, "hf_tokens_per_s": rows * new / full_ms * 1e3,
-            "hf_step_ms": step_ms, "hf_decode_tokens_per_s": rows / step_ms * 1e3}
+    if step_ms <= 0:  # the calls' noise exceeds their difference (a loaded CPU, few tokens): no step to report
+        say(f"HF generate's step not measured: {new} tokens took {full_ms:.2f} ms, one took {one_ms:.2f} ms; "
+            "raise --new-tokens or --repeats")
+        return measured
+    return {**measured, "hf_step_ms": step_ms, "hf_decode_tokens_per_s": rows / step_ms * 1e3}
 
 
 def engine_for(target: TargetModel, draft: DFlashDraftModel | None, rows: int,
