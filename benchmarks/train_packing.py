@@ -316,8 +316,9 @@ def print_profile(result: dict[str, Any]) -> None:
     print(f"    device ms by phase (kernels and waits, unprofiled): {device}", flush=True)
 
 
-def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any] | None:
-    """A variant in a fresh process with an empty compilation cache; None if it failed."""
+def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, work: Path) -> dict[str, Any]:
+    """A variant in a fresh process with an empty compilation cache: its result, or {"variant", "exit",
+    "errors"} if it failed (kept in the results file: a log cut short still leaves the reason)."""
     run_dir = work / f"{name}-{time.time_ns()}"  # a fresh folder: a cold compilation cache every time
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(run_dir / "inductor"), PYTHONUNBUFFERED="1")
     cmd = [sys.executable, "-m", "benchmarks.train_packing", "--one", name, "--target", str(target),
@@ -329,9 +330,10 @@ def launch(name: str, args: argparse.Namespace, target: Path, prepared: Path, wo
     for line in proc.stdout.splitlines():
         if line.startswith(RESULT_PREFIX):
             return json.loads(line[len(RESULT_PREFIX):])
-    print(f"{name}: failed (exit {proc.returncode}): {'; '.join(error_lines(proc.stderr)) or 'no exception line'}\n"
+    errors = error_lines(proc.stderr)
+    print(f"{name}: failed (exit {proc.returncode}): {'; '.join(errors) or 'no exception line'}\n"
           f"{proc.stderr[-1500:]}", flush=True)
-    return None
+    return {"variant": name, "exit": proc.returncode, "errors": errors or [proc.stderr.strip()[-300:]]}
 
 
 def error_lines(stderr: str, limit: int = 3) -> list[str]:
@@ -400,30 +402,33 @@ def main(argv: list[str] | None = None) -> None:
         save_synthetic_chats(prepared, args.chats, target, args.tiny)
     print(f"\nTraining layouts, SmolLM2 shapes, N={args.num_anchors} anchors per chat, {args.steps} steps each")
     print(HEADER, flush=True)
-    results, path = [], None
+    results, failed, path = [], [], None
     names = [name.strip() for name in args.variants.split(",")]
     unknown = [name for name in names if name not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variants {unknown}: choose from {', '.join(VARIANTS)}")
     for name in names:
         result = launch(name, args, target, prepared, work)
-        if result is None:
-            continue
-        results.append(result)
-        add_ratios(results)
-        print_row(result)
-        if "profile" in result:
-            print_profile(result)
+        if "errors" in result:
+            failed.append(result)
+        else:
+            results.append(result)
+            add_ratios(results)
+            print_row(result)
+            if "profile" in result:
+                print_profile(result)
         # Written after every variant: a run cut short by a time limit keeps what it measured.
         path = write_result("train_packing", {"config": {k: str(v) for k, v in vars(args).items()},
-                                              "results": results,
+                                              "results": results, "failed": failed,
                                               "goal": ">= 4x the padded path's chat-passes per minute"},
                             smoke=args.tiny)
-    if path is None:
-        raise SystemExit("train_packing: no variant finished (their errors are above)")
+    if not results:
+        raise SystemExit("train_packing: no variant finished (their errors are above and in the results file)")
     print(f"\nAll variants, chat-passes per minute against the padded rows of this run:\n{HEADER}")
     for result in results:
         print_row(result)
+    for failure in failed:
+        print(f"{failure['variant']}: failed (exit {failure['exit']}): {'; '.join(failure['errors'])}")
     print(f"wrote {path}")
 
 

@@ -86,6 +86,10 @@ def test_train_packing_says_so_when_no_variant_finished(tmp_path: Path, monkeypa
               "--workdir", str(tmp_path / "work")])
     failure = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("packed: failed"))
     assert "Error" in failure.split("): ", 1)[1]  # the exception itself, not only the stderr's tail
+    # and in the results file, where a log cut short cannot lose it
+    (recorded,) = json.loads((tmp_path / "results" / "train_packing.json").read_text())["failed"]
+    assert recorded["variant"] == "packed" and recorded["exit"] != 0
+    assert any("Error" in line for line in recorded["errors"]) and recorded["errors"][0] in failure
 
 
 def test_error_lines_finds_the_exception_above_a_graph_dump() -> None:
