@@ -86,6 +86,17 @@ def grouped_heads_taken(varlen_attn: Callable[..., torch.Tensor], arguments: dic
     return taken
 
 
+def grouped_heads_report() -> list[str]:
+    """A line for the run's log per head shape tried: whether this PyTorch's kernel got the grouped key/value heads
+    as they are (the fast path) or repeated, so a slow step's copies are explained rather than guessed at."""
+    lines = []
+    for (_, device, dtype, heads, kv_heads, dim, _), taken in _grouped_heads_taken.items():
+        how = "as they are" if taken else "repeated (the kernel did not attend them grouped as it does repeated)"
+        lines.append(f"varlen attention on {device}: {kv_heads} key/value heads for {heads} query heads of {dim} "
+                     f"({str(dtype).removeprefix('torch.')}) passed {how}")
+    return lines
+
+
 def _capturing(tensor: torch.Tensor) -> bool:
     return tensor.is_cuda and torch.cuda.is_current_stream_capturing()
 

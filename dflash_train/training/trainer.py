@@ -24,6 +24,7 @@ from accelerate.utils import AutocastKwargs
 from dflash_train.data.prepared import check_tokenizer
 from dflash_train.features.online import OnlineFeatures
 from dflash_train.features.packed_attention import packed_target_attention
+from dflash_train.features.varlen_kernel import grouped_heads_report
 from dflash_train.objective import DFlashObjective, Distillation
 from dflash_train.target import target_fingerprint, target_identity
 from dflash_train.training import resume as ckpt
@@ -378,6 +379,9 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
                 if first and t.compile:  # a slow start explained: how much of it was torch.compile
                     line = first_step_line(metrics["step_seconds"], compiled_before, compile_seconds())
                     if line:
+                        self.accelerator.print(line)
+                if first:  # which path the target's varlen attention took for grouped heads, where it asked
+                    for line in grouped_heads_report():
                         self.accelerator.print(line)
                 if first and self.step == 1:  # the run's own first step, not a resumed one's
                     self.first_step_seconds = round(metrics["step_seconds"], 3)

@@ -132,3 +132,21 @@ def test_where_the_kernel_cannot_run_the_call_there_is_none(monkeypatch: pytest.
     assert varlen_kernel(torch.device("cuda"), DIM ** -0.5, DIM, torch.float32) is None  # FlashAttention: 16-bit
     monkeypatch.setattr(module, "_lookup", lambda: None)  # a PyTorch without the kernel
     assert varlen_kernel(torch.device("cuda"), DIM ** -0.5, DIM) is None
+
+
+def test_the_run_log_says_which_path_each_head_shape_took(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One line per head shape tried, after the kernel was asked: as they are where it took them, repeated where
+    it did not (the stand-ins each with a shape of their own here: 4 over 2, and 6 over 3)."""
+    monkeypatch.setattr(module, "_grouped_heads_taken", {})
+    installed(monkeypatch, stand_in("2.11", "taken"))
+    attend()
+    misread = stand_in("2.11", "misread")
+    installed(monkeypatch, misread)
+    call = varlen_kernel(torch.device("cuda"), DIM ** -0.5, DIM)
+    generator = torch.Generator().manual_seed(1)
+    query, key, value = (torch.randn(32, heads, DIM, generator=generator) for heads in (6, 3, 3))
+    call(query, key, value, torch.tensor(BOUNDS, dtype=torch.int32), 9, DIM ** -0.5)
+    assert module.grouped_heads_report() == [
+        f"varlen attention on cpu: 2 key/value heads for 4 query heads of {DIM} (float32) passed as they are",
+        f"varlen attention on cpu: 3 key/value heads for 6 query heads of {DIM} (float32) passed repeated (the kernel "
+        "did not attend them grouped as it does repeated)"]

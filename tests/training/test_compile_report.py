@@ -37,3 +37,18 @@ def test_a_compiled_run_reports_its_first_step(assets: dict[str, pathlib.Path], 
     assert len(lines) == 1 and "torch.compile" in lines[0], lines
     compiled = float(lines[0].split("torch.compile ")[1].split(" s")[0])
     assert compiled > 0
+
+
+def test_the_first_step_says_which_path_the_varlen_kernel_took(assets: dict[str, pathlib.Path],
+                                                                tmp_path: pathlib.Path,
+                                                                capsys: pytest.CaptureFixture[str],
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the target's varlen attention asked its kernel about grouped heads (only on CUDA), the first step's
+    log carries the answer, once (off CUDA nothing asks: a stand-in report here)."""
+    from dflash_train.training import trainer
+
+    said = "varlen attention on cuda:0: 3 key/value heads for 9 query heads of 64 (bfloat16) passed as they are"
+    monkeypatch.setattr(trainer, "grouped_heads_report", lambda: [said])
+    run_training(load_config(None, overrides(assets, tmp_path / "run", **{
+        "training.max_steps": 3, "training.eval_every": 0, "training.log_every": 1})))
+    assert capsys.readouterr().out.splitlines().count(said) == 1
