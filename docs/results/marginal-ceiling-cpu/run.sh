@@ -17,3 +17,10 @@ for P in mt-bench humaneval,math-synthetic; do
     --dtype float32 --device cpu --no-progress --output $OUT/T1-20-$(echo $P | tr ',' '_').json &
 done
 wait
+# T = 0.7 on all 20 conversations of each set (T0.7-20-*.json), the same split into two processes.
+for P in mt-bench humaneval,math-synthetic; do
+  OMP_NUM_THREADS=1 nice -n 10 .venv/bin/python -m dflash_train.eval.marginal_ceiling --target smollm2-135m-instruct \
+    --prompts $P --num-prompts 20 --max-new-tokens 128 --temperature 0.7 --samples 32 --block-size 16 --seed 0 \
+    --dtype float32 --device cpu --no-progress --output $OUT/T0.7-20-$(echo $P | tr ',' '_').json &
+done
+wait
