@@ -71,7 +71,30 @@ class TrainStepMixin:
     def _micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
                     accumulate: bool = False) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
         """One micro-batch's forward and backward: (its output, its tokens and FLOPs, its loss as weighted in
-        the step). From the captured step where there is one; a failure there turns it off for the run."""
+        the step). Small flex tiles (training.flex_tile=64) ask the flex kernel for tiles of their own, which a
+        compiler may fail to build, in the forward or in the backward: until they have been through both once,
+        such a failure costs the run its speed-up, not the run (the default 128-token tiles from then on: the
+        same loss, more masked-out scores computed)."""
+        if self.flex_tile_built or self.objective.flex_tile == DEFAULT_FLEX_TILE:
+            return self._run_micro_step(indices, seeds, cpu_batch, accumulate)
+        try:
+            result = self._run_micro_step(indices, seeds, cpu_batch, accumulate)
+        except Exception as error:
+            reason = (str(error).strip().splitlines() or [""])[0][:200]
+            self.accelerator.print(
+                f"training.flex_tile={self.objective.flex_tile} failed in the drafter ({type(error).__name__}: "
+                f"{reason}); {DEFAULT_FLEX_TILE}-token tiles from now on (training.flex_tile={DEFAULT_FLEX_TILE} "
+                "skips the try)")
+            self.objective.flex_tile = DEFAULT_FLEX_TILE
+            self.model.zero_grad(set_to_none=False)  # nothing of the failed attempt reaches the step
+            return self._run_micro_step(indices, seeds, cpu_batch, accumulate)
+        self.flex_tile_built = True
+        return result
+
+    def _run_micro_step(self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None,
+                        accumulate: bool) -> tuple[ObjectiveOutput, dict[str, float], torch.Tensor]:
+        """`_micro_step` on the flex tiles of the moment. From the captured step where there is one; a failure
+        there turns it off for the run (unless it may be the small tiles', which `_micro_step` tries first)."""
         share = self._loss_share(indices)
         if self.step_graph is not None:
             try:
@@ -82,6 +105,8 @@ class TrainStepMixin:
                 with record_function("train/drafter_step_graph"):
                     out = self.step_graph(step, accumulate)
             except Exception as error:  # a capture or compiler failure costs speed, not the run
+                if not self.flex_tile_built and self.objective.flex_tile != DEFAULT_FLEX_TILE:
+                    raise  # the small tiles are dropped first, and the graphs tried again with the default ones
                 self.step_graph = None
                 if not accumulate:  # the last step's gradients, which captured steps never set to None
                     self.model.zero_grad(set_to_none=True)
@@ -112,26 +137,10 @@ class TrainStepMixin:
 
     def _drafter_loss(self, batch: dict[str, torch.Tensor], features: torch.Tensor, blocks: Blocks,
                       teacher_states: torch.Tensor | None) -> Any:
-        """The objective on the drafter. Small flex tiles (training.flex_tile=64) ask the flex kernel for tiles
-        of their own, which a compiler may fail to build: from such a failure on, the default 128-token
-        tiles (the same loss, more masked-out scores computed), not a lost run."""
-        def run() -> Any:
-            return self.objective(self._drafter(), self.target.embed_tokens, self.target.lm_head.weight,
-                                  batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
-                                  teacher_states=teacher_states, context_positions=batch.get("position_ids"))
-        if self.objective.flex_tile == DEFAULT_FLEX_TILE:
-            return run()
-        try:
-            return run()
-        except Exception as error:
-            reason = (str(error).strip().splitlines() or [""])[0][:200]
-            self.accelerator.print(
-                f"training.flex_tile={self.objective.flex_tile} failed in the drafter ({type(error).__name__}: "
-                f"{reason}); {DEFAULT_FLEX_TILE}-token tiles from now on (training.flex_tile={DEFAULT_FLEX_TILE} "
-                "skips the try)")
-            self.objective.flex_tile = DEFAULT_FLEX_TILE
-            self.model.zero_grad(set_to_none=True)  # nothing of the failed attempt reaches the step
-            return run()
+        """The objective on the drafter."""
+        return self.objective(self._drafter(), self.target.embed_tokens, self.target.lm_head.weight,
+                              batch["input_ids"], batch["loss_mask"], features, blocks=blocks,
+                              teacher_states=teacher_states, context_positions=batch.get("position_ids"))
 
     def _flops(self, blocks: Blocks, tokens: int, chats: list[tuple[int, int, int]]) -> float:
         """The step's model FLOPs, from the blocks on the host (no device sync)."""

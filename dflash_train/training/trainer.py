@@ -136,6 +136,7 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
         self._compile_and_capture()
         self.objective = self._build_objective()
         self.step_graph = self._build_step_graph()
+        self.flex_tile_built = False  # small flex tiles (training.flex_tile) not yet through a forward and backward
         # captured steps bypass DDP's hooks: their gradients are averaged by hand, and so are the steps after a
         # fallback to uncaptured ones, which keeps every process on the same collectives (training/grad_sync.py)
         self.sync_by_hand = self.step_graph is not None and self.accelerator.num_processes > 1

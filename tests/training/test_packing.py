@@ -3,6 +3,7 @@ step into accumulation steps does not change it, offline features train like onl
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 
@@ -12,6 +13,7 @@ import torch
 from dflash_train.features.graphed import GraphedFeatures
 from dflash_train.features.varlen import VARLEN
 from dflash_train.training.config import load_config
+from dflash_train.training.step_graph import GraphedDrafterStep
 from dflash_train.training.tracking import read_metrics
 from dflash_train.training.trainer import Trainer, run_training
 from tests.helpers.training import overrides, save_tiny_prepared, save_tiny_target, train_losses
@@ -130,25 +132,69 @@ def test_the_graphed_target_pass_trains_like_the_uncaptured_one(
         assert replayed == pytest.approx(uncaptured, rel=1e-6)
 
 
+class _FailsInBackward(torch.autograd.Function):
+    """The loss as it is, whose backward raises: a compiler that builds the forward's kernel but not the
+    backward's (what inductor's flex lowering does with 64-token kernel tiles on some releases)."""
+
+    @staticmethod
+    def forward(ctx: object, loss: torch.Tensor) -> torch.Tensor:
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("LoweringException: NoValidChoicesError in flex_attention_backward\nfull graph dump follows")
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("graphed", [False, True])
 def test_small_flex_tiles_that_fail_fall_back_to_the_default(
         assets: dict[str, pathlib.Path], tmp_path: pathlib.Path, capsys: pytest.CaptureFixture[str],
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A compiler that cannot build the 64-token tiles' kernel costs the run its speed-up, not the run: one
-    message, the default tiles from then on, and the same steps as a run that asked for them."""
+        monkeypatch: pytest.MonkeyPatch, where: str, graphed: bool) -> None:
+    """A compiler that cannot build the 64-token tiles' kernel, for the forward or only for the backward, costs
+    the run its speed-up, not the run: one message, the default tiles from then on, and the same steps as a run
+    that asked for them. With the drafter's step captured (the graphs' CPU stand-in), the graphs stay on."""
     default = Trainer(load_config(None, overrides(assets, tmp_path / "default", **PACKED)))
     small = Trainer(load_config(None, overrides(assets, tmp_path / "small", **PACKED, **{"training.flex_tile": 64})))
+    if graphed:
+        params = [p for p in small.model.parameters() if p.requires_grad]
+        small.step_graph = GraphedDrafterStep(
+            lambda inputs: small._drafter_loss(inputs.batch, inputs.features, inputs.blocks, inputs.teacher),
+            params, small.accelerator.device, eager=True)
     call = type(small.objective).__call__
 
     def fails_at_64(objective: object, *args: object, **kwargs: object) -> object:
-        if objective.flex_tile == 64:  # type: ignore[attr-defined]
+        out = call(objective, *args, **kwargs)
+        if objective.flex_tile != 64:  # type: ignore[attr-defined]
+            return out
+        if where == "forward":
             raise RuntimeError("LoweringException: no kernel for these tiles\nfull graph dump follows")
-        return call(objective, *args, **kwargs)
+        return dataclasses.replace(out, loss=_FailsInBackward.apply(out.loss))
 
     monkeypatch.setattr(type(small.objective), "__call__", fails_at_64)
     losses = [(default.train_step()["loss"], small.train_step()["loss"]) for _ in range(2)]
     assert small.objective.flex_tile == 128
+    assert (small.step_graph is not None and len(small.step_graph.graphs) > 0) == graphed
     for expected, fell_back in losses:
         assert fell_back == pytest.approx(expected, rel=1e-6)
     out = capsys.readouterr().out
     assert out.count("training.flex_tile=64 failed in the drafter (RuntimeError: LoweringException") == 1
     assert "128-token tiles from now on" in out
+    assert "CUDA graphs of the drafter's step failed" not in out
+
+
+def test_small_flex_tiles_that_build_are_kept(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path) -> None:
+    """Once the small tiles have been through a forward and a backward, a later failure is not theirs: it is
+    raised, not taken for a tile failure."""
+    small = Trainer(load_config(None, overrides(assets, tmp_path / "small", **PACKED, **{"training.flex_tile": 64})))
+    small.train_step()
+    assert small.flex_tile_built and small.objective.flex_tile == 64
+    call = type(small.objective).__call__
+
+    def fails(objective: object, *args: object, **kwargs: object) -> object:
+        raise RuntimeError("out of memory")
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(small.objective), "__call__", fails)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            small.train_step()
+    assert small.objective.flex_tile == 64 and call is type(small.objective).__call__
