@@ -119,12 +119,15 @@ class BatchedMuon(torch.optim.Muon):
 
     def _step_group(self, group: dict[str, Any], params: list[torch.Tensor], grads: list[torch.Tensor],
                     bufs: list[torch.Tensor]) -> None:
-        """torch's `_single_tensor_muon` on every parameter of `group` that has a gradient."""
-        lr, momentum = float(group["lr"]), group["momentum"]
+        """torch's `_single_tensor_muon` on every parameter of `group` that has a gradient. The group's `lr` may
+        be a 0-d tensor on the parameters' device, which a CUDA graph of the step reads at each replay
+        (training/optimizer_graph.py); the update is then scaled by it on the device, in one more launch a shape."""
+        lr, momentum, decay = group["lr"], group["momentum"], group["weight_decay"]
+        on_device = isinstance(lr, torch.Tensor)
         torch._foreach_lerp_(bufs, grads, 1 - momentum)
         updates = torch._foreach_lerp(grads, bufs, momentum) if group["nesterov"] else bufs
-        if lr * group["weight_decay"] != 0:  # torch multiplies by 1.0 too; that changes nothing
-            torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
+        if decay != 0 and (on_device or lr != 0):  # torch multiplies by 1.0 too; that changes nothing
+            torch._foreach_mul_(params, 1 - lr * decay)
         by_shape: dict[tuple[torch.Size, torch.dtype, torch.device], list[int]] = defaultdict(list)
         for i, param in enumerate(params):
             by_shape[param.shape, param.dtype, param.device].append(i)
@@ -133,8 +136,12 @@ class BatchedMuon(torch.optim.Muon):
                                           group["ns_steps"], group["eps"], self._newton_schulz_dtype(device))
             # Contiguous and in the parameters' dtype, so that the `_foreach_add_` stays one fused launch.
             ortho = ortho.to(dtype=dtype, memory_format=torch.contiguous_format)
-            torch._foreach_add_([params[i] for i in members], list(ortho.unbind(0)),
-                                alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
+            if on_device:  # the update's scale is linear in lr
+                ortho.mul_(lr * -adjusted_lr(1.0, group["adjust_lr_fn"], shape))
+                torch._foreach_add_([params[i] for i in members], list(ortho.unbind(0)))
+            else:
+                torch._foreach_add_([params[i] for i in members], list(ortho.unbind(0)),
+                                    alpha=-adjusted_lr(lr, group["adjust_lr_fn"], shape))
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

@@ -2,9 +2,9 @@
 
 Short chats right-padded to one static length waste most of a compiled micro-batch; packing fills rows
 with whole chats instead and keeps one static shape. The packing of an epoch is a pure function of
-(seed, epoch): chats are taken in the epoch's random order, each row filled with the earliest chats of a
-small window ahead whose tokens and anchors still fit (`pack_rows`), so a resumed run and a run on another number of processes see the same rows
-at the same step. A chat's anchor count is min(num_anchors, its anchor candidates), as unpacked.
+(seed, epoch): chats are taken in the epoch's random order, each row filled from a small window ahead with
+the chats that still fit and keep its tokens and anchor slots about equally full (`pack_rows`), so a resumed
+run and a run on another number of processes see the same rows at the same step. A chat's anchor count is min(num_anchors, its anchor candidates), as unpacked.
 """
 
 from __future__ import annotations
@@ -24,13 +24,12 @@ from dflash_train.features.store import open_shard, shard_path
 from dflash_train.objective.blocks import anchor_candidates
 from dflash_train.training.data import epoch_order
 
-ANCHOR_SLACK = 1.125  # anchor capacity over the data's mean anchors per token: rows rarely close on anchors
+# Anchor capacity over the data's mean anchors per token. No slack: the balanced pick below fills both budgets
+# about equally, so a capacity at the mean closes rows on either about as often (docs/training.md, 'Packed rows').
+ANCHOR_SLACK = 1.0
 ANCHOR_MULTIPLE = 16
-# Chats a row looks ahead to fill what the next chat in order would leave empty. Simulated on 93k log-normal
-# chat lengths with the speedrun's means (311 tokens, 107 anchors a chat), rows of 8,192 tokens: 26.0 chats
-# a row against 25.3 filling strictly in order,
-# tokens 98.8 % full against 96.3 %, anchor slots 87.8 % against 85.5 %, with the same shapes.
-PACK_WINDOW = 64
+PACK_WINDOW = 64  # chats a row looks ahead to fill what the next chat in order would leave empty
+PACK_CHOICES = 16  # of the window's chats that fit, the first this many are weighed against each other
 
 
 @dataclass(frozen=True)
@@ -133,13 +132,19 @@ def check_anchors_per_row(anchors_per_row: int, anchors: np.ndarray) -> None:
 
 def pack_rows(
     order: Sequence[int], lengths: Sequence[int], anchors: Sequence[int], pack_tokens: int, anchors_per_row: int,
-    window: int = PACK_WINDOW,
+    window: int = PACK_WINDOW, choices: int = PACK_CHOICES,
 ) -> list[list[int]]:
-    """First fit within a window, in order: a row takes the earliest of the next `window` unplaced chats whose
-    tokens and anchors still fit, until none does; then the next row starts. A chat moves ahead of at most
-    `window - 1` others, so the epoch's random order is kept up to that; `window=1` is plain greedy (a row
-    wastes about half a chat, on tokens or on anchors). A row starts with the earliest unplaced chat, so
-    one too large for any row gets a row alone, at its place."""
+    """Rows of whole chats, in order up to a window: a row takes, of the first `choices` among the next `window`
+    unplaced chats whose tokens and anchors still fit, the one that leaves the row's two budgets the most
+    evenly used (`balance`; the earliest on a tie), until none fits; then the next row starts.
+
+    Why weigh them: a row's tokens pay for the target's pass and its anchor slots for the drafter's blocks, and
+    an anchor slot left empty still runs through the drafter. Taking the first chat that fits fills the
+    tokens and leaves the anchor slots to chance, so their capacity needs slack; steering each row towards the
+    data's own anchors per token fills both. A chat moves ahead of at most `window - 1` others, so the epoch's
+    random order is kept up to that. `choices=1` is first fit; `window=1` plain greedy (a row wastes about half
+    a chat, on tokens or on anchors). A row starts with the earliest unplaced chat, so one too large for any
+    row gets a row alone, at its place."""
     upcoming = iter(order)
     ahead = list(islice(upcoming, window))
     rows: list[list[int]] = []
@@ -150,10 +155,20 @@ def pack_rows(
             row.append(chat)
             tokens, used = tokens + lengths[chat], used + anchors[chat]
             ahead.extend(islice(upcoming, 1))
-            pick = next((i for i, chat in enumerate(ahead)
-                         if tokens + lengths[chat] <= pack_tokens and used + anchors[chat] <= anchors_per_row), None)
+            fitting = islice((i for i, chat in enumerate(ahead)
+                              if tokens + lengths[chat] <= pack_tokens and used + anchors[chat] <= anchors_per_row),
+                             choices)
+            pick = min(fitting, default=None,
+                       key=lambda i: balance(tokens + lengths[ahead[i]], used + anchors[ahead[i]], pack_tokens,
+                                             anchors_per_row))
         rows.append(row)
     return rows
+
+
+def balance(tokens: int, anchors: int, pack_tokens: int, anchors_per_row: int) -> float:
+    """How unevenly a row holding `tokens` and `anchors` uses its two budgets: 0 when both are the same share
+    full."""
+    return abs(tokens / pack_tokens - anchors / anchors_per_row)
 
 
 @dataclass

@@ -28,8 +28,8 @@ def _supervised_rows(blocks: Blocks) -> int:
 class TrainStepMixin:
     """The Trainer's step and what it counts (tokens, model FLOPs, the loss shares of packed micro-batches).
     Relies on the Trainer's `config`, `accelerator`, `model`, `optimizer`, `schedule`, `objective`, `target`,
-    `features`, `draft_config`, `target_cost`, `step_graph`, `sync_by_hand`, `share`, `packed`, `plan` and `step`, and on
-    `BatchLoadingMixin` for the micro-batches (`_load`, `_load_step`, `_host_blocks`)."""
+    `features`, `draft_config`, `target_cost`, `step_graph`, `optimizer_graph`, `sync_by_hand`, `share`, `packed`,
+    `plan` and `step`, and on `BatchLoadingMixin` for the micro-batches (`_load`, `_load_step`, `_host_blocks`)."""
 
     def _forward(
         self, indices: list[int], seeds: list[int], cpu_batch: dict[str, Any] | None = None
@@ -123,6 +123,22 @@ class TrainStepMixin:
         self._sync_by_hand()
         return out, stats, loss
 
+    def _update(self, max_grad_norm: float) -> torch.Tensor:
+        """The gradients clipped and the optimizer's update: from its CUDA graph while the drafter's step is
+        captured (training/optimizer_graph.py); a failure there turns that graph off for the run. -> the
+        gradient norm before clipping."""
+        if self.optimizer_graph is not None and self.step_graph is not None:
+            try:
+                return self.optimizer_graph()
+            except Exception as error:  # the graph puts back what it touched: the update runs uncaptured
+                self.optimizer_graph = None
+                reason = (str(error).strip().splitlines() or [""])[0][:200]
+                self.accelerator.print(f"the CUDA graph of the optimizer's update failed ({type(error).__name__}: "
+                                       f"{reason}); it runs uncaptured from now on")
+        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_grad_norm)
+        self.optimizer.step()
+        return grad_norm
+
     def _sync_by_hand(self) -> None:
         """After a step's last micro-batch, in a run whose gradients bypass DDP's hooks: every process's mean."""
         if self.sync_by_hand and self.accelerator.sync_gradients:
@@ -180,8 +196,9 @@ class TrainStepMixin:
                 out, stats, loss = self._micro_step(indices, seeds, cpu_batch, accumulate=micro > 0)
                 with record_function("train/optimizer"):
                     if self.accelerator.sync_gradients:
-                        grad_norm = self.accelerator.clip_grad_norm_(self.model.parameters(), t.max_grad_norm)
-                    self.optimizer.step()
+                        grad_norm = self._update(t.max_grad_norm)
+                    else:
+                        self.optimizer.step()  # accelerate's wrapper skips it until the gradients are synced
                     if self.step_graph is None:  # captured steps zero the gradients they write, in place
                         self.optimizer.zero_grad(set_to_none=True)
             part = loss.detach().double() / self.plan.accumulation

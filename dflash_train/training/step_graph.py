@@ -13,10 +13,10 @@ padding that weighs, hits and counts nothing, so that one graph serves every ste
 
 The gradients are the parameters' own `.grad` tensors, made once before the first capture: a graph for a
 step's first micro-batch writes them, one for the others adds to them, so each replay leaves them where
-the optimizer reads them (which must therefore not set them to None). The optimizer step stays outside the graph (a few hundred launches,
-and the learning rate a Python number the schedule changes). A new graph's first replay is checked against
-the uncaptured step on the same inputs, loss and gradients, so a capture that went wrong stops the graphs
-instead of training on wrong gradients.
+the optimizer reads them (which must therefore not set them to None); the optimizer's update has a graph of
+its own (training/optimizer_graph.py), replayed once a step rather than once a micro-batch. A new graph's first
+replay is checked against the uncaptured step on the same inputs, loss and gradients, so a capture that went
+wrong stops the graphs instead of training on wrong gradients.
 """
 
 from __future__ import annotations

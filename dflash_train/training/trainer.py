@@ -54,6 +54,7 @@ from dflash_train.training.launch import (
     check_deepspeed_accumulation,
     refuse_fsdp_without_cuda,
 )
+from dflash_train.training.optimizer_graph import GraphedOptimizerStep, capturable
 from dflash_train.training.packing import (
     PackedStepPlan,
     chat_stats,
@@ -136,6 +137,7 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
         self._compile_and_capture()
         self.objective = self._build_objective()
         self.step_graph = self._build_step_graph()
+        self.optimizer_graph = self._build_optimizer_graph()
         self.flex_tile_built = False  # small flex tiles (training.flex_tile) not yet through a forward and backward
         # captured steps bypass DDP's hooks: their gradients are averaged by hand, and so are the steps after a
         # fallback to uncaptured ones, which keeps every process on the same collectives (training/grad_sync.py)
@@ -237,6 +239,15 @@ class Trainer(BatchLoadingMixin, TrainStepMixin, ValidationMixin, CheckpointMixi
         params = [param for param in self.model.parameters() if param.requires_grad]
         return GraphedDrafterStep(lambda inputs: self._drafter_loss(inputs.batch, inputs.features, inputs.blocks,
                                                                     inputs.teacher), params, self.accelerator.device)
+
+    def _build_optimizer_graph(self) -> GraphedOptimizerStep | None:
+        """The gradient clipping and the optimizer's update replayed from a CUDA graph (training/optimizer_graph.py)
+        wherever the drafter's step is captured and the optimizer takes its learning rate as a device tensor."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)  # accelerate's wrapper holds the optimizer
+        if self.step_graph is None or not capturable(inner, self.accelerator.device):
+            return None
+        params = [param for param in self.model.parameters() if param.requires_grad]
+        return GraphedOptimizerStep(inner, params, self.config.training.max_grad_norm, self.accelerator.device)
 
     def _build_packing(self) -> PackedStepPlan | None:
         """The packing plan of a packed run (None unpacked), from every chat's length and anchor count."""

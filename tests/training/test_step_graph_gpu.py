@@ -1,6 +1,6 @@
-"""The drafter's step captured in CUDA graphs trains as the uncaptured step does: the same losses and weights
-over a few packed steps, the graphs never turned off (their first replay checked against the uncaptured step
-inside the trainer), eager and with compiled layers, and over two micro-batches a step."""
+"""The drafter's step and the optimizer's update captured in CUDA graphs train as the uncaptured step does: the
+same losses and weights over a few packed steps, the graphs never turned off (their first replay checked against
+the uncaptured step inside the trainer), eager and with compiled layers, and over two micro-batches a step."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ def test_captured_steps_train_as_uncaptured_ones(assets: dict[str, pathlib.Path]
         runs.append((losses, {k: v.float().clone() for k, v in trainer.model.state_dict().items()}, trainer))
     (plain_losses, plain_weights, _), (losses, weights, graphed) = runs
     assert graphed.step_graph is not None and graphed.step_graph.graphs  # captured, replayed, never turned off
+    assert graphed.optimizer_graph is not None and graphed.optimizer_graph.replay is not None  # the update too
     assert losses == pytest.approx(plain_losses, rel=1e-4)
     for name, value in plain_weights.items():
         torch.testing.assert_close(weights[name], value, rtol=1e-3, atol=1e-5, msg=name)
