@@ -3,8 +3,8 @@
     accelerate launch ... -m tests.helpers.ddp_steps OUT STEPS OVERRIDE...
 
 - `ddp`: the trainer as prepared, DDP's hooks averaging the gradients;
-- `graphed`: the drafter's step on the CPU stand-in of its CUDA graphs, the gradients averaged by hand
-  (`training/grad_sync.py`), as a DDP run with `training.step_cuda_graphs` has them;
+- `graphed`: the drafter's step and the optimizer's update on the CPU stand-ins of their CUDA graphs, the
+  gradients averaged by hand (`training/grad_sync.py`), as a DDP run with `training.step_cuda_graphs` has them;
 - `by-hand`: uncaptured steps in the same by-hand regime, as such a run continues after its graphs failed.
 Rank r writes OUT/<variant>-rank<r>.pt: {"losses": [...], "grad_norms": [...], "weights": state dict}.
 """
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.training.config import load_config
+from dflash_train.training.optimizer_graph import GraphedOptimizerStep
 from dflash_train.training.step_graph import GraphedDrafterStep
 from dflash_train.training.trainer import Trainer
 
@@ -29,11 +30,18 @@ def stand_in_graphs(trainer: Trainer) -> GraphedDrafterStep:
         params, trainer.accelerator.device, eager=True)
 
 
+def stand_in_update(trainer: Trainer) -> GraphedOptimizerStep:
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    return GraphedOptimizerStep(trainer.optimizer.optimizer, params, trainer.config.training.max_grad_norm,
+                                trainer.accelerator.device, eager=True)
+
+
 def run(variant: str, out: Path, steps: int, overrides: list[str]) -> None:
     trainer = Trainer(load_config(None, [*overrides, f"training.output_dir={out / variant}"]))
     if variant != "ddp":
         trainer.sync_by_hand = True
         trainer.step_graph = stand_in_graphs(trainer) if variant == "graphed" else None
+        trainer.optimizer_graph = stand_in_update(trainer) if variant == "graphed" else None
     # the gradient's norm, taken after the processes' gradients are averaged: the optimizers barely see their scale
     metrics = [trainer.train_step() for _ in range(steps)]
     weights = {k: v.clone() for k, v in trainer.accelerator.unwrap_model(trainer.model).state_dict().items()}

@@ -15,7 +15,7 @@ from dflash_train.training.config import load_config
 from dflash_train.training.muon import build_muon_with_adamw
 from dflash_train.training.optimizer_graph import GraphedOptimizerStep, capturable
 from dflash_train.training.trainer import Trainer
-from tests.helpers.ddp_steps import stand_in_graphs
+from tests.helpers.ddp_steps import stand_in_graphs, stand_in_update
 from tests.helpers.tiny_drafts import tiny_draft
 from tests.helpers.training import overrides
 
@@ -137,11 +137,7 @@ def test_capturable_optimizers() -> None:
 def graphed_trainer(assets: dict[str, pathlib.Path], path: pathlib.Path) -> Trainer:
     trainer = Trainer(load_config(None, overrides(assets, path, **PACKED)))
     assert trainer.optimizer_graph is None  # CPU: no CUDA graphs; the stand-ins are set by hand
-    trainer.step_graph = stand_in_graphs(trainer)
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    trainer.optimizer_graph = GraphedOptimizerStep(trainer.optimizer.optimizer, params,
-                                                   trainer.config.training.max_grad_norm, torch.device("cpu"),
-                                                   eager=True)
+    trainer.step_graph, trainer.optimizer_graph = stand_in_graphs(trainer), stand_in_update(trainer)
     return trainer
 
 
@@ -181,3 +177,24 @@ def test_a_failing_graph_costs_the_speed_up_not_the_run(assets: dict[str, pathli
     plain_weights = plain.model.state_dict()
     for name, value in graphed.model.state_dict().items():
         torch.testing.assert_close(value, plain_weights[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_the_captured_update_waits_for_the_host_nowhere() -> None:
+    """What the graph captures, the clipping and Muon + fused AdamW's update with the learning rates as tensors, runs
+    no op that reads a value back to the host and makes no tensor on the host (CUDA's capture refuses both). As
+    before a capture, the update runs once first; then a tensor made without a device lands on "meta" and fails."""
+    from dflash_train.training.muon import MuonWithAdamW, is_muon_matrix
+    from tests.training.test_step_graph import SyncingOps
+
+    draft = tiny_draft()
+    named = [(name, p) for name, p in draft.named_parameters() if p.requires_grad]
+    opt = MuonWithAdamW([p for n, p in named if is_muon_matrix(n, p)], [p for n, p in named if not is_muon_matrix(n, p)],
+                        0.02, 3e-3, (0.9, 0.95), 0.1, fused=True)
+    params = [p for _, p in named]
+    graphed = GraphedOptimizerStep(opt, params, 1.0, torch.device("cpu"), eager=True)
+    set_grads(draft, 0)
+    graphed._update(graphed.lrs)  # the state made, as the first step does
+    ops = SyncingOps()
+    with ops, torch.device("meta"):
+        graphed._update(graphed.lrs)
+    assert not ops.found, ops.found
