@@ -71,8 +71,9 @@
 #                   (default: that share)
 #   TRAIN_EXTRA     more training overrides (e.g. "training.batch_size=4"); the recipe is smollm2-135m-dflash-b16-packed
 #   GOALS           what the summary checks the run against (`python -m recipes.scoring.summary --goal`): τ per
-#                   eval set, the lowest speedup, chats kept, the stages' minutes (default "humaneval=4.5
-#                   mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000 minutes=25"; empty: none)
+#                   eval set, the lowest speedup, chats kept, the stages' minutes, the training step's MFU in
+#                   percent (default "humaneval=4.5 mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000
+#                   minutes=25 mfu=30"; empty: none)
 #   CURVE_MINUTES   training budgets of the curve stage's runs (default "5 10 20"), each evaluated like main but
 #                   on CURVE_PROMPTS prompts per set (default EVAL_PROMPTS) and without the lossless pass
 #   CHECK_EVERY     steps between a training run's held-out validations and checkpoints (default 1000; the
@@ -160,7 +161,7 @@ TRAIN_EXTRA=${TRAIN_EXTRA:-}
 REGEN_EXTRA=${REGEN_EXTRA:-}
 EVAL_EXTRA=${EVAL_EXTRA:-}
 EVAL_DRAFT=${EVAL_DRAFT:-}
-GOALS=${GOALS-humaneval=4.5 mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000 minutes=25}
+GOALS=${GOALS-humaneval=4.5 mt-bench=4.5 math-synthetic=5.5 speedup=2.5 chats=150000 minutes=25 mfu=30}
 CURVE_MINUTES=${CURVE_MINUTES:-5 10 20}
 STOP_AFTER=${STOP_AFTER:-}
 ABLATIONS=${ABLATIONS-anchors16:training.num_anchors=16;lr2x:training.learning_rate=1.2e-3 training.muon_learning_rate=0.04}

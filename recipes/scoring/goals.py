@@ -2,11 +2,13 @@
 
     python -m recipes.scoring.summary OUT --goal mt-bench=4.0 --goal speedup=2.0 --goal chats=150000 --goal minutes=25
 
-A goal is `KEY=VALUE`. Three keys are reserved; every other key names an eval set:
+A goal is `KEY=VALUE`. Four keys are reserved; every other key names an eval set:
 - `DATASET=TAU`: τ of the headline run (batch 1, bf16) on that set, at least TAU;
 - `speedup=X`: its decode speedup over the target alone, at least X on every set it was measured on;
 - `chats=N`: the chats training kept (`prepared/dflash_data.json`), at least N;
-- `minutes=M`: the stages' wall time (`times.tsv`; the extra curve and ablate stages not counted), at most M.
+- `minutes=M`: the stages' wall time (`times.tsv`; the extra curve and ablate stages not counted), at most M;
+- `mfu=P`: the judged training run's whole-step MFU in percent (the median of `step_mfu` over its logged steps
+  after the first, whose compilation says nothing of the step; `train/RUN/metrics.jsonl`), at least P.
 A goal whose figure the run folder lacks is reported as not measured, not as missed.
 
 Apart from these, a headline report of a temperature sweep (`dflash-train eval --temperature 0,0.7,1`) is
@@ -30,7 +32,7 @@ SAMPLING_GOALS = ((0.7, 0.85), (1.0, 0.75))
 
 @dataclass(frozen=True)
 class GoalCheck:
-    name: str  # "τ mt-bench", "speedup", "chats", "minutes", "τ(T=0.7) / τ(T=0)"
+    name: str  # "τ mt-bench", "speedup", "chats", "minutes", "MFU", "τ(T=0.7) / τ(T=0)"
     goal: float
     value: float | None  # None: not measured in this run folder
     at_most: bool = False  # the goal is an upper bound (minutes)
@@ -94,6 +96,19 @@ def stage_minutes(run_dir: Path) -> float | None:
     return sum(s for stage, s in stage_seconds(run_dir).items() if stage not in EXTRA_STAGES) / 60
 
 
+def whole_step_mfu(run_dir: Path, run: str) -> float | None:
+    """The median whole-step MFU of training run `run`, in percent (None without its logged steps)."""
+    path = run_dir / "train" / run / "metrics.jsonl"
+    if not path.is_file():
+        return None
+    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    values = sorted(r["step_mfu"] for r in [r for r in logged if r.get("split") == "train"][1:] if "step_mfu" in r)
+    if not values:
+        return None
+    middle = len(values) // 2
+    return 100 * (values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2)
+
+
 def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Path, run: str = "main"
                 ) -> list[GoalCheck]:
     """Each goal against the run folder's figures, in the order given."""
@@ -108,6 +123,8 @@ def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Pa
             checks.append(GoalCheck("chats", goal, kept_chats(run_dir)))
         elif key == "minutes":
             checks.append(GoalCheck("minutes", goal, stage_minutes(run_dir), at_most=True))
+        elif key == "mfu":
+            checks.append(GoalCheck("MFU", goal, whole_step_mfu(run_dir, run)))
         else:
             tau = next((r["tau"] for r in headline if r["dataset"] == key), None)
             checks.append(GoalCheck(f"τ {key}", goal, tau))
@@ -137,6 +154,8 @@ def _number(name: str, value: float) -> str:
         return f"{value:,.0f}"
     if name == "speedup":
         return f"{value:.2f}×"
+    if name == "MFU":
+        return f"{value:.1f} %"
     return f"{value:.1f}" if name == "minutes" else f"{value:.2f}"
 
 

@@ -266,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                                                  "the training runs behind them (writes summary.json and .md).")
     parser.add_argument("run_dir", type=Path, help="the recipe's OUT folder (with eval/ and train/ in it)")
     parser.add_argument("--goal", action="append", default=[], metavar="KEY=VALUE",
-                        help="a goal to check (repeatable): DATASET=TAU, speedup=X, chats=N or minutes=M "
+                        help="a goal to check (repeatable): DATASET=TAU, speedup=X, chats=N, minutes=M or mfu=P "
                              "(recipes/scoring/goals.py); prints a goals: line and writes summary_goals.json")
     parser.add_argument("--goal-run", default="main", help="the training run the goals judge (default: main)")
     args = parser.parse_args(argv)

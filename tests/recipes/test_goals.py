@@ -124,3 +124,27 @@ def test_a_sweep_without_a_temperature_or_greedy_leaves_its_goal_not_measured(tm
     no_greedy = check_sampling_goals(summary_rows(swept_run(tmp_path / "b", [0.7, 1.0], [4.0, 3.6], [3.0, 2.7])))
     assert all(c.met is None for c in no_greedy)
     assert check_sampling_goals(summary_rows(make_run(tmp_path / "c"))) == []  # no sweep: no sampling goals
+
+
+def write_metrics(run: Path, name: str, step_mfus: list[float]) -> None:
+    """A training run's metrics.jsonl: a validation record and one train record per MFU (the first the cold one)."""
+    folder = run / "train" / name
+    folder.mkdir(parents=True)
+    records = [{"step": 0, "split": "validation", "loss": 1.0}]
+    records += [{"step": 10 * (i + 1), "split": "train", "step_mfu": m} for i, m in enumerate(step_mfus)]
+    (folder / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records) + "\n")
+
+
+def test_the_mfu_goal_is_the_median_logged_step_after_the_first(tmp_path: Path) -> None:
+    """The first logged step (compilation) is left out; the median of the rest, in percent, against the goal, for
+    the judged run only; a run without metrics is not measured."""
+    run = make_run(tmp_path)
+    write_metrics(run, "main", [0.02, 0.29, 0.33, 0.31, 0.30])  # median of the last four: 30.5 %
+    write_metrics(run, "ablation-x", [0.02, 0.10, 0.10])
+    checks = check_goals(parse_goals(["mfu=30"]), summary_rows(run), run)
+    assert checks[0].value == pytest.approx(30.5) and checks[0].met is True
+    assert goals_line(checks) == "goals: MFU 30.5 % ≥ 30.0 % ✓ — 1 of 1 met"
+    other = check_goals({"mfu": 30.0}, summary_rows(run), run, run="ablation-x")[0]
+    assert other.value == pytest.approx(10.0) and other.met is False
+    missing = check_goals({"mfu": 30.0}, summary_rows(run), run, run="curve-5min")[0]
+    assert missing.value is None and missing.met is None

@@ -390,7 +390,7 @@ def test_summary_checks_the_goals(tmp_path: pathlib.Path) -> None:
     summary = [c.split() for c in run_stage("summary", tmp_path) if "recipes.scoring.summary" in c]
     assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run"), "--goal", "humaneval=4.5",
                         "--goal", "mt-bench=4.5", "--goal", "math-synthetic=5.5", "--goal", "speedup=2.5",
-                        "--goal", "chats=150000", "--goal", "minutes=25"]]
+                        "--goal", "chats=150000", "--goal", "minutes=25", "--goal", "mfu=30"]]
     summary = [c.split() for c in run_stage("summary", tmp_path, GOALS="") if "recipes.scoring.summary" in c]
     assert summary == [["-m", "recipes.scoring.summary", str(tmp_path / "run")]]
 
