@@ -8,7 +8,9 @@ forward and backward, all in one run:
 The drafter's mask is made of 128-token tiles; `training.flex_tile=64` halves them so that fewer masked-out
 scores are computed, and asks flex attention's kernels for tiles that fit (`models/attention.py`). Whether the
 compiler can build those kernels depends on the release: each option set here is compiled on its own, its
-error kept if it fails, its output and query gradient checked against the 128-token tiles', then timed.
+error kept if it fails, its output and query gradient checked against the 128-token tiles', then timed. The last
+sets run with inductor's backward candidates fitted to 64-token masks (`models/flex_backward_configs.py`, what the
+trainer does for them), and the 128-token tiles again under that fit (two candidates then, timed by inductor).
 """
 
 from __future__ import annotations
@@ -21,20 +23,25 @@ from torch.nn.attention.flex_attention import flex_attention
 
 from benchmarks.common import median, time_calls, write_result
 from dflash_train.models.attention import SMALL_TILE_KERNEL_OPTIONS
+from dflash_train.models.flex_backward_configs import fit_backward_configs_to_small_tiles
 from dflash_train.objective.masks import packed_flex_mask
 
 WIDE_BACKWARD = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64,
                  "bwd_BLOCK_N2": 64}
 NARROW_BACKWARD = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 32, "bwd_BLOCK_M2": 32,
                    "bwd_BLOCK_N2": 32}
-# name: (mask tile, kernel options); the first is the reference the others are checked against
-OPTION_SETS: dict[str, tuple[int, dict[str, Any] | None]] = {
-    "128 (default)": (128, None),
-    "64, the trainer's options": (64, SMALL_TILE_KERNEL_OPTIONS),
-    "64, backward tiles of 64": (64, WIDE_BACKWARD),
-    "64, backward tiles of 32": (64, NARROW_BACKWARD),
-    "64, one pipeline stage": (64, {**SMALL_TILE_KERNEL_OPTIONS, "num_stages": 1}),
-    "64, forward tiles only": (64, {"BLOCK_M": 64, "BLOCK_N": 64}),
+# name: (mask tile, kernel options, backward configs fitted to 64-token masks); the first is the reference the
+# others are checked against. The fitted sets run last: the fit is inductor's for the rest of the process.
+OPTION_SETS: dict[str, tuple[int, dict[str, Any] | None, bool]] = {
+    "128 (default)": (128, None, False),
+    "64, the trainer's options": (64, SMALL_TILE_KERNEL_OPTIONS, False),
+    "64, backward tiles of 64": (64, WIDE_BACKWARD, False),
+    "64, backward tiles of 32": (64, NARROW_BACKWARD, False),
+    "64, one pipeline stage": (64, {**SMALL_TILE_KERNEL_OPTIONS, "num_stages": 1}, False),
+    "64, forward tiles only": (64, {"BLOCK_M": 64, "BLOCK_N": 64}, False),
+    "64, the trainer's options, configs fitted": (64, SMALL_TILE_KERNEL_OPTIONS, True),
+    "64, backward tiles of 64, configs fitted": (64, WIDE_BACKWARD, True),
+    "128, configs fitted": (128, None, True),
 }
 
 
@@ -70,7 +77,9 @@ def run_option_set(name: str, rows: dict[str, torch.Tensor], tensors: tuple[torc
                    args: argparse.Namespace, reference: tuple[torch.Tensor, torch.Tensor] | None
                    ) -> tuple[dict[str, Any], tuple[torch.Tensor, torch.Tensor] | None]:
     """One option set: built or its error, its largest differences from `reference`, milliseconds a call."""
-    tile, options = OPTION_SETS[name]
+    tile, options, fitted = OPTION_SETS[name]
+    if fitted:
+        fit_backward_configs_to_small_tiles()
     q, k, v, grad = tensors
     device = q.device
     on_device = {key: value.to(device) for key, value in rows.items()}

@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
+from dflash_train.models.flex_backward_configs import fit_backward_configs_to_small_tiles
+
 # A dense bool tensor [b, 1, Q, K], a flex-attention BlockMask, or None (every key visible).
 AttentionMask = Any
 
@@ -28,8 +30,12 @@ SMALL_TILE_KERNEL_OPTIONS = {"BLOCK_M": 64, "BLOCK_N": 64, "bwd_BLOCK_M1": 32, "
 
 
 def kernel_options(mask: AttentionMask) -> dict[str, int] | None:
-    """Flex kernel options a BlockMask's tile asks for: None at the default 128, the small tiles below it."""
-    return SMALL_TILE_KERNEL_OPTIONS if min(mask.BLOCK_SIZE) < 128 else None
+    """Flex kernel options a BlockMask's tile asks for: None at the default 128, the small tiles below it (and
+    inductor's backward given a config they can apply to, models/flex_backward_configs.py)."""
+    if min(mask.BLOCK_SIZE) >= 128:
+        return None
+    fit_backward_configs_to_small_tiles()
+    return SMALL_TILE_KERNEL_OPTIONS
 
 
 @functools.cache

@@ -26,14 +26,16 @@ def test_packed_rows_place_each_anchor_in_its_chat() -> None:
 def test_the_smoke_run_builds_every_option_set_and_agrees(tmp_path: pathlib.Path,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """On a CPU, uncompiled: the 64-token tiles' mask gives the 128-token tiles' attention, and computes more,
-    smaller tiles."""
+    smaller tiles; the sets with inductor's backward candidates fitted run too."""
     monkeypatch.setenv("DFLASH_BENCH_RESULTS", str(tmp_path))
     bench.main(["--tiny"])
     results = json.loads((tmp_path / "flex_tiles.json").read_text())["results"]
     assert [r["option_set"] for r in results] == list(bench.OPTION_SETS)
     assert all(r["built"] for r in results)
     assert all(r["max_diff_out"] < 1e-5 for r in results[1:])
-    assert all(r["tiles_computed"] > results[0]["tiles_computed"] for r in results[1:])
+    for result in results[1:]:  # 64-token tiles compute more, smaller tiles; the 128-token ones under the fit, the same
+        tile = bench.OPTION_SETS[result["option_set"]][0]
+        assert (result["tiles_computed"] > results[0]["tiles_computed"]) == (tile == 64)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message is for machines without a GPU")
