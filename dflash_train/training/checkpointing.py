@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from dflash_train.checkpoint.io import save_draft
 from dflash_train.models import DFlashDraftModel
 from dflash_train.training import resume as ckpt
+from dflash_train.training.packing import PACK_RULE
 from dflash_train.training.run_files import read_trainer_state
 
 
@@ -51,7 +53,8 @@ class CheckpointMixin:
                              "train_seconds": round(self.budget.elapsed(), 3), "budget_sized": self.budget.sized,
                              "first_step_seconds": self.first_step_seconds,
                              "distributed_type": self._distributed_type(), "device": device_name(self.accelerator.device),
-                             "num_processes": self.accelerator.num_processes, **self.compat}
+                             "num_processes": self.accelerator.num_processes, "packing": self._packing_record(),
+                             **self.compat}
             ckpt.finalize(tmp, final, trainer_state, t.keep_last)
         self.accelerator.wait_for_everyone()
         return ckpt.checkpoint_root(self.output_dir) / f"step-{self.step:08d}"
@@ -91,3 +94,14 @@ class CheckpointMixin:
         if self.budget.sized:  # a budgeted run keeps the length it settled on (others follow their config)
             self.total_steps = int(state["total_steps"])
         self.accelerator.print(f"resumed from {path} at step {self.step}")
+        if self.packed is not None and state.get("packing") != self._packing_record():
+            saved = state.get("packing") or "not recorded"
+            self.accelerator.print(f"the checkpoint's rows were packed otherwise ({saved}; this run: "
+                                   f"{self._packing_record()}): its next steps hold other chats than the saved run's "
+                                   "would have, from the same epochs")
+
+    def _packing_record(self) -> dict[str, Any] | None:
+        """How a packed run fills its rows (None unpacked): the rule and the anchor slots a row."""
+        if self.packed is None:
+            return None
+        return {"rule": PACK_RULE, "anchors_per_row": self.packed.anchors_per_row}

@@ -30,6 +30,8 @@ ANCHOR_SLACK = 1.0
 ANCHOR_MULTIPLE = 16
 PACK_WINDOW = 64  # chats a row looks ahead to fill what the next chat in order would leave empty
 PACK_CHOICES = 16  # of the window's chats that fit, the first this many are weighed against each other
+# The rule's name, kept in checkpoints: a resumed run whose rows are packed otherwise says so.
+PACK_RULE = f"balanced, first {PACK_CHOICES} fitting of {PACK_WINDOW}"
 
 
 @dataclass(frozen=True)

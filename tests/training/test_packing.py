@@ -198,3 +198,28 @@ def test_small_flex_tiles_that_build_are_kept(assets: dict[str, pathlib.Path], t
         with pytest.raises(RuntimeError, match="out of memory"):
             small.train_step()
     assert small.objective.flex_tile == 64 and call is type(small.objective).__call__
+
+
+def test_a_resume_packed_otherwise_says_so(assets: dict[str, pathlib.Path], tmp_path: pathlib.Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """The checkpoint keeps how its rows were packed; a run resumed with the same packing resumes quietly, one
+    with other anchor slots a row (or from a checkpoint that does not say) says in one line that its steps now
+    hold other chats."""
+    out = tmp_path / "run"
+    first = Trainer(load_config(None, overrides(assets, out, **PACKED)))
+    first.train_step()
+    saved = first.save_checkpoint()
+    state = json.loads((saved / "trainer_state.json").read_text())
+    per_row = first.packed.anchors_per_row  # type: ignore[union-attr]
+    assert state["packing"]["anchors_per_row"] == per_row and "balanced" in state["packing"]["rule"]
+    capsys.readouterr()
+    Trainer(load_config(None, overrides(assets, out, **PACKED))).maybe_resume()
+    assert "packed otherwise" not in capsys.readouterr().out
+    Trainer(load_config(None, overrides(assets, out, **PACKED, **{
+        "training.anchors_per_row": per_row + 16}))).maybe_resume()
+    line = [x for x in capsys.readouterr().out.splitlines() if "packed otherwise" in x]
+    assert len(line) == 1 and f"'anchors_per_row': {per_row + 16}" in line[0]
+    del state["packing"]  # a checkpoint from before the record
+    (saved / "trainer_state.json").write_text(json.dumps(state))
+    Trainer(load_config(None, overrides(assets, out, **PACKED))).maybe_resume()
+    assert "packed otherwise (not recorded;" in capsys.readouterr().out
