@@ -195,34 +195,43 @@ class PackedStepPlan:
     _steps: list[int] = field(default_factory=list, repr=False)
     _chats: list[np.ndarray] = field(default_factory=list, repr=False)  # per epoch: chats before each step
     # The loader thread packs the next step while the main thread reads the plan.
-    _lock: threading.RLock = field(default_factory=threading.RLock, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def rows_per_step(self) -> int:
         return self.batch_size * self.num_processes * self.accumulation
 
     def epoch_rows(self, epoch: int) -> list[list[int]]:
+        """The epoch's rows, packed on first use. The packing (about a second for 150k chats) runs outside the
+        lock: the loader thread packs the next epoch while the main thread still reads this one's steps. Two
+        threads that both pack an epoch get the same rows (a pure function of seed and epoch); the first kept."""
         with self._lock:
-            if epoch not in self._rows:
-                order = epoch_order(self.train, self.seed, epoch, self.weights)
-                if len(self._rows) >= 2:  # a run reads one epoch at a time (two around a boundary)
-                    self._rows.pop(next(iter(self._rows)))
-                self._rows[epoch] = pack_rows(order, self.lengths, self.anchors, self.pack_tokens,
-                                              self.anchors_per_row)
-            return self._rows[epoch]
+            rows = self._rows.get(epoch)
+        if rows is not None:
+            return rows
+        packed = pack_rows(epoch_order(self.train, self.seed, epoch, self.weights), self.lengths, self.anchors,
+                           self.pack_tokens, self.anchors_per_row)
+        with self._lock:
+            if epoch not in self._rows and len(self._rows) >= 2:  # one epoch at a time (two around a boundary)
+                self._rows.pop(next(iter(self._rows)))
+            return self._rows.setdefault(epoch, packed)
 
     def steps_in_epoch(self, epoch: int) -> int:
-        with self._lock:
-            while len(self._steps) <= epoch:
-                rows = self.epoch_rows(len(self._steps))
-                if len(rows) < self.rows_per_step:
-                    raise ValueError(f"{len(rows)} packed rows do not fill one step of {self.rows_per_step} rows; "
-                                     "lower training.batch_size, gradient_accumulation_steps or data.pack_tokens")
-                steps = len(rows) // self.rows_per_step
-                per_step = np.array([len(r) for r in rows[: steps * self.rows_per_step]]).reshape(steps, -1).sum(1)
-                self._steps.append(steps)
-                self._chats.append(np.concatenate([[0], np.cumsum(per_step)]))
-            return self._steps[epoch]
+        while True:
+            with self._lock:
+                if len(self._steps) > epoch:
+                    return self._steps[epoch]
+                upcoming = len(self._steps)
+            rows = self.epoch_rows(upcoming)  # packed without the lock held
+            if len(rows) < self.rows_per_step:
+                raise ValueError(f"{len(rows)} packed rows do not fill one step of {self.rows_per_step} rows; "
+                                 "lower training.batch_size, gradient_accumulation_steps or data.pack_tokens")
+            steps = len(rows) // self.rows_per_step
+            per_step = np.array([len(r) for r in rows[: steps * self.rows_per_step]]).reshape(steps, -1).sum(1)
+            with self._lock:
+                if len(self._steps) == upcoming:  # not appended by the other thread meanwhile
+                    self._steps.append(steps)
+                    self._chats.append(np.concatenate([[0], np.cumsum(per_step)]))
 
     def total_steps(self, epochs: float) -> int:
         whole = int(epochs)

@@ -247,3 +247,36 @@ def test_a_chat_larger_than_a_row_gets_a_row_alone() -> None:
     rows = pack_rows([0, 1, 2], [10, 100, 10], [1, 1, 1], pack_tokens=64, anchors_per_row=20)
     assert rows == [[0, 2], [1]]
     assert pack_rows([1, 0], [10, 100], [1, 1], pack_tokens=64, anchors_per_row=20) == [[1], [0]]
+
+
+def test_packing_the_next_epoch_does_not_hold_up_reading_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The loader thread packs epoch 1 (held up here until the main thread has read epoch 0's steps): the main
+    thread's reads of the plan go on meanwhile, and both then see the rows of an uninterrupted plan."""
+    import threading
+
+    from dflash_train.training import packing
+
+    gen = torch.Generator().manual_seed(4)
+    train = list(range(60))
+    lengths = torch.randint(4, 33, (60,), generator=gen).tolist()
+    anchors = torch.randint(0, 10, (60,), generator=gen).tolist()
+    plan, reference = make_plan(train, lengths, anchors), make_plan(train, lengths, anchors)
+    first_epoch = plan.steps_in_epoch(0)
+    read, real_pack, held_up = threading.Event(), packing.pack_rows, []
+
+    def slow_pack(*args: object, **kwargs: object) -> list[list[int]]:
+        if not read.wait(timeout=5):  # the main thread never got to read epoch 0 meanwhile
+            held_up.append(True)
+        return real_pack(*args, **kwargs)
+
+    monkeypatch.setattr(packing, "pack_rows", slow_pack)
+    loader = threading.Thread(target=lambda: plan.step_rows(first_epoch))  # the first step of epoch 1
+    loader.start()
+    rows = [plan.step_rows(step) for step in range(first_epoch)]  # epoch 0, while epoch 1 is being packed
+    read.set()
+    loader.join(timeout=30)
+    monkeypatch.setattr(packing, "pack_rows", real_pack)
+    assert not loader.is_alive() and not held_up
+    assert rows == [reference.step_rows(step) for step in range(first_epoch)]
+    assert plan.step_rows(first_epoch) == reference.step_rows(first_epoch)
+    assert plan.chats_seen(first_epoch + 1) == reference.chats_seen(first_epoch + 1)
