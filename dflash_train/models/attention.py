@@ -34,7 +34,8 @@ def kernel_options(mask: AttentionMask) -> dict[str, int] | None:
     inductor's backward given a config they can apply to, models/flex_backward_configs.py)."""
     if min(mask.BLOCK_SIZE) >= 128:
         return None
-    fit_backward_configs_to_small_tiles()
+    if not torch.compiler.is_compiling():  # inside a compiled layer the objective has made the fit already
+        fit_backward_configs_to_small_tiles()
     return SMALL_TILE_KERNEL_OPTIONS
 
 

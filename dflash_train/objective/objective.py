@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dflash_train.models.draft import DFlashDraftModel
+from dflash_train.models.flex_backward_configs import fit_backward_configs_to_small_tiles
 from dflash_train.objective.blocks import (
     IGNORE_INDEX,
     Blocks,
@@ -151,6 +152,8 @@ class DFlashObjective:
         kind = self.mask_kind
         if kind == "auto":
             kind = "flex" if blocks.anchors.is_cuda else "dense"
+        if kind == "flex" and self.flex_tile < DEFAULT_FLEX_TILE:  # here, not inside the compiled layers
+            fit_backward_configs_to_small_tiles()
         if blocks.context_sequence is not None:
             if kind == "flex":
                 return packed_flex_mask(blocks.anchors, blocks.valid, blocks.sequence, blocks.context_sequence,
