@@ -202,9 +202,10 @@ class PackedStepPlan:
         return self.batch_size * self.num_processes * self.accumulation
 
     def epoch_rows(self, epoch: int) -> list[list[int]]:
-        """The epoch's rows, packed on first use. The packing (about a second for 150k chats) runs outside the
-        lock: the loader thread packs the next epoch while the main thread still reads this one's steps. Two
-        threads that both pack an epoch get the same rows (a pure function of seed and epoch); the first kept."""
+        """The epoch's rows, packed on first use. Packing a large set takes seconds (docs/benchmarks.md,
+        `pack_fill`), so it runs outside the lock: the loader thread packs the next epoch while the main thread
+        still reads this one's steps. Two threads that both pack an epoch get the same rows (a pure function of
+        seed and epoch); the first is kept."""
         with self._lock:
             rows = self._rows.get(epoch)
         if rows is not None:

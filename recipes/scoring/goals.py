@@ -96,17 +96,25 @@ def stage_minutes(run_dir: Path) -> float | None:
     return sum(s for stage, s in stage_seconds(run_dir).items() if stage not in EXTRA_STAGES) / 60
 
 
-def whole_step_mfu(run_dir: Path, run: str) -> float | None:
-    """The median whole-step MFU of training run `run`, in percent (None without its logged steps)."""
-    path = run_dir / "train" / run / "metrics.jsonl"
+def logged_train_steps(train_dir: Path) -> list[dict[str, Any]]:
+    """A training run's logged train records (`metrics.jsonl`), in order; none without the file."""
+    path = train_dir / "metrics.jsonl"
     if not path.is_file():
-        return None
-    logged = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    values = sorted(r["step_mfu"] for r in [r for r in logged if r.get("split") == "train"][1:] if "step_mfu" in r)
-    if not values:
-        return None
-    middle = len(values) // 2
-    return 100 * (values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2)
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [r for r in records if r.get("split") == "train"]
+
+
+def median(values: list[float]) -> float | None:
+    """The upper median (a logged value), None for none: the figure the summary prints."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def whole_step_mfu(run_dir: Path, run: str) -> float | None:
+    """Training run `run`'s median whole-step MFU in percent, the cold first log left out, as the summary's
+    `training:` line gives it (None without logged steps)."""
+    value = median([r["step_mfu"] for r in logged_train_steps(run_dir / "train" / run)[1:] if "step_mfu" in r])
+    return None if value is None else 100 * value
 
 
 def check_goals(goals: dict[str, float], rows: list[dict[str, Any]], run_dir: Path, run: str = "main"

@@ -25,7 +25,15 @@ from typing import Any
 from dflash_train.eval.console import lossless_mark
 from dflash_train.eval.uncertainty import format_interval
 from dflash_train.training.flops import peak_bf16_rate
-from recipes.scoring.goals import check_goals, check_sampling_goals, goals_line, parse_goals, write_goals
+from recipes.scoring.goals import (
+    check_goals,
+    check_sampling_goals,
+    goals_line,
+    logged_train_steps,
+    median,
+    parse_goals,
+    write_goals,
+)
 
 SUFFIXES = ("-b16", "-b8", "-fp32")  # report names: <training run>[-b8|-b16|-fp32]
 REGEN_DIRS = ("regen", "regen-chat", "regen-sampled")  # the speedrun's regeneration folders
@@ -160,11 +168,7 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
         state = training_state(train_dir)
         if not state:
             continue
-        records = []
-        metrics = train_dir / "metrics.jsonl"
-        if metrics.is_file():
-            records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-        train = [r for r in records if r.get("split") == "train"]
+        train = logged_train_steps(train_dir)
         # the first logged step is the cold start (compilation): the run's MFU is that of the steps after it
         mfu = [r["mfu"] for r in train[1:] if "mfu" in r]
         step_mfu = [r["step_mfu"] for r in train[1:] if "step_mfu" in r]  # the target's pass counted too
@@ -175,9 +179,9 @@ def training_figures(run_dir: Path) -> dict[str, dict[str, Any]]:
             "step_graphs": graphs[-1] if graphs else None,
             "step_graphs_off": bool(graphs) and graphs[-1] is None and any(g is not None for g in graphs),
             "steps": state.get("step"), "train_minutes": _minutes(state.get("train_seconds")),
-            "median_step_seconds": _median([r["step_seconds"] for r in train if "step_seconds" in r]),
+            "median_step_seconds": median([r["step_seconds"] for r in train if "step_seconds" in r]),
             "first_step_seconds": state.get("first_step_seconds"),
-            "median_mfu": _median(mfu), "median_step_mfu": _median(step_mfu), "device": state.get("device"),
+            "median_mfu": median(mfu), "median_step_mfu": median(step_mfu), "device": state.get("device"),
             "peak_tflops": _peak_tflops(train, state.get("num_processes") or 1),
         }
     return figures
@@ -200,10 +204,6 @@ def _peak_words(f: dict[str, Any]) -> str:
     rate = peak_bf16_rate(f.get("device") or "")
     known = rate is not None and abs(rate.flops / 1e12 - f["peak_tflops"]) < 0.5
     return f"; of {f['peak_tflops']:.0f} TFLOP/s a device" + (f" ({rate.source})" if known else "")
-
-
-def _median(values: list[float]) -> float | None:
-    return sorted(values)[len(values) // 2] if values else None
 
 
 def training_line(name: str, f: dict[str, Any]) -> str:
